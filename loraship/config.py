@@ -1,0 +1,193 @@
+"""The one typed config: the flow's only parameter, loaded from YAML.
+
+Field names follow Axolotl/PEFT where those exist. Defaults live only here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from loraship.errors import ConfigError
+
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class DatasetSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="JSONL file, one example per line (UTF-8).")
+    type: Literal["alpaca", "chat", "completion"] = Field(
+        description="alpaca: instruction/input/output rows; chat: {'messages': [...]} rendered by the "
+        "tokenizer's chat template, loss on assistant turns only; completion: {'text': ...}, loss on all tokens."
+    )
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    run_name: str = Field(
+        "run",
+        pattern=RUN_NAME_PATTERN,
+        description="Names the run folder under `workdir` and `output`; letters, digits, '.', '_', '-' only, "
+        "so it can never escape the artifact root.",
+    )
+    base_model: str = Field(
+        description="Local folder with config.json + tokenizer + safetensors, or a Hugging Face hub id "
+        "('org/name') resolved with huggingface_hub at run time."
+    )
+    base_model_revision: str | None = Field(None, description="Hub revision (commit, tag, branch) to pin.")
+    trust_remote_code: bool = Field(False, description="Run model code shipped with the checkpoint. Off unless you trust it.")
+    allow_pickle: bool = Field(False, description="Accept pickle (.bin/.pt) checkpoints; safetensors only by default.")
+
+    adapter: Literal["lora", "qlora"] = Field("lora", description="lora: bf16 base; qlora: NF4 base with double quant (bitsandbytes).")
+    lora_r: int = Field(16, ge=1, le=1024, description="LoRA rank.")
+    lora_alpha: int = Field(32, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    lora_target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names to adapt, or 'all-linear' (every Linear except lm_head).",
+    )
+
+    sequence_len: int = Field(2048, ge=16, le=1_048_576, description="Tokens per example after truncation.")
+    truncation: Literal["truncate", "drop"] = Field(
+        "truncate",
+        description="Examples longer than sequence_len: 'truncate' keeps the first sequence_len tokens "
+        "(counted in the train manifest), 'drop' skips them.",
+    )
+    micro_batch_size: int = Field(1, ge=1, le=1024, description="Examples per forward pass.")
+    gradient_accumulation_steps: int = Field(8, ge=1, le=4096, description="Micro-batches per optimizer step.")
+    learning_rate: float = Field(2e-4, gt=0.0, le=1.0, description="Peak learning rate (AdamW).")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    num_epochs: float = Field(1.0, gt=0.0, le=1000, description="Passes over the training split (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides num_epochs.")
+    seed: int = Field(42, description="Seed for data order, LoRA init and dropout.")
+    gradient_checkpointing: bool = Field(True, description="Recompute activations per decoder layer in backward.")
+    fused_loss: Literal["auto", "on", "off"] = Field(
+        "auto", description="Liger fused linear cross-entropy: 'auto' uses it on CUDA when liger-kernel is installed."
+    )
+    save_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps (resume after a crash).")
+    logging_steps: int = Field(1, ge=1, description="Record the loss every N optimizer steps.")
+
+    datasets: list[DatasetSpec] = Field(min_length=1, description="Training data; concatenated in order.")
+    eval_datasets: list[DatasetSpec] = Field(
+        default_factory=list, description="Held-out data; when empty, val_set_size of the training data is held out."
+    )
+    val_set_size: float = Field(0.1, ge=0.0, lt=1.0, description="Fraction held out for eval when eval_datasets is empty.")
+
+    gpu_memory_gib: float = Field(32.0, gt=0, le=4096, description="Training GPU's memory; the plan must fit it.")
+    target_gpu_memory_gib: float = Field(8.0, gt=0, le=4096, description="Inference GPU's memory; verify checks the GGUF fits.")
+    target_context: int = Field(4096, ge=128, description="Context the shipped model must serve on the target GPU (KV cache).")
+    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where train/merge/verify run; 'auto' prefers CUDA.")
+
+    quantization: Literal["Q4_K_M", "Q5_K_M", "Q8_0"] = Field("Q4_K_M", description="llama.cpp quantization of the shipped GGUF.")
+    golden_prompts: str | None = Field(
+        None, description="JSONL of {'messages': [...]} or {'prompt': ...}: greedy answers must agree between HF and llama.cpp."
+    )
+    max_new_tokens: int = Field(24, ge=1, le=4096, description="Greedy tokens generated per golden prompt.")
+    golden_match_min: float = Field(
+        1.0, ge=0.0, le=1.0, description="Fraction of golden prompts whose llama.cpp answer must equal the merged HF answer."
+    )
+    perplexity_ratio_max: float = Field(
+        1.15, ge=1.0, description="Largest allowed GGUF/merged-HF perplexity ratio on the eval split."
+    )
+    verify_max_examples: int = Field(64, ge=1, description="Eval examples scored by verify (both runtimes).")
+
+    workdir: str = Field(".loraship/work", description="Local folder for stage outputs (checkpoints, merged model, F16 GGUF).")
+    output: str = Field("artifacts", description="Where publish puts the artifact: a local folder or any fsspec URL (s3://...).")
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _targets_not_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("list is empty; name modules such as q_proj, v_proj or use 'all-linear'")
+        return v
+
+    @field_validator("base_model", "output", "workdir")
+    @classmethod
+    def _not_blank(cls, v: str):
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self):
+        if self.warmup_steps and self.max_steps and self.warmup_steps >= self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps})")
+        return self
+
+    # -- helpers -----------------------------------------------------------------------
+    def base_model_is_local(self) -> bool:
+        return is_local_path(self.base_model)
+
+    def subset(self, fields: tuple[str, ...]) -> dict[str, Any]:
+        data = self.model_dump(mode="json")
+        return {f: data[f] for f in fields}
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def is_local_path(value: str) -> bool:
+    """A hub id looks like 'org/name'; anything that exists, or starts like a path, is a folder."""
+    if Path(value).expanduser().exists():
+        return True
+    return value.startswith(("/", "./", "../", "~")) or not HUB_ID_PATTERN.match(value)
+
+
+def _did_you_mean(key: str) -> str:
+    close = difflib.get_close_matches(key, list(Config.model_fields), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _describe(err: dict) -> str:
+    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        top = str(err["loc"][0]) if err["loc"] else ""
+        hint = _did_you_mean(top) if len(err["loc"]) == 1 else ""
+        return f"{loc}: unknown key{hint}; remove it or fix its spelling"
+    if err["type"] == "missing":
+        return f"{loc}: required field is missing"
+    if err["type"] == "literal_error":
+        return f"{loc}: {err['input']!r} is not allowed; {err['msg'].replace('Input should be', 'use')}"
+    msg = err["msg"].removeprefix("Value error, ")
+    shown = err.get("input")
+    if isinstance(shown, (dict, list)):
+        return f"{loc}: {msg}"
+    return f"{loc}: {msg} (got {shown!r})"
+
+
+def parse_config(data: Any, source: str = "config") -> Config:
+    """Validate a mapping; every problem is reported at once."""
+    if not isinstance(data, dict):
+        raise ConfigError(source, [f"expected a mapping of config keys, got {type(data).__name__}"])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(source, [_describe(err) for err in e.errors()]) from e
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(str(path), ["config file not found; pass the path to a YAML file such as configs/demo.yaml"])
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(path), [f"not UTF-8 text (byte {e.start}); save the file as UTF-8"]) from e
+    except yaml.YAMLError as e:
+        raise ConfigError(str(path), [f"not valid YAML: {e}"]) from e
+    if isinstance(data, dict):
+        data.setdefault("run_name", path.stem)
+        data.update(overrides or {})
+    return parse_config(data, source=str(path))

@@ -1,0 +1,40 @@
+"""File names, manifest keys and the llama.cpp / GGUF facts the pipeline relies on."""
+
+MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+# Stage order is the pipeline; each stage writes into <workdir>/<run>/<stage>/.
+STAGES = ("plan", "train", "merge", "convert", "quantize", "verify", "publish")
+
+PLAN_FILE = "plan.json"
+ADAPTER_DIR = "adapter"
+CHECKPOINTS_DIR = "checkpoints"
+LOSS_HISTORY_FILE = "loss_history.jsonl"
+MERGED_DIR = "merged"
+PROBE_FILE = "probe.json"
+F16_GGUF = "model-F16.gguf"
+VERIFY_FILE = "verify.json"
+MODEL_CARD = "README.md"
+
+
+def quantized_gguf_name(quantization: str) -> str:
+    return f"model-{quantization}.gguf"
+
+
+# The one llama.cpp we ship with: convert, quantize and verify all use this pin.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+
+# llama.cpp's llama_ftype values (include/llama.h) = GGUF general.file_type.
+GGUF_FILE_TYPES = {"F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}
+QUANTIZATIONS = ("Q4_K_M", "Q5_K_M", "Q8_0")
+
+# Approximate bits per weight of each quantization for a full model (llama.cpp's
+# quantize README: Q4_K_M 4.84 on a 7B Llama, measured 4.84 in shared/DESIGN.md).
+BITS_PER_WEIGHT = {"Q4_K_M": 4.85, "Q5_K_M": 5.69, "Q8_0": 8.5, "F16": 16.0}
+
+# GGUF metadata keys verify insists on (gguf-py constants.Keys.Tokenizer).
+GGUF_KEY_FILE_TYPE = "general.file_type"
+GGUF_KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
+GGUF_KEY_BOS = "tokenizer.ggml.bos_token_id"
+GGUF_KEY_EOS = "tokenizer.ggml.eos_token_id"
+GGUF_KEY_TOKENIZER_MODEL = "tokenizer.ggml.model"

@@ -1,0 +1,213 @@
+"""Stage manifests: the contract between stages, and what makes a run resumable.
+
+A stage writes its outputs first (each under a temporary name, then renamed) and its
+manifest.json last, so a manifest that exists vouches for complete outputs. A stage whose
+manifest records the same input fingerprint, and whose outputs still hash to what it says,
+is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator
+
+from loraship import __version__
+from loraship.constants import LLAMA_CPP_PYTHON_VERSION, MANIFEST_NAME, MANIFEST_SCHEMA_VERSION
+from loraship.errors import IntegrityError
+
+_TRACKED_LIBRARIES = (
+    "torch", "transformers", "peft", "bitsandbytes", "accelerate", "liger-kernel",
+    "llama-cpp-python", "gguf", "safetensors", "tokenizers", "prefect",
+)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def describe_files(root: Path, paths: list[Path] | None = None) -> dict[str, dict[str, Any]]:
+    """sha256 and size of every file under root (or of the given files), keyed by relative path."""
+    root = Path(root)
+    files = paths if paths is not None else sorted(p for p in root.rglob("*") if p.is_file())
+    out = {}
+    for p in files:
+        rel = Path(p).relative_to(root).as_posix()
+        if rel == MANIFEST_NAME or rel.endswith(".tmp") or "/.tmp-" in f"/{rel}":
+            continue
+        out[rel] = {"sha256": sha256_file(Path(p)), "size": Path(p).stat().st_size}
+    return out
+
+
+def library_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "loraship": __version__}
+    for name in _TRACKED_LIBRARIES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    versions["llama.cpp (via llama-cpp-python, pinned)"] = LLAMA_CPP_PYTHON_VERSION
+    return versions
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling path; it becomes `final` only if the block finishes."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".tmp-{final.name}.{os.getpid()}")
+    _remove(tmp)
+    try:
+        yield tmp
+        _remove(final)
+        os.replace(tmp, final)
+    finally:
+        _remove(tmp)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def input_fingerprint(stage: str, config_subset: dict, upstream: dict[str, dict]) -> str:
+    """What decides whether a stage must run again: its config fields and its inputs' hashes."""
+    return sha256_json(
+        {
+            "schema": MANIFEST_SCHEMA_VERSION,
+            "stage": stage,
+            "config": config_subset,
+            "inputs": {name: m.get("outputs", {}) for name, m in sorted(upstream.items())},
+            "llama_cpp": LLAMA_CPP_PYTHON_VERSION,
+        }
+    )
+
+
+def write_manifest(
+    stage_dir: Path,
+    *,
+    stage: str,
+    run_name: str,
+    fingerprint: str,
+    config: dict,
+    upstream: dict[str, dict],
+    metrics: dict,
+    started: float,
+    outputs: dict[str, dict] | None = None,
+) -> dict:
+    stage_dir = Path(stage_dir)
+    manifest = {
+        "schema_version": MANIFEST_SCHEMA_VERSION,
+        "stage": stage,
+        "run_name": run_name,
+        "fingerprint": fingerprint,
+        "config": config,
+        "inputs": {
+            name: {"stage_dir": m.get("_dir"), "manifest_sha256": sha256_json(_public(m)), "outputs": m.get("outputs", {})}
+            for name, m in sorted(upstream.items())
+        },
+        "outputs": outputs if outputs is not None else describe_files(stage_dir),
+        "metrics": metrics,
+        "versions": library_versions(),
+        "timings": {"started": started, "finished": time.time(), "seconds": round(time.time() - started, 3)},
+    }
+    atomic_write_json(stage_dir / MANIFEST_NAME, manifest)
+    return with_dir(manifest, stage_dir)
+
+
+def _public(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith("_")}
+
+
+def with_dir(manifest: dict, stage_dir: Path) -> dict:
+    return {**manifest, "_dir": str(Path(stage_dir).resolve())}
+
+
+def read_manifest(stage_dir: Path) -> dict | None:
+    path = Path(stage_dir) / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        return with_dir(json.loads(path.read_text(encoding="utf-8")), stage_dir)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise IntegrityError(f"{path}: manifest is not valid JSON ({e}); delete {Path(stage_dir)} to redo that stage") from e
+
+
+def check_outputs(manifest: dict, stage_dir: Path) -> list[str]:
+    """Problems with the files a manifest vouches for: missing, wrong size, wrong sha256."""
+    problems = []
+    for rel, info in manifest.get("outputs", {}).items():
+        p = Path(stage_dir) / rel
+        if not p.is_file():
+            problems.append(f"{p}: missing")
+        elif p.stat().st_size != info["size"]:
+            problems.append(f"{p}: size {p.stat().st_size} != {info['size']} in its manifest (truncated or replaced)")
+        elif sha256_file(p) != info["sha256"]:
+            problems.append(f"{p}: sha256 does not match its manifest (corrupted or replaced)")
+    return problems
+
+
+def load_verified(stage_dir: Path, stage: str) -> dict:
+    """An upstream stage's manifest, refusing it unless every output matches its checksum."""
+    manifest = read_manifest(stage_dir)
+    if manifest is None:
+        raise IntegrityError(
+            f"stage '{stage}' has no manifest in {stage_dir}; run it first (the flow does this in order)"
+        )
+    problems = check_outputs(manifest, stage_dir)
+    if problems:
+        raise IntegrityError(
+            f"stage '{stage}' outputs do not match {Path(stage_dir) / MANIFEST_NAME}:\n  - "
+            + "\n  - ".join(problems)
+            + f"\nDelete {stage_dir} and run again to redo that stage."
+        )
+    return manifest
+
+
+def up_to_date(stage_dir: Path, fingerprint: str) -> dict | None:
+    """The existing manifest when the stage already ran on the same inputs and its outputs are intact."""
+    try:
+        manifest = read_manifest(stage_dir)
+    except IntegrityError:
+        return None
+    if manifest is None or manifest.get("fingerprint") != fingerprint:
+        return None
+    if check_outputs(manifest, stage_dir):
+        return None
+    return manifest
