@@ -1,0 +1,44 @@
+# Train stage: torch + transformers + peft + bitsandbytes + liger-kernel.
+#
+#   images/build_all.sh train                   # local CPU test image on the Debian base
+#   docker build -f images/train.Dockerfile --build-arg BASE_IMAGE=loraship-base:cuda \
+#     -t loraship-train:0.1.0 build/image-context   # production: CUDA base, CUDA torch
+#
+# The context is the folder images/build_all.sh assembles (source, requirements, wheels).
+ARG BASE_IMAGE=loraship-base:bookworm
+FROM ${BASE_IMAGE}
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONPATH=/opt/loraship \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/home/loraship \
+    PREFECT_HOME=/home/loraship/.prefect \
+    LORASHIP_CACHE=/home/loraship/.cache/loraship
+# /shared is the artifact volume's mount point: a new named volume copies its owner, so the
+# non-root user can write there.
+RUN python3 -m venv /opt/venv \
+    && useradd --create-home --home-dir /home/loraship --uid 1000 --user-group loraship \
+    && mkdir -p /shared && chown 1000:1000 /shared
+WORKDIR /opt/loraship
+
+# torch alone first: the largest layer, identical in every torch image so the cache shares it.
+# Local builds pass TORCH_SPEC=torch==2.13.0+cpu and ship that wheel in wheels/torch/.
+ARG TORCH_SPEC=torch==2.13.0
+COPY constraints.txt /opt/loraship/images/constraints.txt
+COPY wheels/torch/ /wheels/torch/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --find-links /wheels/torch -c images/constraints.txt "${TORCH_SPEC}"
+
+COPY wheels/extra/ /wheels/extra/
+COPY requirements/train.txt /opt/loraship/images/requirements.txt
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install --find-links /wheels/extra --find-links /wheels/torch \
+      -c images/constraints.txt -r images/requirements.txt
+
+# Source last: code changes rebuild only this layer.
+COPY src/ /opt/loraship/
+USER 1000:1000
+ENTRYPOINT ["python", "-m", "tasks.train"]
