@@ -12,6 +12,7 @@ of what a stage needs.
 
 from __future__ import annotations
 
+import re
 import sys
 import tomllib
 from importlib import metadata
@@ -38,11 +39,18 @@ STAGE_IMAGE = {
     "verify": "verify",
     "publish": "light",
 }
+# plan reads the tokenizer (AutoTokenizer, for llama.cpp's BPE pre-tokenizer check) without
+# torch; pyproject has no `plan` extra, so these few come from the train extra by name.
+LIGHT_FROM_TRAIN = ("transformers", "sentencepiece", "protobuf", "safetensors")
 UNPINNED = {"torch", "llama-cpp-python", "loraship", "pip"}
 
 
 def _norm(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
+
+
+def _name(requirement: str) -> str:
+    return _norm(re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0])
 
 
 def constraints() -> str:
@@ -64,8 +72,10 @@ def requirements(out_dir: Path) -> None:
         reqs = list(project["dependencies"])
         for extra in names:
             reqs += [r for r in extras[extra] if r not in reqs]
+        if image == "light":
+            reqs += [r for r in extras["train"] if _name(r) in LIGHT_FROM_TRAIN]
         # torch and llama-cpp-python are installed from their own layer first.
-        reqs = [r for r in reqs if _norm(r.split("=")[0].split(">")[0].split("<")[0].strip()) not in UNPINNED]
+        reqs = [r for r in reqs if _name(r) not in UNPINNED]
         (out_dir / f"{image}.txt").write_text("\n".join(reqs) + "\n", encoding="utf-8")
 
 
