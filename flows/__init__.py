@@ -1,0 +1,1 @@
+"""Prefect wiring of the stages in tasks/."""

@@ -1,0 +1,107 @@
+"""The `train-and-ship` flow: plan -> train -> merge -> convert -> quantize -> verify -> publish.
+
+Each stage is one Prefect task around `tasks.<stage>.run(config)`. Resume is the stages' own:
+a stage whose manifest shows the same inputs and intact outputs returns at once (logged as
+skipped). Prefect's own result caching stays off because it keys on argument values, not on the
+content of the files behind paths (shared/PITFALLS.md).
+
+With LORASHIP_STAGE_DEPLOYMENTS=<suffix> set (deploy/prefect.yaml sets it), each stage runs as
+its own deployment `loraship-stage/<stage>-<suffix>` (its own image / pod), and the parent
+fails with the child's error when the child fails (run_deployment alone would not).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Failed
+
+from loraship.config import Config
+from loraship.constants import STAGES
+from loraship.errors import LorashipError
+
+STAGE_DEPLOYMENTS_ENV = "LORASHIP_STAGE_DEPLOYMENTS"
+
+
+def _artifact_key(run_name: str, stage: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", f"{run_name}-{stage}".lower()).strip("-")
+
+
+def _summary_markdown(stage: str, manifest: dict) -> str:
+    rows = []
+    for key, value in manifest.get("metrics", {}).items():
+        if isinstance(value, (dict, list)):
+            value = f"`{value}`" if len(str(value)) < 300 else "(see manifest)"
+        rows.append(f"| {key} | {value} |")
+    status = "skipped (up to date)" if manifest.get("_skipped") else "ran"
+    outputs = "\n".join(f"- `{rel}` sha256 `{info['sha256'][:16]}…` ({info['size']} bytes)"
+                        for rel, info in list(manifest.get("outputs", {}).items())[:20])
+    return (f"### {stage}: {status}\n\nFolder: `{manifest.get('_dir')}`\n\n| figure | value |\n|---|---|\n"
+            + "\n".join(rows) + f"\n\n**Outputs**\n{outputs}\n")
+
+
+@task(name="stage", task_run_name="{stage}", cache_policy=NO_CACHE)
+def stage_task(stage: str, config: Config):
+    logger = get_run_logger()
+    try:
+        manifest = importlib.import_module(f"tasks.{stage}").run(config)
+    except LorashipError as e:
+        # A problem the user can fix: say it plainly, without a traceback.
+        logger.error("%s failed: %s", stage, e)
+        return Failed(message=f"{stage}: {e}")
+    if manifest.get("_skipped"):
+        logger.info("%s: skipped, outputs complete for the same inputs (%s)", stage, manifest["_dir"])
+    else:
+        logger.info("%s: done in %.1f s -> %s", stage, manifest["timings"]["seconds"], manifest["_dir"])
+    create_markdown_artifact(
+        key=_artifact_key(config.run_name, stage),
+        markdown=_summary_markdown(stage, manifest),
+        description=f"loraship {stage} for run {config.run_name}",
+    )
+    return {"stage": stage, "skipped": bool(manifest.get("_skipped")), "dir": manifest["_dir"],
+            "metrics": manifest.get("metrics", {})}
+
+
+def _run_child_deployment(stage: str, config: Config, suffix: str):
+    from prefect.deployments import run_deployment
+
+    child = run_deployment(
+        name=f"loraship-stage/{stage}-{suffix}",
+        parameters={"stage": stage, "config": config.model_dump(mode="json")},
+        timeout=None,
+    )
+    if not child.state or not child.state.is_completed():
+        message = child.state.message if child.state else "no final state"
+        return Failed(message=f"{stage}: child flow run {child.name} ended {child.state_name}: {message}")
+    return {"stage": stage, "child_flow_run": str(child.id)}
+
+
+@flow(name="train-and-ship", log_prints=True)
+def train_and_ship(config: Config):
+    """Plan GPU memory, train a LoRA/QLoRA adapter, merge, convert to GGUF, quantize, verify, publish."""
+    suffix = os.environ.get(STAGE_DEPLOYMENTS_ENV)
+    results = {}
+    for stage in STAGES:
+        if suffix:
+            outcome = _run_child_deployment(stage, config, suffix)
+        else:
+            state = stage_task(stage, config, return_state=True)
+            outcome = state if state.is_failed() else state.result()
+        if hasattr(outcome, "is_failed"):  # a Failed state: stop here, later stages need this one's outputs
+            return Failed(message=outcome.message)
+        results[stage] = outcome
+    return results
+
+
+@flow(name="loraship-stage", log_prints=True)
+def run_stage(stage: str, config: Config):
+    """One stage on its own (its deployment runs in that stage's image)."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; one of {STAGES}")
+    state = stage_task(stage, config, return_state=True)
+    return state if state.is_failed() else state.result()

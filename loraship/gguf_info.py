@@ -1,0 +1,26 @@
+"""Reading GGUF files back: metadata and tensor counts, with a clear error for broken files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loraship.errors import IntegrityError
+
+
+def read_gguf(path: Path) -> dict:
+    """{'fields': {key: value}, 'tensor_count': n} of a GGUF file, or IntegrityError naming it."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError/struct errors/IndexError on truncated files
+        raise IntegrityError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); it is truncated or corrupt") from e
+    fields = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            fields[key] = field.contents()
+        except Exception:  # arrays of unusual types: keep the key, skip the value
+            fields[key] = None
+    return {"fields": fields, "tensor_count": len(reader.tensors)}

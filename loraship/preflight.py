@@ -1,0 +1,66 @@
+"""Checks that run before any GPU is touched; every problem is reported at once."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+from loraship.config import Config
+from loraship.data import read_rows
+from loraship.errors import ConfigError, LorashipError
+
+
+def output_problems(config: Config) -> list[str]:
+    """Can we write where the artifact goes (local folder or fsspec URL)?"""
+    import fsspec
+
+    target = f"{config.output.rstrip('/')}/{config.run_name}"
+    try:
+        fs, path = fsspec.core.url_to_fs(target)
+        fs.makedirs(path, exist_ok=True)
+        probe = f"{path}/.loraship-write-test-{uuid.uuid4().hex}"
+        fs.pipe_file(probe, b"ok")
+        fs.rm_file(probe)
+    except (OSError, ValueError, ImportError) as e:
+        return [f"output {config.output!r}: cannot write there ({type(e).__name__}: {e}); choose a writable folder or URL"]
+    return []
+
+
+def dataset_problems(config: Config) -> list[str]:
+    problems = []
+    for group in ("datasets", "eval_datasets"):
+        for i, spec in enumerate(getattr(config, group)):
+            try:
+                read_rows(spec.path, spec.type)
+            except LorashipError as e:
+                problems.append(f"{group}[{i}]: {e}")
+    return problems
+
+
+def workdir_problems(config: Config) -> list[str]:
+    try:
+        Path(config.workdir).expanduser().mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return [f"workdir {config.workdir!r}: cannot create it ({e}); choose a writable local folder"]
+    return []
+
+
+def check_inputs(config: Config, base_model_problems: list[str]) -> None:
+    problems = base_model_problems + dataset_problems(config) + workdir_problems(config) + output_problems(config)
+    if problems:
+        raise ConfigError(f"run {config.run_name!r}", problems)
+
+
+def check_free_disk(folder: Path, needed_bytes: float, what: str) -> None:
+    """Refuse to start a stage that would run out of disk half-way."""
+    folder = Path(folder)
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed_bytes:
+        raise LorashipError(
+            f"{what} needs about {needed_bytes / 2**30:.2f} GiB free in {probe}, but only {free / 2**30:.2f} GiB is free; "
+            "free space there or point workdir at a larger disk"
+        )

@@ -1,0 +1,99 @@
+"""What every stage does around its own work: locate folders, verify inputs, skip when done.
+
+Deliberately a few helper functions, not a base class: each tasks/<stage>.py reads top to bottom.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraship import manifest as mf
+from loraship.config import Config, load_config
+from loraship.constants import MANIFEST_NAME
+from loraship.errors import LorashipError
+
+log = logging.getLogger("loraship")
+
+
+def run_dir(config: Config) -> Path:
+    return Path(config.workdir).expanduser() / config.run_name
+
+
+def stage_dir(config: Config, stage: str) -> Path:
+    return run_dir(config) / stage
+
+
+@dataclass
+class StageContext:
+    stage: str
+    config: Config
+    dir: Path
+    upstream: dict[str, dict]
+    config_subset: dict
+    fingerprint: str
+    done: dict | None
+    started: float = field(default_factory=time.time)
+
+    def upstream_dir(self, stage: str) -> Path:
+        return Path(self.upstream[stage]["_dir"])
+
+    def finish(self, metrics: dict, outputs: dict | None = None) -> dict:
+        return mf.write_manifest(
+            self.dir,
+            stage=self.stage,
+            run_name=self.config.run_name,
+            fingerprint=self.fingerprint,
+            config=self.config_subset,
+            upstream=self.upstream,
+            metrics=metrics,
+            started=self.started,
+            outputs=outputs,
+        )
+
+
+def open_stage(
+    config: Config, stage: str, upstream: tuple[str, ...], fields: tuple[str, ...], extra_inputs: dict | None = None
+) -> StageContext:
+    """Verify upstream manifests (checksums included) and decide whether this stage must run.
+
+    extra_inputs: identities of files outside the pipeline (datasets, base model) that key the stage too.
+    """
+    ups = {name: mf.load_verified(stage_dir(config, name), name) for name in upstream}
+    subset = config.subset(fields)
+    if extra_inputs:
+        subset["_inputs"] = extra_inputs
+    fingerprint = mf.input_fingerprint(stage, subset, ups)
+    folder = stage_dir(config, stage)
+    done = mf.up_to_date(folder, fingerprint)
+    if done is not None:
+        done = {**done, "_skipped": True}
+        log.info("stage %s: up to date (same inputs, outputs intact), skipped", stage)
+    return StageContext(stage, config, folder, ups, subset, fingerprint, done)
+
+
+def reset_dir(ctx: StageContext, keep: tuple[str, ...] = ()) -> None:
+    """Start the stage folder afresh, manifest first so a crash leaves it visibly incomplete."""
+    ctx.dir.mkdir(parents=True, exist_ok=True)
+    (ctx.dir / MANIFEST_NAME).unlink(missing_ok=True)
+    for child in ctx.dir.iterdir():
+        if child.name in keep:
+            continue
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+def main(run) -> None:
+    """`python -m tasks.<stage> CONFIG.yaml`: the stage image's entrypoint."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: python -m {run.__module__} CONFIG.yaml")
+    try:
+        result = run(load_config(sys.argv[1]))
+    except LorashipError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    print(f"{result['stage']}: {'skipped (up to date)' if result.get('_skipped') else 'done'} -> {result['_dir']}")

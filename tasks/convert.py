@@ -1,0 +1,66 @@
+"""Convert: merged HF folder -> F16 GGUF with the pinned llama.cpp's convert_hf_to_gguf.py.
+
+The converter runs in a subprocess with a timeout: a blocking native call cannot be
+interrupted by a Prefect task timeout (shared/PITFALLS.md), and a crash there must not take
+the flow with it. Output is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_FILE_TYPE, MERGED_DIR
+from loraship.errors import LorashipError
+from loraship.gguf_info import read_gguf
+from loraship.llamacpp import converter_dir
+from loraship.manifest import atomic_path
+from loraship.preflight import check_free_disk
+from loraship.stage import main, open_stage, reset_dir
+
+STAGE = "convert"
+UPSTREAM = ("merge",)
+FIELDS: tuple[str, ...] = ()
+TIMEOUT_S = 4 * 3600
+
+
+def convert(merged_dir: Path, out_file: Path, outtype: str = "f16") -> None:
+    script = converter_dir() / "convert_hf_to_gguf.py"
+    with atomic_path(out_file) as tmp:
+        cmd = [sys.executable, str(script), str(merged_dir), "--outfile", str(tmp), "--outtype", outtype]
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            raise LorashipError(f"convert_hf_to_gguf.py did not finish within {TIMEOUT_S} s") from e
+        if result.returncode != 0 or not tmp.is_file():
+            tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+            raise LorashipError(f"convert_hf_to_gguf.py failed (exit {result.returncode}) on {merged_dir}:\n{tail}")
+
+
+def run(config) -> dict:
+    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
+    if ctx.done:
+        return ctx.done
+    reset_dir(ctx)
+    merged = ctx.upstream_dir("merge") / MERGED_DIR
+    merged_bytes = sum(p.stat().st_size for p in merged.glob("*.safetensors"))
+    check_free_disk(ctx.dir, merged_bytes * 1.05, "convert (F16 GGUF)")
+    out = ctx.dir / F16_GGUF
+    convert(merged, out)
+    info = read_gguf(out)
+    file_type = info["fields"].get(GGUF_KEY_FILE_TYPE)
+    if file_type != GGUF_FILE_TYPES["F16"]:
+        raise LorashipError(f"{out}: general.file_type is {file_type}, expected {GGUF_FILE_TYPES['F16']} (F16)")
+    return ctx.finish(
+        {
+            "tensor_count": info["tensor_count"],
+            "file_type": file_type,
+            "has_chat_template": bool(info["fields"].get(GGUF_KEY_CHAT_TEMPLATE)),
+            "bytes": out.stat().st_size,
+        }
+    )
+
+
+if __name__ == "__main__":
+    main(run)

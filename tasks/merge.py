@@ -1,0 +1,196 @@
+"""Merge: fold the adapter into the bf16 base, shard by shard, and prove it on a probe batch.
+
+Merging streams one safetensors shard at a time (W' = W + scale * B @ A in fp32, stored bf16),
+so RAM stays at one shard however large the model: OOM during merge is a common failure of
+other tools (shared/PITFALLS.md). QLoRA adapters are merged into the bf16 base, never the NF4
+copy; the probe measures what that does to the logits the adapter was trained against.
+
+Probe invariant: merged logits equal base+adapter logits (up to bf16 rounding of the merged
+weights) and differ from the base logits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+from loraship.constants import ADAPTER_DIR, MERGED_DIR, PROBE_FILE
+from loraship.data import load_splits
+from loraship.errors import IntegrityError, LorashipError
+from loraship.manifest import atomic_path, atomic_write_json
+from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, weight_files
+from loraship.preflight import check_free_disk
+from loraship.stage import main, open_stage, reset_dir
+
+STAGE = "merge"
+UPSTREAM = ("plan", "train")
+FIELDS = ("base_model", "base_model_revision", "adapter")
+TOKENIZER_FILES = ("tokenizer.model", "chat_template.jinja")
+log = logging.getLogger("loraship.merge")
+
+
+def lora_deltas(adapter_dir: Path) -> tuple[dict, float]:
+    """{base weight name: (A, B)} and the scale from a PEFT LoRA adapter folder."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    if cfg.get("use_dora"):
+        raise LorashipError("DoRA adapters cannot be merged shard by shard; train with use_dora off")
+    r = cfg["r"]
+    scale = cfg["lora_alpha"] / (r**0.5 if cfg.get("use_rslora") else r)
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    pairs: dict[str, dict] = {}
+    for key, value in tensors.items():
+        m = re.match(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$", key)
+        if not m:
+            raise LorashipError(f"adapter tensor {key!r} is not a plain LoRA A/B weight; loraship merges LoRA only")
+        pairs.setdefault(m.group(1) + ".weight", {})[m.group(2)] = value
+    return {name: (ab["A"], ab["B"]) for name, ab in pairs.items()}, scale
+
+
+def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: str = "bfloat16") -> dict:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, dtype_name)
+    deltas, scale = lora_deltas(adapter_dir)
+    remaining = set(deltas)
+    shards = weight_files(base_dir)
+    for shard in shards:
+        merged = {}
+        try:
+            with safe_open(shard, framework="pt") as f:
+                for name in f.keys():
+                    w = f.get_tensor(name)
+                    if name in deltas:
+                        a, b = deltas[name]
+                        w = w.float() + scale * (b.float() @ a.float())
+                        remaining.discard(name)
+                    merged[name] = w.to(dtype) if w.is_floating_point() else w
+        except Exception as e:  # safetensors raises its own error types for truncated files
+            raise IntegrityError(f"{shard}: cannot read base weights ({e}); the file is truncated or corrupt") from e
+        save_file(merged, out_dir / shard.name, metadata={"format": "pt"})
+    if remaining:
+        raise LorashipError(f"adapter weights with no matching base weight: {sorted(remaining)[:5]}; wrong base model?")
+    index = base_dir / "model.safetensors.index.json"
+    if index.exists():
+        shutil.copy(index, out_dir / index.name)
+    cfg = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    cfg["torch_dtype"] = dtype_name
+    cfg.pop("quantization_config", None)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+    if (base_dir / "generation_config.json").exists():
+        shutil.copy(base_dir / "generation_config.json", out_dir)
+    return {"merged_modules": len(deltas), "scale": scale, "shards": len(shards)}
+
+
+def copy_tokenizer(base_dir: Path, out_dir: Path, trust_remote_code: bool) -> None:
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(base_dir, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
+    # save_pretrained rewrites tokenizer_config.json and may drop keys it rebuilds on load
+    # (transformers 5 drops `legacy`); the base's own file is the truth the converter reads.
+    for name in ("tokenizer_config.json", "special_tokens_map.json", *TOKENIZER_FILES):
+        if (base_dir / name).exists():
+            shutil.copy(base_dir / name, out_dir / name)
+
+
+def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples: list[dict]) -> dict:
+    """Logits on a probe batch: base, base+adapter (unmerged), merged; plus the NF4 view for QLoRA."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tasks.train import collate
+
+    ids, _labels, mask = collate(examples, pad_id=0)
+    load = dict(dtype=torch.float32, trust_remote_code=config.trust_remote_code)
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask).logits.float()
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, **load).eval()
+    peft_model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    with peft_model.disable_adapter():
+        base_logits = logits(peft_model)
+    adapted = logits(peft_model)
+    del peft_model, base
+    merged_logits = logits(AutoModelForCausalLM.from_pretrained(merged_dir, **load).eval())
+
+    valid = mask.bool()
+
+    def kl(p_logits, q_logits) -> float:
+        p = torch.log_softmax(p_logits[valid], -1)
+        q = torch.log_softmax(q_logits[valid], -1)
+        return float((p.exp() * (p - q)).sum(-1).mean())
+
+    adapter_effect = float((adapted - base_logits)[valid].abs().max())
+    merge_error = float((merged_logits - adapted)[valid].abs().max())
+    result = {
+        "probe_tokens": int(valid.sum()),
+        "max_abs_diff_merged_vs_adapter": merge_error,
+        "max_abs_diff_adapter_vs_base": adapter_effect,
+        "kl_adapter_to_merged": kl(adapted, merged_logits),
+        "argmax_agreement_merged_vs_adapter": float((merged_logits.argmax(-1) == adapted.argmax(-1))[valid].float().mean()),
+        # bf16 storage of W + sBA rounds each weight; the merge is correct when that error is
+        # a small fraction of what the adapter changed.
+        "merge_matches_adapter": merge_error <= 0.1 * adapter_effect,
+        "merge_differs_from_base": adapter_effect > 1e-4,
+    }
+    if config.adapter == "qlora":
+        result["kl_nf4_training_view_to_merged_bf16"] = nf4_view_kl(config, base_dir, adapter_dir, ids, mask, merged_logits, kl)
+    return result
+
+
+def nf4_view_kl(config, base_dir, adapter_dir, ids, mask, merged_logits, kl) -> float | None:
+    """KL between what the adapter was trained against (NF4 base) and the shipped bf16 merge."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quant, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        nf4_logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float().cpu()
+    return kl(nf4_logits, merged_logits)
+
+
+def run(config) -> dict:
+    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
+    if ctx.done:
+        return ctx.done
+    reset_dir(ctx)
+    from transformers import AutoTokenizer
+
+    hf_offline_if_local(config)
+    base_dir = resolve_base_model(config, weights=True)
+    check_base_model(config, base_dir)
+    adapter_dir = ctx.upstream_dir("train") / ADAPTER_DIR
+    base_bytes = sum(p.stat().st_size for p in weight_files(base_dir))
+    check_free_disk(ctx.dir, base_bytes * 1.05, "merge (bf16 copy of the base)")
+    with atomic_path(ctx.dir / MERGED_DIR) as tmp:
+        tmp.mkdir()
+        info = merge_shards(base_dir, adapter_dir, tmp)
+        copy_tokenizer(base_dir, tmp, config.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(ctx.dir / MERGED_DIR)
+    _train, evaluation = load_splits(config, tokenizer)
+    examples = (evaluation.examples or _train.examples)[:4]
+    checks = probe(config, base_dir, adapter_dir, ctx.dir / MERGED_DIR, examples)
+    atomic_write_json(ctx.dir / PROBE_FILE, checks)
+    if not (checks["merge_matches_adapter"] and checks["merge_differs_from_base"]):
+        raise LorashipError(
+            f"merge check failed: merged vs base+adapter max |diff| {checks['max_abs_diff_merged_vs_adapter']:.3g}, "
+            f"adapter effect {checks['max_abs_diff_adapter_vs_base']:.3g} (see {ctx.dir / PROBE_FILE})"
+        )
+    return ctx.finish({**info, **checks})
+
+
+if __name__ == "__main__":
+    main(run)

@@ -1,0 +1,79 @@
+"""Plan: validate every input, predict GPU memory, disk and the shipped model's footprint.
+
+Reads only the base model's config.json + tokenizer and the training config, so it runs on a
+laptop for a 14B model that is not downloaded. Convertibility to GGUF is checked here, before
+any GPU hour is spent (unknown architecture, unrecognised BPE pre-tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+
+from loraship import memory
+from loraship.constants import PLAN_FILE
+from loraship.errors import ConfigError
+from loraship.llamacpp import check_convertible
+from loraship.manifest import atomic_write_json, sha256_file
+from loraship.models import base_model_problems, resolve_base_model
+from loraship.preflight import check_inputs
+from loraship.stage import main, open_stage, reset_dir
+
+STAGE = "plan"
+UPSTREAM: tuple[str, ...] = ()
+FIELDS = (
+    "base_model", "base_model_revision", "trust_remote_code", "allow_pickle", "adapter", "lora_r", "lora_alpha",
+    "lora_target_modules", "sequence_len", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
+    "fused_loss", "gpu_memory_gib", "target_gpu_memory_gib", "target_context", "quantization", "datasets",
+    "eval_datasets", "device",
+)
+
+
+def input_files(config, model_dir) -> dict:
+    """Identity of the data and base model the plan was made for; it keys every later stage.
+
+    Datasets are hashed in full. Model weights are identified by name, size and mtime: hashing
+    28 GB of weights on every resume costs minutes and a changed checkpoint changes those too.
+    """
+    files = {f"dataset:{s.path}": sha256_file(s.path) for s in [*config.datasets, *config.eval_datasets]}
+    for p in sorted(model_dir.iterdir()) if model_dir.is_dir() else []:
+        if p.is_file():
+            st = p.stat()
+            files[f"base_model:{p.name}"] = f"{st.st_size}:{st.st_mtime_ns}"
+    return files
+
+
+def run(config) -> dict:
+    model_dir = resolve_base_model(config, weights=False)
+    problems = base_model_problems(config, model_dir, weights=config.base_model_is_local())
+    check_inputs(config, problems)
+    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, extra_inputs=input_files(config, model_dir))
+    if ctx.done:
+        return ctx.done
+    reset_dir(ctx)
+
+    model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    convert_problems = check_convertible(model_dir)
+    if convert_problems:
+        raise ConfigError(f"base model {config.base_model!r} cannot be shipped as GGUF", convert_problems)
+    training = memory.plan_training(model_config, config)
+    footprint = memory.plan_disk_and_inference(model_config, config)
+    plan = {
+        "base_model": config.base_model,
+        "model_dir": str(model_dir),
+        "architecture": (model_config.get("architectures") or ["?"])[0],
+        **training,
+        **footprint,
+        "gguf_convertible": True,
+    }
+    atomic_write_json(ctx.dir / PLAN_FILE, plan)
+    return ctx.finish(
+        {
+            "strategy": training["strategy"],
+            "fits": training["fits"],
+            "predicted_total_gib": training["memory"]["predicted_total_gib"],
+        }
+    )
+
+
+if __name__ == "__main__":
+    main(run)

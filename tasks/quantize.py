@@ -1,0 +1,76 @@
+"""Quantize: F16 GGUF -> Q4_K_M (or Q5_K_M, Q8_0) with llama-cpp-python's llama_model_quantize.
+
+The binding is the same llama.cpp that verify loads. It runs in a child process with a
+timeout, so a hang or crash in native code cannot wedge the flow.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, GGUF_KEY_FILE_TYPE, quantized_gguf_name
+from loraship.errors import LorashipError
+from loraship.gguf_info import read_gguf
+from loraship.manifest import atomic_path
+from loraship.preflight import check_free_disk
+from loraship.stage import main, open_stage, reset_dir
+
+STAGE = "quantize"
+UPSTREAM = ("convert",)
+FIELDS = ("quantization",)
+TIMEOUT_S = 4 * 3600
+
+_WORKER = """
+import os, sys, llama_cpp
+src, dst, ftype = sys.argv[1], sys.argv[2], int(sys.argv[3])
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = ftype
+params.nthread = os.cpu_count() or 1
+rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+sys.exit(rc)
+"""
+
+
+def quantize(src: Path, dst: Path, quantization: str) -> None:
+    with atomic_path(dst) as tmp:
+        cmd = [sys.executable, "-c", _WORKER, str(src), str(tmp), str(GGUF_FILE_TYPES[quantization])]
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            raise LorashipError(f"llama_model_quantize did not finish within {TIMEOUT_S} s") from e
+        if result.returncode != 0 or not tmp.is_file():
+            tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+            raise LorashipError(f"llama_model_quantize to {quantization} failed (exit {result.returncode}):\n{tail}")
+
+
+def run(config) -> dict:
+    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
+    if ctx.done:
+        return ctx.done
+    reset_dir(ctx)
+    src = ctx.upstream_dir("convert") / F16_GGUF
+    read_gguf(src)  # refuses a truncated input with the file's name before any work
+    check_free_disk(ctx.dir, src.stat().st_size * 0.6, f"quantize ({config.quantization})")
+    out = ctx.dir / quantized_gguf_name(config.quantization)
+    quantize(src, out, config.quantization)
+    info = read_gguf(out)
+    file_type = info["fields"].get(GGUF_KEY_FILE_TYPE)
+    expected = GGUF_FILE_TYPES[config.quantization]
+    if file_type != expected:
+        raise LorashipError(f"{out}: general.file_type is {file_type}, expected {expected} ({config.quantization})")
+    size = out.stat().st_size
+    return ctx.finish(
+        {
+            "quantization": config.quantization,
+            "file_type": file_type,
+            "tensor_count": info["tensor_count"],
+            "bytes": size,
+            "compression_vs_f16": round(src.stat().st_size / size, 3),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main(run)
