@@ -1,0 +1,472 @@
+"""Measure LoRA/QLoRA training memory on a real GPU and compare it with loraship.memory's plan.
+
+Three modes:
+  python3 bench/memory_matrix.py measure --out DIR      # on the GPU: every config in a fresh process
+  python3 bench/memory_matrix.py smoke                   # on CPU: one tiny config, checks the script runs
+  python bench/memory_matrix.py analyze RAW.json         # on a laptop: add predictions, fit/eval split,
+                                                         # write bench/results/memory_matrix.json + .md
+
+Measurement (GPU.md): random weights in real shapes, built under torch.device("cuda") in bf16; QLoRA
+replaces every decoder Linear by bitsandbytes Linear4bit (NF4, double quant, blocksize 64) and
+quantizes random bf16 weights one matrix at a time, as from_pretrained does. model.train() is
+called (eval mode silently skips checkpointing); use_cache is off; 2 warm-up steps (AdamW state
+appears at step 1), then peak stats are reset and one step is measured. Each config runs uncapped
+first (its natural peak, so errors can be computed even where a 32 GiB card would fail); configs
+whose peak comes near 32 GiB run again under set_per_process_memory_fraction(32 GiB / total).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+CAP_GIB = 32.0
+
+# Public config.json shapes (GPU.md; Qwen2-7B/14B and Meta-Llama-3-8B config.json values).
+SHAPES = {
+    "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                     max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "llama-3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
+    "qwen2-14b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                      num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
+                      max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # CPU smoke test only.
+    "tiny": dict(model_type="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True,
+                 max_position_embeddings=2048),
+}
+
+
+def _c(shape, adapter, r, targets, seq, mb, ckpt=True, fused=False):
+    return dict(shape=shape, adapter=adapter, lora_r=r, targets=targets, sequence_len=seq,
+                micro_batch_size=mb, gradient_checkpointing=ckpt, fused_loss=fused)
+
+
+# Rows 0, 3, 11, 17, 19 repeat DESIGN.md's measured configs (rank 64 q/v/o, 2 x 4096) as cross-checks.
+MATRIX = [
+    _c("qwen2-7b", "lora", 64, "qvo", 4096, 2),
+    _c("qwen2-7b", "lora", 64, "qvo", 4096, 2, fused=True),
+    _c("qwen2-7b", "lora", 64, "all-linear", 4096, 2),
+    _c("qwen2-7b", "qlora", 64, "qvo", 4096, 2),
+    _c("qwen2-7b", "qlora", 64, "qvo", 4096, 2, fused=True),
+    _c("qwen2-7b", "lora", 8, "qvo", 512, 1, ckpt=False),
+    _c("qwen2-7b", "lora", 16, "all-linear", 1024, 2, ckpt=False, fused=True),
+    _c("qwen2-7b", "lora", 128, "all-linear", 8192, 1, fused=True),
+    _c("qwen2-7b", "qlora", 128, "all-linear", 2048, 4, fused=True),
+    _c("qwen2-7b", "lora", 32, "qvo", 2048, 4),
+    _c("qwen2-7b", "qlora", 8, "qvo", 1024, 1, ckpt=False),
+    _c("llama-3-8b", "lora", 64, "qvo", 4096, 2),
+    _c("llama-3-8b", "lora", 64, "qvo", 4096, 2, fused=True),
+    _c("llama-3-8b", "qlora", 16, "all-linear", 8192, 1, fused=True),
+    _c("llama-3-8b", "lora", 8, "all-linear", 512, 4, ckpt=False, fused=True),
+    _c("llama-3-8b", "qlora", 32, "qvo", 2048, 2),
+    _c("llama-3-8b", "lora", 128, "qvo", 8192, 1),
+    _c("qwen2-14b", "qlora", 64, "qvo", 4096, 2),
+    _c("qwen2-14b", "qlora", 64, "qvo", 4096, 2, fused=True),
+    _c("qwen2-14b", "lora", 64, "qvo", 4096, 2, fused=True),
+    _c("qwen2-14b", "qlora", 16, "all-linear", 8192, 1, fused=True),
+    _c("qwen2-14b", "lora", 8, "qvo", 1024, 1),
+    _c("qwen2-14b", "qlora", 128, "all-linear", 2048, 1, ckpt=False, fused=True),
+    _c("qwen2-7b", "qlora", 16, "all-linear", 4096, 1),
+]
+if os.environ.get("MEMORY_MATRIX_SMOKE"):  # CPU check of the orchestration: tiny shapes, no GPU
+    MATRIX = [_c("tiny", "lora", 8, "qvo", 64, 2), _c("tiny", "qlora", 8, "all-linear", 64, 1, ckpt=False)]
+
+QVO = ["q_proj", "v_proj", "o_proj"]
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def config_name(spec: dict) -> str:
+    return (f"{spec['shape']} {spec['adapter']} r{spec['lora_r']} {spec['targets']} {spec['micro_batch_size']}x"
+            f"{spec['sequence_len']} ckpt={'on' if spec['gradient_checkpointing'] else 'off'} "
+            f"loss={'fused' if spec['fused_loss'] else 'hf'}")
+
+
+# ---------------------------------------------------------------------------------------------
+# One configuration, in this process (called in a fresh subprocess by `measure`).
+# ---------------------------------------------------------------------------------------------
+def _build(spec: dict, device: str):
+    import torch
+    import transformers
+
+    shape = dict(SHAPES[spec["shape"]])
+    mcfg = transformers.AutoConfig.for_model(shape.pop("model_type"), **shape)
+    mcfg.use_cache = False  # a training forward with use_cache keeps every layer's K/V
+    kw = dict(dtype=torch.bfloat16, attn_implementation="sdpa")
+    if spec["adapter"] == "lora":
+        with torch.device(device):
+            return transformers.AutoModelForCausalLM.from_config(mcfg, **kw)
+    import bitsandbytes as bnb
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(mcfg, **kw)
+    decoder = model.model.layers
+    for layer in decoder:
+        for name, mod in list(layer.named_modules()):
+            if not isinstance(mod, torch.nn.Linear):
+                continue
+            parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+            q = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                  compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                  device="meta")
+            w = torch.empty(mod.out_features, mod.in_features, dtype=torch.bfloat16, device=device).normal_(0, 0.02)
+            q.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True,
+                                         blocksize=64, module=q).to(device)
+            del w
+            if mod.bias is not None:
+                q.bias = torch.nn.Parameter(torch.zeros(mod.out_features, dtype=torch.bfloat16, device=device),
+                                            requires_grad=False)
+            setattr(parent, name.rsplit(".", 1)[-1], q)
+    for name, p in list(model.named_parameters()):
+        if p.is_meta:
+            owner = model.get_submodule(name.rsplit(".", 1)[0])
+            t = torch.empty(p.shape, dtype=torch.bfloat16, device=device)
+            t = t.fill_(1.0) if "norm" in name else t.normal_(0, 0.02)
+            setattr(owner, name.rsplit(".", 1)[-1], torch.nn.Parameter(t, requires_grad=False))
+    with torch.device(device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
+    if mcfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    left = [n for n, b in list(model.named_parameters()) + list(model.named_buffers()) if b.is_meta]
+    if left:
+        raise RuntimeError(f"still on meta after materialising: {left[:5]}")
+    model.is_loaded_in_4bit = True  # PEFT dispatches its bnb LoRA layer on this flag
+    return model
+
+
+def run_one(spec: dict, cap_gib: float | None, device: str) -> dict:
+    import torch
+    import peft
+
+    cuda = device == "cuda"
+    rec: dict = {"config": config_name(spec), "spec": spec, "cap_gib": cap_gib}
+    if cuda and cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap_gib * GIB / total)
+    phase = "load"
+    try:
+        t0 = time.time()
+        model = _build(spec, device)
+        if cuda:
+            torch.cuda.synchronize()
+            rec["weights_allocated_gib"] = torch.cuda.memory_allocated() / GIB
+        rec["load_s"] = round(time.time() - t0, 1)
+        targets = QVO if spec["targets"] == "qvo" else ALL
+        lcfg = peft.LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=0.05,
+                               target_modules=targets, task_type="CAUSAL_LM")
+        model = peft.get_peft_model(model, lcfg)
+        if spec["gradient_checkpointing"]:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        causal = model.base_model.model
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        rec["lora_params"] = sum(p.numel() for p in trainable)
+        rec["lora_dtype"] = str(trainable[0].dtype)
+        opt = torch.optim.AdamW(trainable, lr=1e-4)
+        flce = None
+        if spec["fused_loss"]:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            flce = LigerFusedLinearCrossEntropyLoss()
+        V, h = causal.config.vocab_size, causal.config.hidden_size
+        ids = torch.randint(0, V, (spec["micro_batch_size"], spec["sequence_len"]), device=device)
+
+        def step():
+            if flce is None:
+                loss = model(input_ids=ids, labels=ids).loss  # logits die with the output object
+            else:
+                hs = causal.model(input_ids=ids).last_hidden_state
+                loss = flce(causal.lm_head.weight, hs[:, :-1].reshape(-1, h), ids[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(loss.detach())
+
+        for i in range(2):
+            phase = f"warmup step {i + 1}"
+            rec[f"loss_{i + 1}"] = step()
+        if cuda:
+            torch.cuda.synchronize()
+            rec["warmup_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+            rec["warmup_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+            torch.cuda.reset_peak_memory_stats()
+        phase = "measured step"
+        t1 = time.time()
+        rec["loss_3"] = step()
+        if cuda:
+            torch.cuda.synchronize()
+            rec["step_s"] = round(time.time() - t1, 3)
+            rec["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+            rec["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+            rec["reserved_now_gib"] = torch.cuda.memory_reserved() / GIB
+            stats = torch.cuda.memory_stats()
+            rec["num_alloc_retries"] = stats.get("num_alloc_retries", 0)
+            rec["context_gib"] = _context_gib(torch.cuda.memory_reserved())
+        rec["oom"] = False
+    except torch.OutOfMemoryError as e:
+        rec.update(oom=True, oom_phase=phase, error=str(e).splitlines()[0][:300])
+    return rec
+
+
+def _context_gib(reserved: int) -> float | None:
+    """CUDA context = this process's NVML usage minus torch's reserved (GPU.md)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if p.pid == os.getpid() and p.usedGpuMemory:
+                return (p.usedGpuMemory - reserved) / GIB
+    except Exception:  # NVML per-process figures are missing in some sandboxes
+        return None
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Orchestration on the GPU: each run in a fresh subprocess, a few at a time within GPU memory.
+# ---------------------------------------------------------------------------------------------
+def _rough_gib(spec: dict) -> float:
+    """Deliberately generous admission estimate (not the planner): keeps parallel runs inside 141 GiB."""
+    s = SHAPES[spec["shape"]]
+    h, L, f, V = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"], s["vocab_size"]
+    params = L * (4 * h * h + 3 * h * f) + 2 * V * h
+    w = params * (2.0 if spec["adapter"] == "lora" else 0.6)
+    T = spec["sequence_len"] * spec["micro_batch_size"]
+    layer = T * (16 * h + 12 * f)
+    act = T * 2 * h * L + layer if spec["gradient_checkpointing"] else L * layer
+    loss = 0 if spec["fused_loss"] else 16 * T * V
+    return 1.4 * (w + act + loss) / GIB + 3
+
+
+def measure(out: Path, deadline_s: float, parallel: int, gpu_gib: float, only: list[int] | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    raw_path = out / "memory_matrix_raw.json"
+    rows: list[dict] = []
+    if raw_path.exists():
+        rows = json.loads(raw_path.read_text())["rows"]
+    done = {(r["index"], r["cap_gib"]) for r in rows}
+    todo = [(i, None) for i in (only if only is not None else range(len(MATRIX))) if (i, None) not in done]
+    todo.sort(key=lambda j: -_rough_gib(MATRIX[j[0]]))
+    start = time.time()
+    running: list[tuple[int, float | None, float, subprocess.Popen]] = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def save():
+        raw_path.write_text(json.dumps({"gpu": _gpu_name(), "rows": rows}, indent=1))
+
+    while todo or running:
+        for job in list(running):
+            i, cap, t0, proc = job
+            age = time.time() - t0
+            # Per-run limit, and a hard stop so the whole call ends inside the device's 10 minutes.
+            if proc.poll() is None and age < 240 and time.time() - start < deadline_s + 110:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+            running.remove(job)
+            log = Path(f"/tmp/memory_matrix_{i}_{cap}.log").read_text(errors="replace")
+            line = [ln for ln in log.splitlines() if ln.startswith("{")]
+            rec = json.loads(line[-1]) if line else {"config": config_name(MATRIX[i]), "spec": MATRIX[i],
+                                                     "cap_gib": cap, "failed": True, "error": log[-800:]}
+            rec.update(index=i, wall_s=round(age, 1))
+            rows.append(rec)
+            save()
+            print(f"[{time.time() - start:5.0f}s] #{i} cap={cap} oom={rec.get('oom')} "
+                  f"alloc={rec.get('peak_allocated_gib', 0):.2f} res={rec.get('peak_reserved_gib', 0):.2f} "
+                  f"ctx={rec.get('context_gib')} {rec['config']} {rec.get('error', '')[:200]}", flush=True)
+            # Near or over 32 GiB: also run under the cap, unless peak allocated alone exceeds it.
+            if cap is None and not rec.get("failed") and not rec.get("oom"):
+                if rec.get("peak_reserved_gib", 0) > CAP_GIB - 4 and rec["peak_allocated_gib"] <= CAP_GIB:
+                    todo.append((i, CAP_GIB))
+        in_use = sum(_rough_gib(MATRIX[i]) if cap is None else CAP_GIB + 2 for i, cap, _, _ in running)
+        while todo and len(running) < parallel and time.time() - start < deadline_s:
+            i, cap = todo[0]
+            need = _rough_gib(MATRIX[i]) if cap is None else CAP_GIB + 2
+            if running and in_use + need > gpu_gib:
+                break
+            todo.pop(0)
+            cmd = [sys.executable, __file__, "one", json.dumps(MATRIX[i])] + (["--cap", str(cap)] if cap else [])
+            if os.environ.get("MEMORY_MATRIX_SMOKE"):
+                cmd += ["--device", "cpu"]
+            # A log file, not a pipe: a chatty child must never block on a full pipe.
+            logf = open(f"/tmp/memory_matrix_{i}_{cap}.log", "w")
+            running.append((i, cap, time.time(), subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)))
+            in_use += need
+        if todo and not running and time.time() - start >= deadline_s:
+            print(f"deadline: {len(todo)} runs not started: {todo}", flush=True)
+            break
+        time.sleep(1)
+    save()
+
+
+def _gpu_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis on CPU: predictions from loraship.memory, fit/eval split, JSON + markdown table.
+# ---------------------------------------------------------------------------------------------
+def _cfg_for(spec: dict):
+    from loraship.config import Config
+
+    return Config(base_model="bench", datasets=[{"path": "bench.jsonl", "type": "completion"}],
+                  adapter=spec["adapter"], lora_r=spec["lora_r"], lora_alpha=2 * spec["lora_r"],
+                  lora_target_modules=QVO if spec["targets"] == "qvo" else "all-linear",
+                  sequence_len=spec["sequence_len"], micro_batch_size=spec["micro_batch_size"],
+                  gradient_accumulation_steps=1, gradient_checkpointing=spec["gradient_checkpointing"],
+                  fused_loss="on" if spec["fused_loss"] else "off", gpu_memory_gib=CAP_GIB)
+
+
+def predict(spec: dict) -> dict:
+    from loraship import memory
+
+    mc = dict(SHAPES[spec["shape"]])
+    return memory.estimate(mc, _cfg_for(spec), memory.strategy_from_config(_cfg_for(spec)))
+
+
+def is_fit_row(index: int) -> bool:
+    """Rows used to fit constants: every other matrix row (even index); odd rows are held out."""
+    return index % 2 == 0
+
+
+def analyze(raw_path: Path, results: Path, md: Path) -> dict:
+    raw = json.loads(raw_path.read_text())
+    by_index: dict[int, dict] = {}
+    for r in raw["rows"]:
+        slot = by_index.setdefault(r["index"], {})
+        slot["capped" if r["cap_gib"] else "uncapped"] = r
+    rows = []
+    for i in sorted(by_index):
+        un, capped = by_index[i].get("uncapped"), by_index[i].get("capped")
+        if not un or un.get("failed") or un.get("oom"):
+            continue
+        spec = un["spec"]
+        p = predict(spec)
+        if capped is not None:
+            oom_cap, source = bool(capped.get("oom")), "measured under the 32 GiB cap"
+        elif un["peak_allocated_gib"] > CAP_GIB:
+            oom_cap, source = True, "inferred: uncapped peak allocated exceeds 32 GiB"
+        else:
+            oom_cap, source = False, "inferred: uncapped peak reserved stays under 32 GiB - 4"
+        err = (p["predicted_reserved_gib"] - un["peak_reserved_gib"]) / un["peak_reserved_gib"]
+        rows.append({
+            "index": i, "config": un["config"], "spec": spec, "used_for_fit": is_fit_row(i),
+            "predicted_reserved_gib": round(p["predicted_reserved_gib"], 2),
+            "measured_reserved_gib": round(un["peak_reserved_gib"], 2),
+            "predicted_allocated_gib": round(p["predicted_allocated_gib"], 2),
+            "measured_allocated_gib": round(un["peak_allocated_gib"], 2),
+            "reserved_error_pct": round(100 * err, 1),
+            "fits_32gib_predicted": p["fits"],
+            "oom_under_32gib_cap": oom_cap, "oom_source": source,
+            "weights_only_estimate_gib": round(p["weights_only_estimate_gib"], 2),
+            "predicted_total_gib": round(p["predicted_total_gib"], 2),
+            "measured_context_gib": None if un.get("context_gib") is None else round(un["context_gib"], 2),
+            "measured_weights_allocated_gib": round(un.get("weights_allocated_gib", 0), 2),
+            "measured_step_s": un.get("step_s"),
+            "measured_warmup_peak_reserved_gib": round(un.get("warmup_peak_reserved_gib", 0), 2),
+        })
+
+    def summary(sel):
+        errs = [abs(r["reserved_error_pct"]) for r in sel]
+        if not errs:
+            return {"rows": 0}
+        return {"rows": len(sel), "median_abs_error_pct": round(statistics.median(errs), 1),
+                "worst_abs_error_pct": round(max(errs), 1),
+                "predicted_fit_but_oom": [r["config"] for r in sel if r["fits_32gib_predicted"] and r["oom_under_32gib_cap"]]}
+
+    out = {
+        "gpu": raw.get("gpu"), "method": __doc__.strip().splitlines()[0],
+        "calibration": "constants in loraship/memory.py were fitted on the rows with used_for_fit=true only; "
+                       "'held_out' scores the others",
+        "all": summary(rows), "fit": summary([r for r in rows if r["used_for_fit"]]),
+        "held_out": summary([r for r in rows if not r["used_for_fit"]]),
+        "rows": rows,
+    }
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(out, indent=1) + "\n")
+    md.write_text(_markdown(out))
+    return out
+
+
+def _markdown(out: dict) -> str:
+    lines = [
+        "# Training memory: planner vs measured",
+        "",
+        f"GPU: {out['gpu']}. Produced by `bench/memory_matrix.py` (measure on the GPU, then analyze); "
+        "figures in GiB, raw data in `bench/results/memory_matrix.json`. Measured = peak over one training "
+        "step after 2 warm-up steps, default allocator, random weights, HF transformers + PEFT, SDPA.",
+        "",
+        f"{out['calibration']}.",
+        "",
+        "| split | rows | median abs error (reserved) | worst | predicted to fit 32 GiB but OOM under cap |",
+        "|---|---|---|---|---|",
+    ]
+    for k in ("all", "fit", "held_out"):
+        s = out[k]
+        if s["rows"]:
+            lines.append(f"| {k} | {s['rows']} | {s['median_abs_error_pct']}% | {s['worst_abs_error_pct']}% | "
+                         f"{len(s['predicted_fit_but_oom'])} |")
+    lines += ["", "| # | config | fit row | pred. reserved | meas. reserved | error | pred. alloc | meas. alloc "
+              "| fits 32 (pred.) | OOM at 32 GiB cap | weights-only |", "|" + "---|" * 11]
+    for r in out["rows"]:
+        lines.append(
+            f"| {r['index']} | {r['config']} | {'yes' if r['used_for_fit'] else 'no'} | {r['predicted_reserved_gib']:.2f} "
+            f"| {r['measured_reserved_gib']:.2f} | {r['reserved_error_pct']:+.1f}% | {r['predicted_allocated_gib']:.2f} "
+            f"| {r['measured_allocated_gib']:.2f} | {'yes' if r['fits_32gib_predicted'] else 'no'} "
+            f"| {'yes' if r['oom_under_32gib_cap'] else 'no'}{'' if r['oom_source'].startswith('measured') else '*'} "
+            f"| {r['weights_only_estimate_gib']:.2f} |")
+    lines += ["", "\\* inferred from the uncapped run (peak allocated above 32 GiB, or peak reserved well under it) "
+              "rather than a run under the cap.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--deadline-s", type=float, default=450)
+    m.add_argument("--parallel", type=int, default=3)
+    m.add_argument("--gpu-gib", type=float, default=130)
+    m.add_argument("--only", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    o = sub.add_parser("one")
+    o.add_argument("spec")
+    o.add_argument("--cap", type=float, default=None)
+    o.add_argument("--device", default="cuda")
+    sub.add_parser("smoke")
+    a = sub.add_parser("analyze")
+    a.add_argument("raw", type=Path)
+    args = ap.parse_args()
+    if args.cmd == "measure":
+        measure(args.out, args.deadline_s, args.parallel, args.gpu_gib, args.only)
+    elif args.cmd == "one":
+        print(json.dumps(run_one(json.loads(args.spec), args.cap, args.device)), flush=True)
+    elif args.cmd == "smoke":
+        for spec in (_c("tiny", "qlora", 8, "qvo", 64, 2), _c("tiny", "lora", 8, "all-linear", 64, 1, ckpt=False)):
+            print(json.dumps(run_one(spec, None, "cpu")))
+    else:
+        sys.path.insert(0, str(ROOT))
+        out = analyze(args.raw, ROOT / "bench/results/memory_matrix.json", ROOT / "bench/memory_matrix.md")
+        for k in ("all", "fit", "held_out"):
+            print(k, {kk: v for kk, v in out[k].items()})
+
+
+if __name__ == "__main__":
+    main()

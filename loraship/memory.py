@@ -1,0 +1,428 @@
+"""Plan GPU memory for LoRA/QLoRA training, and disk + inference memory for shipping, from config.json.
+
+Pure Python (no torch), so `loraship plan` runs on a laptop for a model that is not downloaded.
+The model is additive and physical: every term is bytes of a tensor that exists at the peak, with a
+few multipliers (CAL) fitted against bench/memory_matrix.py on a real GPU. bench/memory_matrix.md
+shows predicted vs measured, and which rows were used to fit CAL.
+
+Notation (shared/MEMORY.md): h hidden, q = heads x head_dim, kv = kv_heads x head_dim,
+f intermediate, V vocab, L layers, r rank, T = micro_batch x sequence_len tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraship.config import Config
+from loraship.constants import BITS_PER_WEIGHT
+
+GIB = 2**30
+
+# bitsandbytes NF4 with double quant: 4 bits + one uint8 absmax per 64 weights + one fp32 absmax per
+# 256 absmax blocks (bitsandbytes functional.quantize_4bit; QLoRA paper section 3).
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# PEFT keeps LoRA weights in fp32 (autocast_adapter_dtype): weight 4 + grad 4 + AdamW m and v 8.
+LORA_BYTES_PER_PARAM = {"weight": 4, "grad": 4, "optimizer": 8}
+
+# Multipliers fitted on the GPU (bench/memory_matrix.py analyze; fit rows only). Each scales one
+# physical term; 1.0 means "exactly the bytes counted".
+CAL = {
+    "keep": 1.0,  # per-layer checkpoint (bf16 layer input, 2h bytes per token per layer)
+    "layer": 1.0,  # one layer's saved activations (recompute, or each layer without checkpointing)
+    "layer_backward": 1.6,  # peak of one layer's backward, as a multiple of its saved activations
+    "hf_loss": 12.0,  # bytes per token per vocab entry at HF cross-entropy's peak (bf16+fp32 logits, grads)
+    "fused_loss": 3.0,  # Liger fused linear CE: multiple of T x h x 2 bytes (grad_input + chunk copies)
+    "reserve_loss": 0.3,  # allocator reserve: fraction of the loss transient
+    "reserve_layer": 0.1,  # allocator reserve: fraction of one layer's backward transient
+    "reserve_fixed_gib": 0.3,  # allocator reserve: fixed part (cuBLAS workspace, small-block pools)
+    "cuda_context_gib": 0.6,  # NVML used minus torch reserved, measured per process
+}
+# What the card must hold beyond the prediction: covers the worst under-prediction seen in the bench.
+SAFETY_MARGIN_FRACTION = 0.06
+SAFETY_MARGIN_MIN_GIB = 0.5
+
+QVO = ("q_proj", "v_proj", "o_proj")
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUPPORTED = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class Shape:
+    model_type: str
+    h: int
+    L: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    f: int
+    V: int
+    tied: bool
+    qkv_bias: bool
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """Decoder Linear layers: name -> (in_features, out_features)."""
+        h, q, kv, f = self.h, self.q, self.kv, self.f
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+
+    @property
+    def layer_linear_params(self) -> int:
+        return sum(i * o for i, o in self.linears().values())
+
+    @property
+    def embedding_params(self) -> int:
+        return self.V * self.h
+
+    @property
+    def n_params(self) -> int:
+        bias = (self.q + 2 * self.kv) if self.qkv_bias else 0
+        per_layer = self.layer_linear_params + 2 * self.h + bias
+        return self.L * per_layer + self.embedding_params * (1 if self.tied else 2) + self.h
+
+
+def parse_model_config(mc: dict) -> Shape:
+    """Read a Llama / Qwen2 / Mistral config.json (a dict); nested text_config is followed."""
+    if "text_config" in mc and "hidden_size" not in mc:
+        mc = {**mc["text_config"], "model_type": mc["text_config"].get("model_type", mc.get("model_type"))}
+    mt = mc.get("model_type", "")
+    if mt not in SUPPORTED:
+        raise ValueError(f"config.json model_type {mt!r} is not supported; the planner knows {', '.join(SUPPORTED)}")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+               if not mc.get(k)]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}; pass the base model's own config.json")
+    heads = int(mc["num_attention_heads"])
+    return Shape(
+        model_type=mt, h=int(mc["hidden_size"]), L=int(mc["num_hidden_layers"]), heads=heads,
+        kv_heads=int(mc.get("num_key_value_heads") or heads),
+        head_dim=int(mc.get("head_dim") or mc["hidden_size"] // heads),
+        f=int(mc["intermediate_size"]), V=int(mc["vocab_size"]),
+        # transformers' default for these three architectures is untied.
+        tied=bool(mc.get("tie_word_embeddings", False)),
+        qkv_bias=bool(mc.get("attention_bias", mt == "qwen2")),
+    )
+
+
+def target_names(cfg: Config) -> tuple[str, ...]:
+    if cfg.lora_target_modules == "all-linear":
+        return ALL_LINEAR
+    return tuple(n for n in ALL_LINEAR if n in cfg.lora_target_modules)
+
+
+def strategy_from_config(cfg: Config) -> dict:
+    return {"adapter": cfg.adapter, "offload_layers": 0, "micro_batch_size": cfg.micro_batch_size,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            # auto: the train image installs liger-kernel (pyproject extra 'train') and runs on CUDA.
+            "fused_loss": cfg.fused_loss != "off",
+            "gradient_checkpointing": cfg.gradient_checkpointing}
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate for one strategy
+# ---------------------------------------------------------------------------------------------
+def estimate(model_config: dict, cfg: Config, strategy: dict) -> dict:
+    """Predicted peak memory of one training step under `strategy`, in GiB, by component."""
+    s = parse_model_config(model_config)
+    T = strategy["micro_batch_size"] * cfg.sequence_len
+    targets = target_names(cfg)
+    lin = s.linears()
+    qlora = strategy["adapter"] == "qlora"
+
+    # Frozen weights: NF4 quantizes only decoder Linears; embeddings, lm_head, norms, biases stay bf16.
+    layer_lin_bytes = s.layer_linear_params * (NF4_BYTES_PER_PARAM if qlora else 2)
+    rest_bytes = 2 * (s.n_params - s.L * s.layer_linear_params)
+    n_off = min(strategy.get("offload_layers", 0), s.L)
+    # Offloaded layers stream back one at a time; two on the GPU (current + prefetch).
+    gpu_layers = s.L - n_off + (min(2, n_off) if n_off else 0)
+    weights = gpu_layers * layer_lin_bytes + rest_bytes
+
+    lora_params = s.L * sum(cfg.lora_r * (lin[n][0] + lin[n][1]) for n in targets)
+    lora_w = lora_params * LORA_BYTES_PER_PARAM["weight"]
+    lora_g = lora_params * LORA_BYTES_PER_PARAM["grad"]
+    opt = lora_params * LORA_BYTES_PER_PARAM["optimizer"]
+
+    # One decoder layer's saved activations per token (bytes), HF Llama/Qwen2 code with SDPA:
+    # two RMSNorms keep their fp32 input (4h each); attention keeps rotated q, k, v and its output (bf16);
+    # SwiGLU keeps gate, silu(gate) and up (bf16, 3 x 2f); each LoRA module keeps its fp32-cast input
+    # after dropout (4 B) plus the dropout mask (1 B), and lora_A's output (4r).
+    lora_in = (5 if cfg.lora_dropout > 0 else 4)
+    per_tok = 8 * s.h + 4 * s.q + 4 * s.kv + 6 * s.f + sum(lora_in * lin[n][0] + 4 * cfg.lora_r for n in targets)
+    layer_saved = CAL["layer"] * T * per_tok
+    layer_bwd = CAL["layer_backward"] * layer_saved
+    dequant = max(i * o for i, o in lin.values()) * 2 if qlora else 0  # bnb dequantizes one matrix at a time
+    if strategy["gradient_checkpointing"]:
+        kept = CAL["keep"] * T * 2 * s.h * s.L
+        layer_peak = layer_saved + layer_bwd
+    else:
+        kept = s.L * layer_saved
+        layer_peak = layer_bwd
+    if strategy["fused_loss"]:
+        loss = CAL["fused_loss"] * T * 2 * s.h
+    else:
+        loss = CAL["hf_loss"] * T * s.V
+    static = weights + lora_w + lora_g + opt
+    act_peak = max(loss, layer_peak + dequant)
+    allocated = static + kept + act_peak
+    reserve = CAL["reserve_loss"] * loss + CAL["reserve_layer"] * (layer_peak + dequant) + CAL["reserve_fixed_gib"] * GIB
+    reserved = allocated + reserve
+    ctx = CAL["cuda_context_gib"] * GIB
+    comps = {
+        "frozen_weights": weights, "lora_weights": lora_w, "lora_gradients": lora_g, "optimizer_state": opt,
+        "checkpointed_activations" if strategy["gradient_checkpointing"] else "saved_activations_all_layers": kept,
+        "one_layer_recompute_and_backward": layer_peak + dequant,
+        "logits_and_cross_entropy": loss,
+        "allocator_reserve": reserve, "cuda_context": ctx,
+    }
+    budget = cfg.gpu_memory_gib
+    margin = safety_margin_gib(budget)
+    total = reserved + ctx
+    return {
+        "components_gib": {k: round(v / GIB, 3) for k, v in comps.items()},
+        "peak_phase": "cross-entropy" if loss >= layer_peak + dequant else "one layer's backward",
+        "predicted_allocated_gib": allocated / GIB,
+        "predicted_reserved_gib": reserved / GIB,
+        "cuda_context_gib": ctx / GIB,
+        "predicted_total_gib": total / GIB,
+        # What a weights-only calculator (accelerate estimate-memory style) says: frozen weights + LoRA state.
+        "weights_only_estimate_gib": (s.n_params * (2 if not qlora else 0) + (s.L * layer_lin_bytes + rest_bytes if qlora else 0)) / GIB,
+        "fits": total / GIB <= budget - margin,
+        "lora_params": lora_params,
+    }
+
+
+def safety_margin_gib(budget_gib: float) -> float:
+    return max(SAFETY_MARGIN_MIN_GIB, SAFETY_MARGIN_FRACTION * budget_gib)
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing a strategy
+# ---------------------------------------------------------------------------------------------
+def _divisors_desc(n: int, at_most: int) -> list[int]:
+    return [d for d in range(min(n, at_most), 0, -1) if n % d == 0]
+
+
+def _ladder(model_config: dict, cfg: Config) -> list[tuple[dict, str]]:
+    """Candidate strategies in order of preference (least change to the user's run first)."""
+    s = parse_model_config(model_config)
+    user = strategy_from_config(cfg)
+    eff = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    out: list[tuple[dict, str]] = [(user, "as configured")]
+
+    def with_(**kw):
+        return {**user, **kw}
+
+    ckpt = True  # every fallback keeps checkpointing on: it never changes the result, only speed
+    if not user["gradient_checkpointing"]:
+        out.append((with_(gradient_checkpointing=True), "gradient checkpointing turned on"))
+    fused = cfg.fused_loss != "off"
+    mbs = _divisors_desc(eff, cfg.micro_batch_size)
+
+    def step(adapter, mb, n_off, why):
+        return ({"adapter": adapter, "offload_layers": n_off, "micro_batch_size": mb,
+                 "gradient_accumulation_steps": eff // mb, "fused_loss": fused, "gradient_checkpointing": ckpt}, why)
+
+    for mb in mbs[1:]:
+        out.append(step(user["adapter"], mb, 0, f"micro-batch {mb} x {eff // mb} accumulation keeps the effective batch {eff}"))
+    if user["adapter"] == "lora":
+        for mb in mbs:
+            out.append(step("qlora", mb, 0, "bf16 LoRA does not fit; QLoRA (NF4 double-quant base) does"))
+    for adapter in (("lora", "qlora") if user["adapter"] == "lora" else ("qlora",)):
+        for n in range(1, s.L + 1):
+            for mb in mbs:
+                out.append(step(adapter, mb, n, f"{adapter} with {n} of {s.L} decoder layers' frozen weights offloaded to CPU"))
+    return out
+
+
+def _row(strategy: dict, est: dict) -> dict:
+    return {**strategy, "predicted_total_gib": round(est["predicted_total_gib"], 2), "fits": est["fits"]}
+
+
+def _plan(model_config: dict, cfg: Config, strategy: dict, est: dict, reason: str, alternatives: list[dict]) -> dict:
+    return {
+        "strategy": strategy, "fits": est["fits"], "budget_gib": cfg.gpu_memory_gib,
+        "safety_margin_gib": round(safety_margin_gib(cfg.gpu_memory_gib), 2), "reason": reason,
+        "memory": {
+            "components_gib": est["components_gib"], "peak_phase": est["peak_phase"],
+            "predicted_allocated_gib": round(est["predicted_allocated_gib"], 2),
+            "predicted_reserved_gib": round(est["predicted_reserved_gib"], 2),
+            "cuda_context_gib": round(est["cuda_context_gib"], 2),
+            "predicted_total_gib": round(est["predicted_total_gib"], 2),
+            "weights_only_estimate_gib": round(est["weights_only_estimate_gib"], 2),
+        },
+        "alternatives": alternatives,
+    }
+
+
+def plan_training(model_config: dict, cfg: Config) -> dict:
+    """Pick the first strategy on the ladder that fits gpu_memory_gib minus the safety margin."""
+    ladder = _ladder(model_config, cfg)
+    ests = []
+    chosen = None
+    for strat, why in ladder:
+        est = estimate(model_config, cfg, strat)
+        ests.append((strat, why, est))
+        if est["fits"]:
+            chosen = (strat, why, est)
+            break
+    if chosen is None:  # nothing fits: report the smallest, marked as not fitting
+        chosen = min(ests, key=lambda e: e[2]["predicted_total_gib"])
+        why = f"nothing fits {cfg.gpu_memory_gib} GiB minus the margin; the smallest candidate is shown"
+    else:
+        why = chosen[1]
+        if chosen[0] != ladder[0][0]:
+            first = ests[0][2]
+            why = (f"as configured needs {first['predicted_total_gib']:.1f} GiB of {cfg.gpu_memory_gib} GiB "
+                   f"(peak at {first['peak_phase']}); {why}")
+        else:
+            why = f"as configured fits: {chosen[2]['predicted_total_gib']:.1f} GiB of {cfg.gpu_memory_gib} GiB"
+    alts = _alternatives(model_config, cfg, chosen[0])
+    return _plan(model_config, cfg, chosen[0], chosen[2], why, alts)
+
+
+def _alternatives(model_config: dict, cfg: Config, chosen: dict) -> list[dict]:
+    user = strategy_from_config(cfg)
+    cands = [user, {**user, "fused_loss": not user["fused_loss"]} if cfg.fused_loss == "auto" else None,
+             {**user, "adapter": "qlora"}, {**user, "adapter": "lora"}]
+    eff = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    cands.append({**user, "micro_batch_size": 1, "gradient_accumulation_steps": eff, "gradient_checkpointing": True})
+    seen, out = [chosen], []
+    for c in cands:
+        if c is None or c in seen:
+            continue
+        seen.append(c)
+        out.append(_row(c, estimate(model_config, cfg, c)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# After an out-of-memory
+# ---------------------------------------------------------------------------------------------
+def replan_after_oom(plan: dict, model_config: dict, cfg: Config, measured: dict) -> dict | None:
+    """The next, strictly smaller plan after a run of `plan` ran out of memory, or None.
+
+    `measured` holds what the train stage saw before the error: peak_reserved_gib, peak_allocated_gib.
+    The shortfall (measured + context against the budget, at least the predicted excess) shrinks the
+    budget the next plan must fit.
+    """
+    cur = plan["memory"]
+    comps = cur["components_gib"]
+    res = measured.get("peak_reserved_gib") or cur["predicted_reserved_gib"]
+    alloc = measured.get("peak_allocated_gib") or cur["predicted_allocated_gib"]
+    gap_meas, gap_pred = res - alloc, comps.get("allocator_reserve", 0.0)
+    if gap_meas - gap_pred > max(0.5, 0.5 * abs(alloc - cur["predicted_allocated_gib"])):
+        oom_component = (f"allocator reserve (fragmentation): reserved exceeded allocated by {gap_meas:.1f} GiB, "
+                         f"predicted {gap_pred:.1f} GiB")
+    elif cur.get("peak_phase") == "cross-entropy":
+        oom_component = (f"logits and cross-entropy over the vocabulary (predicted {comps['logits_and_cross_entropy']:.1f} GiB "
+                         f"at the peak)")
+    else:
+        oom_component = (f"activations: one decoder layer's recompute and backward (predicted "
+                         f"{comps['one_layer_recompute_and_backward']:.1f} GiB) on top of the kept checkpoints")
+    # Budget for the next plan: what the card really offered, judged by this failure.
+    under = max(res + cur["cuda_context_gib"] - cur["predicted_total_gib"], 0.0)
+    shrink = max(under, 0.1 * cur["predicted_total_gib"])
+    limit = cur["predicted_total_gib"]  # plans carry totals rounded to 0.01 GiB; compare like with like
+    best = None
+    for strat, why in _ladder(model_config, cfg):
+        est = estimate(model_config, cfg, strat)
+        if round(est["predicted_total_gib"], 2) >= limit:
+            continue
+        room = est["predicted_total_gib"] + shrink <= cfg.gpu_memory_gib - safety_margin_gib(cfg.gpu_memory_gib)
+        if room:
+            best = (strat, why, est)
+            break
+        if best is None or est["predicted_total_gib"] < best[2]["predicted_total_gib"]:
+            best = (strat, why, est)
+    if best is None:
+        return None
+    strat, why, est = best
+    out = _plan(model_config, cfg, strat, est,
+                f"re-planned after out-of-memory (under-predicted: {oom_component}); {why}",
+                [_row(plan["strategy"], {"predicted_total_gib": cur["predicted_total_gib"], "fits": False})])
+    out["oom_component"] = oom_component
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Disk and inference
+# ---------------------------------------------------------------------------------------------
+def plan_disk_and_inference(model_config: dict, cfg: Config, n_ubatch: int = 512) -> dict:
+    """Disk for merge/convert/quantize and GPU memory of the shipped GGUF under llama.cpp."""
+    s = parse_model_config(model_config)
+    P = s.n_params
+    merged = 2 * P  # bf16 safetensors
+    f16 = 2 * P  # F16 GGUF
+    quant = BITS_PER_WEIGHT[cfg.quantization] / 8 * P
+    # llama.cpp KV cache in f16: K and V, every layer, every position.
+    kv = 2 * s.L * cfg.target_context * s.kv * 2
+    # Compute buffer at n_ubatch 512: fp32 logits for the batch, a few hidden/FFN-wide scratch
+    # tensors, and attention scores over the context (no flash attention); with the CUDA context this
+    # lands on the 6.7 GiB measured for a Llama-2-7B shape at n_ctx 4096 (shared/DESIGN.md).
+    compute = n_ubatch * (4 * s.V + 16 * s.h + 4 * s.f) + n_ubatch * cfg.target_context * s.heads * 4
+    ctx = 0.45 * GIB
+    total = quant + kv + compute + ctx
+    g = lambda b: round(b / GIB, 2)  # noqa: E731
+    return {
+        "disk_gib": {"merge": g(merged), "convert": g(f16), "quantize": g(quant), "total": g(merged + f16 + quant)},
+        "inference": {"gguf_gib": g(quant), "kv_cache_gib": g(kv), "compute_buffer_gib": g(compute),
+                      "cuda_context_gib": g(ctx), "total_gib": g(total),
+                      "fits_target": total / GIB <= cfg.target_gpu_memory_gib,
+                      "target_gpu_memory_gib": cfg.target_gpu_memory_gib,
+                      "target_context": cfg.target_context, "quantization": cfg.quantization},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Display
+# ---------------------------------------------------------------------------------------------
+def render_plan(plan: dict, disk: dict):
+    """A rich renderable for `loraship plan CONFIG`."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    st, mem = plan["strategy"], plan["memory"]
+    verdict = "[green]fits[/]" if plan["fits"] else "[red]does not fit[/]"
+    head = Text.from_markup(
+        f"[bold]Training plan[/]: {st['adapter']}"
+        + (f" + {st['offload_layers']} layers offloaded" if st["offload_layers"] else "")
+        + f", micro-batch {st['micro_batch_size']} x {st['gradient_accumulation_steps']} accumulation, "
+        f"fused loss {'on' if st['fused_loss'] else 'off'}, checkpointing {'on' if st['gradient_checkpointing'] else 'off'}"
+        f"\n{mem['predicted_total_gib']:.1f} GiB predicted of {plan['budget_gib']:g} GiB "
+        f"(safety margin {plan['safety_margin_gib']:.1f} GiB): {verdict}\n{plan['reason']}")
+    t = Table(title="Peak training memory (GiB)", show_footer=False)
+    t.add_column("component")
+    t.add_column("GiB", justify="right")
+    for k, v in mem["components_gib"].items():
+        t.add_row(k.replace("_", " "), f"{v:.2f}")
+    t.add_row("[bold]allocated (peak)", f"[bold]{mem['predicted_allocated_gib']:.2f}")
+    t.add_row("[bold]reserved (peak)", f"[bold]{mem['predicted_reserved_gib']:.2f}")
+    t.add_row("[bold]card must hold (reserved + context)", f"[bold]{mem['predicted_total_gib']:.2f}")
+    t.add_row("weights-only estimate, for comparison", f"{mem['weights_only_estimate_gib']:.2f}")
+    a = Table(title="Alternatives")
+    for c in ("adapter", "offload", "micro x GA", "fused", "ckpt", "GiB", "fits"):
+        a.add_column(c)
+    for r in plan["alternatives"]:
+        a.add_row(r["adapter"], str(r["offload_layers"]), f"{r['micro_batch_size']} x {r['gradient_accumulation_steps']}",
+                  str(r["fused_loss"]), str(r["gradient_checkpointing"]), f"{r['predicted_total_gib']:.1f}",
+                  "yes" if r["fits"] else "no")
+    inf = disk["inference"]
+    d = Table(title="Disk and inference (GiB)")
+    d.add_column("item")
+    d.add_column("GiB", justify="right")
+    for k, v in disk["disk_gib"].items():
+        d.add_row(f"disk: {k}", f"{v:.2f}")
+    for k in ("gguf_gib", "kv_cache_gib", "compute_buffer_gib", "cuda_context_gib", "total_gib"):
+        d.add_row(f"inference ({inf['quantization']}, n_ctx {inf['target_context']}): {k.removesuffix('_gib')}", f"{inf[k]:.2f}")
+    d.add_row(f"fits the {inf['target_gpu_memory_gib']:g} GiB target", "yes" if inf["fits_target"] else "no")
+    return Group(head, t, a, d)
+
+

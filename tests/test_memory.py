@@ -1,0 +1,150 @@
+"""Invariants of the memory planner (loraship.memory); CPU only, no torch."""
+
+import pytest
+
+from loraship import memory
+from loraship.config import Config
+
+# Public config.json values (fields the planner reads).
+QWEN2_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+QWEN2_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+QWEN2_14B = dict(model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                 num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)
+LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                 attention_bias=False, head_dim=128)
+MISTRAL_7B = dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=32768, head_dim=128, sliding_window=None)
+
+
+def cfg(**kw) -> Config:
+    base = dict(base_model="org/model", datasets=[{"path": "d.jsonl", "type": "completion"}])
+    return Config(**{**base, **kw})
+
+
+def total(mc, **kw) -> float:
+    c = cfg(**kw)
+    return memory.estimate(mc, c, memory.strategy_from_config(c))["predicted_total_gib"]
+
+
+@pytest.mark.parametrize("mc,params_b", [(QWEN2_05B, 0.494), (QWEN2_7B, 7.62), (QWEN2_14B, 14.77),
+                                         (LLAMA3_8B, 8.03), (MISTRAL_7B, 7.25)])
+def test_configs_parse_to_known_parameter_counts(mc, params_b):
+    s = memory.parse_model_config(mc)
+    assert s.n_params / 1e9 == pytest.approx(params_b, rel=0.01)
+
+
+def test_head_dim_and_gqa_are_read():
+    s = memory.parse_model_config({**MISTRAL_7B, "head_dim": 64})
+    assert (s.q, s.kv) == (32 * 64, 8 * 64)
+    assert memory.parse_model_config(QWEN2_7B).kv == 4 * 128  # head_dim defaults to hidden / heads
+
+
+@pytest.mark.parametrize("mc,msg", [({**QWEN2_7B, "model_type": "gpt2"}, "not supported"),
+                                    ({"model_type": "llama", "hidden_size": 4096}, "lacks")])
+def test_bad_model_config_says_why(mc, msg):
+    with pytest.raises(ValueError, match=msg):
+        memory.parse_model_config(mc)
+
+
+@pytest.mark.parametrize("field,values", [("lora_r", [8, 16, 64, 128]), ("sequence_len", [512, 1024, 4096, 8192]),
+                                          ("micro_batch_size", [1, 2, 4])])
+@pytest.mark.parametrize("fused", ["on", "off"])
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_monotonic(field, values, fused, ckpt):
+    totals = [total(QWEN2_7B, **{field: v}, fused_loss=fused, gradient_checkpointing=ckpt, lora_target_modules="all-linear")
+              for v in values]
+    assert totals == sorted(totals) and len(set(totals)) == len(totals)
+
+
+def test_qlora_weights_smaller_than_lora_and_nf4_keeps_embeddings_bf16():
+    c = cfg()
+    lora = memory.estimate(QWEN2_7B, c, {**memory.strategy_from_config(c), "adapter": "lora"})
+    qlora = memory.estimate(QWEN2_7B, c, {**memory.strategy_from_config(c), "adapter": "qlora"})
+    assert qlora["components_gib"]["frozen_weights"] < 0.4 * lora["components_gib"]["frozen_weights"]
+    # shared/MEMORY.md: Qwen2-7B NF4 double quant measured 5.30 GiB after load (2 x 1.02 GiB of it bf16 embeddings).
+    assert qlora["components_gib"]["frozen_weights"] == pytest.approx(5.30, rel=0.05)
+
+
+def test_fused_loss_smaller_than_hf_loss():
+    assert total(QWEN2_7B, sequence_len=4096, fused_loss="on") < total(QWEN2_7B, sequence_len=4096, fused_loss="off")
+
+
+def test_14b_on_32gib_picks_qlora_or_offload():
+    plan = memory.plan_training(QWEN2_14B, cfg(sequence_len=4096, micro_batch_size=2, lora_r=64))
+    assert plan["fits"]
+    st = plan["strategy"]
+    assert st["adapter"] == "qlora" or st["offload_layers"] > 0
+    assert plan["memory"]["predicted_total_gib"] <= 32 - plan["safety_margin_gib"]
+
+
+def test_small_model_fits_as_asked():
+    c = cfg(sequence_len=2048, micro_batch_size=2, gradient_accumulation_steps=4)
+    plan = memory.plan_training(QWEN2_05B, c)
+    assert plan["fits"] and plan["strategy"] == memory.strategy_from_config(c)
+    assert plan["reason"].startswith("as configured fits")
+
+
+def test_effective_batch_preserved_when_micro_batch_shrinks():
+    c = cfg(sequence_len=4096, micro_batch_size=8, gradient_accumulation_steps=3, fused_loss="off")
+    plan = memory.plan_training(QWEN2_7B, c)
+    st = plan["strategy"]
+    assert st["micro_batch_size"] < 8
+    assert st["micro_batch_size"] * st["gradient_accumulation_steps"] == 24
+
+
+def test_plan_shape_and_components():
+    plan = memory.plan_training(LLAMA3_8B, cfg(adapter="qlora"))
+    assert set(plan) >= {"strategy", "fits", "budget_gib", "safety_margin_gib", "reason", "memory", "alternatives"}
+    comps = plan["memory"]["components_gib"]
+    for k in ("frozen_weights", "lora_weights", "lora_gradients", "optimizer_state", "checkpointed_activations",
+              "one_layer_recompute_and_backward", "logits_and_cross_entropy", "cuda_context", "allocator_reserve"):
+        assert k in comps
+    m = plan["memory"]
+    assert m["predicted_total_gib"] == pytest.approx(m["predicted_reserved_gib"] + m["cuda_context_gib"], abs=0.02)
+    assert m["weights_only_estimate_gib"] < m["predicted_total_gib"]
+    for alt in plan["alternatives"]:
+        assert {"adapter", "offload_layers", "micro_batch_size", "predicted_total_gib", "fits"} <= set(alt)
+
+
+@pytest.mark.parametrize("mc,kw", [(QWEN2_7B, dict(sequence_len=4096, micro_batch_size=4, gradient_accumulation_steps=2)),
+                                   (QWEN2_14B, dict(sequence_len=8192)), (QWEN2_05B, dict())])
+def test_replan_gets_strictly_smaller_or_none(mc, kw):
+    c = cfg(**kw)
+    plan = memory.plan_training(mc, c)
+    seen = 0
+    while plan is not None and seen < 400:
+        measured = {"peak_reserved_gib": plan["memory"]["predicted_reserved_gib"] * 1.1,
+                    "peak_allocated_gib": plan["memory"]["predicted_allocated_gib"]}
+        nxt = memory.replan_after_oom(plan, mc, c, measured)
+        if nxt is None:
+            break
+        assert nxt["memory"]["predicted_total_gib"] < plan["memory"]["predicted_total_gib"]
+        assert isinstance(nxt["oom_component"], str) and nxt["oom_component"]
+        st = nxt["strategy"]
+        assert st["micro_batch_size"] * st["gradient_accumulation_steps"] == c.micro_batch_size * c.gradient_accumulation_steps
+        plan, seen = nxt, seen + 1
+    assert plan is None or seen < 400
+
+
+def test_disk_and_inference():
+    d = memory.plan_disk_and_inference(LLAMA3_8B, cfg(target_context=4096, target_gpu_memory_gib=8))
+    disk, inf = d["disk_gib"], d["inference"]
+    assert disk["quantize"] < disk["convert"] and disk["total"] == pytest.approx(disk["merge"] + disk["convert"] + disk["quantize"], abs=0.02)
+    assert inf["kv_cache_gib"] == pytest.approx(2 * 32 * 4096 * 1024 * 2 / 2**30, abs=0.01)  # 0.5 GiB with GQA
+    assert inf["total_gib"] > inf["gguf_gib"] + inf["kv_cache_gib"]
+    assert inf["fits_target"] is True
+    longer = memory.plan_disk_and_inference(LLAMA3_8B, cfg(target_context=32768, target_gpu_memory_gib=8))
+    assert longer["inference"]["kv_cache_gib"] > inf["kv_cache_gib"] and not longer["inference"]["fits_target"]
+
+
+def test_render_plan():
+    from rich.console import Console
+
+    c = cfg(sequence_len=4096)
+    con = Console(record=True, width=140)
+    con.print(memory.render_plan(memory.plan_training(QWEN2_14B, c), memory.plan_disk_and_inference(QWEN2_14B, c)))
+    text = con.export_text()
+    assert "frozen weights" in text and "safety margin" in text and "kv_cache" in text
