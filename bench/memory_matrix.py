@@ -405,6 +405,50 @@ def analyze(raw_path: Path, results: Path, md: Path) -> dict:
     return out
 
 
+FIT_KEYS = ("keep", "layer", "layer_backward", "hf_loss", "fused_loss", "reserve_loss", "reserve_layer",
+            "reserve_fixed_gib")
+
+
+def fit(raw_path: Path) -> dict:
+    """Fit loraship.memory.CAL on the fit rows only (coordinate descent on squared relative error)."""
+    from loraship import memory
+
+    raw = json.loads(raw_path.read_text())
+    rows = [r for r in raw["rows"] if r["cap_gib"] is None and not r.get("oom") and not r.get("failed")
+            and is_fit_row(r["index"])]
+    ctx = [r["context_gib"] for r in raw["rows"] if r.get("context_gib")]
+    if ctx:
+        memory.CAL["cuda_context_gib"] = round(statistics.median(ctx), 2)
+
+    def loss() -> float:
+        tot = 0.0
+        for r in rows:
+            p = predict(r["spec"])
+            er = (p["predicted_reserved_gib"] - r["peak_reserved_gib"]) / r["peak_reserved_gib"]
+            ea = (p["predicted_allocated_gib"] - r["peak_allocated_gib"]) / r["peak_allocated_gib"]
+            tot += er * er + 0.5 * ea * ea + (4 * er * er if er < 0 else 0)  # under-prediction costs more
+        return tot
+
+    best = loss()
+    step = 0.5
+    while step > 0.005:
+        improved = False
+        for k in FIT_KEYS:
+            for f in (1 + step, 1 / (1 + step)):
+                old = memory.CAL[k]
+                memory.CAL[k] = old * f
+                val = loss()
+                if val < best - 1e-9:
+                    best, improved = val, True
+                else:
+                    memory.CAL[k] = old
+        if not improved:
+            step /= 2
+    cal = {k: round(v, 3) for k, v in memory.CAL.items()}
+    print(f"fitted on {len(rows)} rows, objective {best:.4f}:", json.dumps(cal))
+    return cal
+
+
 def _markdown(out: dict) -> str:
     lines = [
         "# Training memory: planner vs measured",
@@ -453,6 +497,8 @@ def main() -> None:
     sub.add_parser("smoke")
     a = sub.add_parser("analyze")
     a.add_argument("raw", type=Path)
+    f = sub.add_parser("fit")
+    f.add_argument("raw", type=Path)
     args = ap.parse_args()
     if args.cmd == "measure":
         measure(args.out, args.deadline_s, args.parallel, args.gpu_gib, args.only)
@@ -461,6 +507,9 @@ def main() -> None:
     elif args.cmd == "smoke":
         for spec in (_c("tiny", "qlora", 8, "qvo", 64, 2), _c("tiny", "lora", 8, "all-linear", 64, 1, ckpt=False)):
             print(json.dumps(run_one(spec, None, "cpu")))
+    elif args.cmd == "fit":
+        sys.path.insert(0, str(ROOT))
+        fit(args.raw)
     else:
         sys.path.insert(0, str(ROOT))
         out = analyze(args.raw, ROOT / "bench/results/memory_matrix.json", ROOT / "bench/memory_matrix.md")
