@@ -20,8 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# image -> pyproject extras it installs on top of the core dependencies. `light` runs plan,
-# publish and the parent flow; convert covers convert and quantize (one llama.cpp).
+# requirement set -> pyproject extras installed on top of the core dependencies. `light` is
+# plan's and publish's (and the parent flow's); convert covers convert and quantize (one llama.cpp).
 IMAGES = {
     "light": ["orchestrate"],
     "train": ["train", "orchestrate"],
@@ -29,15 +29,18 @@ IMAGES = {
     "convert": ["convert", "orchestrate"],
     "verify": ["verify", "orchestrate"],
 }
-# Which image runs each stage (deploy/prefect.yaml and the Kubernetes renderer use this too).
+# image (images/<image>.Dockerfile, tag loraship-<image>) -> requirement set it installs.
+IMAGE_REQUIREMENTS = {"plan": "light", "publish": "light", "train": "train", "merge": "merge",
+                      "convert": "convert", "verify": "verify"}
+# Which image runs each stage (deploy/prefect.yaml and tests/test_deploy.py use this).
 STAGE_IMAGE = {
-    "plan": "light",
+    "plan": "plan",
     "train": "train",
     "merge": "merge",
     "convert": "convert",
     "quantize": "convert",
     "verify": "verify",
-    "publish": "light",
+    "publish": "publish",
 }
 # plan reads the tokenizer (AutoTokenizer, for llama.cpp's BPE pre-tokenizer check) without
 # torch; pyproject has no `plan` extra, so these few come from the train extra by name.

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The real local deployment, end to end:
+#   Prefect server (SQLite, 127.0.0.1) -> process work pool + worker -> prefect deploy ->
+#   prefect deployment run train-and-ship/local --watch  (each stage its own flow run)
+# then checks the run completed, its stage artifacts exist in Prefect, and (LORASHIP_GITOPS_CHECK=1,
+# the default) that `python -m loraship.gitops` triggers a changed spec once and only once.
+#
+#   deploy/local/run.sh            # about 4-6 minutes on 2 cores, tiny model on the CPU
+#   LORASHIP_KEEP_SERVER=1 deploy/local/run.sh   # leave server + worker up (UI on the port)
+#
+# Everything stays in the project: PREFECT_HOME=.prefect, the server's own SQLite file
+# .prefect/local-server.db (not the embedded runs' database), logs in .loraship/local-deploy/.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$ROOT"
+VENV_BIN="${LORASHIP_VENV_BIN:-$ROOT/.venv/bin}"
+export PATH="$VENV_BIN:$PATH"
+PORT="${LORASHIP_PREFECT_PORT:-4217}"
+LOGS="$ROOT/.loraship/local-deploy"
+mkdir -p "$LOGS"
+
+export PREFECT_HOME="${PREFECT_HOME:-$ROOT/.prefect}"
+export PREFECT_API_URL="http://127.0.0.1:${PORT}/api"
+export PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///${PREFECT_HOME}/local-server.db"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+export PREFECT_UI_ENABLED="${PREFECT_UI_ENABLED:-false}"
+export PREFECT_LOGGING_LEVEL="${PREFECT_LOGGING_LEVEL:-INFO}"
+# Inherited by the worker's flow-run subprocesses (the same settings as `make demo`).
+export LORASHIP_CACHE="${LORASHIP_CACHE:-$ROOT/.loraship/cache}"
+export HF_HUB_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false
+mkdir -p "$PREFECT_HOME"
+
+pids=()
+cleanup() {
+  if [[ -z "${LORASHIP_KEEP_SERVER:-}" ]]; then
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  else
+    echo "server and worker left running: pids ${pids[*]}, API $PREFECT_API_URL"
+  fi
+}
+trap cleanup EXIT
+t0=$SECONDS
+step() { echo "== [$((SECONDS - t0)) s] $*"; }
+
+step "Prefect server on 127.0.0.1:$PORT (SQLite ${PREFECT_HOME}/local-server.db)"
+if curl -fsS "$PREFECT_API_URL/health" >/dev/null 2>&1; then
+  echo "a server already answers on port $PORT: set LORASHIP_PREFECT_PORT to a free port" >&2
+  exit 1
+fi
+prefect server start --host 127.0.0.1 --port "$PORT" >"$LOGS/server.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 180); do
+  curl -fsS "$PREFECT_API_URL/health" >/dev/null 2>&1 && break
+  kill -0 "${pids[0]}" 2>/dev/null || { tail -30 "$LOGS/server.log" >&2; exit 1; }
+  sleep 1
+done
+curl -fsS "$PREFECT_API_URL/health" >/dev/null || { tail -30 "$LOGS/server.log" >&2; exit 1; }
+
+step "process work pool + worker"
+prefect work-pool create loraship-process --type process --overwrite >/dev/null
+prefect worker start --pool loraship-process --type process --name loraship-local-worker \
+  >"$LOGS/worker.log" 2>&1 &
+pids+=($!)
+
+step "tiny base model"
+python -m loraship.tinymodel --out .loraship/models/tiny-llama >/dev/null
+
+step "prefect deploy (train-and-ship/local + loraship-stage/*-local)"
+prefect --no-prompt deploy --prefect-file deploy/prefect.yaml \
+  --name train-and-ship/local --name '*-local' >"$LOGS/deploy.log" 2>&1 \
+  || { tail -40 "$LOGS/deploy.log" >&2; exit 1; }
+prefect deployment ls
+
+step "prefect deployment run train-and-ship/local --watch"
+run_log="$LOGS/run.log"
+set +e
+prefect deployment run train-and-ship/local --watch --watch-timeout 1800 2>&1 | tee "$run_log"
+rc=${PIPESTATUS[0]}
+set -e
+python deploy/local/check_run.py "$run_log" demo
+[[ $rc -eq 0 ]] || { echo "prefect deployment run exited $rc" >&2; exit "$rc"; }
+ls -la artifacts/demo 2>/dev/null || true
+
+if [[ "${LORASHIP_GITOPS_CHECK:-1}" == 1 ]]; then
+  step "gitops: a spec pushed to a scratch repository runs once, never twice"
+  scratch="$(mktemp -d)"
+  git -C "$scratch" init -q -b main
+  git -C "$scratch" -c user.name=ci -c user.email=ci@localhost commit -q --allow-empty -m start
+  mkdir -p "$scratch/deploy/gitops/specs"
+  # The demo config itself: every stage is already done, so this run completes by resuming.
+  cp configs/demo.yaml "$scratch/deploy/gitops/specs/demo.yaml"
+  git -C "$scratch" add deploy && git -C "$scratch" -c user.name=ci -c user.email=ci@localhost commit -q -m "spec: demo"
+  python -m loraship.gitops --repo "$scratch" --from HEAD~1 --to HEAD --deployment train-and-ship/local | tee "$LOGS/gitops-1.log"
+  grep -q '"action": "triggered"' "$LOGS/gitops-1.log"
+  python -m loraship.gitops --repo "$scratch" --from HEAD~1 --to HEAD --deployment train-and-ship/local | tee "$LOGS/gitops-2.log"
+  grep -q '"action": "already-triggered"' "$LOGS/gitops-2.log"
+  rm -rf "$scratch"
+fi
+step "local deployment OK"

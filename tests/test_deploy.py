@@ -1,0 +1,332 @@
+"""Offline checks of everything under images/ and deploy/, and of loraship.gitops.
+
+No server, Docker or network: the real runs are deploy/local/run.sh and deploy/docker/run_ci.sh.
+Lint tools come from deploy/requirements-ci.txt; a test whose tool is missing is skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loraship.config import load_config, parse_config
+from loraship.constants import STAGES
+from loraship.errors import LorashipError
+from loraship.gitops import TAG_PREFIX, load_spec, trigger_changed_specs
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGES = ROOT / "images"
+DEPLOY = ROOT / "deploy"
+POOLS = {"local": "loraship-process", "docker": "loraship-docker", "kubernetes": "loraship-kubernetes"}
+GPU_STAGES = {"train", "verify"}
+
+sys.path.insert(0, str(IMAGES))
+from pin import IMAGE_REQUIREMENTS, IMAGES as REQUIREMENT_SETS, STAGE_IMAGE  # noqa: E402
+
+sys.path.insert(0, str(DEPLOY / "kubernetes"))
+import render as k8s_render  # noqa: E402
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name) or shutil.which(str(Path(sys.executable).parent / name))
+    if not found:
+        pytest.skip(f"{name} not installed: pip install -r deploy/requirements-ci.txt")
+    return found
+
+
+def _prefect_yaml() -> dict:
+    return yaml.safe_load((DEPLOY / "prefect.yaml").read_text(encoding="utf-8"))
+
+
+def _deployments() -> dict[str, dict]:
+    return {d["name"]: d for d in _prefect_yaml()["deployments"]}
+
+
+# ---- images ----------------------------------------------------------------------------------
+DOCKERFILES = sorted(IMAGES.glob("*.Dockerfile"))
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_clean(dockerfile):
+    result = subprocess.run([_tool("hadolint"), "--no-color", str(dockerfile)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("image", sorted(set(STAGE_IMAGE.values())))
+def test_stage_image_dockerfile(image):
+    text = (IMAGES / f"{image}.Dockerfile").read_text(encoding="utf-8")
+    assert re.search(r"^ARG BASE_IMAGE=", text, re.M), "the base image must be a build argument"
+    assert re.search(r"^USER 1000:1000$", text, re.M), "stages run as the non-root uid 1000"
+    assert f'ENTRYPOINT ["python", "-m", "tasks.{image}"]' in text
+    assert not re.search(r"(?i)(token|password|secret|api_key)\s*=", text), "no secrets in any layer"
+    assert "# syntax=" not in text, "a syntax line makes BuildKit fetch a frontend from a registry"
+    if image in ("convert", "verify"):
+        assert "AS llama-cpp" in text and "LORASHIP_LLAMA_CPP_DIR=/opt/llama.cpp" in text
+
+
+def test_every_stage_has_an_image_and_extra():
+    assert set(STAGE_IMAGE) == set(STAGES)
+    extras = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for image, requirements in IMAGE_REQUIREMENTS.items():
+        text = (IMAGES / f"{image}.Dockerfile").read_text(encoding="utf-8")
+        assert f"COPY requirements/{requirements}.txt " in text
+    for name, wanted in REQUIREMENT_SETS.items():
+        assert set(wanted) <= set(extras), f"{name}: unknown extra in {wanted}"
+
+
+def test_constraints_pin_exact_versions():
+    lines = [ln for ln in (IMAGES / "constraints.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert lines and all(re.fullmatch(r"[a-z0-9-]+==[^=\s]+", ln) for ln in lines), lines[:5]
+    names = {ln.split("==")[0] for ln in lines}
+    assert {"torch", "llama-cpp-python"}.isdisjoint(names), "CPU vs CUDA builds: pinned by build argument / wheel"
+    assert {"prefect", "transformers", "peft"} <= names
+
+
+# ---- deploy/prefect.yaml ---------------------------------------------------------------------
+@pytest.mark.parametrize("suffix", POOLS)
+def test_prefect_yaml_names_every_stage_for_each_pool(suffix):
+    deployments = _deployments()
+    parent = deployments[suffix]
+    assert parent["entrypoint"] == "flows/train_and_ship.py:train_and_ship"
+    assert parent["work_pool"]["name"] == POOLS[suffix]
+    assert parent["work_pool"]["job_variables"]["env"]["LORASHIP_STAGE_DEPLOYMENTS"] == suffix
+    for stage in STAGES:
+        d = deployments[f"{stage}-{suffix}"]
+        assert d["entrypoint"] == "flows/train_and_ship.py:run_stage"
+        assert d["parameters"] == {"stage": stage}
+        assert d["work_pool"]["name"] == POOLS[suffix]
+        jv = d["work_pool"].get("job_variables") or {}
+        if suffix != "local":
+            assert jv["image"] == f"loraship-{STAGE_IMAGE[stage]}:0.1.0"
+            assert d["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == "/opt/loraship"
+        if suffix == "docker":
+            kwargs = jv["container_create_kwargs"]
+            assert kwargs["entrypoint"] == ["/usr/bin/env"], "the worker's command must replace the stage entrypoint"
+            assert bool(kwargs.get("device_requests")) == (stage in GPU_STAGES)
+            assert any(v.endswith(":/shared") for v in jv["volumes"])
+        if suffix == "kubernetes":
+            gpus = jv["resources"]["limits"].get("nvidia.com/gpu")
+            assert (gpus == "1") == (stage in GPU_STAGES)
+            assert bool(jv["tolerations"]) == (stage in GPU_STAGES)
+            assert jv["node_selector"]
+
+
+def test_flow_names_match_the_deployments():
+    flows = pytest.importorskip("flows.train_and_ship")
+    assert flows.train_and_ship.name == "train-and-ship"
+    assert flows.run_stage.name == "loraship-stage"
+    assert flows.STAGE_DEPLOYMENTS_ENV == "LORASHIP_STAGE_DEPLOYMENTS"
+
+
+def test_parent_parameters_are_the_demo_config():
+    demo = load_config(ROOT / "configs" / "demo.yaml").model_dump(mode="json")
+    path_fields = {"base_model", "datasets", "eval_datasets", "golden_prompts", "workdir", "output"}
+    for suffix in POOLS:
+        config = parse_config(_deployments()[suffix]["parameters"]["config"]).model_dump(mode="json")
+        assert {k: v for k, v in config.items() if k not in path_fields} == {
+            k: v for k, v in demo.items() if k not in path_fields
+        }, suffix
+        if suffix == "local":
+            assert config == demo
+        else:
+            paths = [config["base_model"], config["golden_prompts"], config["workdir"], config["output"]]
+            paths += [d["path"] for d in config["datasets"] + config["eval_datasets"]]
+            assert all(p.startswith("/shared/") for p in paths), "containers share only the /shared volume"
+
+
+# ---- deploy/kubernetes -----------------------------------------------------------------------
+def test_kubernetes_manifests_validate():
+    pytest.importorskip("kubernetes_validate")
+    template = json.loads(k8s_render.TEMPLATE.read_text())
+    deployments = k8s_render.kubernetes_deployments()
+    assert len(deployments) == len(STAGES) + 1
+    for d in deployments:
+        job = k8s_render.render(d, template)
+        assert k8s_render.validate(job, k8s_render.DEFAULT_K8S_VERSION) == [], d["name"]
+        pod = job["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["args"] == ["prefect", "flow-run", "execute"]
+        assert {"name": "PREFECT__FLOW_RUN_ID", "value": "00000000-0000-0000-0000-000000000000"} in container["env"]
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {m["mountPath"] for m in container["volumeMounts"]} == {"/dev/shm", "/shared"}
+        assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_kubernetes_validation_catches_a_bad_template():
+    pytest.importorskip("kubernetes_validate")
+    template = json.loads(k8s_render.TEMPLATE.read_text())
+    bad = copy.deepcopy(template)
+    bad["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]["gpus"] = 1
+    job = k8s_render.render(k8s_render.kubernetes_deployments()[0], bad)
+    assert k8s_render.validate(job, k8s_render.DEFAULT_K8S_VERSION)
+
+
+# ---- deploy/gitops workflow ------------------------------------------------------------------
+WORKFLOW = DEPLOY / "gitops" / "github-workflow.yml"
+
+
+def test_workflow_matches_github_schema():
+    result = subprocess.run(
+        [_tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(WORKFLOW)],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_workflow_has_no_high_zizmor_finding():
+    result = subprocess.run([_tool("zizmor"), "--offline", "--format", "json", str(WORKFLOW)], capture_output=True, text=True)
+    findings = json.loads(result.stdout or "[]")
+    high = [f["ident"] for f in findings if f["determinations"]["severity"] == "High"]
+    assert not high, high
+
+
+def test_workflow_triggers_on_specs_and_runs_gitops():
+    wf = yaml.safe_load(WORKFLOW.read_text())
+    on = wf[True] if True in wf else wf["on"]  # YAML 1.1 reads the key `on` as True
+    assert on["push"]["paths"] == ["deploy/gitops/specs/**"]
+    steps = " ".join(s.get("run", "") for s in wf["jobs"]["train-and-ship"]["steps"])
+    assert "prefect --no-prompt deploy --prefect-file deploy/prefect.yaml" in steps
+    assert "loraship gitops --from" in steps
+
+
+@pytest.mark.parametrize("spec", sorted((DEPLOY / "gitops" / "specs").glob("*.y*ml")), ids=lambda p: p.name)
+def test_shipped_specs_are_valid_configs(spec):
+    config = load_spec(spec.read_text(encoding="utf-8"), str(spec.relative_to(ROOT)))
+    assert config.run_name
+
+
+# ---- loraship.gitops against a scratch git repository ----------------------------------------
+class FakeTrigger:
+    """Records runs like the Prefect server does: by tag, and one run per idempotency key."""
+
+    def __init__(self, final_state: str = "COMPLETED"):
+        self.runs: dict[str, dict] = {}
+        self.final_state = final_state
+
+    def find(self, deployment, key, tag):
+        return next((r for r in self.runs.values() if tag in r["tags"] and r["deployment"] == deployment), None)
+
+    def run(self, deployment, parameters, key, tags, wait):
+        run = self.runs.setdefault(key, {"flow_run_id": f"run-{len(self.runs)}", "flow_run_name": key[-8:],
+                                         "state": self.final_state, "deployment": deployment, "tags": tags,
+                                         "parameters": parameters})
+        return {k: run[k] for k in ("flow_run_id", "flow_run_name", "state")}
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+SPEC = "base_model: models/tiny\ndatasets:\n  - {path: data/train.jsonl, type: chat}\n"
+
+
+@pytest.fixture
+def repo(tmp_path):
+    _git(tmp_path, "init", "-q", "-b", "main")
+    _git(tmp_path, "commit", "-q", "--allow-empty", "-m", "start")
+    return tmp_path
+
+
+def _commit(repo: Path, files: dict[str, str | None], message: str = "change") -> str:
+    for rel, text in files.items():
+        path = repo / rel
+        if text is None:
+            path.unlink()
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", message)
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def test_gitops_dry_run_lists_changed_specs_only(repo):
+    start = _git(repo, "rev-parse", "HEAD")
+    _commit(repo, {"deploy/gitops/specs/a.yaml": SPEC, "deploy/gitops/specs/b.yml": SPEC + "lora_r: 8\n",
+                   "deploy/gitops/specs/notes.md": "not a spec", "configs/other.yaml": SPEC})
+    results = trigger_changed_specs(start, "HEAD", repo=repo, dry_run=True, trigger=FakeTrigger())
+    assert [(r["spec"], r["action"], r["run_name"]) for r in results] == [
+        ("deploy/gitops/specs/a.yaml", "dry-run", "a"), ("deploy/gitops/specs/b.yml", "dry-run", "b")]
+    assert all(re.fullmatch(r"[0-9a-f]{64}", r["sha256"]) for r in results)
+
+
+def test_gitops_triggers_once_per_content_hash(repo):
+    trigger = FakeTrigger()
+    c0 = _git(repo, "rev-parse", "HEAD")
+    c1 = _commit(repo, {"deploy/gitops/specs/a.yaml": SPEC})
+    first = trigger_changed_specs(c0, c1, repo=repo, deployment="train-and-ship/docker", trigger=trigger)
+    assert [r["action"] for r in first] == ["triggered"] and first[0]["ok"]
+    run = next(iter(trigger.runs.values()))
+    assert run["parameters"]["config"]["run_name"] == "a"
+    assert TAG_PREFIX + first[0]["sha256"][:16] in run["tags"]
+
+    # The same range again (a re-run CI job): nothing new.
+    again = trigger_changed_specs(c0, c1, repo=repo, deployment="train-and-ship/docker", trigger=trigger)
+    assert [r["action"] for r in again] == ["already-triggered"] and len(trigger.runs) == 1
+
+    # Only comments and layout change: the validated config is the same, so no run.
+    c2 = _commit(repo, {"deploy/gitops/specs/a.yaml": "# tweaked\n" + SPEC.replace("{path", "{ path")})
+    cosmetic = trigger_changed_specs(c1, c2, repo=repo, deployment="train-and-ship/docker", trigger=trigger)
+    assert [r["action"] for r in cosmetic] == ["already-triggered"] and len(trigger.runs) == 1
+
+    # A real change runs; the same content on another deployment is another run.
+    c3 = _commit(repo, {"deploy/gitops/specs/a.yaml": SPEC + "lora_r: 32\n"})
+    changed = trigger_changed_specs(c2, c3, repo=repo, deployment="train-and-ship/docker", trigger=trigger)
+    assert [r["action"] for r in changed] == ["triggered"] and changed[0]["sha256"] != first[0]["sha256"]
+    other = trigger_changed_specs(c2, c3, repo=repo, deployment="train-and-ship/kubernetes", trigger=trigger)
+    assert [r["action"] for r in other] == ["triggered"] and len(trigger.runs) == 3
+
+    # Reverting to the first content: that config already ran there.
+    c4 = _commit(repo, {"deploy/gitops/specs/a.yaml": SPEC})
+    reverted = trigger_changed_specs(c3, c4, repo=repo, deployment="train-and-ship/docker", trigger=trigger)
+    assert [r["action"] for r in reverted] == ["already-triggered"]
+
+
+def test_gitops_deleted_specs_and_first_push(repo):
+    trigger = FakeTrigger()
+    c1 = _commit(repo, {"deploy/gitops/specs/a.yaml": SPEC})
+    # GitHub's "before" of a branch's first push is all zeros: compare with the empty tree.
+    results = trigger_changed_specs("0" * 40, c1, repo=repo, trigger=trigger)
+    assert [r["spec"] for r in results] == ["deploy/gitops/specs/a.yaml"]
+    c2 = _commit(repo, {"deploy/gitops/specs/a.yaml": None})
+    assert trigger_changed_specs(c1, c2, repo=repo, trigger=trigger) == []
+
+
+def test_gitops_failed_run_is_not_ok(repo):
+    c0 = _git(repo, "rev-parse", "HEAD")
+    c1 = _commit(repo, {"deploy/gitops/specs/a.yaml": SPEC})
+    results = trigger_changed_specs(c0, c1, repo=repo, trigger=FakeTrigger(final_state="FAILED"))
+    assert results[0]["action"] == "triggered" and results[0]["ok"] is False
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (SPEC + "lora_rank: 8\n", "lora_rank: unknown key (did you mean 'lora_r'?)"),
+        ("datasets: []\n", "base_model: required field is missing"),
+        ("base_model: [unclosed\n", "not valid YAML"),
+    ],
+)
+def test_gitops_invalid_spec_triggers_nothing(repo, text, expected):
+    trigger = FakeTrigger()
+    c0 = _git(repo, "rev-parse", "HEAD")
+    c1 = _commit(repo, {"deploy/gitops/specs/good.yaml": SPEC, "deploy/gitops/specs/bad.yaml": text})
+    with pytest.raises(LorashipError, match=re.escape(expected)) as info:
+        trigger_changed_specs(c0, c1, repo=repo, trigger=trigger)
+    assert "deploy/gitops/specs/bad.yaml" in str(info.value)
+    assert trigger.runs == {}
+
+
+def test_gitops_unknown_ref_says_how_to_fix(repo):
+    with pytest.raises(LorashipError, match="fetch-depth: 0"):
+        trigger_changed_specs("no-such-ref", "HEAD", repo=repo, dry_run=True)
