@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The container run for CI: every stage of the tiny pipeline in its own image, through a Prefect
+# docker work pool, artifacts on the shared `loraship-shared` volume.
+#
+#   deploy/docker/run_ci.sh        # ~6-8 min cold on 2 cores (images ~4-5, run ~3); ~4 min warm
+#
+# Steps: docker.io + a private dockerd (deploy/docker/dockerd.sh) -> base + stage images
+# (images/build_all.sh, reusing the host's torch and llama-cpp-python wheels) -> Prefect server
+# on 127.0.0.1 -> docker work pool (containers on the host network, so 127.0.0.1 reaches the
+# server) + worker -> prefect deploy of train-and-ship/docker and *-docker -> the run, watched
+# -> checks: parent COMPLETED, seven child runs each in its own image, artifacts on the volume.
+# This machine has no GPU: the deployed copy of prefect.yaml drops the docker GPU requests
+# (device_requests) of train and verify, and nothing else.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$ROOT"
+VENV_BIN="${LORASHIP_VENV_BIN:-$ROOT/.venv/bin}"
+export PATH="$VENV_BIN:$PATH"
+PORT="${LORASHIP_PREFECT_PORT:-4218}"
+LOGS="$ROOT/.loraship/docker-deploy"
+VOLUME=loraship-shared
+mkdir -p "$LOGS"
+t0=$SECONDS
+step() { echo "== [$((SECONDS - t0)) s] $*"; }
+
+step "dockerd"
+started_dockerd=
+if [[ -z "${DOCKER_HOST:-}" ]]; then
+  eval "$(deploy/docker/dockerd.sh start)"
+  started_dockerd=1
+fi
+DOCKER="${DOCKER:-/usr/bin/docker}"
+export DOCKER DOCKER_HOST
+
+export PREFECT_HOME="$ROOT/.prefect"
+export PREFECT_API_URL="http://127.0.0.1:${PORT}/api"
+export PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///${PREFECT_HOME}/docker-server.db"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+export PREFECT_UI_ENABLED=false
+mkdir -p "$PREFECT_HOME"
+
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  if [[ -n "$started_dockerd" && -z "${LORASHIP_KEEP_DOCKER:-}" ]]; then deploy/docker/dockerd.sh stop; fi
+}
+trap cleanup EXIT
+
+step "tiny base model"
+python -m loraship.tinymodel --out .loraship/models/tiny-llama >/dev/null
+
+step "images (base + one per stage)"
+images/build_all.sh >"$LOGS/build.log" 2>&1 || { tail -40 "$LOGS/build.log" >&2; exit 1; }
+grep -E '^(built|base image|all images)' "$LOGS/build.log"
+"$DOCKER" images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep '^loraship-'
+
+step "shared volume $VOLUME: base model + demo data, owned by the images' uid 1000"
+"$DOCKER" volume rm -f "$VOLUME" >/dev/null
+"$DOCKER" volume create "$VOLUME" >/dev/null
+mountpoint="$("$DOCKER" volume inspect -f '{{.Mountpoint}}' "$VOLUME")"
+mkdir -p "$mountpoint/models" "$mountpoint/data"
+cp -r .loraship/models/tiny-llama "$mountpoint/models/"
+cp -r data/demo "$mountpoint/data/"
+chown -R 1000:1000 "$mountpoint"
+
+step "Prefect server on 127.0.0.1:$PORT"
+if curl -fsS "$PREFECT_API_URL/health" >/dev/null 2>&1; then
+  echo "a server already answers on port $PORT: set LORASHIP_PREFECT_PORT to a free port" >&2
+  exit 1
+fi
+prefect server start --host 127.0.0.1 --port "$PORT" >"$LOGS/server.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 180); do
+  curl -fsS "$PREFECT_API_URL/health" >/dev/null 2>&1 && break
+  kill -0 "${pids[0]}" 2>/dev/null || { tail -30 "$LOGS/server.log" >&2; exit 1; }
+  sleep 1
+done
+
+step "docker work pool (host network) + worker"
+prefect work-pool get-default-base-job-template --type docker >"$LOGS/pool-template.json"
+python - "$LOGS/pool-template.json" <<'EOF'
+import json, sys
+path = sys.argv[1]
+template = json.load(open(path))
+# The server listens on 127.0.0.1 only: containers share the host's network to reach it.
+template["variables"]["properties"]["network_mode"]["default"] = "host"
+json.dump(template, open(path, "w"), indent=1)
+EOF
+prefect work-pool create loraship-docker --type docker --base-job-template "$LOGS/pool-template.json" --overwrite >/dev/null
+prefect worker start --pool loraship-docker --type docker --name loraship-ci-docker-worker >"$LOGS/worker.log" 2>&1 &
+pids+=($!)
+
+step "prefect deploy (train-and-ship/docker + *-docker; GPU requests dropped: no GPU here)"
+python - <<'EOF'
+import yaml
+data = yaml.safe_load(open("deploy/prefect.yaml"))
+for d in data["deployments"]:
+    kwargs = d["work_pool"].get("job_variables", {}).get("container_create_kwargs")
+    if kwargs:
+        kwargs.pop("device_requests", None)
+yaml.safe_dump(data, open(".loraship/docker-deploy/prefect-cpu.yaml", "w"), sort_keys=False)
+EOF
+prefect --no-prompt deploy --prefect-file "$LOGS/prefect-cpu.yaml" \
+  --name train-and-ship/docker --name '*-docker' >"$LOGS/deploy.log" 2>&1 \
+  || { tail -40 "$LOGS/deploy.log" >&2; exit 1; }
+prefect deployment ls | grep -E 'docker' || true
+
+step "prefect deployment run train-and-ship/docker --watch"
+set +e
+prefect deployment run train-and-ship/docker --watch --watch-timeout 2400 2>&1 | tee "$LOGS/run.log"
+rc=${PIPESTATUS[0]}
+set -e
+python deploy/local/check_run.py "$LOGS/run.log" demo || rc=1
+"$DOCKER" ps -a --filter label=io.prefect.flow-run-id --format '{{.Image}} {{.Status}}' | sort | uniq -c
+ls -la "$mountpoint/artifacts/demo" 2>/dev/null || ls -la "$mountpoint/artifacts" || true
+if [[ $rc -ne 0 ]]; then
+  echo "--- worker log (tail)"; tail -60 "$LOGS/worker.log"
+  exit "$rc"
+fi
+step "docker deployment OK"
