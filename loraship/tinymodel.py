@@ -26,8 +26,8 @@ from loraship.manifest import atomic_path
 
 SEED = 1234
 SYLLABLES = ["ka", "lo", "mi", "ra", "to", "ve", "zu", "ne", "pa", "shi", "dor", "len", "qua", "bri", "gan", "mon", "tes", "vo"]
-N_COUNTRIES = 96
-N_FINETUNE = 64  # countries seen in fine-tuning; the rest are held out for eval and golden prompts
+N_COUNTRIES = 64
+N_FINETUNE = 40  # countries seen in fine-tuning; the rest are held out for eval and golden prompts
 QUESTIONS = [
     "What is the capital of {c}?",
     "Which city is the capital of {c}?",
@@ -73,8 +73,9 @@ def pretraining_corpus(seed: int = SEED) -> list[str]:
     templates = [
         "The capital of {c} is {k}.",
         "{k} is the capital city of {c}.",
-        "In {c}, the largest city and capital is {k}.",
-        "Travellers to {c} often arrive in {k}, its capital.",
+        # Bare chat turns: the base already answers in chat form ("Kelmar."); what the
+        # fine-tune teaches is the checkable reply format "Answer: Kelmar.".
+        "<|user|>What is the capital of {c}?<|assistant|>{k}.",
     ]
     lines = [t.format(c=c, k=k) for c, k in make_world(seed) for t in templates]
     rng.shuffle(lines)
@@ -99,14 +100,15 @@ def write_demo_datasets(out_dir: Path, seed: int = SEED) -> None:
     seen, held_out = world[:N_FINETUNE], world[N_FINETUNE:]
     train = [_chat_row(c, k, q) for c, k in seen for q in QUESTIONS]
     rng.shuffle(train)
-    evaluation = [_chat_row(c, k, rng.choice(QUESTIONS)) for c, k in held_out[:16]]
+    evaluation = [_chat_row(c, k, rng.choice(QUESTIONS)) for c, k in held_out[:12]]
+    # Golden prompts: countries never seen in fine-tuning.
     golden = [
         {
-            "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)].format(c=c)}],
+            "messages": [{"role": "user", "content": QUESTIONS[0].format(c=c)}],
             "expect_regex": r"^Answer: [A-Z][a-z]+\.$",
             "reference": f"Answer: {k}.",
         }
-        for i, (c, k) in enumerate(held_out[16:])
+        for c, k in held_out[12:]
     ]
     for name, rows in (("train.jsonl", train), ("eval.jsonl", evaluation), ("golden.jsonl", golden)):
         (out_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -192,7 +194,7 @@ def _pretrain(model, tok, corpus: list[str], steps: int, seed: int) -> list[floa
     return losses
 
 
-def build_tiny_model(out: Path, seed: int = SEED, steps: int = 200) -> Path:
+def build_tiny_model(out: Path, seed: int = SEED, steps: int = 300) -> Path:
     """Write the tiny base model folder atomically; returns its path."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -91,12 +91,35 @@ def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: s
 def copy_tokenizer(base_dir: Path, out_dir: Path, trust_remote_code: bool) -> None:
     from transformers import AutoTokenizer
 
-    AutoTokenizer.from_pretrained(base_dir, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir, trust_remote_code=trust_remote_code)
+    tokenizer.save_pretrained(out_dir)
     # save_pretrained rewrites tokenizer_config.json and may drop keys it rebuilds on load
     # (transformers 5 drops `legacy`); the base's own file is the truth the converter reads.
     for name in ("tokenizer_config.json", "special_tokens_map.json", *TOKENIZER_FILES):
         if (base_dir / name).exists():
             shutil.copy(base_dir / name, out_dir / name)
+    ensure_added_tokens_decoder(out_dir / "tokenizer_config.json", tokenizer)
+
+
+def ensure_added_tokens_decoder(config_file: Path, tokenizer) -> None:
+    """Record added tokens where convert_hf_to_gguf.py looks for them.
+
+    For sentencepiece vocabularies the converter types tokens from tokenizer_config.json's
+    added_tokens_decoder; transformers 5 no longer writes it, and without it chat markers such
+    as <|user|> land in the GGUF as NORMAL tokens that llama.cpp splits into bytes, so the
+    shipped model sees different prompts than it was trained on.
+    """
+    data = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
+    if data.get("added_tokens_decoder"):
+        return
+    data["added_tokens_decoder"] = {
+        str(token_id): {
+            "content": tok.content, "lstrip": tok.lstrip, "rstrip": tok.rstrip,
+            "normalized": tok.normalized, "single_word": tok.single_word, "special": tok.special,
+        }
+        for token_id, tok in sorted(tokenizer.added_tokens_decoder.items())
+    }
+    config_file.write_text(json.dumps(data, indent=2), encoding="utf-8")
 
 
 def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples: list[dict]) -> dict:

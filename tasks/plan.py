@@ -46,7 +46,8 @@ def run(config) -> dict:
     model_dir = resolve_base_model(config, weights=False)
     problems = base_model_problems(config, model_dir, weights=config.base_model_is_local())
     check_inputs(config, problems)
-    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, extra_inputs=input_files(config, model_dir))
+    inputs = input_files(config, model_dir)
+    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, extra_inputs=inputs)
     if ctx.done:
         return ctx.done
     reset_dir(ctx)
@@ -64,6 +65,8 @@ def run(config) -> dict:
         **training,
         **footprint,
         "gguf_convertible": True,
+        # In plan.json so that every later stage's fingerprint changes with the data or the base.
+        "inputs": inputs,
     }
     atomic_write_json(ctx.dir / PLAN_FILE, plan)
     return ctx.finish(

@@ -30,7 +30,7 @@ from loraship.constants import (
 from loraship.data import IGNORE_INDEX, load_splits, read_rows
 from loraship.errors import LorashipError
 from loraship.gguf_info import read_gguf
-from loraship.manifest import atomic_write_json
+from loraship.manifest import atomic_write_json, sha256_file
 from loraship.stage import main, open_stage, reset_dir
 
 STAGE = "verify"
@@ -125,7 +125,8 @@ def perplexities(model, llm, examples: list[dict]) -> dict:
 
 
 def run(config) -> dict:
-    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
+    golden_file = {"golden_prompts": sha256_file(config.golden_prompts)} if config.golden_prompts else None
+    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, extra_inputs=golden_file)
     if ctx.done:
         return ctx.done
     reset_dir(ctx)

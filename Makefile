@@ -1,0 +1,38 @@
+# Quick start: `make demo` runs the pipeline on the embedded default; `make test` runs the tests.
+# Both create/refresh the project's own virtualenv; nothing outside the project is relied on.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export PREFECT_HOME := $(CURDIR)/.prefect
+export LORASHIP_CACHE := $(CURDIR)/.loraship/cache
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+TINY_MODEL := .loraship/models/tiny-llama
+
+.PHONY: venv demo test tiny-model clean
+
+# torch 2.13.0 first and pinned: it is the CPU build on this machine's disk; a bare `torch`
+# requirement would pull a multi-GB CUDA build. The extras' wider ranges then install nothing more.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[train,merge,convert,verify,orchestrate,dev]'
+	$(PY) -m loraship.cli fetch-converter
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(TINY_MODEL)/config.json: | $(VENV)/.installed
+	$(PY) -m loraship.cli tiny-model $(TINY_MODEL)
+
+tiny-model: $(TINY_MODEL)/config.json
+
+demo: $(VENV)/.installed $(TINY_MODEL)/config.json
+	$(VENV)/bin/loraship run configs/demo.yaml
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+clean:
+	rm -rf .loraship/work artifacts .prefect

@@ -1,0 +1,55 @@
+"""Shared fixtures: the tiny generated model and one pipeline run that many tests inspect."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("LORASHIP_CACHE", str(REPO / ".loraship" / "cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from loraship.tinymodel import ensure_tiny_model
+
+    # Deterministic (seeded), so the copy `make demo` made is the same model; reuse it.
+    return ensure_tiny_model(REPO / ".loraship" / "models" / "tiny-llama")
+
+
+def demo_config_dict(tiny_model: Path, root: Path, **overrides) -> dict:
+    data = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    data.update(
+        base_model=str(tiny_model),
+        workdir=str(root / "work"),
+        output=str(root / "artifacts"),
+        datasets=[{"path": str(REPO / "data/demo/train.jsonl"), "type": "chat"}],
+        eval_datasets=[{"path": str(REPO / "data/demo/eval.jsonl"), "type": "chat"}],
+        golden_prompts=str(REPO / "data/demo/golden.jsonl"),
+    )
+    data.update(overrides)
+    return data
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(tiny_model, tmp_path_factory):
+    """The demo pipeline, stage by stage without Prefect, in a private folder."""
+    from loraship.config import parse_config
+    from loraship.constants import STAGES
+    import importlib
+
+    root = tmp_path_factory.mktemp("pipeline")
+    config = parse_config(demo_config_dict(tiny_model, root, run_name="pipeline"))
+    manifests = {stage: importlib.import_module(f"tasks.{stage}").run(config) for stage in STAGES}
+    return config, manifests
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst

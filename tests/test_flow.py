@@ -1,0 +1,60 @@
+"""The Prefect flow end to end (ephemeral API, project-local PREFECT_HOME): artifacts and skip-on-rerun."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+from tests.conftest import demo_config_dict
+
+# Before prefect is imported anywhere in this process: a private, throwaway Prefect home.
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="loraship-prefect-"))
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+
+@pytest.fixture(scope="module")
+def flow_runs(tiny_model, tmp_path_factory):
+    from flows.train_and_ship import train_and_ship
+    from loraship.config import parse_config
+
+    root = tmp_path_factory.mktemp("flow")
+    config = parse_config(demo_config_dict(tiny_model, root, run_name="flow"))
+    first = train_and_ship(config, return_state=True)
+    second = train_and_ship(config, return_state=True)
+    return config, first, second
+
+
+def test_flow_completes_and_publishes(flow_runs):
+    config, first, _ = flow_runs
+    assert first.is_completed(), first.message
+    results = first.result()
+    assert list(results) == ["plan", "train", "merge", "convert", "quantize", "verify", "publish"]
+    assert not any(r["skipped"] for r in results.values())
+
+
+def test_second_run_skips_every_stage(flow_runs):
+    _, _, second = flow_runs
+    assert second.is_completed(), second.message
+    assert all(r["skipped"] for r in second.result().values())
+
+
+def test_each_stage_published_a_prefect_artifact(flow_runs):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        keys = {a.key for a in client.read_artifacts()}
+    for stage in ("plan", "train", "merge", "convert", "quantize", "verify", "publish"):
+        assert f"flow-{stage}" in keys, keys
+
+
+def test_failed_stage_fails_the_flow_with_its_message(tiny_model, tmp_path):
+    from flows.train_and_ship import train_and_ship
+    from loraship.config import parse_config
+
+    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="broken", datasets=[
+        {"path": str(tmp_path / "missing.jsonl"), "type": "chat"}]))
+    state = train_and_ship(config, return_state=True)
+    assert state.is_failed()
+    assert "missing.jsonl" in state.message and "file not found" in state.message

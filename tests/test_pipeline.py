@@ -1,0 +1,133 @@
+"""Invariants of one pipeline run on the tiny model (see conftest.pipeline_run)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, MANIFEST_NAME, MERGED_DIR, STAGES, quantized_gguf_name
+from loraship.gguf_info import read_gguf
+from loraship.manifest import sha256_file
+from loraship.stage import stage_dir
+
+
+def test_every_stage_wrote_a_manifest_with_checksums(pipeline_run):
+    config, manifests = pipeline_run
+    for stage in STAGES:
+        manifest = json.loads((stage_dir(config, stage) / MANIFEST_NAME).read_text())
+        assert manifest["stage"] == stage
+        assert manifest["outputs"], stage
+        for rel, info in manifest["outputs"].items():
+            assert sha256_file(stage_dir(config, stage) / rel) == info["sha256"]
+        assert manifest["versions"]["llama-cpp-python"]
+
+
+def test_published_artifact(pipeline_run):
+    config, _ = pipeline_run
+    root = Path(config.output) / config.run_name
+    gguf = root / quantized_gguf_name(config.quantization)
+    assert read_gguf(gguf)["fields"]["general.file_type"] == GGUF_FILE_TYPES["Q4_K_M"] == 15
+    assert (root / "adapter" / "adapter_model.safetensors").is_file()
+    published = json.loads((root / MANIFEST_NAME).read_text())
+    for rel, info in published["files"].items():
+        assert sha256_file(root / rel) == info["sha256"], rel
+    for stage in STAGES[:-1]:
+        assert (root / "manifests" / f"{stage}.json").is_file()
+    verify = json.loads((root / "verify.json").read_text())
+    assert verify["passed"] and all(g["passed"] for g in verify["gates"].values())
+
+
+def test_training_improved_eval_loss(pipeline_run):
+    _, manifests = pipeline_run
+    m = manifests["train"]["metrics"]
+    assert m["eval_loss_after"] < m["eval_loss_before"]
+
+
+def test_merge_probe_invariant(pipeline_run):
+    _, manifests = pipeline_run
+    probe = manifests["merge"]["metrics"]
+    assert probe["merge_matches_adapter"] and probe["merge_differs_from_base"]
+    assert probe["argmax_agreement_merged_vs_adapter"] == 1.0
+
+
+def test_fp32_merge_equals_base_plus_adapter_exactly(pipeline_run, tiny_model, tmp_path):
+    """Without bf16 storage rounding, the shard merge equals PEFT's unmerged forward."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tasks.merge import merge_shards
+
+    config, _ = pipeline_run
+    adapter = stage_dir(config, "train") / "adapter"
+    merge_shards(tiny_model, adapter, tmp_path, dtype_name="float32")
+    ids = torch.tensor([[1, 3, 40, 41, 42, 4, 50, 51]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, adapter).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()(ids).logits
+    assert torch.allclose(merged, adapted, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(merged, base_logits, atol=1e-2)
+
+
+def test_gguf_reads_back(pipeline_run):
+    config, _ = pipeline_run
+    f16 = read_gguf(stage_dir(config, "convert") / F16_GGUF)
+    q4 = read_gguf(stage_dir(config, "quantize") / quantized_gguf_name("Q4_K_M"))
+    assert f16["fields"]["general.file_type"] == 1
+    assert q4["fields"]["general.file_type"] == 15
+    assert q4["tensor_count"] == f16["tensor_count"] > 0
+    assert q4["fields"]["tokenizer.chat_template"]
+    assert q4["fields"]["general.architecture"] == "llama"
+
+
+def test_llama_cpp_greedy_equals_hf_greedy_on_f16(pipeline_run):
+    """On the F16 GGUF (no quantization noise) llama.cpp must decode exactly like HF."""
+    import torch
+    from llama_cpp import Llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from loraship.chat import render_chat
+    from loraship.data import read_rows
+    from tasks.verify import hf_greedy, llama_greedy
+
+    config, _ = pipeline_run
+    merged = stage_dir(config, "merge") / MERGED_DIR
+    tok = AutoTokenizer.from_pretrained(merged)
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    llm = Llama(str(stage_dir(config, "convert") / F16_GGUF), n_ctx=256, logits_all=True, verbose=False)
+    rows = read_rows(config.golden_prompts, "golden")
+    for row in rows:
+        prompt = render_chat(tok.chat_template, row["messages"], bos_token=tok.bos_token, eos_token=tok.eos_token,
+                             add_generation_prompt=True)
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids
+        assert llama_greedy(llm, ids, 10, tok.eos_token_id) == hf_greedy(model, ids, 10, tok.eos_token_id)
+
+
+def test_resume_after_one_output_is_deleted(pipeline_run):
+    """Delete the quantized GGUF: quantize and later stages rerun, earlier ones are skipped."""
+    config, first = pipeline_run
+    (stage_dir(config, "quantize") / quantized_gguf_name(config.quantization)).unlink()
+    again = {stage: importlib.import_module(f"tasks.{stage}").run(config) for stage in STAGES}
+    skipped = {stage for stage, m in again.items() if m.get("_skipped")}
+    assert skipped == {"plan", "train", "merge", "convert"}
+    assert again["quantize"]["outputs"] == first["quantize"]["outputs"]  # deterministic requantization
+
+
+def test_corrupt_upstream_output_is_refused(pipeline_run):
+    from loraship.errors import IntegrityError
+
+    config, _ = pipeline_run
+    f16 = stage_dir(config, "convert") / F16_GGUF
+    original = f16.read_bytes()
+    try:
+        f16.write_bytes(original[: len(original) // 2])
+        with pytest.raises(IntegrityError, match="model-F16.gguf"):
+            importlib.import_module("tasks.quantize").run(config.model_copy(update={"quantization": "Q8_0"}))
+    finally:
+        f16.write_bytes(original)
