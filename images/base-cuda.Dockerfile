@@ -8,7 +8,8 @@
 #
 # runtime: train, merge, verify (and the CPU stages, for one base to patch). devel: the builder of
 # the llama-cpp stage in convert/verify images (nvcc + cmake for GGML_CUDA=on). Ubuntu 24.04's
-# Python is 3.12; apt versions are pinned per Ubuntu release (update them with the CUDA tag).
+# Python is 3.12; libgomp1 is the OpenMP runtime libllama.so links against. apt versions are
+# pinned per Ubuntu release (update them with the CUDA tag).
 ARG CUDA_TAG=12.8.1-cudnn
 ARG UBUNTU=ubuntu24.04
 
@@ -22,6 +23,7 @@ RUN apt-get update \
          ca-certificates=20240203 \
          python3="${PYTHON_APT_VERSION}" \
          python3-venv="${PYTHON_APT_VERSION}" \
+         libgomp1=14.2.0-4ubuntu2~24.04 \
     && rm -rf /var/lib/apt/lists/*
 CMD ["/bin/bash"]
 

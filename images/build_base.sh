@@ -26,7 +26,8 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 start=$SECONDS
 
-# passwd gives useradd for the non-root user; python3-venv gives the venv every image uses.
+# passwd gives useradd for the non-root user; python3-venv gives the venv every image uses;
+# libgomp1 is the OpenMP runtime libllama.so (llama-cpp-python) links against.
 hooks=()
 if compgen -G "$CA_DIR/*.crt" >/dev/null; then
   mkdir -p "$tmp/ca"
@@ -39,7 +40,7 @@ fi
 hooks+=(--customize-hook="rm -rf \"\$1\"/var/lib/apt/lists/* \"\$1\"/var/cache/apt/*")
 
 mmdebstrap --variant=minbase \
-  --include=ca-certificates,passwd,python3,python3-venv,python3-pip \
+  --include=ca-certificates,passwd,python3,python3-venv,python3-pip,libgomp1 \
   "${hooks[@]}" "$SUITE" "$tmp/base.tar"
 
 # pip inside a venv uses its own certifi bundle, not the system store that now trusts the proxy.

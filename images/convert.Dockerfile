@@ -68,7 +68,8 @@ COPY --from=llama-cpp /out/llama.cpp/ /opt/llama.cpp/
 COPY --from=llama-cpp /out/wheels/ /wheels/llama/
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --find-links /wheels/llama -c images/constraints.txt \
-      "llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION}"
+      "llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION}" \
+    && python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 ENV LORASHIP_LLAMA_CPP_DIR=/opt/llama.cpp
 
 COPY src/ /opt/loraship/

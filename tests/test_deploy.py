@@ -116,6 +116,7 @@ def test_prefect_yaml_names_every_stage_for_each_pool(suffix):
             gpus = jv["resources"]["limits"].get("nvidia.com/gpu")
             assert (gpus == "1") == (stage in GPU_STAGES)
             assert bool(jv["tolerations"]) == (stage in GPU_STAGES)
+            assert ("concurrency_limit" in d) == (stage in GPU_STAGES), "GPU stages hold a bounded number of slots"
             assert jv["node_selector"]
 
 
