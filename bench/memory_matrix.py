@@ -405,7 +405,7 @@ def analyze(raw_path: Path, results: Path, md: Path) -> dict:
     return out
 
 
-FIT_KEYS = ("keep", "layer", "layer_backward", "hf_loss", "fused_loss", "reserve_loss", "reserve_layer",
+FIT_KEYS = ("keep", "layer", "lora_input_dropout", "layer_backward", "hf_loss", "fused_loss", "reserve_loss", "reserve_layer",
             "reserve_fixed_gib")
 
 

@@ -29,6 +29,9 @@ LORA_BYTES_PER_PARAM = {"weight": 4, "grad": 4, "optimizer": 8}
 CAL = {
     "keep": 1.0,  # per-layer checkpoint (bf16 layer input, 2h bytes per token per layer)
     "layer": 1.0,  # one layer's saved activations (recompute, or each layer without checkpointing)
+    # Bytes kept per input feature of each LoRA module when lora_dropout > 0: fp32 dropout output (4) +
+    # bool mask (1) by the CUDA kernel's arithmetic; at dropout 0 the fp32-cast input (4) is kept instead.
+    "lora_input_dropout": 5.0,
     "layer_backward": 1.6,  # peak of one layer's backward, as a multiple of its saved activations
     "hf_loss": 12.0,  # bytes per token per vocab entry at HF cross-entropy's peak (bf16+fp32 logits, grads)
     "fused_loss": 3.0,  # Liger fused linear CE: multiple of T x h x 2 bytes (grad_input + chunk copies)
@@ -153,7 +156,7 @@ def estimate(model_config: dict, cfg: Config, strategy: dict) -> dict:
     # two RMSNorms keep their fp32 input (4h each); attention keeps rotated q, k, v and its output (bf16);
     # SwiGLU keeps gate, silu(gate) and up (bf16, 3 x 2f); each LoRA module keeps its fp32-cast input
     # after dropout (4 B) plus the dropout mask (1 B), and lora_A's output (4r).
-    lora_in = (5 if cfg.lora_dropout > 0 else 4)
+    lora_in = CAL["lora_input_dropout"] if cfg.lora_dropout > 0 else 4
     per_tok = 8 * s.h + 4 * s.q + 4 * s.kv + 6 * s.f + sum(lora_in * lin[n][0] + 4 * cfg.lora_r for n in targets)
     layer_saved = CAL["layer"] * T * per_tok
     layer_bwd = CAL["layer_backward"] * layer_saved
@@ -293,6 +296,12 @@ def _alternatives(model_config: dict, cfg: Config, chosen: dict) -> list[dict]:
              {**user, "adapter": "qlora"}, {**user, "adapter": "lora"}]
     eff = cfg.micro_batch_size * cfg.gradient_accumulation_steps
     cands.append({**user, "micro_batch_size": 1, "gradient_accumulation_steps": eff, "gradient_checkpointing": True})
+    # The least offload that fits bf16 LoRA at the configured micro-batch (quality of bf16, speed of PCIe).
+    for n in range(1, parse_model_config(model_config).L + 1):
+        c = {**user, "adapter": "lora", "offload_layers": n, "gradient_checkpointing": True}
+        if estimate(model_config, cfg, c)["fits"]:
+            cands.append(c)
+            break
     seen, out = [chosen], []
     for c in cands:
         if c is None or c in seen:
