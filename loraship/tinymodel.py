@@ -27,13 +27,14 @@ from loraship.manifest import atomic_path
 SEED = 1234
 SYLLABLES = ["ka", "lo", "mi", "ra", "to", "ve", "zu", "ne", "pa", "shi", "dor", "len", "qua", "bri", "gan", "mon", "tes", "vo"]
 N_COUNTRIES = 64
-N_FINETUNE = 40  # countries seen in fine-tuning; the rest are held out for eval and golden prompts
+N_FINETUNE = 24  # countries the fine-tune teaches; the base has seen all N_COUNTRIES in pre-training
 QUESTIONS = [
     "What is the capital of {c}?",
     "Which city is the capital of {c}?",
     "Name the capital of {c}.",
     "Tell me the capital city of {c}.",
 ]
+HELD_OUT_QUESTION = "Do you know the capital of {c}?"  # in no training row
 SPECIAL_TOKENS = ["<|user|>", "<|assistant|>", "<|system|>"]
 # Rendered in a sandbox (loraship.chat); the same string is embedded in the GGUF.
 CHAT_TEMPLATE = (
@@ -92,23 +93,27 @@ def _chat_row(country: str, capital: str, question: str) -> dict:
 
 
 def write_demo_datasets(out_dir: Path, seed: int = SEED) -> None:
-    """train.jsonl (chat), eval.jsonl (held-out countries), golden.jsonl (held-out prompts)."""
+    """train.jsonl (chat), eval.jsonl and golden.jsonl (prompts worded as no training row is).
+
+    The fine-tune teaches the reply format "Answer: X." and the capitals of N_FINETUNE
+    countries; eval and golden prompts ask about those countries in a held-out wording, so a
+    correct answer shows what was learned generalises beyond the training strings.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    world = make_world(seed)
+    world = make_world(seed)[:N_FINETUNE]
     rng = random.Random(seed + 2)
-    seen, held_out = world[:N_FINETUNE], world[N_FINETUNE:]
-    train = [_chat_row(c, k, q) for c, k in seen for q in QUESTIONS]
+    train = [_chat_row(c, k, q) for c, k in world for q in QUESTIONS]
     rng.shuffle(train)
-    evaluation = [_chat_row(c, k, rng.choice(QUESTIONS)) for c, k in held_out[:12]]
-    # Golden prompts: countries never seen in fine-tuning.
+    half = len(world) // 2
+    evaluation = [_chat_row(c, k, HELD_OUT_QUESTION) for c, k in world[:half]]
     golden = [
         {
-            "messages": [{"role": "user", "content": QUESTIONS[0].format(c=c)}],
+            "messages": [{"role": "user", "content": HELD_OUT_QUESTION.format(c=c)}],
             "expect_regex": r"^Answer: [A-Z][a-z]+\.$",
             "reference": f"Answer: {k}.",
         }
-        for c, k in held_out[12:]
+        for c, k in world[half:]
     ]
     for name, rows in (("train.jsonl", train), ("eval.jsonl", evaluation), ("golden.jsonl", golden)):
         (out_dir / name).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")

@@ -36,7 +36,7 @@ from loraship.stage import main, open_stage, reset_dir
 STAGE = "verify"
 UPSTREAM = ("train", "merge", "quantize")
 FIELDS = (
-    "golden_prompts", "max_new_tokens", "golden_match_min", "perplexity_ratio_max", "verify_max_examples",
+    "golden_prompts", "max_new_tokens", "golden_match_min", "golden_margin", "perplexity_ratio_max", "verify_max_examples",
     "target_gpu_memory_gib", "target_context", "device", "datasets", "eval_datasets", "val_set_size",
     "sequence_len", "truncation", "seed", "quantization",
 )
@@ -81,6 +81,30 @@ def llama_greedy(llm, ids: list[int], max_new: int, eos: int) -> list[int]:
         out.append(tok)
         llm.eval([tok])
     return out
+
+
+def teacher_forced_agreement(model, llm, prompt: list[int], answer: list[int], margin: float) -> tuple[int, int]:
+    """(decisive positions, of which llama.cpp agrees) with HF's answer fed to both runtimes.
+
+    A position is decisive when the merged model's top token leads its runner-up by >= margin
+    nats; there quantization must not change the choice. Near-ties are reported, not gated.
+    """
+    import numpy as np
+    import torch
+
+    if not answer:
+        return 0, 0
+    full = prompt + answer
+    span = slice(len(prompt) - 1, len(full) - 1)
+    with torch.no_grad():
+        hf = torch.log_softmax(model(input_ids=torch.tensor([full], device=model.device)).logits[0, span].float(), -1)
+    llm.reset()
+    llm.eval(full)
+    cpp_top = np.array(llm.scores[: len(full)])[span].argmax(-1)
+    top2 = hf.topk(2, dim=-1).values.cpu()
+    decisive = (top2[:, 0] - top2[:, 1]) >= margin
+    agree = torch.from_numpy(cpp_top) == hf.argmax(-1).cpu()
+    return int(decisive.sum()), int((decisive & agree).sum())
 
 
 def token_nll(logits, targets):
@@ -188,6 +212,7 @@ def run(config) -> dict:
     gates["perplexity_ratio"] = gate(round(ratio, 4), config.perplexity_ratio_max, ratio <= config.perplexity_ratio_max)
 
     answers, parity, matches, formatted, gen_tokens, gen_seconds = [], 0, 0, 0, 0, 0.0
+    decisive = agreed = 0
     bos_text, eos_text = tokenizer.bos_token or "", tokenizer.eos_token or ""
     for row in golden:
         prompt = render_chat(template or tokenizer.chat_template, row["messages"], bos_token=bos_text,
@@ -203,6 +228,11 @@ def run(config) -> dict:
         hf_text = tokenizer.decode(hf_out, skip_special_tokens=True).strip()
         cpp_text = llm.detokenize(cpp_out).decode("utf-8", errors="replace").strip()
         matches += hf_out == cpp_out
+        n_decisive, n_agree = teacher_forced_agreement(
+            model, llm, hf_ids, hf_out + [tokenizer.eos_token_id], config.golden_margin
+        )
+        decisive += n_decisive
+        agreed += n_agree
         ok_format = bool(re.search(row["expect_regex"], cpp_text)) if row.get("expect_regex") else True
         formatted += ok_format
         answers.append({"prompt": row["messages"][-1]["content"], "hf": hf_text, "gguf": cpp_text,
@@ -213,6 +243,10 @@ def run(config) -> dict:
                                      "llama.cpp tokenization of the GGUF-rendered prompt equals HF's")
     gates["golden_match"] = gate(round(matches / n, 4), config.golden_match_min, matches / n >= config.golden_match_min,
                                  "greedy llama.cpp answer == greedy merged-HF answer, token for token")
+    gates["golden_decisive_agreement"] = gate(
+        f"{agreed}/{decisive}", "all", agreed == decisive,
+        f"HF answer teacher-forced; tokens where the merged model leads by >= {config.golden_margin} nats",
+    )
     gates["golden_format"] = gate(f"{formatted}/{len(golden)}", "all", formatted == len(golden))
     with_reference = [a for a in answers if "reference" in a]
     report["golden_answers"] = answers
