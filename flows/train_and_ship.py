@@ -12,6 +12,7 @@ fails with the child's error when the child fails (run_deployment alone would no
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -26,6 +27,34 @@ from loraship.constants import STAGES
 from loraship.errors import LorashipError
 
 STAGE_DEPLOYMENTS_ENV = "LORASHIP_STAGE_DEPLOYMENTS"
+# Stages that hold an accelerator. A Prefect global concurrency limit with one slot per GPU
+# (LORASHIP_GPU_SLOTS, default 1) makes sure two trainings never share one card, across every
+# flow run talking to the same Prefect server.
+GPU_LIMIT = "loraship-gpu"
+GPU_STAGES = frozenset({"train", "verify"})
+
+
+def ensure_gpu_limit() -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        except ObjectNotFound:
+            slots = int(os.environ.get("LORASHIP_GPU_SLOTS", "1"))
+            with contextlib.suppress(ObjectAlreadyExists):  # another run created it first
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=slots))
+
+
+def gpu_slot(stage: str):
+    if stage not in GPU_STAGES:
+        return contextlib.nullcontext()
+    from prefect.concurrency.sync import concurrency
+
+    ensure_gpu_limit()
+    return concurrency(GPU_LIMIT, occupy=1, strict=True)
 
 
 def _artifact_key(run_name: str, stage: str) -> str:
@@ -49,7 +78,8 @@ def _summary_markdown(stage: str, manifest: dict) -> str:
 def stage_task(stage: str, config: Config):
     logger = get_run_logger()
     try:
-        manifest = importlib.import_module(f"tasks.{stage}").run(config)
+        with gpu_slot(stage):
+            manifest = importlib.import_module(f"tasks.{stage}").run(config)
     except LorashipError as e:
         # A problem the user can fix: say it plainly, without a traceback.
         logger.error("%s failed: %s", stage, e)

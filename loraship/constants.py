@@ -7,6 +7,7 @@ MANIFEST_NAME = "manifest.json"
 STAGES = ("plan", "train", "merge", "convert", "quantize", "verify", "publish")
 
 PLAN_FILE = "plan.json"
+STRATEGY_FILE = "strategy.json"  # the part of the plan that training depends on
 ADAPTER_DIR = "adapter"
 CHECKPOINTS_DIR = "checkpoints"
 LOSS_HISTORY_FILE = "loss_history.jsonl"

@@ -5,6 +5,9 @@ Deliberately a few helper functions, not a base class: each tasks/<stage>.py rea
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import logging
 import shutil
 import sys
@@ -57,23 +60,62 @@ class StageContext:
 
 
 def open_stage(
-    config: Config, stage: str, upstream: tuple[str, ...], fields: tuple[str, ...], extra_inputs: dict | None = None
+    config: Config,
+    stage: str,
+    upstream: tuple[str, ...],
+    fields: tuple[str, ...],
+    extra_inputs: dict | None = None,
+    depends_on: dict[str, tuple[str, ...]] | None = None,
 ) -> StageContext:
     """Verify upstream manifests (checksums included) and decide whether this stage must run.
 
     extra_inputs: identities of files outside the pipeline (datasets, base model) that key the stage too.
+    depends_on: for an upstream stage, the only output files this stage's result depends on
+    (train depends on the plan's strategy, not on its inference estimates).
     """
     ups = {name: mf.load_verified(stage_dir(config, name), name) for name in upstream}
     subset = config.subset(fields)
     if extra_inputs:
         subset["_inputs"] = extra_inputs
-    fingerprint = mf.input_fingerprint(stage, subset, ups)
+    keyed = {
+        name: {**m, "outputs": {rel: info for rel, info in m["outputs"].items() if rel in depends_on[name]}}
+        if depends_on and name in depends_on else m
+        for name, m in ups.items()
+    }
+    fingerprint = mf.input_fingerprint(stage, subset, keyed)
     folder = stage_dir(config, stage)
     done = mf.up_to_date(folder, fingerprint)
     if done is not None:
         done = {**done, "_skipped": True}
         log.info("stage %s: up to date (same inputs, outputs intact), skipped", stage)
     return StageContext(stage, config, folder, ups, subset, fingerprint, done)
+
+
+@contextlib.contextmanager
+def stage_lock(config: Config, stage: str):
+    """One writer per stage folder: a second run of the same config waits here, then finds the
+    first run's manifest and skips instead of writing over its outputs."""
+    lock_file = run_dir(config) / ".locks" / f"{stage}.lock"
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("stage %s: another run of %r is working here; waiting for it", stage, config.run_name)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def exclusive(run):
+    """Decorator for a stage's run(config): holds the stage lock for the whole stage."""
+    stage = run.__module__.rsplit(".", 1)[-1]
+
+    @functools.wraps(run)
+    def wrapper(config: Config, *args, **kwargs):
+        with stage_lock(config, stage):
+            return run(config, *args, **kwargs)
+
+    return wrapper
 
 
 def reset_dir(ctx: StageContext, keep: tuple[str, ...] = ()) -> None:

@@ -17,7 +17,7 @@ from loraship.gguf_info import read_gguf
 from loraship.llamacpp import converter_dir
 from loraship.manifest import atomic_path
 from loraship.preflight import check_free_disk
-from loraship.stage import main, open_stage, reset_dir
+from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "convert"
 UPSTREAM = ("merge",)
@@ -38,6 +38,7 @@ def convert(merged_dir: Path, out_file: Path, outtype: str = "f16") -> None:
             raise LorashipError(f"convert_hf_to_gguf.py failed (exit {result.returncode}) on {merged_dir}:\n{tail}")
 
 
+@exclusive
 def run(config) -> dict:
     ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
     if ctx.done:

@@ -23,10 +23,10 @@ from loraship.errors import IntegrityError, LorashipError
 from loraship.manifest import atomic_path, atomic_write_json
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, weight_files
 from loraship.preflight import check_free_disk
-from loraship.stage import main, open_stage, reset_dir
+from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "merge"
-UPSTREAM = ("plan", "train")
+UPSTREAM = ("train",)  # the base model's identity reaches merge through train's strategy.json
 FIELDS = ("base_model", "base_model_revision", "adapter")
 TOKENIZER_FILES = ("tokenizer.model", "chat_template.jinja")
 log = logging.getLogger("loraship.merge")
@@ -185,6 +185,7 @@ def nf4_view_kl(config, base_dir, adapter_dir, ids, mask, merged_logits, kl) -> 
     return kl(nf4_logits, merged_logits)
 
 
+@exclusive
 def run(config) -> dict:
     ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
     if ctx.done:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 
 from loraship import memory
-from loraship.constants import PLAN_FILE
+from loraship.constants import PLAN_FILE, STRATEGY_FILE
 from loraship.errors import ConfigError
 from loraship.llamacpp import check_convertible
 from loraship.manifest import atomic_write_json, sha256_file
 from loraship.models import base_model_problems, resolve_base_model
 from loraship.preflight import check_inputs
-from loraship.stage import main, open_stage, reset_dir
+from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "plan"
 UPSTREAM: tuple[str, ...] = ()
@@ -42,6 +42,7 @@ def input_files(config, model_dir) -> dict:
     return files
 
 
+@exclusive
 def run(config) -> dict:
     model_dir = resolve_base_model(config, weights=False)
     problems = base_model_problems(config, model_dir, weights=config.base_model_is_local())
@@ -69,6 +70,10 @@ def run(config) -> dict:
         "inputs": inputs,
     }
     atomic_write_json(ctx.dir / PLAN_FILE, plan)
+    atomic_write_json(
+        ctx.dir / STRATEGY_FILE,
+        {"strategy": training["strategy"], "memory": training["memory"], "model_dir": str(model_dir), "inputs": inputs},
+    )
     return ctx.finish(
         {
             "strategy": training["strategy"],

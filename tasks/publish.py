@@ -17,7 +17,7 @@ from loraship.constants import (
 )
 from loraship.errors import OutputError
 from loraship.manifest import atomic_path, describe_files, sha256_json
-from loraship.stage import main, open_stage, reset_dir, stage_dir
+from loraship.stage import exclusive, main, open_stage, reset_dir, stage_dir
 
 STAGE = "publish"
 UPSTREAM = ("plan", "train", "merge", "convert", "quantize", "verify")
@@ -124,6 +124,7 @@ def destination_complete(config, manifest: dict) -> bool:
     return sha256_json(published.get("files")) == manifest["metrics"].get("files_sha256")
 
 
+@exclusive
 def run(config) -> dict:
     ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
     if ctx.done and destination_complete(config, ctx.done):

@@ -15,7 +15,7 @@ from loraship.errors import LorashipError
 from loraship.gguf_info import read_gguf
 from loraship.manifest import atomic_path
 from loraship.preflight import check_free_disk
-from loraship.stage import main, open_stage, reset_dir
+from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "quantize"
 UPSTREAM = ("convert",)
@@ -45,6 +45,7 @@ def quantize(src: Path, dst: Path, quantization: str) -> None:
             raise LorashipError(f"llama_model_quantize to {quantization} failed (exit {result.returncode}):\n{tail}")
 
 
+@exclusive
 def run(config) -> dict:
     ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
     if ctx.done:

@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 from loraship import memory
-from loraship.constants import ADAPTER_DIR, CHECKPOINTS_DIR, LOSS_HISTORY_FILE, PLAN_FILE
+from loraship.constants import ADAPTER_DIR, CHECKPOINTS_DIR, LOSS_HISTORY_FILE, STRATEGY_FILE
 from loraship.data import IGNORE_INDEX, load_splits
 from loraship.errors import LorashipError
 from loraship.manifest import atomic_path, atomic_write_json, atomic_write_text, sha256_json
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, torch_load_kwargs
-from loraship.stage import main, open_stage, reset_dir
+from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "train"
 UPSTREAM = ("plan",)
@@ -268,8 +268,9 @@ def evaluate_base(model, examples, batch_size, pad_id, device):
         return evaluate(model, examples, batch_size, pad_id, device)
 
 
+@exclusive
 def run(config) -> dict:
-    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
+    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, depends_on={"plan": (STRATEGY_FILE,)})
     if ctx.done:
         return ctx.done
     # Keep checkpoints only when they belong to these exact inputs (resume after a crash).
@@ -282,7 +283,7 @@ def run(config) -> dict:
     from transformers import AutoTokenizer
 
     hf_offline_if_local(config)
-    plan = json.loads((ctx.upstream_dir("plan") / PLAN_FILE).read_text(encoding="utf-8"))
+    plan = json.loads((ctx.upstream_dir("plan") / STRATEGY_FILE).read_text(encoding="utf-8"))
     model_dir = resolve_base_model(config, weights=True)
     check_base_model(config, model_dir)
     device = pick_device(config)
@@ -300,11 +301,13 @@ def run(config) -> dict:
             result = train_once(config, ctx, model_dir, strategy, device, tokenizer, train, evaluation)
             break
         except torch.OutOfMemoryError as e:
-            measured = {
-                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-                "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-            }
-            torch.cuda.empty_cache()
+            measured = {}
+            if device == "cuda":
+                measured = {
+                    "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+                    "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                }
+                torch.cuda.empty_cache()
             nxt = memory.replan_after_oom(current_plan, model_config, config, measured)
             attempts.append({"strategy": strategy, "error": str(e).splitlines()[0], "measured": measured,
                              "under_predicted": (nxt or {}).get("oom_component")})

@@ -31,7 +31,7 @@ from loraship.data import IGNORE_INDEX, load_splits, read_rows
 from loraship.errors import LorashipError
 from loraship.gguf_info import read_gguf
 from loraship.manifest import atomic_write_json, sha256_file
-from loraship.stage import main, open_stage, reset_dir
+from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "verify"
 UPSTREAM = ("train", "merge", "quantize")
@@ -148,6 +148,7 @@ def perplexities(model, llm, examples: list[dict]) -> dict:
     }
 
 
+@exclusive
 def run(config) -> dict:
     golden_file = {"golden_prompts": sha256_file(config.golden_prompts)} if config.golden_prompts else None
     ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, extra_inputs=golden_file)
