@@ -2,13 +2,14 @@
 # The container run for CI: every stage of the tiny pipeline in its own image, through a Prefect
 # docker work pool, artifacts on the shared `loraship-shared` volume.
 #
-#   deploy/docker/run_ci.sh        # ~6-8 min cold on 2 cores (images ~4-5, run ~3); ~4 min warm
+#   deploy/docker/run_ci.sh        # ~9 min cold on 2 cores (base 1, images 4-5, run 3-4); ~5 min warm
 #
 # Steps: docker.io + a private dockerd (deploy/docker/dockerd.sh) -> base + stage images
 # (images/build_all.sh, reusing the host's torch and llama-cpp-python wheels) -> Prefect server
 # on 127.0.0.1 -> docker work pool (containers on the host network, so 127.0.0.1 reaches the
 # server) + worker -> prefect deploy of train-and-ship/docker and *-docker -> the run, watched
-# -> checks: parent COMPLETED, seven child runs each in its own image, artifacts on the volume.
+# -> checks: parent COMPLETED, seven child runs each in its own image, artifacts on the volume,
+# and each image's own entrypoint (`python -m tasks.<stage> CONFIG`) sees the stage as done.
 # This machine has no GPU: the deployed copy of prefect.yaml drops the docker GPU requests
 # (device_requests) of train and verify, and nothing else.
 set -euo pipefail
@@ -57,6 +58,8 @@ grep -E '^(built|base image|all images)' "$LOGS/build.log"
 "$DOCKER" images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep '^loraship-'
 
 step "shared volume $VOLUME: base model + demo data, owned by the images' uid 1000"
+# Containers of earlier runs (kept for their logs) hold the volume: remove them first.
+"$DOCKER" ps -aq --filter label=io.prefect.flow-run-id | xargs -r "$DOCKER" rm -f >/dev/null
 "$DOCKER" volume rm -f "$VOLUME" >/dev/null
 "$DOCKER" volume create "$VOLUME" >/dev/null
 mountpoint="$("$DOCKER" volume inspect -f '{{.Mountpoint}}' "$VOLUME")"
@@ -119,4 +122,22 @@ if [[ $rc -ne 0 ]]; then
   echo "--- worker log (tail)"; tail -60 "$LOGS/worker.log"
   exit "$rc"
 fi
+
+step "each image's own entrypoint (python -m tasks.<stage> CONFIG) resumes the finished run"
+python - "$mountpoint/demo.yaml" <<'EOF2'
+import sys, yaml
+docker = next(d for d in yaml.safe_load(open("deploy/prefect.yaml"))["deployments"] if d["name"] == "docker")
+yaml.safe_dump(docker["parameters"]["config"], open(sys.argv[1], "w"), sort_keys=False)
+EOF2
+chown 1000:1000 "$mountpoint/demo.yaml"
+for image in plan train merge convert quantize verify publish; do
+  if [[ $image == quantize ]]; then  # quantize runs in the convert image
+    out="$("$DOCKER" run --rm --network none -v "$VOLUME:/shared" --entrypoint python \
+      loraship-convert:0.1.0 -m tasks.quantize /shared/demo.yaml 2>&1)"
+  else
+    out="$("$DOCKER" run --rm --network none -v "$VOLUME:/shared" "loraship-$image:0.1.0" /shared/demo.yaml 2>&1)"
+  fi
+  tail -1 <<<"$out"
+  grep -q "skipped (up to date)" <<<"$out" || { echo "$out" >&2; exit 1; }
+done
 step "docker deployment OK"

@@ -68,7 +68,7 @@ pids+=($!)
 step "tiny base model"
 python -m loraship.tinymodel --out .loraship/models/tiny-llama >/dev/null
 
-step "prefect deploy (train-and-ship/local + loraship-stage/*-local)"
+step "prefect deploy (train-and-ship/local + the *-local stage deployments)"
 prefect --no-prompt deploy --prefect-file deploy/prefect.yaml \
   --name train-and-ship/local --name '*-local' >"$LOGS/deploy.log" 2>&1 \
   || { tail -40 "$LOGS/deploy.log" >&2; exit 1; }
