@@ -47,11 +47,9 @@ def run(
     try:
         config = _load(config_path, set_)
         # Every input problem is reported here, before Prefect or a GPU is involved.
-        from loraship.models import base_model_problems, resolve_base_model
         from loraship.preflight import check_inputs
 
-        check_inputs(config, base_model_problems(config, resolve_base_model(config, weights=False),
-                                                 weights=config.base_model_is_local()))
+        check_inputs(config)
     except LorashipError as e:
         _fail(e)
     from flows.train_and_ship import train_and_ship
@@ -85,6 +83,8 @@ def plan(
         footprint = memory.plan_disk_and_inference(model_config, config)
     except LorashipError as e:
         _fail(e)
+    except (ValueError, KeyError) as e:  # a config.json the planner cannot read
+        _fail(LorashipError(f"{config.base_model}/config.json: {e}"))
     if as_json:
         out.print_json(data={**training, **footprint})
     else:

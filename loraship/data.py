@@ -51,12 +51,10 @@ def _row_problem(row, kind: str) -> str | None:
         if not any(m["role"] == "assistant" for m in msgs):
             return "no assistant message, so nothing to learn (loss is only on assistant turns)"
     elif kind == "golden":  # verify's prompts: a conversation to answer, or a bare user prompt
-        if isinstance(row.get("prompt"), str):
-            return None
         msgs = row.get("messages")
-        if not isinstance(msgs, list) or not msgs or any(
+        if not isinstance(row.get("prompt"), str) and (not isinstance(msgs, list) or not msgs or any(
             not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str) for m in msgs
-        ):
+        )):
             return "golden rows need 'prompt' (string) or 'messages' (list of {role, content})"
         if "expect_regex" in row:
             try:

@@ -35,6 +35,11 @@ def dataset_problems(config: Config) -> list[str]:
                 read_rows(spec.path, spec.type)
             except LorashipError as e:
                 problems.append(f"{group}[{i}]: {e}")
+    if config.golden_prompts:
+        try:
+            read_rows(config.golden_prompts, "golden")
+        except LorashipError as e:
+            problems.append(f"golden_prompts: {e}")
     return problems
 
 
@@ -46,10 +51,23 @@ def workdir_problems(config: Config) -> list[str]:
     return []
 
 
-def check_inputs(config: Config, base_model_problems: list[str]) -> None:
-    problems = base_model_problems + dataset_problems(config) + workdir_problems(config) + output_problems(config)
+def check_inputs(config: Config) -> Path:
+    """Every problem with the run's inputs, raised at once; returns the base model's folder.
+
+    Runs before any training: base model folder (config, tokenizer, safetensors, remote code),
+    GGUF convertibility with the pinned llama.cpp, every dataset line, workdir and output.
+    """
+    from loraship.llamacpp import check_convertible
+    from loraship.models import base_model_problems, resolve_base_model
+
+    model_dir = resolve_base_model(config, weights=False)
+    problems = base_model_problems(config, model_dir, weights=config.base_model_is_local())
+    if not problems:
+        problems += [f"base model {config.base_model!r}: {p}" for p in check_convertible(model_dir)]
+    problems += dataset_problems(config) + workdir_problems(config) + output_problems(config)
     if problems:
         raise ConfigError(f"run {config.run_name!r}", problems)
+    return model_dir
 
 
 def check_free_disk(folder: Path, needed_bytes: float, what: str) -> None:

@@ -12,9 +12,7 @@ import json
 from loraship import memory
 from loraship.constants import PLAN_FILE, STRATEGY_FILE
 from loraship.errors import ConfigError
-from loraship.llamacpp import check_convertible
 from loraship.manifest import atomic_write_json, sha256_file
-from loraship.models import base_model_problems, resolve_base_model
 from loraship.preflight import check_inputs
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
@@ -44,9 +42,7 @@ def input_files(config, model_dir) -> dict:
 
 @exclusive
 def run(config) -> dict:
-    model_dir = resolve_base_model(config, weights=False)
-    problems = base_model_problems(config, model_dir, weights=config.base_model_is_local())
-    check_inputs(config, problems)
+    model_dir = check_inputs(config)
     inputs = input_files(config, model_dir)
     ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, extra_inputs=inputs)
     if ctx.done:
@@ -54,11 +50,11 @@ def run(config) -> dict:
     reset_dir(ctx)
 
     model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    convert_problems = check_convertible(model_dir)
-    if convert_problems:
-        raise ConfigError(f"base model {config.base_model!r} cannot be shipped as GGUF", convert_problems)
-    training = memory.plan_training(model_config, config)
-    footprint = memory.plan_disk_and_inference(model_config, config)
+    try:
+        training = memory.plan_training(model_config, config)
+        footprint = memory.plan_disk_and_inference(model_config, config)
+    except (ValueError, KeyError) as e:  # a config.json the planner cannot read
+        raise ConfigError(f"base model {config.base_model!r}", [f"config.json: {e}"]) from e
     plan = {
         "base_model": config.base_model,
         "model_dir": str(model_dir),

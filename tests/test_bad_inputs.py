@@ -88,7 +88,79 @@ def _unknown_key(cfg, root):
     cfg["lora_rank"] = 8
 
 
+def _out_of_range(cfg, root):
+    cfg["lora_r"] = 0
+    cfg["lora_dropout"] = 1.5
+
+
+def _no_config_json(cfg, root):
+    (Path(cfg["base_model"]) / "config.json").unlink()
+
+
+def _unsupported_architecture(cfg, root):
+    (Path(cfg["base_model"]) / "config.json").write_text(json.dumps({"architectures": ["FrobnicatorForCausalLM"]}))
+
+
+def _unknown_pre_tokenizer(cfg, root):
+    """A BPE tokenizer whose pre-tokenizer no llama.cpp hash table entry knows."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world", "some other text", "zorvia kelmar"] * 50,
+                            trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    folder = Path(cfg["base_model"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+
+
+def _chat_without_assistant(cfg, root):
+    row = {"messages": [{"role": "user", "content": "hi"}]}
+    cfg["datasets"][0]["path"] = str(write(root / "noanswer.jsonl", json.dumps(row) + "\n"))
+
+
+def _chat_bad_role(cfg, root):
+    row = {"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    cfg["datasets"][0]["path"] = str(write(root / "role.jsonl", json.dumps(row) + "\n"))
+
+
+def _remote_code(cfg, root):
+    (Path(cfg["base_model"]) / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}))
+
+
+def _warmup_too_long(cfg, root):
+    cfg["warmup_steps"] = 10
+    cfg["max_steps"] = 5
+
+
+def _bad_golden_regex(cfg, root):
+    row = {"prompt": "hi", "expect_regex": "(unclosed"}
+    cfg["golden_prompts"] = str(write(root / "golden.jsonl", json.dumps(row) + "\n"))
+
+
+def _run_name_escape(cfg, root):
+    cfg["run_name"] = "../../etc"
+
+
+def _negative_learning_rate(cfg, root):
+    cfg["learning_rate"] = -0.1
+
+
 CASES = [
+    ("values out of range", _out_of_range, "lora_r: Input should be greater than or equal to 1"),
+    ("model folder without config.json", _no_config_json, "no config.json"),
+    ("architecture the converter cannot handle", _unsupported_architecture,
+     "FrobnicatorForCausalLM is not supported by llama.cpp's converter"),
+    ("pre-tokenizer llama.cpp does not recognise", _unknown_pre_tokenizer, "pre-tokenizer is not recognised"),
+    ("chat row without assistant turn", _chat_without_assistant, "no assistant message"),
+    ("chat message with unknown role", _chat_bad_role, "messages[0] must be"),
+    ("model needing remote code", _remote_code, "set trust_remote_code: true"),
+    ("warmup longer than training", _warmup_too_long, "warmup_steps (10) must be smaller than max_steps (5)"),
+    ("golden prompt with a bad regex", _bad_golden_regex, "expect_regex is not a valid regular expression"),
+    ("run name escaping the artifact root", _run_name_escape, "run_name: String should match pattern"),
+    ("negative learning rate", _negative_learning_rate, "learning_rate: Input should be greater than 0"),
     ("missing base model folder", _missing_base, "folder does not exist"),
     ("missing dataset file", _missing_dataset, "file not found"),
     ("malformed JSONL line", _malformed_line, "line 3: malformed JSON"),
@@ -102,6 +174,17 @@ CASES = [
     ("pickle-only checkpoint", _pickle_only, "only pickle checkpoints"),
     ("unknown config key", _unknown_key, "did you mean 'lora_r'"),
 ]
+
+
+def test_yaml_syntax_error(tmp_path):
+    config_file = write(tmp_path / "broken.yaml", "base_model: [unclosed\n")
+    result = subprocess.run([sys.executable, "-m", "loraship.cli", "run", str(config_file)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "not valid YAML" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_table_has_at_least_twenty_cases():
+    assert len(CASES) >= 20
 
 
 @pytest.mark.parametrize("name,breaker,expected", CASES, ids=[c[0] for c in CASES])
