@@ -16,9 +16,12 @@ DOCKER="${DOCKER:-/usr/bin/docker}"
 case "${1:-start}" in
   start)
     mkdir -p "$ROOT"
-    if ! command -v dockerd >/dev/null; then
-      echo "installing docker.io" >&2
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io >&2
+    # Debian's docker.io (20.10) and mmdebstrap (images/build_base.sh): seconds to install.
+    if ! command -v dockerd >/dev/null || ! command -v mmdebstrap >/dev/null; then
+      echo "installing docker.io mmdebstrap" >&2
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get install -y -q docker.io mmdebstrap >&2 \
+        || { apt-get update -q >&2 && apt-get install -y -q docker.io mmdebstrap >&2; }
     fi
     if [[ -f "$PIDFILE" ]] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
       echo "dockerd already running (pid $(cat "$PIDFILE"))" >&2
