@@ -93,10 +93,17 @@ if [[ "${LORASHIP_GITOPS_CHECK:-1}" == 1 ]]; then
   # The demo config itself: every stage is already done, so this run completes by resuming.
   cp configs/demo.yaml "$scratch/deploy/gitops/specs/demo.yaml"
   git -C "$scratch" add deploy && git -C "$scratch" -c user.name=ci -c user.email=ci@localhost commit -q -m "spec: demo"
+  # First call: triggered (or already-triggered when this server ran the same config before);
+  # second call: the same flow run, not a new one.
   python -m loraship.gitops --repo "$scratch" --from HEAD~1 --to HEAD --deployment train-and-ship/local | tee "$LOGS/gitops-1.log"
-  grep -q '"action": "triggered"' "$LOGS/gitops-1.log"
   python -m loraship.gitops --repo "$scratch" --from HEAD~1 --to HEAD --deployment train-and-ship/local | tee "$LOGS/gitops-2.log"
-  grep -q '"action": "already-triggered"' "$LOGS/gitops-2.log"
+  python - "$LOGS/gitops-1.log" "$LOGS/gitops-2.log" <<'EOF'
+import json, sys
+first, second = (json.loads(open(p).readline()) for p in sys.argv[1:3])
+assert first["ok"] and first["state"] == "COMPLETED", first
+assert second["action"] == "already-triggered" and second["flow_run_id"] == first["flow_run_id"], second
+print(f"gitops: {first['spec']} -> {first['action']} {first['flow_run_name']}; again -> {second['action']}")
+EOF
   rm -rf "$scratch"
 fi
 step "local deployment OK"
