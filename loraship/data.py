@@ -141,15 +141,15 @@ def tokenize_rows(rows: list[dict], kind: str, tokenizer, sequence_len: int, tru
                 tok if any(start <= s < end for start, end in spans) else IGNORE_INDEX
                 for tok, (s, _e) in zip(ids, enc["offset_mapping"])
             ]
-        if len(ids) > sequence_len:
-            if truncation == "drop":
-                out.dropped += 1
-                continue
-            ids, labels = ids[:sequence_len], labels[:sequence_len]
-            out.truncated += 1
-        if all(label == IGNORE_INDEX for label in labels[1:]):
-            out.dropped += 1  # nothing left to learn after truncation
+        too_long = len(ids) > sequence_len
+        if too_long and truncation == "drop":
+            out.dropped += 1
             continue
+        ids, labels = ids[:sequence_len], labels[:sequence_len]
+        if all(label == IGNORE_INDEX for label in labels[1:]):
+            out.dropped += 1  # nothing (left) to learn: every target lies past sequence_len
+            continue
+        out.truncated += too_long
         out.examples.append({"input_ids": ids, "labels": labels})
     return out
 

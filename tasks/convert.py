@@ -16,6 +16,7 @@ from loraship.errors import LorashipError
 from loraship.gguf_info import read_gguf
 from loraship.llamacpp import converter_dir
 from loraship.manifest import atomic_path
+from loraship.proc import run_child
 from loraship.preflight import check_free_disk
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
@@ -30,7 +31,7 @@ def convert(merged_dir: Path, out_file: Path, outtype: str = "f16") -> None:
     with atomic_path(out_file) as tmp:
         cmd = [sys.executable, str(script), str(merged_dir), "--outfile", str(tmp), "--outtype", outtype]
         try:
-            result = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+            result = run_child(cmd, TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
             raise LorashipError(f"convert_hf_to_gguf.py did not finish within {TIMEOUT_S} s") from e
         if result.returncode != 0 or not tmp.is_file():

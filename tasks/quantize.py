@@ -14,6 +14,7 @@ from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, GGUF_KEY_FILE_TYPE, qu
 from loraship.errors import LorashipError
 from loraship.gguf_info import read_gguf
 from loraship.manifest import atomic_path
+from loraship.proc import run_child
 from loraship.preflight import check_free_disk
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
@@ -37,7 +38,7 @@ def quantize(src: Path, dst: Path, quantization: str) -> None:
     with atomic_path(dst) as tmp:
         cmd = [sys.executable, "-c", _WORKER, str(src), str(tmp), str(GGUF_FILE_TYPES[quantization])]
         try:
-            result = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+            result = run_child(cmd, TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
             raise LorashipError(f"llama_model_quantize did not finish within {TIMEOUT_S} s") from e
         if result.returncode != 0 or not tmp.is_file():

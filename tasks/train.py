@@ -212,6 +212,7 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
     eval_before = evaluate_base(model, evaluation.examples, eval_batch, pad_id, device)
     checkpoints = ctx.dir / CHECKPOINTS_DIR
     step, history = load_checkpoint(checkpoints, model, optimizer, scheduler)
+    resumed_from = step
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     tokens_seen, started = 0, time.perf_counter()
@@ -251,6 +252,7 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
     atomic_write_text(ctx.dir / LOSS_HISTORY_FILE, "".join(json.dumps(h) + "\n" for h in history))
     return {
         "steps": total_steps,
+        "resumed_from_step": resumed_from,
         "eval_loss_before": eval_before,
         "eval_loss_after": eval_after,
         "first_loss": history[0]["loss"] if history else None,

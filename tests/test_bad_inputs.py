@@ -19,7 +19,10 @@ def fake_model(root: Path) -> Path:
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     (folder / "tokenizer.json").write_text("{}")
-    (folder / "model.safetensors").write_bytes(b"")
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros((2, 2), dtype=np.float32)}, str(folder / "model.safetensors"))
     return folder
 
 
