@@ -13,11 +13,12 @@ TINY_MODEL := .loraship/models/tiny-llama
 
 # torch 2.13.0 first and pinned: it is the CPU build on this machine's disk; a bare `torch`
 # requirement would pull a multi-GB CUDA build. The extras' wider ranges then install nothing more.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml deploy/requirements-ci.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[train,merge,convert,verify,orchestrate,dev]'
+	$(PY) -m pip install --quiet -r deploy/requirements-ci.txt
 	$(PY) -m loraship.cli fetch-converter
 	touch $@
 

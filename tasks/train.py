@@ -228,7 +228,7 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             # Weight each micro-batch by its target tokens, so accumulation equals one big batch.
             (loss * n / max(target_tokens, 1)).backward()
-            step_loss += float(loss) * n / max(target_tokens, 1)
+            step_loss += float(loss.detach()) * n / max(target_tokens, 1)
             tokens_seen += int(mask.sum())
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
