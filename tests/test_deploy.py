@@ -7,6 +7,7 @@ Lint tools come from deploy/requirements-ci.txt; a test whose tool is missing is
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import re
 import shutil
@@ -28,11 +29,19 @@ DEPLOY = ROOT / "deploy"
 POOLS = {"local": "loraship-process", "docker": "loraship-docker", "kubernetes": "loraship-kubernetes"}
 GPU_STAGES = {"train", "verify"}
 
-sys.path.insert(0, str(IMAGES))
-from pin import IMAGE_REQUIREMENTS, IMAGES as REQUIREMENT_SETS, STAGE_IMAGE  # noqa: E402
 
-sys.path.insert(0, str(DEPLOY / "kubernetes"))
-import render as k8s_render  # noqa: E402
+
+def _load(path: Path, name: str):
+    """The scripts under images/ and deploy/ are not a package: load them by path."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_pin = _load(IMAGES / "pin.py", "loraship_images_pin")
+IMAGE_REQUIREMENTS, REQUIREMENT_SETS, STAGE_IMAGE = _pin.IMAGE_REQUIREMENTS, _pin.IMAGES, _pin.STAGE_IMAGE
+k8s_render = _load(DEPLOY / "kubernetes" / "render.py", "loraship_k8s_render")
 
 
 def _tool(name: str) -> str:
