@@ -143,7 +143,7 @@ def test_parent_parameters_are_the_demo_config():
         config = parse_config(_deployments()[suffix]["parameters"]["config"]).model_dump(mode="json")
         assert {k: v for k, v in config.items() if k not in path_fields} == {
             k: v for k, v in demo.items() if k not in path_fields
-        }, suffix
+        }, f"{suffix}: update `demo_training` in deploy/prefect.yaml (and deploy/gitops/specs/tiny-demo.yaml) to configs/demo.yaml"
         if suffix == "local":
             assert config == demo
         else:
