@@ -340,3 +340,10 @@ def test_gitops_invalid_spec_triggers_nothing(repo, text, expected):
 def test_gitops_unknown_ref_says_how_to_fix(repo):
     with pytest.raises(LorashipError, match="fetch-depth: 0"):
         trigger_changed_specs("no-such-ref", "HEAD", repo=repo, dry_run=True)
+
+
+def test_tiny_demo_spec_is_the_demo_on_shared_paths():
+    spec = DEPLOY / "gitops" / "specs" / "tiny-demo.yaml"
+    config = load_spec(spec.read_text(encoding="utf-8"), str(spec)).model_dump(mode="json")
+    docker = parse_config(_deployments()["docker"]["parameters"]["config"]).model_dump(mode="json")
+    assert config == docker, "tiny-demo.yaml is the docker deployment's demo config: keep them equal"
