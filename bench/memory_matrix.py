@@ -414,10 +414,13 @@ def analyze(raw_path: Path, results: Path, md: Path) -> dict:
 
     out = {
         "gpu": raw.get("gpu"), "method": __doc__.strip().splitlines()[0],
-        "calibration": "constants in loraship/memory.py were fitted on the rows with used_for_fit=true only; "
-                       "'held_out' scores the others",
+        "calibration": "constants in loraship/memory.py were fitted on the rows with used_for_fit=true only "
+                       "(even rows of the first GPU call); 'held_out' scores the first call's odd rows; 'validation' "
+                       "scores rows 24+, configurations measured in a second GPU call after the constants were "
+                       "fitted and committed",
         "all": summary(rows), "fit": summary([r for r in rows if r["used_for_fit"]]),
-        "held_out": summary([r for r in rows if not r["used_for_fit"]]),
+        "held_out": summary([r for r in rows if not r["used_for_fit"] and r["index"] < FIRST_VALIDATION_INDEX]),
+        "validation": summary([r for r in rows if r["index"] >= FIRST_VALIDATION_INDEX]),
         "rows": rows,
     }
     results.parent.mkdir(parents=True, exist_ok=True)
@@ -470,6 +473,43 @@ def fit(raw_path: Path) -> dict:
     return cal
 
 
+NOTES = """## How it was measured, and what to know
+
+- Commands: `python3 bench/memory_matrix.py measure --out $OUT --deadline-s 420 --parallel 3 --gpu-gib 128`
+  (rows 0-23, first GPU call, before calibration), then `fit` on the even rows, constants committed to
+  `loraship/memory.py`, then `measure ... --only 24,...,33` (second GPU call: new shapes Mistral-7B and
+  Qwen2-0.5B, new ranks/lengths/batches) and `python bench/memory_matrix.py analyze bench/results/memory_matrix_raw.json`.
+  Logs: `bench/results/memory_matrix_measure.log`.
+- Device software: torch 2.11.0+cu130, transformers 5.17.0, peft 0.21.0, bitsandbytes 0.50.2, liger-kernel 0.8.5.
+  Up to 3 configurations ran at once on the one GPU, each in its own process (allocator statistics are per
+  process); the 32 GiB cap is `torch.cuda.set_per_process_memory_fraction`.
+- "Reserved" is torch's peak reserved; the card must also hold the CUDA context, 0.74 GiB in every run
+  (NVML per-process usage minus reserved). `fits 32 (pred.)` means reserved + context + the 6% safety
+  margin (1.92 GiB) <= 32 GiB.
+- The fused loss is `LigerFusedLinearCrossEntropyLoss` alone, on the base model's last hidden state;
+  no other Liger kernels (RMSNorm, SwiGLU, RoPE) were applied, so fused rows are not DESIGN.md's
+  "LoRA + Liger kernels" rows.
+- HF loss: the step is `loss = model(input_ids, labels=labels).loss`, so the output object (and its
+  bf16 logits) is gone before backward. DESIGN.md's HF-loss figures are about 2.3 GiB higher in allocated
+  at 2 x 4096 Qwen2 tokens (Qwen2-7B LoRA 32.55 vs 30.23 here; QLoRA 23.50 vs 21.20), which is one bf16
+  copy of the logits (8192 x 152064 x 2 B = 2.32 GiB): a training loop that keeps the outputs alive
+  through backward needs that much more than the plan says.
+- QLoRA weights are quantized in memory (every decoder Linear replaced by bitsandbytes Linear4bit, NF4,
+  double quant, block 64); Qwen2-7B loads at 5.20 GiB here against 5.30 GiB via from_pretrained in
+  shared/MEMORY.md. No `prepare_model_for_kbit_training` (it upcasts embeddings/lm_head to fp32).
+- LoRA adapters are fp32 (PEFT's default), dropout 0.05, AdamW; `model.train()`; `use_cache=False`;
+  non-reentrant checkpointing.
+- The weights-only column is what a weights-only calculator reports (frozen weights alone); it misses
+  between 11.5% and 97.4% of the measured peak reserved in these rows (median 58%).
+- Allocator reserve grows faster than linearly with the HF loss's logits: the worst row (27, Llama-3-8B
+  QLoRA at 4 x 4096 with HF loss) left 9.35 GiB between reserved and allocated and is under-predicted by
+  7.5%; it is far over 32 GiB either way. `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` was not
+  measured here.
+- CPU cross-check of the activation count (saved-tensor hooks on one Qwen2-shaped decoder layer with PEFT
+  LoRA q/v/o, dropout 0): 22,408 bytes saved per token against 22,112 by the planner's formula.
+"""
+
+
 def _markdown(out: dict) -> str:
     lines = [
         "# Training memory: planner vs measured",
@@ -483,7 +523,7 @@ def _markdown(out: dict) -> str:
         "| split | rows | median abs error (reserved) | worst | predicted to fit 32 GiB but OOM under cap |",
         "|---|---|---|---|---|",
     ]
-    for k in ("all", "fit", "held_out"):
+    for k in ("all", "fit", "held_out", "validation"):
         s = out[k]
         if s["rows"]:
             lines.append(f"| {k} | {s['rows']} | {s['median_abs_error_pct']}% | {s['worst_abs_error_pct']}% | "
@@ -498,7 +538,7 @@ def _markdown(out: dict) -> str:
             f"| {'yes' if r['oom_under_32gib_cap'] else 'no'}{'' if r['oom_source'].startswith('measured') else '*'} "
             f"| {r['weights_only_estimate_gib']:.2f} |")
     lines += ["", "\\* inferred from the uncapped run (peak allocated above 32 GiB, or peak reserved well under it) "
-              "rather than a run under the cap.", ""]
+              "rather than a run under the cap.", "", NOTES]
     return "\n".join(lines)
 
 
@@ -534,7 +574,7 @@ def main() -> None:
     else:
         sys.path.insert(0, str(ROOT))
         out = analyze(args.raw, ROOT / "bench/results/memory_matrix.json", ROOT / "bench/memory_matrix.md")
-        for k in ("all", "fit", "held_out"):
+        for k in ("all", "fit", "held_out", "validation"):
             print(k, {kk: v for kk, v in out[k].items()})
 
 
