@@ -484,8 +484,8 @@ NOTES = """## How it was measured, and what to know
   Up to 3 configurations ran at once on the one GPU, each in its own process (allocator statistics are per
   process); the 32 GiB cap is `torch.cuda.set_per_process_memory_fraction`.
 - "Reserved" is torch's peak reserved; the card must also hold the CUDA context, 0.74 GiB in every run
-  (NVML per-process usage minus reserved). `fits 32 (pred.)` means reserved + context + the 6% safety
-  margin (1.92 GiB) <= 32 GiB.
+  (NVML per-process usage minus reserved). `fits 32 (pred.)` means reserved + context + the 8% safety
+  margin (2.56 GiB) <= 32 GiB.
 - The fused loss is `LigerFusedLinearCrossEntropyLoss` alone, on the base model's last hidden state;
   no other Liger kernels (RMSNorm, SwiGLU, RoPE) were applied, so fused rows are not DESIGN.md's
   "LoRA + Liger kernels" rows.

@@ -42,8 +42,9 @@ CAL = {
     # NVML per-process used minus torch reserved, H200, torch 2.11 + CUDA 13: 0.74 GiB in every run.
     "cuda_context_gib": 0.74,
 }
-# What the card must hold beyond the prediction: covers the worst under-prediction seen in the bench.
-SAFETY_MARGIN_FRACTION = 0.06
+# What the card must hold beyond the prediction: the worst under-prediction of peak reserved in
+# bench/memory_matrix.md is 7.5% (34 H200 runs), so 8% of the budget (2.56 GiB of 32) is kept free.
+SAFETY_MARGIN_FRACTION = 0.08
 SAFETY_MARGIN_MIN_GIB = 0.5
 
 QVO = ("q_proj", "v_proj", "o_proj")

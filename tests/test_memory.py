@@ -148,3 +148,28 @@ def test_render_plan():
     con.print(memory.render_plan(memory.plan_training(QWEN2_14B, c), memory.plan_disk_and_inference(QWEN2_14B, c)))
     text = con.export_text()
     assert "frozen weights" in text and "safety margin" in text and "kv_cache" in text
+
+
+def test_constants_still_match_the_gpu_measurements():
+    """Re-predict every measured row of bench/results/memory_matrix.json with the current constants."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "results" / "memory_matrix.json"
+    if not path.exists():
+        pytest.skip("bench/results/memory_matrix.json not present")
+    shapes = {"qwen2-7b": QWEN2_7B, "qwen2-14b": QWEN2_14B, "llama-3-8b": LLAMA3_8B, "qwen2-0.5b": QWEN2_05B,
+              "mistral-7b": {**MISTRAL_7B, "vocab_size": 32768}}
+    errs = []
+    for row in json.loads(path.read_text())["rows"]:
+        sp = row["spec"]
+        c = cfg(adapter=sp["adapter"], lora_r=sp["lora_r"], lora_alpha=2 * sp["lora_r"], gradient_accumulation_steps=1,
+                lora_target_modules=["q_proj", "v_proj", "o_proj"] if sp["targets"] == "qvo" else "all-linear",
+                sequence_len=sp["sequence_len"], micro_batch_size=sp["micro_batch_size"],
+                gradient_checkpointing=sp["gradient_checkpointing"], fused_loss="on" if sp["fused_loss"] else "off")
+        est = memory.estimate(shapes[sp["shape"]], c, memory.strategy_from_config(c))
+        errs.append(abs(est["predicted_reserved_gib"] / row["measured_reserved_gib"] - 1))
+        assert not (est["fits"] and row["oom_under_32gib_cap"]), row["config"]
+    assert len(errs) >= 16
+    assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10
