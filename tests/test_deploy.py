@@ -347,3 +347,17 @@ def test_tiny_demo_spec_is_the_demo_on_shared_paths():
     config = load_spec(spec.read_text(encoding="utf-8"), str(spec)).model_dump(mode="json")
     docker = parse_config(_deployments()["docker"]["parameters"]["config"]).model_dump(mode="json")
     assert config == docker, "tiny-demo.yaml is the docker deployment's demo config: keep them equal"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_docker_job_variables_are_accepted_by_docker_py(stage):
+    """The worker hands container_create_kwargs to docker-py's containers.create as they are."""
+    containers = pytest.importorskip("docker.models.containers")
+    jv = _deployments()[f"{stage}-docker"]["work_pool"]["job_variables"]
+    args = containers._create_container_args(
+        {"image": jv["image"], "command": "prefect flow-run execute", "volumes": jv["volumes"], "version": "1.41",
+         **jv["container_create_kwargs"]}
+    )
+    assert args["entrypoint"] == ["/usr/bin/env"]
+    requests = args["host_config"].get("DeviceRequests") or []
+    assert [r["Capabilities"] for r in requests] == ([[["gpu"]]] if stage in GPU_STAGES else [])
