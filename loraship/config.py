@@ -114,6 +114,12 @@ class Config(BaseModel):
     )
     verify_max_examples: int = Field(64, ge=1, description="Eval examples scored by verify (both runtimes).")
 
+    env_from_secrets: dict[str, str] = Field(
+        default_factory=dict,
+        description="Credentials as {ENV_VAR: Prefect Secret block name}, e.g. {HF_TOKEN: hf-token}: each stage "
+        "exports the secret into its own environment at run time. Only block names are stored in the config, so "
+        "secrets never reach logs, manifests or model cards.",
+    )
     workdir: str = Field(".loraship/work", description="Local folder for stage outputs (checkpoints, merged model, F16 GGUF).")
     output: str = Field("artifacts", description="Where publish puts the artifact: a local folder or any fsspec URL (s3://...).")
 
@@ -129,6 +135,14 @@ class Config(BaseModel):
     def _not_blank(cls, v: str):
         if not v.strip():
             raise ValueError("must not be empty")
+        return v
+
+    @field_validator("env_from_secrets")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]):
+        bad = [k for k in v if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", k)]
+        if bad:
+            raise ValueError(f"{bad} are not environment variable names (UPPER_CASE letters, digits, '_')")
         return v
 
     @model_validator(mode="after")
