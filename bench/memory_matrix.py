@@ -101,6 +101,21 @@ MATRIX += [
     _c("qwen2-0.5b", "lora", 16, "all-linear", 2048, 4, ckpt=False),
     _c("llama-3-8b", "lora", 16, "qvo", 1024, 4),
 ]
+# Third GPU call, same constants: configurations the planner puts just under the fit threshold
+# (predicted total 27.9-29.4 GiB of 32 with the 8% margin), each also run under the 32 GiB cap.
+FIRST_THRESHOLD_INDEX = len(MATRIX)
+MATRIX += [
+    _c("llama-3-8b", "lora", 128, "all-linear", 1024, 4),
+    _c("qwen2-14b", "qlora", 32, "all-linear", 1024, 1, ckpt=False, fused=True),
+    _c("qwen2-7b", "lora", 64, "all-linear", 1024, 1, ckpt=False),
+    _c("mistral-7b", "qlora", 128, "qvo", 8192, 4),
+    _c("mistral-7b", "lora", 64, "all-linear", 4096, 4),
+    _c("qwen2-14b", "qlora", 128, "all-linear", 1024, 4),
+    _c("qwen2-7b", "lora", 64, "all-linear", 4096, 4, fused=True),
+    _c("qwen2-14b", "qlora", 32, "all-linear", 4096, 4, fused=True),
+    _c("qwen2-7b", "qlora", 8, "all-linear", 8192, 4, fused=True),
+    _c("llama-3-8b", "qlora", 128, "all-linear", 2048, 4),
+]
 if os.environ.get("MEMORY_MATRIX_SMOKE"):  # CPU check of the orchestration: tiny shapes, no GPU
     MATRIX = [_c("tiny", "lora", 8, "qvo", 64, 2), _c("tiny", "qlora", 8, "all-linear", 64, 1, ckpt=False)]
 
@@ -271,7 +286,8 @@ def _rough_gib(spec: dict) -> float:
     return 1.4 * (w + act + loss) / GIB + 3
 
 
-def measure(out: Path, deadline_s: float, parallel: int, gpu_gib: float, only: list[int] | None) -> None:
+def measure(out: Path, deadline_s: float, parallel: int, gpu_gib: float, only: list[int] | None,
+            always_cap: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     raw_path = out / "memory_matrix_raw.json"
     rows: list[dict] = []
@@ -279,6 +295,8 @@ def measure(out: Path, deadline_s: float, parallel: int, gpu_gib: float, only: l
         rows = json.loads(raw_path.read_text())["rows"]
     done = {(r["index"], r["cap_gib"]) for r in rows}
     todo = [(i, None) for i in (only if only is not None else range(len(MATRIX))) if (i, None) not in done]
+    if always_cap:
+        todo += [(i, CAP_GIB) for i, _ in todo]
     todo.sort(key=lambda j: -_rough_gib(MATRIX[j[0]]))
     start = time.time()
     running: list[tuple[int, float | None, float, subprocess.Popen]] = []
@@ -308,7 +326,7 @@ def measure(out: Path, deadline_s: float, parallel: int, gpu_gib: float, only: l
                   f"alloc={rec.get('peak_allocated_gib', 0):.2f} res={rec.get('peak_reserved_gib', 0):.2f} "
                   f"ctx={rec.get('context_gib')} {rec['config']} {rec.get('error', '')[:200]}", flush=True)
             # Near or over 32 GiB: also run under the cap, unless peak allocated alone exceeds it.
-            if cap is None and not rec.get("failed") and not rec.get("oom"):
+            if cap is None and not always_cap and not rec.get("failed") and not rec.get("oom"):
                 if rec.get("peak_reserved_gib", 0) > CAP_GIB - 4 and rec["peak_allocated_gib"] <= CAP_GIB:
                     todo.append((i, CAP_GIB))
         in_use = sum(_rough_gib(MATRIX[i]) if cap is None else CAP_GIB + 2 for i, cap, _, _ in running)
@@ -421,6 +439,7 @@ def analyze(raw_path: Path, results: Path, md: Path) -> dict:
         "all": summary(rows), "fit": summary([r for r in rows if r["used_for_fit"]]),
         "held_out": summary([r for r in rows if not r["used_for_fit"] and r["index"] < FIRST_VALIDATION_INDEX]),
         "validation": summary([r for r in rows if r["index"] >= FIRST_VALIDATION_INDEX]),
+        "near_threshold": summary([r for r in rows if r["index"] >= FIRST_THRESHOLD_INDEX]),
         "rows": rows,
     }
     results.parent.mkdir(parents=True, exist_ok=True)
@@ -523,7 +542,7 @@ def _markdown(out: dict) -> str:
         "| split | rows | median abs error (reserved) | worst | predicted to fit 32 GiB but OOM under cap |",
         "|---|---|---|---|---|",
     ]
-    for k in ("all", "fit", "held_out", "validation"):
+    for k in ("all", "fit", "held_out", "validation", "near_threshold"):
         s = out[k]
         if s["rows"]:
             lines.append(f"| {k} | {s['rows']} | {s['median_abs_error_pct']}% | {s['worst_abs_error_pct']}% | "
@@ -551,6 +570,7 @@ def main() -> None:
     m.add_argument("--parallel", type=int, default=3)
     m.add_argument("--gpu-gib", type=float, default=130)
     m.add_argument("--only", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    m.add_argument("--always-cap", action="store_true", help="run every config under the 32 GiB cap as well")
     o = sub.add_parser("one")
     o.add_argument("spec")
     o.add_argument("--cap", type=float, default=None)
@@ -562,7 +582,7 @@ def main() -> None:
     f.add_argument("raw", type=Path)
     args = ap.parse_args()
     if args.cmd == "measure":
-        measure(args.out, args.deadline_s, args.parallel, args.gpu_gib, args.only)
+        measure(args.out, args.deadline_s, args.parallel, args.gpu_gib, args.only, args.always_cap)
     elif args.cmd == "one":
         print(json.dumps(run_one(json.loads(args.spec), args.cap, args.device)), flush=True)
     elif args.cmd == "smoke":
@@ -574,7 +594,7 @@ def main() -> None:
     else:
         sys.path.insert(0, str(ROOT))
         out = analyze(args.raw, ROOT / "bench/results/memory_matrix.json", ROOT / "bench/memory_matrix.md")
-        for k in ("all", "fit", "held_out", "validation"):
+        for k in ("all", "fit", "held_out", "validation", "near_threshold"):
             print(k, {kk: v for kk, v in out[k].items()})
 
 
