@@ -27,6 +27,7 @@ STRATEGIES = {
     "lora_hf_loss": {"adapter": "lora", "offload_layers": 0, "fused_loss": False},
     "qlora_fused": {"adapter": "qlora", "offload_layers": 0, "fused_loss": True},
     "lora_offload_4_layers": {"adapter": "lora", "offload_layers": 4, "fused_loss": True},
+    "lora_offload_8_layers": {"adapter": "lora", "offload_layers": 8, "fused_loss": True},
 }
 
 

@@ -58,8 +58,13 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype,
         )
-    if device == "cuda":
-        kwargs["device_map"] = memory_device_map(model_dir, strategy) or {"": 0}
+    offload = strategy.get("offload_layers", 0) if device == "cuda" else 0
+    if offload and strategy["adapter"] == "qlora":
+        raise LorashipError("the plan combines QLoRA with CPU offload, which loraship does not support; re-plan")
+    if device == "cuda" and not offload:
+        kwargs["device_map"] = {"": 0}
+    # With offload the model is assembled on the CPU and moved to the GPU after the frozen
+    # weights of the offloaded layers were set aside (loraship/offload.py).
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     if device == "cuda" and strategy["fused_loss"]:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -81,24 +86,15 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
+    if offload:
+        from loraship.offload import offload_frozen_layers
+
+        log.info("train: %.2f GiB of frozen weights kept in CPU memory", offload_frozen_layers(model, offload) / 2**30)
+        model.to("cuda")
     # from_pretrained returns eval mode, where HF silently skips gradient checkpointing
     # (seen on the H200: 67.6 GiB instead of 23.5). Train mode, always.
     model.train()
     return model
-
-
-def memory_device_map(model_dir: Path, strategy: dict) -> dict | None:
-    """Place the last `offload_layers` decoder layers' frozen weights on the CPU (accelerate hooks
-    stream them to the GPU for each forward/backward); everything else on GPU 0."""
-    n = strategy.get("offload_layers", 0)
-    if not n:
-        return None
-    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    layers = cfg["num_hidden_layers"]
-    device_map = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
-    for i in range(layers):
-        device_map[f"model.layers.{i}"] = "cpu" if i >= layers - n else 0
-    return device_map
 
 
 def collate(examples: list[dict], pad_id: int):
