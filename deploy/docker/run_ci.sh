@@ -2,7 +2,7 @@
 # The container run for CI: every stage of the tiny pipeline in its own image, through a Prefect
 # docker work pool, artifacts on the shared `loraship-shared` volume.
 #
-#   deploy/docker/run_ci.sh        # ~9 min cold on 2 cores (base 1, images 4-5, run 3-4); ~5 min warm
+#   deploy/docker/run_ci.sh   # measured on 2 cores: base 1 min + images 5 min cold (0.1 warm) + run 2.5-3.5 min
 #
 # Steps: docker.io + a private dockerd (deploy/docker/dockerd.sh) -> base + stage images
 # (images/build_all.sh, reusing the host's torch and llama-cpp-python wheels) -> Prefect server

@@ -5,7 +5,7 @@
 # then checks the run completed, its stage artifacts exist in Prefect, and (LORASHIP_GITOPS_CHECK=1,
 # the default) that `python -m loraship.gitops` triggers a changed spec once and only once.
 #
-#   deploy/local/run.sh            # about 4-6 minutes on 2 cores, tiny model on the CPU
+#   deploy/local/run.sh   # 2 cores, tiny model on the CPU: ~6 min from scratch, ~1.5-3 min when up to date
 #   LORASHIP_KEEP_SERVER=1 deploy/local/run.sh   # leave server + worker up (UI on the port)
 #
 # Everything stays in the project: PREFECT_HOME=.prefect, the server's own SQLite file
@@ -68,11 +68,17 @@ pids+=($!)
 step "tiny base model"
 python -m loraship.tinymodel --out .loraship/models/tiny-llama >/dev/null
 
-step "prefect deploy (train-and-ship/local + the *-local stage deployments)"
-prefect --no-prompt deploy --prefect-file deploy/prefect.yaml \
-  --name train-and-ship/local --name '*-local' >"$LOGS/deploy.log" 2>&1 \
+# Every deployment of every pool goes in (the server checks each one's job variables against its
+# pool's template), so a broken docker or kubernetes entry fails here too; only the process pool
+# has a worker on this machine.
+step "prefect deploy --all (24 deployments: local, docker and kubernetes pools)"
+prefect work-pool create loraship-docker --type docker --overwrite >/dev/null
+prefect work-pool create loraship-kubernetes --type kubernetes \
+  --base-job-template deploy/kubernetes/base-job-template.json --overwrite >/dev/null
+prefect --no-prompt deploy --prefect-file deploy/prefect.yaml --all >"$LOGS/deploy.log" 2>&1 \
   || { tail -40 "$LOGS/deploy.log" >&2; exit 1; }
-prefect deployment ls
+echo "$(grep -c 'successfully created' "$LOGS/deploy.log") deployments created"
+prefect deployment ls | grep -E 'local|Name'
 
 step "prefect deployment run train-and-ship/local --watch"
 run_log="$LOGS/run.log"
