@@ -13,6 +13,9 @@ the tag `loraship-spec:<hash[:16]>` and the idempotency key `<deployment>:<hash>
 any CI runner (ephemeral, no shared disk) find the earlier run before triggering; the key makes
 the server return the existing run instead of creating a second one when two pipelines race.
 A state file would need a shared, locked location and would drift from what the server ran.
+The hash covers the resolved config, defaults included: the same YAML under a loraship release
+whose defaults differ is a different run (it would train differently) once its spec changes;
+specs that git does not show as changed are never looked at.
 To run the same config again on purpose, change it (e.g. bump `seed`) or retry the earlier
 flow run from Prefect.
 """
