@@ -135,7 +135,13 @@ def strategy_from_config(cfg: Config) -> dict:
 # The estimate for one strategy
 # ---------------------------------------------------------------------------------------------
 def estimate(model_config: dict, cfg: Config, strategy: dict) -> dict:
-    """Predicted peak memory of one training step under `strategy`, in GiB, by component."""
+    """Predicted peak memory of one training step under `strategy`, in GiB, by component.
+
+    The peak holds the static terms (weights, LoRA weights, gradients, optimizer state) and the kept
+    activations, plus the larger of two transients: the loss (at the start of backward) or one decoder
+    layer's recompute + backward (`peak_phase` names which). The allocator reserve and the CUDA context
+    come on top: the card must hold reserved + context.
+    """
     s = parse_model_config(model_config)
     T = strategy["micro_batch_size"] * cfg.sequence_len
     targets = target_names(cfg)
@@ -197,8 +203,8 @@ def estimate(model_config: dict, cfg: Config, strategy: dict) -> dict:
         "predicted_reserved_gib": reserved / GIB,
         "cuda_context_gib": ctx / GIB,
         "predicted_total_gib": total / GIB,
-        # What a weights-only calculator (accelerate estimate-memory style) says: frozen weights + LoRA state.
-        "weights_only_estimate_gib": (s.n_params * (2 if not qlora else 0) + (s.L * layer_lin_bytes + rest_bytes if qlora else 0)) / GIB,
+        # What a weights-only calculator (accelerate estimate-memory style) says: all frozen weights, nothing else.
+        "weights_only_estimate_gib": (s.L * layer_lin_bytes + rest_bytes) / GIB,
         "fits": total / GIB <= budget - margin,
         "lora_params": lora_params,
     }
