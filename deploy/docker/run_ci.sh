@@ -26,12 +26,17 @@ t0=$SECONDS
 step() { echo "== [$((SECONDS - t0)) s] $*"; }
 
 step "dockerd"
+DOCKER="${DOCKER:-/usr/bin/docker}"
 started_dockerd=
 if [[ -z "${DOCKER_HOST:-}" ]]; then
-  eval "$(deploy/docker/dockerd.sh start)"
-  started_dockerd=1
+  sock="unix://${LORASHIP_DOCKER_ROOT:-/tmp/loraship-docker}/docker.sock"
+  if DOCKER_HOST="$sock" "$DOCKER" info >/dev/null 2>&1; then
+    DOCKER_HOST="$sock"  # one left running by an earlier call: use it, leave it running
+  else
+    eval "$(deploy/docker/dockerd.sh start)"
+    started_dockerd=1
+  fi
 fi
-DOCKER="${DOCKER:-/usr/bin/docker}"
 export DOCKER DOCKER_HOST
 
 export PREFECT_HOME="$ROOT/.prefect"
@@ -137,7 +142,6 @@ for image in plan train merge convert quantize verify publish; do
   else
     out="$("$DOCKER" run --rm --network none -v "$VOLUME:/shared" "loraship-$image:0.1.0" /shared/demo.yaml 2>&1)"
   fi
-  tail -1 <<<"$out"
-  grep -q "skipped (up to date)" <<<"$out" || { echo "$out" >&2; exit 1; }
+  grep -m1 "skipped (up to date) ->" <<<"$out" || { echo "$out" >&2; exit 1; }
 done
 step "docker deployment OK"
