@@ -434,8 +434,9 @@ def analyze(raw_path: Path, results: Path, md: Path) -> dict:
         "gpu": raw.get("gpu"), "method": __doc__.strip().splitlines()[0],
         "calibration": "constants in loraship/memory.py were fitted on the rows with used_for_fit=true only "
                        "(even rows of the first GPU call); 'held_out' scores the first call's odd rows; 'validation' "
-                       "scores rows 24+, configurations measured in a second GPU call after the constants were "
-                       "fitted and committed",
+                       "scores rows 24+, configurations measured in later GPU calls after the constants were "
+                       "fitted and committed ('near_threshold', rows 34+, is the part of it the planner puts just "
+                       "under the 32 GiB fit threshold, each also run under the cap)",
         "all": summary(rows), "fit": summary([r for r in rows if r["used_for_fit"]]),
         "held_out": summary([r for r in rows if not r["used_for_fit"] and r["index"] < FIRST_VALIDATION_INDEX]),
         "validation": summary([r for r in rows if r["index"] >= FIRST_VALIDATION_INDEX]),
