@@ -32,11 +32,23 @@ export HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 mkdir -p "$PREFECT_HOME"
 
+# A Prefect worker can outlive SIGTERM (it turns it into a graceful SIGINT shutdown that may
+# never finish): give our own processes 15 s, then SIGKILL them, so CI never hangs here.
+stop_pids() {
+  local pid
+  for pid in "$@"; do kill "$pid" 2>/dev/null || true; done
+  for _ in $(seq 15); do
+    local alive=0
+    for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [[ $alive == 0 ]] && return 0
+    sleep 1
+  done
+  for pid in "$@"; do kill -KILL "$pid" 2>/dev/null || true; done
+}
 pids=()
 cleanup() {
   if [[ -z "${LORASHIP_KEEP_SERVER:-}" ]]; then
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+    stop_pids "${pids[@]}"
   else
     echo "server and worker left running: pids ${pids[*]}, API $PREFECT_API_URL"
   fi
