@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--smoke", action="store_true", help="tiny shape, CPU, one strategy: checks the script itself")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one strategy in this process
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
@@ -76,11 +78,31 @@ def main() -> None:
     from tasks import train as train_stage
     from transformers import AutoTokenizer
 
-    root = Path(tempfile.mkdtemp(prefix="loraship-gpu-"))
-    model_dir = make_model(args.tokenizer, root / "model")
-    data = dataset(root / "train.jsonl")
+    if args.one is None:
+        # Each strategy in its own process: a clean allocator, and Liger's patches (which reach
+        # the model class, not just the instance) cannot leak into the next row.
+        import subprocess
+
+        root = Path(tempfile.mkdtemp(prefix="loraship-gpu-"))
+        make_model(args.tokenizer, root / "model")
+        dataset(root / "train.jsonl")
+        rows = []
+        for name in STRATEGIES:
+            part = root / f"{name}.json"
+            cmd = [sys.executable, __file__, "--tokenizer", str(args.tokenizer), "--out", str(part), "--steps",
+                   str(args.steps), "--one", name, "--root", str(root)] + (["--smoke"] if args.smoke else [])
+            subprocess.run(cmd, timeout=600)
+            rows += json.loads(part.read_text())["rows"] if part.exists() else [{"strategy": name, "ok": False,
+                                                                                 "error": "process died"}]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"shape": SHAPE, "device": torch.cuda.get_device_name(0)
+                                        if torch.cuda.is_available() else "cpu", "rows": rows}, indent=2))
+        return
+    root = args.root
+    model_dir = root / "model"
+    data = root / "train.jsonl"
     rows = []
-    for name, overrides in STRATEGIES.items():
+    for name, overrides in [(args.one, STRATEGIES[args.one])]:
         config = parse_config({
             "run_name": name, "base_model": str(model_dir), "workdir": str(root / "work"), "output": str(root / "out"),
             "datasets": [{"path": str(data), "type": "completion"}], "val_set_size": 0.05,

@@ -66,10 +66,6 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     # With offload the model is assembled on the CPU and moved to the GPU after the frozen
     # weights of the offloaded layers were set aside (loraship/offload.py).
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    if device == "cuda" and strategy["fused_loss"]:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-        _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=True, cross_entropy=False)
     if strategy["gradient_checkpointing"]:
         # Not prepare_model_for_kbit_training: it upcasts embeddings/norms/lm_head to fp32,
         # which costs more memory than it saves (shared/MEMORY.md). We take only what it does for
@@ -91,6 +87,12 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
 
         log.info("train: %.2f GiB of frozen weights kept in CPU memory", offload_frozen_layers(model, offload) / 2**30)
         model.to("cuda")
+    if device == "cuda" and strategy["fused_loss"]:
+        # Patched once the model sits on the GPU: applied to a CPU-resident model (the offload
+        # path) it left the HF loss in place (bench/results/gpu_train_stage.json).
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False)
     # from_pretrained returns eval mode, where HF silently skips gradient checkpointing
     # (seen on the H200: 67.6 GiB instead of 23.5). Train mode, always.
     model.train()
@@ -195,6 +197,7 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
 
     torch.manual_seed(config.seed)
     model = load_model(model_dir, config, strategy, device)
+    resident_gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     micro, accum = strategy["micro_batch_size"], strategy["gradient_accumulation_steps"]
     batches_per_epoch = math.ceil(len(train.examples) / micro)
@@ -256,7 +259,7 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
         "train_tokens_this_run": tokens_seen,
         "tokens_per_s": round(tokens_seen / seconds, 1) if seconds > 0 else None,
         "seconds": round(seconds, 2),
-        "measured_memory": measured,
+        "measured_memory": {**measured, "allocated_after_load_gib": resident_gib} if measured else {},
     }
 
 
