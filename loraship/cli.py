@@ -74,11 +74,14 @@ def plan(
     try:
         config = _load(config_path, set_)
         from loraship import memory
-        from loraship.models import check_base_model, resolve_base_model
+        from loraship.models import resolve_base_model
 
-        model_dir = resolve_base_model(config, weights=False)
-        check_base_model(config, model_dir, weights=False)
-        model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        # config.json is all the planner reads: a 14B model need not be downloaded to plan it.
+        config_file = resolve_base_model(config, weights=False) / "config.json"
+        if not config_file.is_file():
+            raise LorashipError(f"base_model {config.base_model!r}: no config.json at {config_file}; "
+                                "point base_model at a folder holding the model's config.json")
+        model_config = json.loads(config_file.read_text(encoding="utf-8"))
         training = memory.plan_training(model_config, config)
         footprint = memory.plan_disk_and_inference(model_config, config)
     except LorashipError as e:

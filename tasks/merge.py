@@ -122,7 +122,7 @@ def ensure_added_tokens_decoder(config_file: Path, tokenizer) -> None:
     config_file.write_text(json.dumps(data, indent=2), encoding="utf-8")
 
 
-def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples: list[dict]) -> dict:
+def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples: list[dict], trained_adapter: str) -> dict:
     """Logits on a probe batch: base, base+adapter (unmerged), merged; plus the NF4 view for QLoRA."""
     import torch
     from peft import PeftModel
@@ -165,7 +165,7 @@ def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples:
         "merge_matches_adapter": merge_error <= 0.1 * adapter_effect,
         "merge_differs_from_base": adapter_effect > 1e-4,
     }
-    if config.adapter == "qlora":
+    if trained_adapter == "qlora":
         result["kl_nf4_training_view_to_merged_bf16"] = nf4_view_kl(config, base_dir, adapter_dir, ids, mask, merged_logits, kl)
     return result
 
@@ -206,7 +206,9 @@ def run(config) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(ctx.dir / MERGED_DIR)
     _train, evaluation = load_splits(config, tokenizer)
     examples = (evaluation.examples or _train.examples)[:4]
-    checks = probe(config, base_dir, adapter_dir, ctx.dir / MERGED_DIR, examples)
+    # The plan may have switched lora -> qlora to fit the card; the probe follows what was trained.
+    trained_adapter = ctx.upstream["train"]["metrics"]["strategy"]["adapter"]
+    checks = probe(config, base_dir, adapter_dir, ctx.dir / MERGED_DIR, examples, trained_adapter)
     atomic_write_json(ctx.dir / PROBE_FILE, checks)
     if not (checks["merge_matches_adapter"] and checks["merge_differs_from_base"]):
         raise LorashipError(
