@@ -18,7 +18,7 @@ import os
 import re
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
 
@@ -140,6 +140,11 @@ def train_and_ship(config: Config):
         if hasattr(outcome, "is_failed"):  # a Failed state: stop here, later stages need this one's outputs
             return Failed(message=outcome.message)
         results[stage] = outcome
+    create_table_artifact(
+        key=_artifact_key(config.run_name, "summary"),
+        table=[{"stage": stage, **{k: str(v) for k, v in r.items() if k != "metrics"}} for stage, r in results.items()],
+        description=f"loraship train-and-ship {config.run_name}: every stage, skipped or run, and where",
+    )
     return results
 
 
@@ -149,4 +154,7 @@ def run_stage(stage: str, config: Config):
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; one of {STAGES}")
     state = stage_task(stage, config, return_state=True)
-    return state if state.is_failed() else state.result()
+    if state.is_failed():
+        # Its own message, so the parent (through run_deployment) reports the stage's real error.
+        return Failed(message=state.message)
+    return state.result()

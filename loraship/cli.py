@@ -136,7 +136,7 @@ def gitops(
     except LorashipError as e:
         _fail(e)
     out.print_json(data=results)
-    if any(r.get("state") not in (None, "COMPLETED", "SKIPPED", "DRY_RUN") for r in results):
+    if not all(r["ok"] for r in results):
         raise typer.Exit(1)
 
 
