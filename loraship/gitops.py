@@ -22,7 +22,6 @@ flow run from Prefect.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import subprocess
 from dataclasses import dataclass

@@ -6,6 +6,10 @@ import ctypes
 import signal
 import subprocess
 import sys
+from pathlib import Path
+
+from loraship.errors import LorashipError
+from loraship.manifest import atomic_path
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -17,6 +21,17 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def run_child(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run cmd with a timeout (a Prefect timeout cannot interrupt blocking native code)."""
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=_die_with_parent)
+def write_with_tool(cmd_for, out_file: Path, what: str, timeout: float) -> None:
+    """Run cmd_for(tmp_path) in a child process that writes tmp_path; rename it to out_file on success.
+
+    A timeout here, not in Prefect: a task timeout cannot interrupt blocking native code.
+    """
+    with atomic_path(out_file) as tmp:
+        try:
+            result = subprocess.run(cmd_for(tmp), capture_output=True, text=True, timeout=timeout,
+                                    preexec_fn=_die_with_parent)
+        except subprocess.TimeoutExpired as e:
+            raise LorashipError(f"{what} did not finish within {timeout} s") from e
+        if result.returncode != 0 or not tmp.is_file():
+            tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+            raise LorashipError(f"{what} failed (exit {result.returncode}):\n{tail}")

@@ -7,7 +7,6 @@ the flow with it. Output is written under a temporary name and renamed when comp
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,8 +14,7 @@ from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, GGUF_KEY_CHAT_TEMPLATE
 from loraship.errors import LorashipError
 from loraship.gguf_info import read_gguf
 from loraship.llamacpp import converter_dir
-from loraship.manifest import atomic_path
-from loraship.proc import run_child
+from loraship.proc import write_with_tool
 from loraship.preflight import check_free_disk
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
@@ -28,15 +26,10 @@ TIMEOUT_S = 4 * 3600
 
 def convert(merged_dir: Path, out_file: Path, outtype: str = "f16") -> None:
     script = converter_dir() / "convert_hf_to_gguf.py"
-    with atomic_path(out_file) as tmp:
-        cmd = [sys.executable, str(script), str(merged_dir), "--outfile", str(tmp), "--outtype", outtype]
-        try:
-            result = run_child(cmd, TIMEOUT_S)
-        except subprocess.TimeoutExpired as e:
-            raise LorashipError(f"convert_hf_to_gguf.py did not finish within {TIMEOUT_S} s") from e
-        if result.returncode != 0 or not tmp.is_file():
-            tail = "\n".join(result.stderr.strip().splitlines()[-15:])
-            raise LorashipError(f"convert_hf_to_gguf.py failed (exit {result.returncode}) on {merged_dir}:\n{tail}")
+    write_with_tool(
+        lambda tmp: [sys.executable, str(script), str(merged_dir), "--outfile", str(tmp), "--outtype", outtype],
+        out_file, f"convert_hf_to_gguf.py on {merged_dir}", TIMEOUT_S,
+    )
 
 
 @exclusive

@@ -6,15 +6,13 @@ timeout, so a hang or crash in native code cannot wedge the flow.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, GGUF_KEY_FILE_TYPE, quantized_gguf_name
 from loraship.errors import LorashipError
 from loraship.gguf_info import read_gguf
-from loraship.manifest import atomic_path
-from loraship.proc import run_child
+from loraship.proc import write_with_tool
 from loraship.preflight import check_free_disk
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
@@ -35,15 +33,10 @@ sys.exit(rc)
 
 
 def quantize(src: Path, dst: Path, quantization: str) -> None:
-    with atomic_path(dst) as tmp:
-        cmd = [sys.executable, "-c", _WORKER, str(src), str(tmp), str(GGUF_FILE_TYPES[quantization])]
-        try:
-            result = run_child(cmd, TIMEOUT_S)
-        except subprocess.TimeoutExpired as e:
-            raise LorashipError(f"llama_model_quantize did not finish within {TIMEOUT_S} s") from e
-        if result.returncode != 0 or not tmp.is_file():
-            tail = "\n".join(result.stderr.strip().splitlines()[-15:])
-            raise LorashipError(f"llama_model_quantize to {quantization} failed (exit {result.returncode}):\n{tail}")
+    write_with_tool(
+        lambda tmp: [sys.executable, "-c", _WORKER, str(src), str(tmp), str(GGUF_FILE_TYPES[quantization])],
+        dst, f"llama_model_quantize to {quantization}", TIMEOUT_S,
+    )
 
 
 @exclusive

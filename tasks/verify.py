@@ -19,7 +19,6 @@ import logging
 import os
 import re
 import time
-from pathlib import Path
 
 from loraship import memory
 from loraship.chat import render_chat
@@ -47,12 +46,14 @@ def gate(value, threshold, passed: bool, note: str = "") -> dict:
     return {"passed": bool(passed), "value": value, "threshold": threshold, **({"note": note} if note else {})}
 
 
-def golden_rows(config, evaluation_rows: list[dict]) -> list[dict]:
+def golden_rows(config) -> list[dict]:
     if config.golden_prompts:
         rows = read_rows(config.golden_prompts, "golden")
         return [r if "messages" in r else {**r, "messages": [{"role": "user", "content": r["prompt"]}]} for r in rows]
-    # Without a golden file, the eval split's user turns stand in (answers compared HF vs GGUF).
-    return [{"messages": [m for m in r["messages"] if m["role"] != "assistant"][:1]} for r in evaluation_rows[:8]]
+    # Without a golden file, the first user turns of chat eval rows stand in (answers compared HF vs GGUF).
+    specs = config.eval_datasets or config.datasets
+    chats = [r for s in specs if s.type == "chat" for r in read_rows(s.path, s.type)]
+    return [{"messages": [m for m in r["messages"] if m["role"] != "assistant"][:1]} for r in chats[:8]]
 
 
 def hf_greedy(model, ids: list[int], max_new: int, eos: int) -> list[int]:
@@ -199,7 +200,7 @@ def run(config) -> dict:
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=dtype).to(device).eval()
     _train, evaluation = load_splits(config, tokenizer)
     examples = evaluation.examples[: config.verify_max_examples]
-    golden = golden_rows(config, eval_rows_for_golden(config))
+    golden = golden_rows(config)
     longest = max([len(e["input_ids"]) for e in examples] + [config.sequence_len])
     n_ctx = min(model_config.get("max_position_embeddings", 4096), max(512, longest + config.max_new_tokens + 8))
     llm = Llama(
@@ -265,11 +266,6 @@ def run(config) -> dict:
     return ctx.finish({"passed": True, "gates": {k: g["passed"] for k, g in gates.items()},
                        "perplexity_ratio": ratio, "golden_match": matches / n,
                        "gguf_tokens_per_s": report["gguf_tokens_per_s"]})
-
-
-def eval_rows_for_golden(config) -> list[dict]:
-    specs = config.eval_datasets or config.datasets
-    return [r for s in specs if s.type == "chat" for r in read_rows(s.path, s.type)]
 
 
 if __name__ == "__main__":

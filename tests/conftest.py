@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -48,8 +47,3 @@ def pipeline_run(tiny_model, tmp_path_factory):
     config = parse_config(demo_config_dict(tiny_model, root, run_name="pipeline"))
     manifests = {stage: importlib.import_module(f"tasks.{stage}").run(config) for stage in STAGES}
     return config, manifests
-
-
-def copy_model(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst

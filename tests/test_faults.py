@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -205,7 +204,7 @@ def test_chat_template_is_sandboxed():
 def test_truncation_policy(tiny_model):
     from transformers import AutoTokenizer
 
-    from loraship.data import read_rows, tokenize_rows
+    from loraship.data import tokenize_rows
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     row = {"text": "The capital of Ganraka is Milo. " * 10}
