@@ -145,3 +145,43 @@ def test_corrupt_upstream_output_is_refused(pipeline_run):
             importlib.import_module("tasks.quantize").run(config.model_copy(update={"quantization": "Q8_0"}))
     finally:
         f16.write_bytes(original)
+
+
+def test_publish_to_an_fsspec_url(pipeline_run):
+    """Any fsspec URL works as output; the manifest lands last and lists every file's sha256."""
+    import fsspec
+
+    config, _ = pipeline_run
+    remote = config.model_copy(update={"output": "memory://bucket/models"})
+    manifest = importlib.import_module("tasks.publish").run(remote)
+    fs = fsspec.filesystem("memory")
+    published = json.loads(fs.cat_file(f"/bucket/models/{config.run_name}/{MANIFEST_NAME}"))
+    assert manifest["metrics"]["destination"] == f"memory://bucket/models/{config.run_name}"
+    for rel, info in published["files"].items():
+        data = fs.cat_file(f"/bucket/models/{config.run_name}/{rel}")
+        assert len(data) == info["size"], rel
+    assert published["verified"] is True
+
+
+def test_hub_id_is_resolved_through_huggingface_hub(monkeypatch, tiny_model):
+    """A hub id downloads config + tokenizer for plan, and safetensors (never pickles) for training."""
+    import huggingface_hub
+
+    from loraship.config import parse_config
+    from loraship.models import resolve_base_model
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):
+        calls.append((repo_id, revision, allow_patterns))
+        return str(tiny_model)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    config = parse_config({"base_model": "Qwen/Qwen2-7B", "base_model_revision": "abc123",
+                           "datasets": [{"path": "x.jsonl", "type": "chat"}]})
+    assert resolve_base_model(config, weights=False) == tiny_model
+    assert resolve_base_model(config, weights=True) == tiny_model
+    (repo, rev, meta), (_, _, full) = calls
+    assert repo == "Qwen/Qwen2-7B" and rev == "abc123"
+    assert "config.json" in meta and "*.safetensors" not in meta
+    assert "*.safetensors" in full and not any(p.endswith(".bin") for p in full)
