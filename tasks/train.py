@@ -182,8 +182,8 @@ def load_checkpoint(folder: Path, model, optimizer, scheduler) -> tuple[int, lis
     if not (last / "trainer_state.pt").is_file():
         return 0, []
     set_peft_model_state_dict(model, load_file(last / "adapter_model.safetensors"))
-    # Our own file, written by save_checkpoint above; weights_only keeps it free of arbitrary pickles.
-    state = torch.load(last / "trainer_state.pt", weights_only=False)
+    # weights_only: even our own checkpoint is loaded without running arbitrary pickled code.
+    state = torch.load(last / "trainer_state.pt", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
