@@ -185,3 +185,22 @@ def test_hub_id_is_resolved_through_huggingface_hub(monkeypatch, tiny_model):
     assert repo == "Qwen/Qwen2-7B" and rev == "abc123"
     assert "config.json" in meta and "*.safetensors" not in meta
     assert "*.safetensors" in full and not any(p.endswith(".bin") for p in full)
+
+
+def test_qlora_trains_on_cpu_and_merges_into_the_bf16_base(tiny_model, tmp_path):
+    """bitsandbytes NF4 (double quant) on the CPU; the merge goes into the bf16 base and measures
+    how far that is from the NF4 view the adapter was trained against."""
+    from loraship.config import parse_config
+    from tests.conftest import demo_config_dict
+
+    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="qlora", adapter="qlora",
+                                           max_steps=24, micro_batch_size=8))
+    manifests = {s: importlib.import_module(f"tasks.{s}").run(config) for s in ("plan", "train", "merge")}
+    train = manifests["train"]["metrics"]
+    assert train["strategy"]["adapter"] == "qlora"
+    assert train["eval_loss_after"] < train["eval_loss_before"]
+    merge = manifests["merge"]["metrics"]
+    assert merge["merge_matches_adapter"] and merge["merge_differs_from_base"]
+    assert 0 < merge["kl_nf4_training_view_to_merged_bf16"] < 0.1
+    merged_config = json.loads((stage_dir(config, "merge") / MERGED_DIR / "config.json").read_text())
+    assert merged_config["torch_dtype"] == "bfloat16" and "quantization_config" not in merged_config
