@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -122,7 +123,24 @@ def ensure_added_tokens_decoder(config_file: Path, tokenizer) -> None:
     config_file.write_text(json.dumps(data, indent=2), encoding="utf-8")
 
 
-def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples: list[dict], trained_adapter: str) -> dict:
+def probe_device(base_bytes: int) -> tuple[str | None, str]:
+    """Where the fp32 probe fits: one fp32 model at a time (the base+adapter, then the merged
+    model), about 2.5x the bytes of 16-bit weights. CPU RAM first, then a GPU; else skip and say why
+    rather than be killed for memory half-way through a merge of a large model."""
+    import torch
+
+    needed = 2.5 * base_bytes
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed < 0.8 * available:
+        return "cpu", ""
+    if torch.cuda.is_available() and needed < 0.9 * torch.cuda.mem_get_info()[0]:
+        return "cuda", ""
+    return None, (f"an fp32 probe needs about {needed / 2**30:.1f} GiB; {available / 2**30:.1f} GiB RAM free and "
+                  "no GPU with that much free memory")
+
+
+def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples: list[dict], trained_adapter: str,
+          device: str = "cpu") -> dict:
     """Logits on a probe batch: base, base+adapter (unmerged), merged; plus the NF4 view for QLoRA."""
     import torch
     from peft import PeftModel
@@ -131,11 +149,12 @@ def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples:
     from tasks.train import collate
 
     ids, _labels, mask = collate(examples, pad_id=0)
-    load = dict(dtype=torch.float32, trust_remote_code=config.trust_remote_code)
+    load = dict(dtype=torch.float32, trust_remote_code=config.trust_remote_code,
+                **({"device_map": {"": 0}} if device == "cuda" else {}))
 
     def logits(model):
         with torch.no_grad():
-            return model(input_ids=ids, attention_mask=mask).logits.float()
+            return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, **load).eval()
     peft_model = PeftModel.from_pretrained(base, adapter_dir).eval()
@@ -208,9 +227,14 @@ def run(config) -> dict:
     examples = (evaluation.examples or _train.examples)[:4]
     # The plan may have switched lora -> qlora to fit the card; the probe follows what was trained.
     trained_adapter = ctx.upstream["train"]["metrics"]["strategy"]["adapter"]
-    checks = probe(config, base_dir, adapter_dir, ctx.dir / MERGED_DIR, examples, trained_adapter)
+    device, why = probe_device(base_bytes)
+    if device is None:
+        checks = {"logits_probe": f"skipped: {why}"}
+        log.warning("merge: logits probe skipped: %s", why)
+    else:
+        checks = probe(config, base_dir, adapter_dir, ctx.dir / MERGED_DIR, examples, trained_adapter, device)
     atomic_write_json(ctx.dir / PROBE_FILE, checks)
-    if not (checks["merge_matches_adapter"] and checks["merge_differs_from_base"]):
+    if device is not None and not (checks["merge_matches_adapter"] and checks["merge_differs_from_base"]):
         raise LorashipError(
             f"merge check failed: merged vs base+adapter max |diff| {checks['max_abs_diff_merged_vs_adapter']:.3g}, "
             f"adapter effect {checks['max_abs_diff_adapter_vs_base']:.3g} (see {ctx.dir / PROBE_FILE})"

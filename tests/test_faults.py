@@ -250,3 +250,11 @@ def test_planted_secret_never_reaches_outputs(tiny_model, tmp_path, monkeypatch)
     run_stages(config, STAGES)
     leaks = [p for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert not leaks
+
+
+def test_merge_probe_is_skipped_with_a_reason_rather_than_running_out_of_ram():
+    from tasks.merge import probe_device
+
+    assert probe_device(1024)[0] in ("cpu", "cuda")
+    device, why = probe_device(10 * 2**50)  # a 10 PiB model fits nowhere
+    assert device is None and "GiB" in why
