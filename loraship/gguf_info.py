@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loraship.errors import IntegrityError
+from loraship.constants import GGUF_FILE_TYPES, GGUF_KEY_FILE_TYPE
+from loraship.errors import IntegrityError, LorashipError
 
 
 def read_gguf(path: Path) -> dict:
@@ -24,3 +25,12 @@ def read_gguf(path: Path) -> dict:
         except Exception:  # arrays of unusual types: keep the key, skip the value
             fields[key] = None
     return {"fields": fields, "tensor_count": len(reader.tensors)}
+
+
+def read_gguf_of_type(path: Path, file_type: str) -> dict:
+    """read_gguf, insisting that general.file_type is the one asked for (F16, Q4_K_M, ...)."""
+    info = read_gguf(path)
+    found, expected = info["fields"].get(GGUF_KEY_FILE_TYPE), GGUF_FILE_TYPES[file_type]
+    if found != expected:
+        raise LorashipError(f"{path}: general.file_type is {found}, expected {expected} ({file_type})")
+    return info

@@ -10,9 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_FILE_TYPE, MERGED_DIR
-from loraship.errors import LorashipError
-from loraship.gguf_info import read_gguf
+from loraship.constants import F16_GGUF, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_FILE_TYPE, MERGED_DIR
+from loraship.gguf_info import read_gguf_of_type
 from loraship.llamacpp import converter_dir
 from loraship.proc import write_with_tool
 from loraship.preflight import check_free_disk
@@ -43,14 +42,11 @@ def run(config) -> dict:
     check_free_disk(ctx.dir, merged_bytes * 1.05, "convert (F16 GGUF)")
     out = ctx.dir / F16_GGUF
     convert(merged, out)
-    info = read_gguf(out)
-    file_type = info["fields"].get(GGUF_KEY_FILE_TYPE)
-    if file_type != GGUF_FILE_TYPES["F16"]:
-        raise LorashipError(f"{out}: general.file_type is {file_type}, expected {GGUF_FILE_TYPES['F16']} (F16)")
+    info = read_gguf_of_type(out, "F16")
     return ctx.finish(
         {
             "tensor_count": info["tensor_count"],
-            "file_type": file_type,
+            "file_type": info["fields"][GGUF_KEY_FILE_TYPE],
             "has_chat_template": bool(info["fields"].get(GGUF_KEY_CHAT_TEMPLATE)),
             "bytes": out.stat().st_size,
         }

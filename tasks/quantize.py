@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, GGUF_KEY_FILE_TYPE, quantized_gguf_name
-from loraship.errors import LorashipError
-from loraship.gguf_info import read_gguf
+from loraship.gguf_info import read_gguf, read_gguf_of_type
 from loraship.proc import write_with_tool
 from loraship.preflight import check_free_disk
 from loraship.stage import exclusive, main, open_stage, reset_dir
@@ -50,16 +49,12 @@ def run(config) -> dict:
     check_free_disk(ctx.dir, src.stat().st_size * 0.6, f"quantize ({config.quantization})")
     out = ctx.dir / quantized_gguf_name(config.quantization)
     quantize(src, out, config.quantization)
-    info = read_gguf(out)
-    file_type = info["fields"].get(GGUF_KEY_FILE_TYPE)
-    expected = GGUF_FILE_TYPES[config.quantization]
-    if file_type != expected:
-        raise LorashipError(f"{out}: general.file_type is {file_type}, expected {expected} ({config.quantization})")
+    info = read_gguf_of_type(out, config.quantization)
     size = out.stat().st_size
     return ctx.finish(
         {
             "quantization": config.quantization,
-            "file_type": file_type,
+            "file_type": info["fields"][GGUF_KEY_FILE_TYPE],
             "tensor_count": info["tensor_count"],
             "bytes": size,
             "compression_vs_f16": round(src.stat().st_size / size, 3),
