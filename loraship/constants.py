@@ -27,7 +27,6 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
 # llama.cpp's llama_ftype values (include/llama.h) = GGUF general.file_type.
 GGUF_FILE_TYPES = {"F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}
-QUANTIZATIONS = ("Q4_K_M", "Q5_K_M", "Q8_0")
 
 # Approximate bits per weight of each quantization for a full model (llama.cpp's
 # quantize README: Q4_K_M 4.84 on a 7B Llama, measured 4.84 in shared/DESIGN.md).
@@ -38,4 +37,3 @@ GGUF_KEY_FILE_TYPE = "general.file_type"
 GGUF_KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
 GGUF_KEY_BOS = "tokenizer.ggml.bos_token_id"
 GGUF_KEY_EOS = "tokenizer.ggml.eos_token_id"
-GGUF_KEY_TOKENIZER_MODEL = "tokenizer.ggml.model"

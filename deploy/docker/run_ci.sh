@@ -46,7 +46,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_UI_ENABLED=false
 mkdir -p "$PREFECT_HOME"
 
-source "$ROOT/deploy/stop_pids.sh"
+source "$ROOT/deploy/lib.sh"
 pids=()
 cleanup() {
   stop_pids "${pids[@]}"
@@ -74,17 +74,7 @@ cp -r data/demo "$mountpoint/data/"
 chown -R 1000:1000 "$mountpoint"
 
 step "Prefect server on 127.0.0.1:$PORT"
-if curl -fsS "$PREFECT_API_URL/health" >/dev/null 2>&1; then
-  echo "a server already answers on port $PORT: set LORASHIP_PREFECT_PORT to a free port" >&2
-  exit 1
-fi
-prefect server start --host 127.0.0.1 --port "$PORT" >"$LOGS/server.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 180); do
-  curl -fsS "$PREFECT_API_URL/health" >/dev/null 2>&1 && break
-  kill -0 "${pids[0]}" 2>/dev/null || { tail -30 "$LOGS/server.log" >&2; exit 1; }
-  sleep 1
-done
+start_prefect_server
 
 step "docker work pool (host network) + worker"
 prefect work-pool get-default-base-job-template --type docker >"$LOGS/pool-template.json"

@@ -32,7 +32,7 @@ export HF_HUB_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 mkdir -p "$PREFECT_HOME"
 
-source "$ROOT/deploy/stop_pids.sh"
+source "$ROOT/deploy/lib.sh"
 pids=()
 cleanup() {
   if [[ -z "${LORASHIP_KEEP_SERVER:-}" ]]; then
@@ -46,18 +46,7 @@ t0=$SECONDS
 step() { echo "== [$((SECONDS - t0)) s] $*"; }
 
 step "Prefect server on 127.0.0.1:$PORT (SQLite ${PREFECT_HOME}/local-server.db)"
-if curl -fsS "$PREFECT_API_URL/health" >/dev/null 2>&1; then
-  echo "a server already answers on port $PORT: set LORASHIP_PREFECT_PORT to a free port" >&2
-  exit 1
-fi
-prefect server start --host 127.0.0.1 --port "$PORT" >"$LOGS/server.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 180); do
-  curl -fsS "$PREFECT_API_URL/health" >/dev/null 2>&1 && break
-  kill -0 "${pids[0]}" 2>/dev/null || { tail -30 "$LOGS/server.log" >&2; exit 1; }
-  sleep 1
-done
-curl -fsS "$PREFECT_API_URL/health" >/dev/null || { tail -30 "$LOGS/server.log" >&2; exit 1; }
+start_prefect_server
 
 step "process work pool + worker"
 prefect work-pool create loraship-process --type process --overwrite >/dev/null
