@@ -76,6 +76,19 @@ class Config(BaseModel):
     fused_loss: Literal["auto", "on", "off"] = Field(
         "auto", description="Liger fused linear cross-entropy: 'auto' uses it on CUDA when liger-kernel is installed."
     )
+    fallback: list[Literal["offload", "qlora"]] = Field(
+        default_factory=lambda: ["offload", "qlora"],
+        description="What the planner may change, in this order, when `adapter: lora` does not fit gpu_memory_gib "
+        "even at a smaller micro-batch: 'offload' keeps bf16 and streams some layers' frozen weights from CPU memory, "
+        "'qlora' quantizes the base to NF4 (a precision change). [] refuses instead.",
+    )
+    packing: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Padding-free packing: whole examples laid end to end into rows of up to sequence_len tokens, "
+        "position ids restarting per example so no example attends to another; a micro-batch is then "
+        "micro_batch_size rows rather than examples. 'auto' packs where the attention implementation honours packed "
+        "position ids, else pads (the reason is in the train manifest).",
+    )
     save_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps (resume after a crash).")
     logging_steps: int = Field(1, ge=1, description="Record the loss every N optimizer steps.")
 

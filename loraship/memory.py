@@ -11,10 +11,13 @@ f intermediate, V vocab, L layers, r rank, T = micro_batch x sequence_len tokens
 
 from __future__ import annotations
 
+import importlib.util
+import math
 from dataclasses import dataclass
 
 from loraship.config import Config
 from loraship.constants import BITS_PER_WEIGHT
+from loraship.errors import LorashipError
 
 GIB = 2**30
 
@@ -123,11 +126,24 @@ def target_names(cfg: Config) -> tuple[str, ...]:
     return tuple(n for n in ALL_LINEAR if n in cfg.lora_target_modules)
 
 
+def fused_loss_available(cfg: Config, device: str = "cuda") -> bool:
+    """Whether training uses Liger's fused linear cross-entropy; plan and train both ask this.
+
+    'auto' means: liger-kernel is importable and the device is CUDA (its kernels are Triton).
+    The plan describes GPU training, so it asks for "cuda" unless `device: cpu`. find_spec looks
+    the package up without importing it (and torch with it), so `loraship plan` stays light.
+    """
+    if cfg.fused_loss == "off" or device != "cuda":
+        return False
+    if cfg.fused_loss == "on":
+        return True
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
 def strategy_from_config(cfg: Config) -> dict:
     return {"adapter": cfg.adapter, "offload_layers": 0, "micro_batch_size": cfg.micro_batch_size,
             "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-            # auto: the train image installs liger-kernel (pyproject extra 'train') and runs on CUDA.
-            "fused_loss": cfg.fused_loss != "off",
+            "fused_loss": fused_loss_available(cfg, "cpu" if cfg.device == "cpu" else "cuda"),
             "gradient_checkpointing": cfg.gradient_checkpointing}
 
 
@@ -221,20 +237,24 @@ def _divisors_desc(n: int, at_most: int) -> list[int]:
     return [d for d in range(min(n, at_most), 0, -1) if n % d == 0]
 
 
-def _ladder(model_config: dict, cfg: Config) -> list[tuple[dict, str]]:
-    """Candidate strategies in order of preference (least change to the user's run first)."""
+def _ladder(model_config: dict, cfg: Config, fallback: list[str] | None = None) -> list[tuple[dict, str]]:
+    """Candidate strategies in order of preference (least change to the user's run first).
+
+    After the configuration itself: gradient checkpointing, then smaller micro-batches at the same
+    effective batch. For `adapter: lora` then what `fallback` allows, in its order: 'offload' keeps
+    bf16 and streams some layers' frozen weights from CPU memory, 'qlora' changes the base's
+    precision to NF4. QLoRA is never combined with offload (train.load_model refuses it).
+    """
+    fallback = cfg.fallback if fallback is None else fallback
     s = parse_model_config(model_config)
     user = strategy_from_config(cfg)
     eff = cfg.micro_batch_size * cfg.gradient_accumulation_steps
     out: list[tuple[dict, str]] = [(user, "as configured")]
 
-    def with_(**kw):
-        return {**user, **kw}
-
     ckpt = True  # every fallback keeps checkpointing on: it never changes the result, only speed
     if not user["gradient_checkpointing"]:
-        out.append((with_(gradient_checkpointing=True), "gradient checkpointing turned on"))
-    fused = cfg.fused_loss != "off"
+        out.append(({**user, "gradient_checkpointing": True}, "gradient checkpointing turned on"))
+    fused = user["fused_loss"]
     mbs = _divisors_desc(eff, cfg.micro_batch_size)
 
     def step(adapter, mb, n_off, why):
@@ -243,14 +263,83 @@ def _ladder(model_config: dict, cfg: Config) -> list[tuple[dict, str]]:
 
     for mb in mbs[1:]:
         out.append(step(user["adapter"], mb, 0, f"micro-batch {mb} x {eff // mb} accumulation keeps the effective batch {eff}"))
-    if user["adapter"] == "lora":
-        for mb in mbs:
-            out.append(step("qlora", mb, 0, "bf16 LoRA does not fit; QLoRA (NF4 double-quant base) does"))
-    for adapter in (("lora", "qlora") if user["adapter"] == "lora" else ("qlora",)):
-        for n in range(1, s.L + 1):
+    if user["adapter"] != "lora":
+        return out
+    for kind in dict.fromkeys(fallback):
+        if kind == "offload":
+            # Every micro-batch streams the offloaded weights again (forward and recompute), so the cost per
+            # optimizer step is n x eff / mb: the least n / mb first, then the fewest layers.
+            pairs = sorted(((n, mb) for mb in mbs for n in range(1, s.L + 1)), key=lambda p: (p[0] / p[1], p[0]))
+            for n, mb in pairs:
+                out.append(step("lora", mb, n, f"bf16 LoRA, micro-batch {mb} x {eff // mb}, with {n} of {s.L} decoder "
+                                               "layers' frozen weights streamed from CPU memory (fallback: offload keeps bf16)"))
+        elif kind == "qlora":
             for mb in mbs:
-                out.append(step(adapter, mb, n, f"{adapter} with {n} of {s.L} decoder layers' frozen weights offloaded to CPU"))
+                out.append(step("qlora", mb, 0, f"QLoRA (NF4 double-quant base), micro-batch {mb} x {eff // mb} "
+                                                "(fallback: qlora allows this precision change)"))
     return out
+
+
+def _rung(strategy: dict, user: dict) -> str:
+    """Which kind of change a ladder rung makes to the user's strategy."""
+    if strategy["offload_layers"]:
+        return "offload"
+    if strategy["adapter"] != user["adapter"]:
+        return "qlora"
+    return "micro-batch" if strategy["micro_batch_size"] != user["micro_batch_size"] else "as configured"
+
+
+def _describe(strategy: dict) -> str:
+    off = f" with {strategy['offload_layers']} layers offloaded" if strategy["offload_layers"] else ""
+    return (f"{strategy['adapter']}{off}, micro-batch {strategy['micro_batch_size']} x "
+            f"{strategy['gradient_accumulation_steps']}, fused loss {'on' if strategy['fused_loss'] else 'off'}")
+
+
+def _why_not(tried: list[tuple[dict, str, dict]], cfg: Config) -> str:
+    """One clause per kind of rung tried without fitting: the least memory that kind reached."""
+    user = strategy_from_config(cfg)
+    best: dict[str, tuple[dict, dict]] = {}
+    for strat, _why, est in tried:
+        kind = _rung(strat, user)
+        if kind not in best or est["predicted_total_gib"] < best[kind][1]["predicted_total_gib"]:
+            best[kind] = (strat, est)
+    words = {"as configured": "as configured", "micro-batch": "the smallest micro-batch",
+             "offload": "bf16 LoRA with offload", "qlora": "QLoRA"}
+    parts = [f"{words[k]} ({_describe(st)}) needs {est['predicted_total_gib']:.1f} GiB"
+             + (f" (peak at {est['peak_phase']})" if k == "as configured" else "")
+             for k, (st, est) in best.items()]
+    if user["adapter"] == "lora":
+        barred = [k for k in ("offload", "qlora") if k not in cfg.fallback]
+        if barred:
+            parts.append(f"fallback {list(cfg.fallback)} rules out {' and '.join(barred)}")
+    return "; ".join(parts)
+
+
+def _card_needed_gib(total_gib: float) -> float:
+    """The smallest gpu_memory_gib whose budget minus the safety margin holds `total_gib`."""
+    return max(total_gib + SAFETY_MARGIN_MIN_GIB, total_gib / (1 - SAFETY_MARGIN_FRACTION))
+
+
+def _refusal(model_config: dict, cfg: Config, tried: list[tuple[dict, str, dict]]) -> str:
+    budget, margin = cfg.gpu_memory_gib, safety_margin_gib(cfg.gpu_memory_gib)
+    smallest = min(tried, key=lambda t: t[2]["predicted_total_gib"])
+    need = smallest[2]["predicted_total_gib"]
+    fixes = []
+    if cfg.adapter == "lora":
+        for kind in ("offload", "qlora"):
+            if kind in cfg.fallback:
+                continue
+            fit = next((st for st, _w in _ladder(model_config, cfg, fallback=[kind])
+                        if _rung(st, strategy_from_config(cfg)) == kind and estimate(model_config, cfg, st)["fits"]), None)
+            if fit:
+                fixes.append(f"set fallback: [{kind}] ({_describe(fit)} fits)")
+    if cfg.fused_loss == "auto" and not strategy_from_config(cfg)["fused_loss"]:
+        fixes.append("install liger-kernel (pip install 'loraship[train]') so fused_loss: auto uses the fused loss")
+    fixes.append(f"lower sequence_len (now {cfg.sequence_len}) or lora_r (now {cfg.lora_r})")
+    fixes.append(f"train on a card with at least {math.ceil(_card_needed_gib(need))} GiB (gpu_memory_gib)")
+    return (f"nothing fits gpu_memory_gib {budget:g} GiB ({budget - margin:.1f} GiB after the {margin:.1f} GiB safety "
+            f"margin): {_why_not(tried, cfg)}. The smallest plan tried ({_describe(smallest[0])}) needs {need:.1f} GiB, "
+            f"{need - (budget - margin):.1f} GiB too much. Fix: " + "; or ".join(fixes) + ".")
 
 
 def _row(strategy: dict, est: dict) -> dict:
@@ -260,7 +349,8 @@ def _row(strategy: dict, est: dict) -> dict:
 def _plan(model_config: dict, cfg: Config, strategy: dict, est: dict, reason: str, alternatives: list[dict]) -> dict:
     return {
         "strategy": strategy, "fits": est["fits"], "budget_gib": cfg.gpu_memory_gib,
-        "safety_margin_gib": round(safety_margin_gib(cfg.gpu_memory_gib), 2), "reason": reason,
+        "safety_margin_gib": round(safety_margin_gib(cfg.gpu_memory_gib), 2), "fallback": list(cfg.fallback),
+        "reason": reason,
         "memory": {
             "components_gib": est["components_gib"], "peak_phase": est["peak_phase"],
             "predicted_allocated_gib": round(est["predicted_allocated_gib"], 2),
@@ -273,30 +363,31 @@ def _plan(model_config: dict, cfg: Config, strategy: dict, est: dict, reason: st
     }
 
 
+class PlanRefused(LorashipError):
+    """Nothing the config allows fits gpu_memory_gib: refused at plan time, before any GPU hour."""
+
+
 def plan_training(model_config: dict, cfg: Config) -> dict:
-    """Pick the first strategy on the ladder that fits gpu_memory_gib minus the safety margin."""
-    ladder = _ladder(model_config, cfg)
-    ests = []
-    chosen = None
-    for strat, why in ladder:
+    """The first strategy on the ladder that fits gpu_memory_gib minus the safety margin.
+
+    Raises PlanRefused, naming the shortfall and the fix, when none does; with `device: cpu` the
+    GPU budget does not bind and the smallest candidate is returned, marked as not fitting.
+    """
+    tried = []
+    for strat, why in _ladder(model_config, cfg):
         est = estimate(model_config, cfg, strat)
-        ests.append((strat, why, est))
         if est["fits"]:
-            chosen = (strat, why, est)
-            break
-    if chosen is None:  # nothing fits: report the smallest, marked as not fitting
-        chosen = min(ests, key=lambda e: e[2]["predicted_total_gib"])
-        why = f"nothing fits {cfg.gpu_memory_gib} GiB minus the margin; the smallest candidate is shown"
-    else:
-        why = chosen[1]
-        if chosen[0] != ladder[0][0]:
-            first = ests[0][2]
-            why = (f"as configured needs {first['predicted_total_gib']:.1f} GiB of {cfg.gpu_memory_gib} GiB "
-                   f"(peak at {first['peak_phase']}); {why}")
-        else:
-            why = f"as configured fits: {chosen[2]['predicted_total_gib']:.1f} GiB of {cfg.gpu_memory_gib} GiB"
-    alts = _alternatives(model_config, cfg, chosen[0])
-    return _plan(model_config, cfg, chosen[0], chosen[2], why, alts)
+            if tried:
+                why = f"{_why_not(tried, cfg)}; so: {why}"
+            else:
+                why = f"as configured fits: {est['predicted_total_gib']:.1f} GiB of {cfg.gpu_memory_gib:g} GiB"
+            return _plan(model_config, cfg, strat, est, why, _alternatives(model_config, cfg, strat))
+        tried.append((strat, why, est))
+    if cfg.device != "cpu":
+        raise PlanRefused(_refusal(model_config, cfg, tried))
+    strat, _why, est = min(tried, key=lambda t: t[2]["predicted_total_gib"])
+    why = f"device: cpu, so the GPU budget does not bind; on a GPU: {_refusal(model_config, cfg, tried)}"
+    return _plan(model_config, cfg, strat, est, why, _alternatives(model_config, cfg, strat))
 
 
 def _alternatives(model_config: dict, cfg: Config, chosen: dict) -> list[dict]:

@@ -1,9 +1,14 @@
 """Invariants of the memory planner (loraship.memory); CPU only, no torch."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from loraship import memory
 from loraship.config import Config
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Public config.json values (fields the planner reads).
 QWEN2_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -72,12 +77,81 @@ def test_fused_loss_smaller_than_hf_loss():
     assert total(QWEN2_7B, sequence_len=4096, fused_loss="on") < total(QWEN2_7B, sequence_len=4096, fused_loss="off")
 
 
-def test_14b_on_32gib_picks_qlora_or_offload():
-    plan = memory.plan_training(QWEN2_14B, cfg(sequence_len=4096, micro_batch_size=2, lora_r=64))
-    assert plan["fits"]
+QWEN2_14B_EXAMPLE = json.loads((REPO / "examples" / "models" / "qwen2-14b" / "config.json").read_text())
+LLAMA_70B = dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                 num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+# configs/qwen2-14b-lora.yaml: bf16 LoRA r64 on q,v,o at 2 x 4096 on the default 32 GiB budget.
+LORA_14B = dict(adapter="lora", lora_r=64, lora_alpha=128, lora_target_modules=["q_proj", "v_proj", "o_proj"],
+                sequence_len=4096, micro_batch_size=2, gradient_accumulation_steps=8)
+
+
+@pytest.mark.parametrize("fused", ["on", "off"])
+def test_14b_bf16_lora_on_32gib_offloads_by_default_and_keeps_bf16(fused):
+    plan = memory.plan_training(QWEN2_14B_EXAMPLE, cfg(**LORA_14B, fused_loss=fused))
     st = plan["strategy"]
-    assert st["adapter"] == "qlora" or st["offload_layers"] > 0
+    assert plan["fits"] and st["adapter"] == "lora" and 0 < st["offload_layers"] < 48
+    assert st["micro_batch_size"] * st["gradient_accumulation_steps"] == 16
     assert plan["memory"]["predicted_total_gib"] <= 32 - plan["safety_margin_gib"]
+    # The least offload that fits at that micro-batch: one layer fewer does not fit.
+    fewer = {**st, "offload_layers": st["offload_layers"] - 1}
+    assert not memory.estimate(QWEN2_14B_EXAMPLE, cfg(**LORA_14B, fused_loss=fused), fewer)["fits"]
+    # The plan says why: bf16 LoRA did not fit, not even at micro-batch 1; offload keeps bf16.
+    assert "needs" in plan["reason"] and "micro-batch 1 x 16" in plan["reason"] and "keeps bf16" in plan["reason"]
+    assert plan["fallback"] == ["offload", "qlora"]
+
+
+def test_14b_fallback_qlora_switches_to_qlora_without_offload():
+    plan = memory.plan_training(QWEN2_14B_EXAMPLE, cfg(**LORA_14B, fused_loss="on", fallback=["qlora"]))
+    assert plan["fits"] and plan["strategy"]["adapter"] == "qlora" and plan["strategy"]["offload_layers"] == 0
+    assert "rules out offload" in plan["reason"] and "precision change" in plan["reason"]
+
+
+def test_14b_empty_fallback_refuses_naming_shortfall_and_fix():
+    with pytest.raises(memory.PlanRefused) as e:
+        memory.plan_training(QWEN2_14B_EXAMPLE, cfg(**LORA_14B, fused_loss="on", fallback=[]))
+    msg = str(e.value)
+    assert "nothing fits gpu_memory_gib 32 GiB" in msg and "rules out offload and qlora" in msg
+    assert "GiB too much" in msg and "fallback: [offload]" in msg and "fallback: [qlora]" in msg
+
+
+@pytest.mark.parametrize("fused", ["on", "off"])
+def test_70b_on_8gib_is_refused_at_plan_time(fused):
+    with pytest.raises(memory.PlanRefused, match=r"nothing fits gpu_memory_gib 8 GiB.*Fix: .*at least \d+ GiB"):
+        memory.plan_training(LLAMA_70B, cfg(gpu_memory_gib=8, fused_loss=fused))
+    # device: cpu trains without the GPU budget: the plan is returned, marked as not fitting.
+    plan = memory.plan_training(LLAMA_70B, cfg(gpu_memory_gib=8, fused_loss=fused, device="cpu"))
+    assert not plan["fits"] and plan["reason"].startswith("device: cpu")
+
+
+@pytest.mark.parametrize("mc", [QWEN2_7B, QWEN2_14B, LLAMA3_8B, LLAMA_70B])
+@pytest.mark.parametrize("adapter", ["lora", "qlora"])
+def test_qlora_is_never_combined_with_offload(mc, adapter):
+    c = cfg(adapter=adapter, sequence_len=8192, micro_batch_size=4, gpu_memory_gib=16)
+    for strat, _why in memory._ladder(mc, c):
+        assert not (strat["adapter"] == "qlora" and strat["offload_layers"]), strat
+
+
+def test_fallback_order_is_the_configured_order():
+    def kinds(fallback):
+        c = cfg(**LORA_14B, fallback=fallback)
+        seen = [("offload" if s["offload_layers"] else s["adapter"]) for s, _ in memory._ladder(QWEN2_14B, c)]
+        return list(dict.fromkeys(k for k in seen if k != "lora"))
+
+    assert kinds(["offload", "qlora"]) == ["offload", "qlora"]
+    assert kinds(["qlora", "offload"]) == ["qlora", "offload"]
+    assert kinds([]) == []
+
+
+@pytest.mark.parametrize("setting,device,importable,expected", [
+    ("auto", "cuda", True, True), ("auto", "cuda", False, False), ("auto", "cpu", True, False),
+    ("on", "cuda", False, True), ("on", "cpu", True, False), ("off", "cuda", True, False)])
+def test_fused_loss_auto_means_liger_importable_on_cuda(monkeypatch, setting, device, importable, expected):
+    monkeypatch.setattr(memory.importlib.util, "find_spec",
+                        lambda name: object() if importable and name == "liger_kernel" else None)
+    c = cfg(fused_loss=setting)
+    assert memory.fused_loss_available(c, device) is expected
+    if device == "cuda":  # the plan asks the same question for the GPU it plans
+        assert memory.strategy_from_config(c)["fused_loss"] is expected
 
 
 def test_small_model_fits_as_asked():
