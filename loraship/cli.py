@@ -126,13 +126,15 @@ def gitops(
     deployment: str = typer.Option("train-and-ship/local", help="Deployment to trigger per changed spec"),
     wait: bool = typer.Option(True, help="Wait for each run and fail if it fails"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only list what would be triggered"),
+    retry_failed: bool = typer.Option(False, "--retry-failed",
+                                      help="Start again a spec whose latest run failed, crashed or was cancelled"),
 ) -> None:
     """Trigger one run per run spec changed between two refs; the same spec content never triggers twice."""
     from loraship.gitops import trigger_changed_specs
 
     try:
         results = trigger_changed_specs(from_ref, to_ref, repo=repo, specs_dir=specs_dir, deployment=deployment,
-                                        wait=wait, dry_run=dry_run)
+                                        wait=wait, dry_run=dry_run, retry_failed=retry_failed)
     except LorashipError as e:
         _fail(e)
     out.print_json(data=results)

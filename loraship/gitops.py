@@ -13,15 +13,19 @@ the tag `loraship-spec:<hash[:16]>` and the idempotency key `<deployment>:<hash>
 any CI runner (ephemeral, no shared disk) find the earlier run before triggering; the key makes
 the server return the existing run instead of creating a second one when two pipelines race.
 A state file would need a shared, locked location and would drift from what the server ran.
-The hash covers the resolved config, defaults included: the same YAML under a loraship release
-whose defaults differ is a different run (it would train differently) once its spec changes;
-specs that git does not show as changed are never looked at.
-To run the same config again on purpose, change it (e.g. bump `seed`) or retry the earlier
-flow run from Prefect.
+The hash covers the resolved config, defaults included, the loraship version and, when CI sets
+LORASHIP_IMAGE_DIGEST, the stage image's digest: the same YAML under another release or image is
+a different run (it may train differently) once its spec changes; specs that git does not show as
+changed are never looked at.
+A run that ended FAILED, CRASHED or CANCELLED is not started again by itself (the same push
+re-run must not retrain by surprise); `--retry-failed` starts it again with the same training
+content, under the key `<deployment>:<hash>:retry-of:<failed run id>`, so two CI jobs retrying the
+same failure still start one run. To run a completed config again, change it (e.g. bump `seed`).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -30,8 +34,10 @@ from typing import Any, Protocol
 
 import yaml
 
+from loraship import __version__
 from loraship.config import Config, parse_config
 from loraship.errors import ConfigError, LorashipError
+from loraship.manifest import sha256_json
 
 SPEC_SUFFIXES = (".yaml", ".yml")
 TAG_PREFIX = "loraship-spec:"
@@ -39,6 +45,8 @@ TAG_PREFIX = "loraship-spec:"
 # on the first push of a branch.
 EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
 FINAL_OK = "COMPLETED"
+RETRYABLE = ("FAILED", "CRASHED", "CANCELLED")
+IMAGE_DIGEST_ENV = "LORASHIP_IMAGE_DIGEST"
 
 
 class Trigger(Protocol):
@@ -84,7 +92,9 @@ def load_spec(text: str, path: str) -> Config:
 
 
 def spec_hash(config: Config) -> str:
-    return config.fingerprint()
+    """Identity of a run of a spec: its validated config, the loraship release and the image."""
+    return sha256_json({"config": config.fingerprint(), "loraship": __version__,
+                        "image": os.environ.get(IMAGE_DIGEST_ENV, "")})
 
 
 @dataclass
@@ -94,12 +104,14 @@ class PrefectTrigger:
     def find(self, deployment: str, key: str, tag: str) -> dict[str, Any] | None:
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterTags
+        from prefect.client.schemas.sorting import FlowRunSort
 
         with get_client(sync_client=True) as client:
             dep = client.read_deployment_by_name(deployment)
             runs = client.read_flow_runs(
                 flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])),
                 deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
+                sort=FlowRunSort.EXPECTED_START_TIME_DESC,  # the latest attempt (a retry after a failure)
                 limit=1,
             )
         return _describe(runs[0]) if runs else None
@@ -137,13 +149,15 @@ def trigger_changed_specs(
     wait: bool = True,
     dry_run: bool = False,
     trigger: Trigger | None = None,
+    retry_failed: bool = False,
 ) -> list[dict[str, Any]]:
     """Start one run of `deployment` per spec changed between the refs, at most once per content.
 
     Every changed spec is validated first; one invalid spec stops all of them before any run
-    starts. Each result has spec, sha256, action ("triggered", "already-triggered", "dry-run"),
-    flow_run_id/flow_run_name/state when a run exists, and ok: False when a run this call
-    waited on (or found) ended anything but COMPLETED.
+    starts. Each result has spec, sha256, action ("triggered", "already-triggered", "retried",
+    "dry-run"), flow_run_id/flow_run_name/state when a run exists, and ok: False when a run this
+    call waited on (or found) ended anything but COMPLETED. retry_failed: start a spec again whose
+    latest run ended FAILED, CRASHED or CANCELLED.
     """
     repo = Path(repo)
     paths = changed_specs(from_ref, to_ref, repo=repo, specs_dir=specs_dir)
@@ -168,13 +182,20 @@ def trigger_changed_specs(
             results.append({**result, "action": "dry-run", "ok": True})
             continue
         earlier = trigger.find(deployment, key, tag)
+        action = "triggered"
         if earlier is not None:
-            ok = earlier.get("state") in (FINAL_OK, None, "SCHEDULED", "PENDING", "RUNNING")
-            results.append({**result, **earlier, "action": "already-triggered", "ok": ok})
-            continue
+            failed = earlier.get("state") in RETRYABLE
+            if not (failed and retry_failed):
+                ok = earlier.get("state") in (FINAL_OK, None, "SCHEDULED", "PENDING", "RUNNING")
+                hint = {"hint": f"its run ended {earlier.get('state')}; fix the cause and rerun with --retry-failed "
+                                "(same training content)"} if failed else {}
+                results.append({**result, **earlier, **hint, "action": "already-triggered", "ok": ok})
+                continue
+            key, action = f"{key}:retry-of:{earlier['flow_run_id']}", "retried"
+            result["retry_of"] = earlier["flow_run_id"]
         started = trigger.run(deployment, {"config": config.model_dump(mode="json")}, key, ["loraship", "gitops", tag], wait)
-        ok = started.get("state") == FINAL_OK if wait else started.get("state") not in ("FAILED", "CRASHED", "CANCELLED")
-        results.append({**result, **started, "action": "triggered", "ok": ok})
+        ok = started.get("state") == FINAL_OK if wait else started.get("state") not in RETRYABLE
+        results.append({**result, **started, "action": action, "ok": ok})
     return results
 
 
@@ -191,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deployment", default="train-and-ship/local")
     parser.add_argument("--no-wait", dest="wait", action="store_false")
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--retry-failed", action="store_true")
     args = parser.parse_args(argv)
     try:
         results = trigger_changed_specs(
             args.from_ref, args.to_ref, repo=args.repo, specs_dir=args.specs_dir,
-            deployment=args.deployment, wait=args.wait, dry_run=args.dry_run,
+            deployment=args.deployment, wait=args.wait, dry_run=args.dry_run, retry_failed=args.retry_failed,
         )
     except LorashipError as e:
         print(f"error: {e}")
