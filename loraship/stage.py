@@ -6,7 +6,6 @@ Deliberately a few helper functions, not a base class: each tasks/<stage>.py rea
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import logging
 import shutil
@@ -15,9 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraship import locks
 from loraship import manifest as mf
 from loraship.config import Config, load_config
-from loraship.constants import MANIFEST_NAME
+from loraship.constants import MANIFEST_NAME, STAGES
 from loraship.errors import LorashipError
 
 log = logging.getLogger("loraship")
@@ -66,14 +66,19 @@ def open_stage(
     fields: tuple[str, ...],
     extra_inputs: dict | None = None,
     depends_on: dict[str, tuple[str, ...]] | None = None,
+    consumes: dict[str, tuple[str, ...]] | None = None,
 ) -> StageContext:
     """Verify upstream manifests (checksums included) and decide whether this stage must run.
 
     extra_inputs: identities of files outside the pipeline (datasets, base model) that key the stage too.
     depends_on: for an upstream stage, the only output files this stage's result depends on
     (train depends on the plan's strategy, not on its inference estimates).
+    consumes: for an upstream stage, the only output files (or folders) this stage reads, and so
+    the only ones it verifies (default: those in depends_on, else all). Publish reads the merge
+    and convert manifests but not their 15 GB of weights each.
     """
-    ups = {name: mf.load_verified(stage_dir(config, name), name) for name in upstream}
+    reads = {**(depends_on or {}), **(consumes or {})}
+    ups = {name: mf.load_verified(stage_dir(config, name), name, reads.get(name)) for name in upstream}
     subset = config.subset(fields)
     if extra_inputs:
         subset["_inputs"] = extra_inputs
@@ -93,27 +98,42 @@ def open_stage(
 
 @contextlib.contextmanager
 def stage_lock(config: Config, stage: str):
-    """One writer per stage folder: a second run of the same config waits here, then finds the
-    first run's manifest and skips instead of writing over its outputs."""
-    lock_file = run_dir(config) / ".locks" / f"{stage}.lock"
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_file, "w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("stage %s: another run of %r is working here; waiting for it", stage, config.run_name)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
+    """The run folder shared with stages of the same config (another config with the same
+    run_name waits until this run is published or fails), and one writer per stage folder: a
+    second run of the same config waits, then finds the first run's manifest and skips."""
+    locks_dir = run_dir(config) / ".locks"
+    fingerprint = config.fingerprint()
+    with locks.run_claim(locks_dir, config.run_name, fingerprint, stage):
+        with locks.exclusive_lock(locks_dir / f"{stage}.lock", f"stage {stage} of run {config.run_name!r}",
+                                  stage=stage, config=fingerprint):
+            yield
+
+
+def stage_name(run) -> str:
+    """The stage a tasks/<stage>.py run() belongs to. Not run.__module__: under
+    `python -m tasks.<stage>` (every image's entrypoint) that is '__main__' for every stage."""
+    name = run.__globals__.get("STAGE")
+    if name not in STAGES:
+        raise TypeError(f"{run.__module__}.{run.__qualname__}: its module must set STAGE to one of {STAGES}")
+    return name
 
 
 def exclusive(run):
-    """Decorator for a stage's run(config): holds the stage lock for the whole stage."""
-    stage = run.__module__.rsplit(".", 1)[-1]
+    """Decorator for a stage's run(config): holds the run claim and the stage lock for the whole
+    stage, and gives the run folder up when the run is over (published, or a stage failed)."""
+    stage = stage_name(run)
 
     @functools.wraps(run)
     def wrapper(config: Config, *args, **kwargs):
-        with stage_lock(config, stage):
-            return run(config, *args, **kwargs)
+        finished = False
+        try:
+            with stage_lock(config, stage):
+                result = run(config, *args, **kwargs)
+            finished = True
+            return result
+        finally:
+            if not finished or stage == STAGES[-1]:
+                locks.release_run(run_dir(config) / ".locks", config.fingerprint())
 
     return wrapper
 

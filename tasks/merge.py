@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 from pathlib import Path
@@ -129,8 +128,10 @@ def probe_device(base_bytes: int) -> tuple[str | None, str]:
     rather than be killed for memory half-way through a merge of a large model."""
     import torch
 
+    from loraship.resources import available_memory
+
     needed = 2.5 * base_bytes
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = available_memory()  # a pod's memory limit, not the node's free RAM
     if needed < 0.8 * available:
         return "cpu", ""
     if torch.cuda.is_available() and needed < 0.9 * torch.cuda.mem_get_info()[0]:

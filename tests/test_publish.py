@@ -1,0 +1,118 @@
+"""Publish to a store that can fail half-way, lose or alter files, or hold an earlier artifact:
+every file read back, only what differs sent again, nothing stale left, the manifest last."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from loraship.constants import MANIFEST_NAME
+from loraship.errors import OutputError
+from loraship.manifest import atomic_write_json, describe_files
+from tasks.publish import sync
+
+
+def artifact(root: Path, gguf: str = "model-Q4_K_M.gguf") -> dict:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / gguf).write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    (root / "adapter").mkdir(exist_ok=True)
+    (root / "adapter" / "adapter_model.safetensors").write_bytes(b"adapter" * 100)
+    (root / "README.md").write_text("card")
+    files = describe_files(root)
+    atomic_write_json(root / MANIFEST_NAME, {"gguf": gguf, "files": files})
+    return files
+
+
+def remote() -> tuple[object, str, str]:
+    url = f"memory://loraship-test/{uuid.uuid4().hex}/run"
+    fs, base = fsspec.core.url_to_fs(url)
+    return fs, base, url
+
+
+class FlakyStore:
+    """Wraps put_file to fail (with a non-OSError, as botocore does) after n uploads."""
+
+    def __init__(self, fs, fail_after: int | None):
+        self.fs, self.fail_after, self.calls = fs, fail_after, []
+        self.real = type(fs).put_file.__get__(fs)
+
+    def __call__(self, src, dst, *args, **kwargs):
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise RuntimeError("simulated store error: connection reset")
+        self.calls.append(dst)
+        return self.real(src, dst, *args, **kwargs)
+
+
+def test_interrupted_publish_resumes_sending_only_what_is_missing(tmp_path, monkeypatch):
+    files = artifact(tmp_path / "a")
+    fs, base, url = remote()
+    flaky = FlakyStore(fs, fail_after=2)
+    monkeypatch.setattr(fs, "put_file", flaky)
+    with pytest.raises(OutputError, match="RuntimeError: simulated store error.*run again"):
+        sync(tmp_path / "a", files, url)
+    assert not fs.exists(f"{base}/{MANIFEST_NAME}")  # an interrupted publish is visibly incomplete
+    done_before = list(flaky.calls)
+
+    resumed = FlakyStore(fs, fail_after=None)
+    monkeypatch.setattr(fs, "put_file", resumed)
+    sent = sync(tmp_path / "a", files, url)
+    assert not set(done_before) & set(resumed.calls)  # intact files are not sent again
+    assert resumed.calls[-1] == f"{base}/{MANIFEST_NAME}"  # manifest last
+    assert len(resumed.calls) == len(files) + 1 - len(done_before)
+    assert sent["removed"] == []
+    published = json.loads(fs.cat_file(f"{base}/{MANIFEST_NAME}"))
+    assert published["files"] == files
+    assert sync(tmp_path / "a", files, url) == {"uploaded": [], "removed": []}  # nothing left to do
+
+
+def test_a_file_altered_in_the_store_is_sent_again_though_the_manifest_lists_it(tmp_path):
+    files = artifact(tmp_path / "a")
+    fs, base, url = remote()
+    sync(tmp_path / "a", files, url)
+    gguf = f"{base}/model-Q4_K_M.gguf"
+    data = bytearray(fs.cat_file(gguf))
+    data[100] ^= 0xFF  # same size, other bytes
+    fs.pipe_file(gguf, bytes(data))
+    fs.rm_file(f"{base}/README.md")
+    sent = sync(tmp_path / "a", files, url)
+    assert sorted(sent["uploaded"]) == sorted(["model-Q4_K_M.gguf", "README.md", MANIFEST_NAME])
+    assert fs.cat_file(gguf) == (tmp_path / "a" / "model-Q4_K_M.gguf").read_bytes()
+
+
+def test_files_of_an_earlier_quantization_are_removed(tmp_path):
+    fs, base, url = remote()
+    sync(tmp_path / "q4", artifact(tmp_path / "q4"), url)
+    assert fs.exists(f"{base}/model-Q4_K_M.gguf")
+    files = artifact(tmp_path / "q8", "model-Q8_0.gguf")
+    sent = sync(tmp_path / "q8", files, url)
+    assert sent["removed"] == ["model-Q4_K_M.gguf"]
+    assert not fs.exists(f"{base}/model-Q4_K_M.gguf") and fs.exists(f"{base}/model-Q8_0.gguf")
+
+
+def test_store_that_alters_what_it_receives_is_refused(tmp_path, monkeypatch):
+    files = artifact(tmp_path / "a")
+    fs, base, url = remote()
+    real = fs.put_file
+
+    def truncating(src, dst, *args, **kwargs):
+        real(src, dst, *args, **kwargs)
+        fs.pipe_file(dst, fs.cat_file(dst)[:-1])
+
+    monkeypatch.setattr(fs, "put_file", truncating)
+    with pytest.raises(OutputError, match="reads back as .* bytes"):
+        sync(tmp_path / "a", files, url)
+    assert not fs.exists(f"{base}/{MANIFEST_NAME}")
+
+
+def test_local_destination_gets_whole_files_and_no_temporaries(tmp_path):
+    files = artifact(tmp_path / "a")
+    dest = tmp_path / "out" / "run"
+    dest.mkdir(parents=True)
+    (dest / ".tmp-model-Q4_K_M.gguf.pod-1.1.abcd").write_bytes(b"half")  # left by a killed publish
+    sync(tmp_path / "a", files, str(dest))
+    shipped = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+    assert shipped == sorted([*files, MANIFEST_NAME])
