@@ -260,8 +260,24 @@ def _claims(folder: Path) -> list[tuple[Path, dict, float]]:
     return out
 
 
+def _ancestors() -> set[int]:
+    """Pids of this process's parent, grandparent, ... on this host."""
+    pids, pid = set(), os.getppid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
 def _claim_blocks(holder: dict, mtime: float, config: str) -> bool | None:
     """True: a live claim of another config. False: no obstacle. None: a dead claim to remove."""
+    if holder.get("host") == host() and holder.get("pid") in _ancestors():
+        # The process that started this one (a driver that ran earlier stages in-process) waits
+        # for it to finish; waiting for that process in turn would never end.
+        return False
     if holder.get("config") == config or is_own_process(holder):
         # Our own config shares the claim; this very process has moved on from its earlier
         # config (its stages run one after the other), so that claim no longer protects anything.

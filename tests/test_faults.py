@@ -193,12 +193,14 @@ def test_disk_preflight_refuses_before_writing(merged_run, monkeypatch):
     assert not (stage_dir(config, "convert") / F16_GGUF).exists()
 
 
-def test_chat_template_is_sandboxed():
-    from loraship.chat import render_chat
+def test_chat_template_is_sandboxed(tiny_model):
+    from transformers import AutoTokenizer
+
+    from loraship.chat import render
 
     evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(DataError, match="chat template"):
-        render_chat(evil, [{"role": "user", "content": "x"}])
+        render(AutoTokenizer.from_pretrained(tiny_model), [{"role": "user", "content": "x"}], template=evil)
 
 
 def test_truncation_policy(tiny_model):
@@ -258,3 +260,144 @@ def test_merge_probe_is_skipped_with_a_reason_rather_than_running_out_of_ram():
     assert probe_device(1024)[0] in ("cpu", "cuda")
     device, why = probe_device(10 * 2**50)  # a 10 PiB model fits nowhere
     assert device is None and "GiB" in why
+
+
+RUN_ALL = """
+import importlib, logging, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+from loraship.config import load_config
+from loraship.constants import STAGES
+config = load_config(sys.argv[1])
+for stage in STAGES:
+    importlib.import_module(f"tasks.{stage}").run(config)
+print("published", config.output, flush=True)
+"""
+
+
+def other_config(config):
+    """Another config with the same run_name: a looser perplexity gate (so it redoes verify, the
+    folder the first config's publish reads) and another destination."""
+    return config.model_copy(update={"perplexity_ratio_max": config.perplexity_ratio_max + 0.5,
+                                     "output": config.output + "-b"})
+
+
+def test_two_configs_with_the_same_run_name_at_once(merged_run):
+    """Two configs under one run_name, started together: the second waits until the first's run
+    is published (it must not reset a folder the first has yet to read), then runs its own."""
+    from loraship.manifest import load_verified
+
+    config, root = merged_run
+    first, second = config, other_config(config)
+    procs = []
+    for c, name in ((first, "first.yaml"), (second, "second.yaml")):
+        procs.append(subprocess.Popen([sys.executable, "-c", RUN_ALL, str(config_file(c, root / name))], cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        if c is first:  # the second starts once the first holds the run folder
+            claims = stage_dir(config, "plan").parent / ".locks" / "run"
+            deadline = time.time() + 120
+            while not [p for p in claims.glob("*.json") if f'"pid": {procs[0].pid},' in p.read_text()] \
+                    and procs[0].poll() is None and time.time() < deadline:
+                time.sleep(0.05)
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "waiting, its folder is in use by another config" in outputs[1], outputs[1]
+    assert "stage verify: up to date" not in outputs[1]  # redone for the second config
+    for c in (first, second):
+        artifact = Path(c.output) / c.run_name
+        published = json.loads((artifact / MANIFEST_NAME).read_text())
+        # each artifact carries its own config's verification, not the other's
+        verify_manifest = json.loads((artifact / "manifests" / "verify.json").read_text())
+        assert verify_manifest["config"]["perplexity_ratio_max"] == c.perplexity_ratio_max
+        for rel, info in published["files"].items():
+            assert sha256_of(artifact / rel) == info["sha256"], rel
+    for stage in STAGES:
+        load_verified(stage_dir(second, stage), stage)
+
+
+def sha256_of(path: Path) -> str:
+    from loraship.manifest import sha256_file
+
+    return sha256_file(path)
+
+
+def test_resume_of_a_finished_run_reads_no_output_again(merged_run, monkeypatch):
+    """Digests are cached by (device, inode, size, mtime): resuming a finished run re-hashes no
+    stage output (about 100 GB of sha256 per 7B run before); a file whose mtime moved is read
+    again, once; LORASHIP_FULL_VERIFY=1 reads everything each stage verifies.
+    (bench/resume_hashing.py times it on 15 GiB.)"""
+    import os
+
+    from loraship import manifest as mf
+
+    config, _ = merged_run
+    config = other_config(config)
+    run_stages(config, STAGES)
+    calls = []
+    real = mf.sha256_file
+    monkeypatch.setattr(mf, "sha256_file", lambda p, *a, **k: calls.append(Path(p)) or real(p, *a, **k))
+    assert all(m.get("_skipped") for m in run_stages(config, STAGES).values())
+    assert calls == []
+
+    gguf = stage_dir(config, "quantize") / "model-Q4_K_M.gguf"
+    st = gguf.stat()
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert all(m.get("_skipped") for m in run_stages(config, STAGES).values())
+    assert calls == [gguf]  # the published copy via its hard link shares the inode: not read twice
+
+    calls.clear()
+    monkeypatch.setenv(mf.FULL_VERIFY_ENV, "1")
+    run_stages(config, STAGES)
+    merged = [p for p in calls if p.parent.name == "merged" and p.suffix == ".safetensors"]
+    assert merged and len(calls) > len(set(calls))  # every consumer verifies again
+
+
+def test_publish_puts_back_what_the_destination_lost(merged_run):
+    """The destination's own manifest is not trusted: a deleted or altered file is sent again,
+    though publish itself is up to date."""
+    from loraship.manifest import sha256_file
+
+    config, _ = merged_run
+    config = other_config(config)
+    run_stages(config, STAGES)
+    artifact = Path(config.output) / config.run_name
+    (artifact / "model-Q4_K_M.gguf").unlink()
+    card = (artifact / "README.md").read_text()
+    (artifact / "README.md").write_text(card.replace("loraship", "LORASHIP"))  # same size, other bytes
+    published = run_stages(config, ["publish"])["publish"]
+    assert published.get("_skipped")
+    for rel, info in published["metrics"]["artifact_files"].items():
+        assert sha256_file(artifact / rel) == info["sha256"], rel
+
+
+@pytest.mark.parametrize("stage", ["plan", "merge", "reference", "quantize", "verify", "publish"])
+def test_kill_9_in_a_stage_then_the_rerun_completes(merged_run, stage):
+    """kill -9 right after the stage has cleared its folder: nothing it half wrote is accepted
+    (no manifest, so downstream refuses it), its locks are taken over, and the rerun completes.
+    (train and convert: the tests above.)"""
+    from loraship.manifest import load_verified
+
+    config, root = merged_run
+    run_stages(config, STAGES)
+    folder = stage_dir(config, stage)
+    (folder / MANIFEST_NAME).unlink()  # make the stage run again
+    sentinel = folder / "sentinel"
+    sentinel.write_text("removed when the stage starts over")
+    proc = stage_process(stage, config_file(config, root / f"kill-{stage}.yaml"))
+    deadline = time.time() + 300
+    while sentinel.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    out = proc.communicate()[0]
+    killed = proc.returncode == -signal.SIGKILL
+    assert killed or proc.returncode == 0, out
+    if not (folder / MANIFEST_NAME).exists():
+        readers = [s for s in STAGES if stage in importlib.import_module(f"tasks.{s}").UPSTREAM]
+        if readers:
+            with pytest.raises(IntegrityError, match="has no manifest"):
+                importlib.import_module(f"tasks.{readers[0]}").run(config)
+    rerun = run_stages(config, STAGES)
+    for s in STAGES:
+        load_verified(stage_dir(config, s), s)
+    assert not list(folder.rglob(".tmp-*"))
+    assert not rerun[stage].get("_skipped") or not killed
+    assert not (folder.parent / ".locks" / f"{stage}.lock").exists()
