@@ -50,6 +50,10 @@ def _row_problem(row, kind: str) -> str | None:
                 return f"messages[{j}] must be {{'role': one of {list(ROLES)}, 'content': string}}"
         if not any(m["role"] == "assistant" for m in msgs):
             return "no assistant message, so nothing to learn (loss is only on assistant turns)"
+        if msgs[-1]["role"] != "assistant":
+            # A trailing prompt teaches nothing and renders as an unanswered turn in the training text.
+            return (f"the conversation ends with a {msgs[-1]['role']!r} turn; a training row must end with the "
+                    "assistant's answer (remove the trailing turn or add its answer)")
     elif kind == "golden":  # verify's prompts: a conversation to answer, or a bare user prompt
         msgs = row.get("messages")
         if not isinstance(row.get("prompt"), str) and (not isinstance(msgs, list) or not msgs or any(

@@ -22,7 +22,13 @@ def output_problems(config: Config) -> list[str]:
         probe = f"{path}/.loraship-write-test-{uuid.uuid4().hex}"
         fs.pipe_file(probe, b"ok")
         fs.rm_file(probe)
-    except (OSError, ValueError, ImportError) as e:
+    except ImportError as e:  # a known scheme whose fsspec implementation is not installed (s3 -> s3fs)
+        return [f"output {config.output!r}: no filesystem for this URL is installed ({e}); install the package it names "
+                "into this environment (image), or choose a local folder"]
+    except ValueError as e:  # fsspec: "Protocol not known"
+        return [f"output {config.output!r}: cannot write there ({type(e).__name__}: {e}); use a local folder or a URL "
+                "fsspec knows (s3://, gs://, az://, hf://, file://, memory://)"]
+    except OSError as e:
         return [f"output {config.output!r}: cannot write there ({type(e).__name__}: {e}); choose a writable folder or URL"]
     return []
 
@@ -43,11 +49,28 @@ def dataset_problems(config: Config) -> list[str]:
     return problems
 
 
+# Below this, not even the plan, a checkpoint of a tiny adapter and the logs fit; plan.json then
+# lists what each later stage needs, and each stage checks its own share before it writes.
+WORKDIR_MIN_FREE = 256 * 2**20
+
+
 def workdir_problems(config: Config) -> list[str]:
+    folder = Path(config.workdir).expanduser()
     try:
-        Path(config.workdir).expanduser().mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         return [f"workdir {config.workdir!r}: cannot create it ({e}); choose a writable local folder"]
+    free = shutil.disk_usage(folder).free
+    if free < WORKDIR_MIN_FREE:
+        return [f"workdir {config.workdir!r}: its disk is full ({free / 2**20:.0f} MiB free, at least "
+                f"{WORKDIR_MIN_FREE / 2**20:.0f} MiB needed to start); free space there or point workdir at a larger disk"]
+    probe = folder / f".loraship-write-test-{uuid.uuid4().hex}"
+    try:
+        probe.write_bytes(b"\0" * 65536)
+    except OSError as e:  # a full disk (ENOSPC) or a read-only mount
+        return [f"workdir {config.workdir!r}: cannot write there ({e}); free space there or choose a writable local folder"]
+    finally:
+        probe.unlink(missing_ok=True)
     return []
 
 

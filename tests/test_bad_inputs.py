@@ -151,6 +151,86 @@ def _negative_learning_rate(cfg, root):
     cfg["learning_rate"] = -0.1
 
 
+def _chat_ends_with_user(cfg, root):
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                        {"role": "user", "content": "and then?"}]}
+    cfg["datasets"][0]["path"] = str(write(root / "trailing.jsonl", json.dumps(row) + "\n"))
+
+
+def _chat_role_unknown_to_template(cfg, root):
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"},
+                        {"role": "assistant", "content": "yo"}]}
+    cfg["datasets"][0]["path"] = str(write(root / "tool.jsonl", json.dumps(row) + "\n"))
+
+
+def _duplicate_yaml_key(cfg, root):
+    return yaml.safe_dump(cfg) + "lora_r: 64\nlora_r: 8\n"
+
+
+def _yaml_alias_bomb(cfg, root):
+    levels = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        levels.append(f"{name}: &{name} [{', '.join(['*' + prev] * 9)}]")
+    return yaml.safe_dump(cfg) + "\n".join(levels) + "\n"
+
+
+def _yaml_recursive_alias(cfg, root):
+    return yaml.safe_dump(cfg) + "loop: &loop [1, *loop]\n"
+
+
+def _config_not_utf8(cfg, root):
+    return (yaml.safe_dump(cfg) + "# r\u00e9glages\n").encode("latin-1")
+
+
+def _config_is_a_list(cfg, root):
+    return yaml.safe_dump([cfg])
+
+
+def _output_scheme_not_installed(cfg, root):
+    cfg["output"] = "oci://bucket@namespace/models"  # needs ocifs, which loraship does not install
+
+
+def _output_scheme_unknown(cfg, root):
+    cfg["output"] = "nosuchstore://bucket/models"
+
+
+def _quantization_llama_cpp_cannot_make(cfg, root):
+    cfg["quantization"] = "IQ2_XXS"  # needs an importance matrix; the pinned pipeline ships K-quants and Q8_0
+
+
+def _workdir_is_a_file(cfg, root):
+    cfg["workdir"] = str(write(root / "workdir-file", "x"))
+
+
+def _row_is_a_list(cfg, root):
+    cfg["datasets"][0]["path"] = str(write(root / "list.jsonl", json.dumps([{"role": "user"}]) + "\n"))
+
+
+def _chat_content_not_text(cfg, root):
+    row = {"messages": [{"role": "user", "content": 42}, {"role": "assistant", "content": "yo"}]}
+    cfg["datasets"][0]["path"] = str(write(root / "number.jsonl", json.dumps(row) + "\n"))
+
+
+def _val_set_everything(cfg, root):
+    cfg["val_set_size"] = 1.0
+
+
+def _secret_env_name(cfg, root):
+    cfg["env_from_secrets"] = {"hf-token": "hf-token"}
+
+
+def _no_target_modules(cfg, root):
+    cfg["lora_target_modules"] = []
+
+
+def _golden_file_missing(cfg, root):
+    cfg["golden_prompts"] = str(root / "no-golden.jsonl")
+
+
+def _relative_dataset_missing(cfg, root):
+    cfg["datasets"][0]["path"] = "data/nope.jsonl"  # resolved beside the config file, and named so
+
+
 CASES = [
     ("values out of range", _out_of_range, "lora_r: Input should be greater than or equal to 1"),
     ("model folder without config.json", _no_config_json, "no config.json"),
@@ -176,6 +256,27 @@ CASES = [
     ("model folder without tokenizer", _no_tokenizer, "no tokenizer"),
     ("pickle-only checkpoint", _pickle_only, "only pickle checkpoints"),
     ("unknown config key", _unknown_key, "did you mean 'lora_r'"),
+    # issue 12's additions
+    ("chat row ending with a user turn", _chat_ends_with_user, "must end with the assistant's answer"),
+    ("role the template does not know", _chat_role_unknown_to_template, "messages[1] must be"),
+    ("duplicate key in the YAML", _duplicate_yaml_key, "key 'lora_r' appears twice"),
+    ("YAML alias bomb", _yaml_alias_bomb, "alias bomb"),
+    ("recursive YAML alias", _yaml_recursive_alias, "recursive YAML alias"),
+    ("config file not UTF-8", _config_not_utf8, "not UTF-8 text"),
+    ("config that is a list", _config_is_a_list, "expected a mapping of config keys"),
+    ("output URL whose fsspec implementation is missing", _output_scheme_not_installed,
+     "no filesystem for this URL is installed"),
+    ("output URL scheme nobody knows", _output_scheme_unknown, "Protocol not known: nosuchstore"),
+    ("quantization the pinned llama.cpp cannot produce", _quantization_llama_cpp_cannot_make,
+     "'IQ2_XXS' is not allowed"),
+    ("workdir that is a file", _workdir_is_a_file, "cannot create it"),
+    ("dataset row that is a list", _row_is_a_list, "expected a JSON object, got list"),
+    ("chat content that is not text", _chat_content_not_text, "messages[0] must be"),
+    ("validation split of everything", _val_set_everything, "val_set_size: Input should be less than 1"),
+    ("secret mapped to a bad variable name", _secret_env_name, "are not environment variable names"),
+    ("no LoRA target modules", _no_target_modules, "list is empty"),
+    ("golden prompts file missing", _golden_file_missing, "no-golden.jsonl: file not found"),
+    ("relative dataset path missing", _relative_dataset_missing, "data/nope.jsonl: file not found"),
 ]
 
 
@@ -186,8 +287,25 @@ def test_yaml_syntax_error(tmp_path):
     assert result.returncode != 0 and "not valid YAML" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_table_has_at_least_twenty_cases():
-    assert len(CASES) >= 20
+def test_table_has_at_least_forty_cases():
+    assert len(CASES) >= 40
+
+
+def test_workdir_on_a_full_disk(tmp_path):
+    """The disk that holds workdir reports no free space (as a full volume does): refused up front."""
+    cfg = {"run_name": "bad", "base_model": str(fake_model(tmp_path)),
+           "datasets": [{"path": str(good_dataset(tmp_path)), "type": "chat"}],
+           "workdir": str(tmp_path / "work"), "output": str(tmp_path / "artifacts")}
+    config_file = write(tmp_path / "config.yaml", yaml.safe_dump(cfg))
+    full_disk = ("import shutil, sys; real = shutil.disk_usage; "
+                 "shutil.disk_usage = lambda p: real(p)._replace(free=4096); "
+                 "sys.argv = ['loraship', 'run', sys.argv[1]]; from loraship.cli import main; main()")
+    result = subprocess.run([sys.executable, "-c", full_disk, str(config_file)], capture_output=True, text=True,
+                            cwd=REPO, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "its disk is full (0 MiB free" in " ".join(output.split()), output
+    assert "Traceback" not in output and not (tmp_path / "work" / "bad" / "plan").exists()
 
 
 @pytest.mark.parametrize("name,breaker,expected", CASES, ids=[c[0] for c in CASES])
@@ -199,15 +317,14 @@ def test_bad_input_is_reported_clearly(tmp_path, name, breaker, expected):
         "workdir": str(tmp_path / "work"),
         "output": str(tmp_path / "artifacts"),
     }
-    breaker(cfg, tmp_path)
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump(cfg))
+    text = breaker(cfg, tmp_path)  # a breaker of the YAML itself returns the file's content
+    config_file = write(tmp_path / "config.yaml", text if text is not None else yaml.safe_dump(cfg))
     result = subprocess.run(
         [sys.executable, "-m", "loraship.cli", "run", str(config_file)],
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
     )
     output = result.stdout + result.stderr
-    assert result.returncode != 0, output
+    assert result.returncode == 2, output
     assert expected in " ".join(output.split()), output
     assert "Traceback" not in output, output
     assert not (tmp_path / "work" / "bad" / "train").exists()  # nothing ran
