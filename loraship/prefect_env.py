@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Iterator
 
 
 def configure_local_prefect(project_root: Path | None = None) -> None:
@@ -14,3 +16,42 @@ def configure_local_prefect(project_root: Path | None = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_UI_ENABLED", "false")
+
+
+def _load_secret(block: str) -> str:
+    from prefect.blocks.system import Secret
+
+    return str(Secret.load(block).get())
+
+
+@contextlib.contextmanager
+def secret_env(env_from_secrets: dict[str, str]) -> Iterator[None]:
+    """The config's credentials in this process's environment for one stage, and gone after it.
+
+    A variable already set in the environment wins (a Kubernetes secret mounted as env, a CI
+    variable), so a stage run outside Prefect needs no Prefect. Child processes of convert and
+    quantize get an explicit environment without them (loraship/proc.py).
+    """
+    from loraship.errors import LorashipError
+
+    before = {name: os.environ.get(name) for name in env_from_secrets}
+    try:
+        for name, block in env_from_secrets.items():
+            if os.environ.get(name):
+                continue
+            try:
+                os.environ[name] = _load_secret(block)
+            except ImportError as e:
+                raise LorashipError(f"env_from_secrets: {name} comes from the Prefect Secret block {block!r}, but Prefect "
+                                    f"is not installed here; install loraship[orchestrate] or set {name} in the "
+                                    "environment") from e
+            except ValueError as e:
+                raise LorashipError(f"env_from_secrets: Prefect Secret block {block!r} for {name} not found; create it "
+                                    "with `prefect block create secret` or remove the entry") from e
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

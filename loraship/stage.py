@@ -19,6 +19,7 @@ from loraship import manifest as mf
 from loraship.config import Config, load_config
 from loraship.constants import MANIFEST_NAME, STAGES
 from loraship.errors import LorashipError
+from loraship.prefect_env import secret_env
 
 log = logging.getLogger("loraship")
 
@@ -120,14 +121,15 @@ def stage_name(run) -> str:
 
 def exclusive(run):
     """Decorator for a stage's run(config): holds the run claim and the stage lock for the whole
-    stage, and gives the run folder up when the run is over (published, or a stage failed)."""
+    stage, with the config's secrets in the environment for that stage only, and gives the run
+    folder up when the run is over (published, or a stage failed)."""
     stage = stage_name(run)
 
     @functools.wraps(run)
     def wrapper(config: Config, *args, **kwargs):
         finished = False
         try:
-            with stage_lock(config, stage):
+            with stage_lock(config, stage), secret_env(config.env_from_secrets):
                 result = run(config, *args, **kwargs)
             finished = True
             return result
