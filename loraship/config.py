@@ -84,9 +84,9 @@ class Config(BaseModel):
     )
     packing: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Padding-free packing: whole examples laid end to end into rows of up to sequence_len tokens, "
-        "position ids restarting per example so no example attends to another; a micro-batch is then "
-        "micro_batch_size rows rather than examples. 'auto' packs where the attention implementation honours packed "
+        description="Padding-free packing: each optimizer step's examples (the same as unpacked) laid end to end into "
+        "rows of up to sequence_len tokens, micro_batch_size rows per forward pass, position ids restarting per "
+        "example so no example attends to another. 'auto' packs where the attention implementation honours packed "
         "position ids, else pads (the reason is in the train manifest).",
     )
     save_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps (resume after a crash).")

@@ -1,27 +1,34 @@
 """Train: a LoRA or QLoRA adapter with transformers + PEFT, resumable step by step.
 
 A plain loop rather than HF Trainer so that resume is exact: the data order is a seeded
-permutation per epoch, and a checkpoint holds adapter, optimizer, scheduler, step and RNG
-state, so a rerun after kill -9 continues the same loss curve at the same data position.
-On CUDA it records measured peak memory next to the plan's prediction; an out-of-memory
-error re-plans (smaller micro-batch, then QLoRA or offload) and retries instead of failing.
+permutation per epoch (loraship/packing.py), and a checkpoint holds adapter, optimizer, scheduler,
+step and RNG state (CPU, CUDA, Python), so a rerun after kill -9 continues the same loss curve at
+the same data position. Examples are packed padding-free where the attention implementation keeps
+packed examples apart. On CUDA it records measured peak memory next to the plan's prediction; an
+out-of-memory error releases the failed attempt, re-plans along the plan's own ladder (smaller
+micro-batch, then the config's `fallback`), persists the new plan so a rerun starts from it, and
+retries instead of failing.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
+import os
 import random
 import time
 from pathlib import Path
 
 from loraship import memory
-from loraship.constants import ADAPTER_DIR, CHECKPOINTS_DIR, LOSS_HISTORY_FILE, STRATEGY_FILE
+from loraship.constants import ADAPTER_DIR, CHECKPOINTS_DIR, LOSS_HISTORY_FILE, PLAN_FILE, STRATEGY_FILE
 from loraship.data import IGNORE_INDEX, load_splits
 from loraship.errors import LorashipError
 from loraship.manifest import atomic_path, atomic_write_json, atomic_write_text, sha256_json
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, torch_load_kwargs
+from loraship.packing import collate_packed, epoch_steps, packing_unsupported, steps_per_epoch
+from loraship.packing import collate_padded as collate  # tasks/merge.py batches its probe with it
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "train"
@@ -30,8 +37,9 @@ FIELDS = (
     "adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "sequence_len", "truncation",
     "micro_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler", "warmup_steps",
     "weight_decay", "num_epochs", "max_steps", "seed", "gradient_checkpointing", "fused_loss", "datasets",
-    "eval_datasets", "val_set_size", "device",
+    "eval_datasets", "val_set_size", "device", "packing", "fallback",
 )
+REPLANNED_FILE = "replanned.json"  # in the checkpoints folder: kept, like the checkpoints, for a rerun
 log = logging.getLogger("loraship.train")
 
 
@@ -99,21 +107,6 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     return model
 
 
-def collate(examples: list[dict], pad_id: int):
-    import torch
-
-    width = max(len(e["input_ids"]) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, e in enumerate(examples):
-        n = len(e["input_ids"])
-        ids[row, :n] = torch.tensor(e["input_ids"])
-        labels[row, :n] = torch.tensor(e["labels"])
-        mask[row, :n] = 1
-    return ids, labels, mask
-
-
 def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, device: str) -> float | None:
     """Mean loss per target token over the eval split."""
     import torch
@@ -148,27 +141,20 @@ def schedule(config, total_steps: int):
     return factor
 
 
-def data_order(n: int, micro: int, seed: int, epoch: int) -> list[list[int]]:
-    rng = random.Random(seed * 1_000_003 + epoch)
-    order = list(range(n))
-    rng.shuffle(order)
-    return [order[i : i + micro] for i in range(0, n, micro)]
-
-
 def save_checkpoint(folder: Path, model, optimizer, scheduler, step: int, history: list[dict]) -> None:
     import torch
 
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        # LoRA dropout draws from the CUDA generator on the GPU: without its state a resumed run
+        # drops other units than the uninterrupted one would have.
+        rng["cuda"] = torch.cuda.get_rng_state_all()
     with atomic_path(folder / "last") as tmp:
         tmp.mkdir()
         model.save_pretrained(tmp, safe_serialization=True)
         torch.save(
-            {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "step": step,
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                "history": history,
-            },
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step, "rng": rng,
+             "history": history},
             tmp / "trainer_state.pt",
         )
 
@@ -188,8 +174,63 @@ def load_checkpoint(folder: Path, model, optimizer, scheduler) -> tuple[int, lis
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
+    cuda_rng = state["rng"].get("cuda")
+    if cuda_rng is not None and torch.cuda.is_available():
+        if len(cuda_rng) != torch.cuda.device_count():
+            log.warning("train: checkpoint holds CUDA RNG state for %d devices, %d visible; dropout may differ "
+                        "from an uninterrupted run", len(cuda_rng), torch.cuda.device_count())
+        else:
+            torch.cuda.set_rng_state_all(cuda_rng)
     log.info("train: resumed from checkpoint at step %d", state["step"])
     return state["step"], state["history"]
+
+
+def use_packing(config, model) -> tuple[bool, str]:
+    """Whether this run packs examples, and why (recorded in the manifest)."""
+    if config.packing == "off":
+        return False, "packing: off"
+    why_not = packing_unsupported(model)
+    if why_not is None:
+        return True, f"packing: {config.packing}; attention {model.config._attn_implementation!r} keeps packed examples apart"
+    if config.packing == "on":
+        raise LorashipError(f"packing: on, but {why_not}; set packing: auto (pads where packing is unsupported) or off")
+    return False, f"padded batches: {why_not}"
+
+
+def micro_batch(examples: list[dict], rows: list[list[int]], packed: bool, pad_id: int, device: str) -> tuple[dict, int]:
+    """Model inputs for one micro-batch and its number of real (non-pad) tokens."""
+    if packed:
+        ids, labels, positions = collate_packed([[examples[i] for i in row] for row in rows], pad_id)
+        inputs = {"input_ids": ids, "labels": labels, "position_ids": positions}
+    else:
+        ids, labels, mask = collate([examples[i] for row in rows for i in row], pad_id)
+        inputs = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    tokens = sum(len(examples[i]["input_ids"]) for row in rows for i in row)
+    return {k: v.to(device) for k, v in inputs.items()}, tokens
+
+
+def target_tokens(example: dict) -> int:
+    """Labels the model predicts (it shifts by one: the first label is never a target)."""
+    return sum(1 for lab in example["labels"][1:] if lab != IGNORE_INDEX)
+
+
+def release_memory(device: str) -> None:
+    """Return what unreachable tensors hold: gc for reference cycles (PEFT and checkpointing hooks make
+    some), then the CUDA caching allocator's free blocks, so the next allocation starts clean."""
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def peak_memory(device: str) -> dict:
+    if device != "cuda":
+        return {}
+    import torch
+
+    return {"peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
 def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokenizer, train, evaluation) -> dict:
@@ -198,37 +239,46 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
     torch.manual_seed(config.seed)
     model = load_model(model_dir, config, strategy, device)
     resident_gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
+    packed, packing_why = use_packing(config, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     micro, accum = strategy["micro_batch_size"], strategy["gradient_accumulation_steps"]
-    batches_per_epoch = math.ceil(len(train.examples) / micro)
-    steps_per_epoch = max(1, batches_per_epoch // accum)
-    total_steps = config.max_steps or max(1, math.ceil(steps_per_epoch * config.num_epochs))
+    examples = train.examples
+    lengths = [len(e["input_ids"]) for e in examples]
+    per_epoch = steps_per_epoch(len(examples), micro, accum)  # the last, short step included
+    total_steps = config.max_steps or max(1, math.ceil(per_epoch * config.num_epochs))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(config, total_steps))
 
     eval_batch = max(1, micro)
     eval_before = evaluate_base(model, evaluation.examples, eval_batch, pad_id, device)
+    eval_peak = peak_memory(device)
+    # The evaluation's activations and logits are free now; hand their cached blocks back so that
+    # training's own peak, not the eval's leftovers, shapes the allocator's segments.
+    release_memory(device)
     checkpoints = ctx.dir / CHECKPOINTS_DIR
     step, history = load_checkpoint(checkpoints, model, optimizer, scheduler)
     resumed_from = step
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     tokens_seen, started = 0, time.perf_counter()
+    steps: tuple[int, list] = (-1, [])
     while step < total_steps:
-        epoch, within = divmod(step, steps_per_epoch)
-        batches = data_order(len(train.examples), micro, config.seed, epoch)
-        group = batches[within * accum : (within + 1) * accum]
-        target_tokens = sum(sum(1 for lab in train.examples[i]["labels"][1:] if lab != IGNORE_INDEX) for b in group for i in b)
+        epoch, within = divmod(step, per_epoch)
+        if steps[0] != epoch:
+            steps = (epoch, epoch_steps(lengths, micro, accum, config.seed, epoch, config.sequence_len if packed else None))
+        group = steps[1][within]
+        # Weight each micro-batch by its share of the step's target tokens, so accumulation equals one
+        # big batch; a short last step of an epoch is then a mean over fewer tokens, not a smaller one.
+        step_targets = max(1, sum(target_tokens(examples[i]) for rows in group for row in rows for i in row))
         step_loss = 0.0
-        for batch in group:
-            ids, labels, mask = (t.to(device) for t in collate([train.examples[i] for i in batch], pad_id))
-            n = int((labels[:, 1:] != IGNORE_INDEX).sum())
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            # Weight each micro-batch by its target tokens, so accumulation equals one big batch.
-            (loss * n / max(target_tokens, 1)).backward()
-            step_loss += float(loss.detach()) * n / max(target_tokens, 1)
-            tokens_seen += int(mask.sum())
+        for rows in group:
+            inputs, n_tokens = micro_batch(examples, rows, packed, pad_id, device)
+            n = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
+            loss = model(**inputs).loss
+            (loss * n / step_targets).backward()
+            step_loss += float(loss.detach()) * n / step_targets
+            tokens_seen += n_tokens
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         scheduler.step()
@@ -239,16 +289,17 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
         if step % config.save_steps == 0 and step < total_steps:
             save_checkpoint(checkpoints, model, optimizer, scheduler, step, history)
     seconds = time.perf_counter() - started
-    measured = {}
-    if device == "cuda":
-        measured = {
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-        }
+    measured = peak_memory(device)
     eval_after = evaluate(model, evaluation.examples, eval_batch, pad_id, device)
     with atomic_path(ctx.dir / ADAPTER_DIR) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
+        # The tokenizer the adapter was trained with, chat template included (the config's, if set):
+        # merge and convert carry it into the GGUF.
+        tokenizer.save_pretrained(tmp)
     atomic_write_text(ctx.dir / LOSS_HISTORY_FILE, "".join(json.dumps(h) + "\n" for h in history))
+    if measured:
+        measured.update(allocated_after_load_gib=resident_gib,
+                        eval_peak_reserved_gib=eval_peak.get("peak_reserved_gib"))
     return {
         "steps": total_steps,
         "resumed_from_step": resumed_from,
@@ -256,10 +307,11 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
         "eval_loss_after": eval_after,
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
+        "packing": {"packed": packed, "why": packing_why},
         "train_tokens_this_run": tokens_seen,
         "tokens_per_s": round(tokens_seen / seconds, 1) if seconds > 0 else None,
         "seconds": round(seconds, 2),
-        "measured_memory": {**measured, "allocated_after_load_gib": resident_gib} if measured else {},
+        "measured_memory": measured,
     }
 
 
@@ -267,6 +319,76 @@ def evaluate_base(model, examples, batch_size, pad_id, device):
     """Eval loss of the base model alone: the adapter switched off."""
     with model.disable_adapter():
         return evaluate(model, examples, batch_size, pad_id, device)
+
+
+# Messages of out-of-memory errors that do not arrive as torch.OutOfMemoryError: a cudaMalloc outside
+# the caching allocator ("CUDA error: out of memory"), cuBLAS failing to allocate its workspace
+# (CUBLAS_STATUS_ALLOC_FAILED, raised by torch as a RuntimeError), and Triton kernels (Liger) asking for
+# more shared memory than the GPU has (triton.runtime.errors.OutOfResources: "out of resource: ...").
+OOM_MESSAGES = ("out of memory", "cublas_status_alloc_failed", "out of resource")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    if type(error).__name__ in ("OutOfResources", "OutOfMemoryError"):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in OOM_MESSAGES)
+
+
+def configure_cuda_allocator() -> str:
+    """expandable_segments:True unless the user configured the allocator; call before CUDA starts.
+
+    The caching allocator reads its configuration once, when CUDA initialises; expandable segments let
+    a segment grow instead of leaving freed blocks of odd sizes behind, so reserved stays close to
+    allocated (measured gap 1-6 GiB with the default allocator: bench/memory_matrix.md).
+    """
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # the second is torch >= 2.9's name
+        if os.environ.get(name):
+            return f"{name}={os.environ[name]} (set by the user)"
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set after CUDA started in this process: not applied"
+    return "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
+
+def import_training_stack(strategy: dict, device: str) -> None:
+    """Import what train_once uses before the first attempt, not inside it.
+
+    A library that keeps an exception raised while it is imported (bitsandbytes keeps "No module named
+    'kernels'" from its CPU backend) keeps that traceback's frames alive for good, and through f_back
+    every caller's frame with its locals. Imported first inside load_model, that pinned the attempt's
+    model, so after an out-of-memory error the retry still found it in memory (tests/test_train.py).
+    """
+    import peft  # noqa: F401  (imports bitsandbytes where installed)
+    import transformers  # noqa: F401
+
+    if device == "cuda" and strategy["fused_loss"]:
+        import liger_kernel.transformers  # noqa: F401
+
+
+def for_device(strategy: dict, config, device: str) -> dict:
+    """The plan's strategy as this machine can run it."""
+    strategy = dict(strategy)
+    strategy["fused_loss"] = memory.fused_loss_available(config, device)
+    if device == "cpu":
+        strategy["offload_layers"] = 0  # no GPU to offload from
+    return strategy
+
+
+def describe_strategy(strategy: dict, n_layers: int | None) -> str:
+    """What really trained, in words, for the manifest and the model card."""
+    base = "QLoRA (NF4 base)" if strategy["adapter"] == "qlora" else "bf16 LoRA"
+    of = f" of {n_layers}" if n_layers else ""
+    off = f", {strategy['offload_layers']}{of} decoder layers' frozen weights streamed from CPU memory" \
+        if strategy.get("offload_layers") else ""
+    return (f"{base}{off}, micro-batch {strategy['micro_batch_size']} x {strategy['gradient_accumulation_steps']} "
+            f"accumulation, {'fused' if strategy['fused_loss'] else 'HF'} loss, "
+            f"gradient checkpointing {'on' if strategy['gradient_checkpointing'] else 'off'}")
 
 
 @exclusive
@@ -280,11 +402,14 @@ def run(config) -> dict:
     reset_dir(ctx, keep=keep)
     atomic_write_text(marker, ctx.fingerprint)
 
+    allocator = configure_cuda_allocator()
     import torch
     from transformers import AutoTokenizer
 
     hf_offline_if_local(config)
     plan = json.loads((ctx.upstream_dir("plan") / STRATEGY_FILE).read_text(encoding="utf-8"))
+    plan_file = ctx.upstream_dir("plan") / PLAN_FILE
+    plan_reason = json.loads(plan_file.read_text(encoding="utf-8")).get("reason") if plan_file.is_file() else None
     model_dir = resolve_base_model(config, weights=True)
     check_base_model(config, model_dir)
     device = pick_device(config)
@@ -292,39 +417,63 @@ def run(config) -> dict:
     train, evaluation = load_splits(config, tokenizer)
     model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
 
-    strategy = dict(plan["strategy"])
-    if device == "cpu":
-        strategy.update(fused_loss=False, offload_layers=0)  # Liger is Triton/CUDA-only; no GPU to offload from
-    attempts = []
-    current_plan = plan
+    current_plan, attempts = plan, []
+    strategy = for_device(plan["strategy"], config, device)
+    if device == "cuda" and plan["strategy"]["fused_loss"] and not strategy["fused_loss"]:
+        # The plan was made where liger-kernel is importable and this machine lacks it: the HF loss
+        # needs more memory than planned, so plan again here, with the same ladder and fallback.
+        current_plan = memory.plan_training(model_config, config)
+        strategy = for_device(current_plan["strategy"], config, device)
+        plan_reason = f"re-planned in the train environment, where liger-kernel is not importable: {current_plan['reason']}"
+    replanned = ctx.dir / CHECKPOINTS_DIR / REPLANNED_FILE
+    if replanned.is_file():
+        # An earlier run of these exact inputs ran out of memory and re-planned: start where it ended.
+        saved = json.loads(replanned.read_text(encoding="utf-8"))
+        current_plan, attempts = saved["plan"], saved["attempts"]
+        strategy = for_device(current_plan["strategy"], config, device)
+        log.info("train: starting from the strategy re-planned after %d out-of-memory error(s): %s", len(attempts), strategy)
+    import_training_stack(strategy, device)
     while True:
+        failure = None
         try:
             result = train_once(config, ctx, model_dir, strategy, device, tokenizer, train, evaluation)
             break
-        except torch.OutOfMemoryError as e:
-            measured = {}
-            if device == "cuda":
-                measured = {
-                    "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-                    "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-                }
-                torch.cuda.empty_cache()
-            nxt = memory.replan_after_oom(current_plan, model_config, config, measured)
-            attempts.append({"strategy": strategy, "error": str(e).splitlines()[0], "measured": measured,
-                             "under_predicted": (nxt or {}).get("oom_component")})
-            if nxt is None:
-                raise LorashipError(
-                    f"out of GPU memory with every plan tried ({len(attempts)}); under-predicted: "
-                    f"{attempts[-1]['under_predicted'] or 'unknown'}. Lower sequence_len or use a larger GPU."
-                ) from e
-            log.warning("train: out of memory (%s under-predicted); retrying with %s", nxt.get("oom_component"), nxt["strategy"])
-            current_plan, strategy = nxt, dict(nxt["strategy"])
-            # Checkpoints from another strategy are still valid adapter states; keep them.
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            failure = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        # Here, outside the except clause, the exception is gone, and with it the traceback whose frames
+        # held the failed attempt's model, optimizer and activations; free them before the retry loads anew.
+        release_memory(device)
+        measured = peak_memory(device)
+        nxt = memory.replan_after_oom(current_plan, model_config, config, measured)
+        attempts.append({"strategy": strategy, "error": failure, "measured": measured,
+                         "under_predicted": (nxt or {}).get("oom_component")})
+        if nxt is None:
+            raise LorashipError(
+                f"out of GPU memory with every plan tried ({len(attempts)}); under-predicted: "
+                f"{attempts[-1]['under_predicted'] or 'unknown'}; last error: {failure}. Lower sequence_len or "
+                f"micro_batch_size, allow more in fallback (now {list(config.fallback)}), or use a larger GPU."
+            ) from RuntimeError(failure)
+        log.warning("train: out of memory (%s under-predicted); retrying with %s", nxt.get("oom_component"), nxt["strategy"])
+        current_plan, strategy = nxt, for_device(nxt["strategy"], config, device)
+        plan_reason = nxt["reason"]
+        atomic_write_json(replanned, {"plan": current_plan, "attempts": attempts})
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        # Checkpoints from another strategy are still valid adapter states; keep them.
     predicted = current_plan["memory"]
+    try:
+        n_layers = memory.parse_model_config(model_config).L
+    except ValueError:
+        n_layers = None
     metrics = {
         **result,
         "device": device,
         "strategy": strategy,
+        "trained_as": describe_strategy(strategy, n_layers),
+        "strategy_reason": plan_reason,
+        "cuda_allocator": allocator if device == "cuda" else None,
         "oom_retries": attempts,
         "train_examples": len(train.examples),
         "eval_examples": len(evaluation.examples),

@@ -1,0 +1,255 @@
+"""The train stage's own invariants on the CPU: packing, epochs, resume with dropout, out-of-memory handling."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import weakref
+
+import pytest
+import torch
+
+from loraship.config import parse_config
+from loraship.packing import collate_packed, collate_padded, epoch_steps, steps_per_epoch
+from loraship.stage import stage_dir
+from tests.conftest import demo_config_dict
+
+# 96 demo examples less the 12 eval rows kept apart: micro 5 x accumulation 3 leaves a short last step.
+SHORT = dict(max_steps=None, num_epochs=1, micro_batch_size=5, gradient_accumulation_steps=3, save_steps=1000,
+             warmup_steps=0)
+
+
+def run_stages(config, stages):
+    return {s: importlib.import_module(f"tasks.{s}").run(config) for s in stages}
+
+
+def curve(config) -> list[dict]:
+    return [json.loads(line) for line in (stage_dir(config, "train") / "loss_history.jsonl").read_text().splitlines()]
+
+
+# --- which examples train in which step ---------------------------------------------------------
+@pytest.mark.parametrize("n,micro,accum,row_tokens", [(97, 5, 3, None), (10, 4, 2, None), (3, 8, 4, None),
+                                                      (97, 2, 3, 64), (40, 4, 1, 30), (41, 1, 8, 45)])
+def test_every_example_trains_exactly_once_per_epoch(n, micro, accum, row_tokens):
+    lengths = [1 + (i * 7) % 29 for i in range(n)]
+    steps = epoch_steps(lengths, micro, accum, seed=3, epoch=0, row_tokens=row_tokens)
+    seen = [i for step in steps for rows in step for row in rows for i in row]
+    assert sorted(seen) == list(range(n))
+    assert len(steps) == steps_per_epoch(n, micro, accum) == -(-n // (micro * accum))  # the short last step too
+    for step in steps:
+        assert 1 <= len(step) <= accum and all(1 <= len(rows) <= micro for rows in step)
+        if row_tokens:
+            assert all(sum(lengths[i] for i in row) <= row_tokens for rows in step for row in rows)
+
+
+def test_a_step_holds_the_same_examples_packed_or_not_whatever_the_micro_batch():
+    """The loss curve packed equals the padded one, and an out-of-memory re-plan (same micro x accumulation)
+    resumes on the same examples."""
+    lengths = [1 + (i * 11) % 37 for i in range(101)]
+    layouts = [epoch_steps(lengths, micro, 8 // micro, 7, 2, row_tokens)
+               for micro in (4, 1) for row_tokens in (None, 48)]
+    flat = [[sorted(i for rows in step for row in rows for i in row) for step in steps] for steps in layouts]
+    assert all(f == flat[0] for f in flat)
+    packed = layouts[1]
+    assert sum(len(rows) for step in packed for rows in step) < sum(len(rows) for step in layouts[0] for rows in step)
+
+
+def test_one_epoch_trains_every_token(tiny_model, tmp_path):
+    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="epoch", packing="off", **SHORT))
+    metrics = run_stages(config, ["plan", "train"])["train"]["metrics"]
+    assert metrics["train_examples"] % (5 * 3) != 0
+    assert metrics["steps"] == -(-metrics["train_examples"] // 15)
+    assert metrics["train_tokens_this_run"] == metrics["train_tokens"]
+    assert metrics["packing"] == {"packed": False, "why": "packing: off"}
+
+
+# --- packing ------------------------------------------------------------------------------------
+def _tiny(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def _examples():
+    # Different lengths, labels masked on a prompt part as chat examples are.
+    out = []
+    for n, prompt in ((9, 3), (5, 2), (13, 6), (1, 0), (7, 7)):
+        ids = [1] + [(17 * n + 5 * j) % 200 + 10 for j in range(n - 1)]
+        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return out
+
+
+def test_packed_logits_equal_each_example_alone(tiny_model):
+    model = _tiny(tiny_model)
+    examples = _examples()
+    rows = [examples[:3], examples[3:]]
+    ids, labels, positions = collate_packed(rows, pad_id=0)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        for r, row in enumerate(rows):
+            at = 0
+            for e in row:
+                n = len(e["input_ids"])
+                alone = model(input_ids=torch.tensor([e["input_ids"]]), use_cache=False).logits[0]
+                torch.testing.assert_close(packed[r, at : at + n], alone, rtol=1e-4, atol=1e-4)
+                assert positions[r, at : at + n].tolist() == list(range(n))
+                # no example's first token is predicted from the one before it; its own targets are kept
+                assert labels[r, at].item() == -100 and labels[r, at + 1 : at + n].tolist() == e["labels"][1:]
+                at += n
+            assert (labels[r, at:] == -100).all()  # the padded tail of a short row
+
+
+def test_packed_loss_equals_padded_loss(tiny_model):
+    model = _tiny(tiny_model)
+    examples = _examples()
+    ids, labels, mask = collate_padded(examples, pad_id=0)
+    pids, plabels, positions = collate_packed([examples[:2], examples[2:]], pad_id=0)
+    assert int((labels[:, 1:] != -100).sum()) == int((plabels[:, 1:] != -100).sum())
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        packed = model(input_ids=pids, position_ids=positions, labels=plabels, use_cache=False).loss
+    assert packed.item() == pytest.approx(padded.item(), rel=1e-5)
+
+
+def test_packing_is_on_by_default_on_sdpa_and_trains_every_token(tiny_model, tmp_path):
+    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="packed", **SHORT))
+    metrics = run_stages(config, ["plan", "train"])["train"]["metrics"]
+    assert metrics["packing"]["packed"] and "'sdpa'" in metrics["packing"]["why"]
+    assert metrics["train_tokens_this_run"] == metrics["train_tokens"]
+    assert metrics["eval_loss_after"] < metrics["eval_loss_before"]
+
+
+def test_packing_on_refuses_an_attention_that_cannot_separate_examples(tiny_model):
+    import tasks.train as train
+
+    model = _tiny(tiny_model)
+    model.config._attn_implementation = "flash_attention_2"
+    config = parse_config(demo_config_dict(tiny_model, tiny_model.parent, packing="auto"))
+    packed, why = train.use_packing(config, model)
+    assert not packed and "flash_attention_2" in why
+    with pytest.raises(train.LorashipError, match="packing: on, but attention implementation 'flash_attention_2'"):
+        train.use_packing(config.model_copy(update={"packing": "on"}), model)
+
+
+# --- resume ---------------------------------------------------------------------------------------
+class Killed(Exception):
+    pass
+
+
+def test_resume_with_lora_dropout_repeats_the_loss_curve(tiny_model, tmp_path, monkeypatch):
+    import tasks.train as train
+
+    common = dict(max_steps=8, save_steps=3, lora_dropout=0.2, micro_batch_size=8, gradient_accumulation_steps=1,
+                  warmup_steps=1)
+    clean = parse_config(demo_config_dict(tiny_model, tmp_path / "a", run_name="clean", **common))
+    killed = parse_config(demo_config_dict(tiny_model, tmp_path / "b", run_name="killed", **common))
+    run_stages(clean, ["plan", "train"])
+
+    real_save = train.save_checkpoint
+
+    def save_then_die(folder, model, optimizer, scheduler, step, history):
+        real_save(folder, model, optimizer, scheduler, step, history)
+        if step == 6:  # the second checkpoint: dropout masks of 6 steps drawn before it
+            raise Killed
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        run_stages(killed, ["plan", "train"])
+    monkeypatch.setattr(train, "save_checkpoint", real_save)
+    resumed = run_stages(killed, ["plan", "train"])["train"]["metrics"]
+    assert resumed["resumed_from_step"] == 6
+    a, b = curve(killed), curve(clean)
+    assert [h["step"] for h in a] == list(range(1, 9))
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-7), (x, y)
+
+
+def test_checkpoint_carries_the_cuda_rng_state_when_cuda_is_present(tiny_model, tmp_path, monkeypatch):
+    import tasks.train as train
+
+    fake_state = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: fake_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states))
+
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_tiny(tiny_model), LoraConfig(r=4, target_modules=["q_proj"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    train.save_checkpoint(tmp_path, model, opt, sched, 3, [])
+    step, _ = train.load_checkpoint(tmp_path, model, opt, sched)
+    assert step == 3 and len(restored) == 1
+    assert all(torch.equal(a, b) for a, b in zip(restored[0], fake_state))
+
+
+# --- out of memory --------------------------------------------------------------------------------
+class OutOfResources(Exception):  # the name triton.runtime.errors uses; not a RuntimeError
+    pass
+
+
+@pytest.mark.parametrize("error,oom", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+    (OutOfResources("out of resource: shared memory, Required: 262144, Hardware limit: 232448."), True),
+    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"), False),
+    (ValueError("out of memory"), False),
+])
+def test_out_of_memory_errors_are_recognised_whatever_their_type(error, oom):
+    import tasks.train as train
+
+    assert train.is_out_of_memory(error) is oom
+
+
+def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_model, tmp_path, monkeypatch):
+    import tasks.train as train
+
+    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="oom", max_steps=4, save_steps=2,
+                                           micro_batch_size=8, gradient_accumulation_steps=1, warmup_steps=0))
+    real_load = train.load_model
+    loaded, strategies = [], []
+
+    def load_and_fail_first(model_dir, config_, strategy, device):
+        # The first attempt's model must be garbage by the time the retry loads its own.
+        assert all(ref() is None for ref in loaded), "the failed attempt's model is still alive at the retry"
+        model = real_load(model_dir, config_, strategy, device)
+        loaded.append(weakref.ref(model))
+        strategies.append(dict(strategy))
+        if len(strategies) == 1:
+            def fail(module, args):
+                raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+            model.get_base_model().model.layers[-1].register_forward_pre_hook(fail)
+        elif len(strategies) == 2:
+            raise Killed  # the process dies after the re-plan: the rerun must not repeat the first strategy
+        return model
+
+    monkeypatch.setattr(train, "load_model", load_and_fail_first)
+    with pytest.raises(Killed):
+        run_stages(config, ["plan", "train"])
+    saved = json.loads((stage_dir(config, "train") / "checkpoints" / train.REPLANNED_FILE).read_text())
+    assert len(saved["attempts"]) == 1
+    loaded.clear()
+    result = run_stages(config, ["plan", "train"])["train"]["metrics"]
+    first, retried, rerun = strategies
+    assert retried == rerun == result["strategy"] == saved["plan"]["strategy"] | {"fused_loss": False}
+    assert rerun["micro_batch_size"] < first["micro_batch_size"] == 8
+    assert rerun["micro_batch_size"] * rerun["gradient_accumulation_steps"] == 8  # the effective batch is kept
+    assert [a["error"].split(":")[0] for a in result["oom_retries"]] == ["RuntimeError"]
+    assert result["oom_retries"][0]["under_predicted"]
+    assert f"micro-batch {rerun['micro_batch_size']} x {rerun['gradient_accumulation_steps']}" in result["trained_as"]
+
+
+def test_allocator_gets_expandable_segments_unless_the_user_set_it(monkeypatch):
+    import tasks.train as train
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert train.configure_cuda_allocator().startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    assert train.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
+    assert "set by the user" in train.configure_cuda_allocator()
+    assert train.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"
