@@ -1,4 +1,4 @@
-"""The `train-and-ship` flow: plan -> train -> merge -> convert -> quantize -> verify -> publish.
+"""The `train-and-ship` flow: plan -> train -> merge -> reference -> convert -> quantize -> verify -> publish.
 
 Each stage is one Prefect task around `tasks.<stage>.run(config)`. Resume is the stages' own:
 a stage whose manifest shows the same inputs and intact outputs returns at once (logged as
@@ -27,11 +27,12 @@ from loraship.constants import STAGES
 from loraship.errors import LorashipError
 
 STAGE_DEPLOYMENTS_ENV = "LORASHIP_STAGE_DEPLOYMENTS"
-# Stages that hold an accelerator. A Prefect global concurrency limit with one slot per GPU
-# (LORASHIP_GPU_SLOTS, default 1) makes sure two trainings never share one card, across every
-# flow run talking to the same Prefect server.
+# Stages that hold an accelerator: train and reference on the training GPU (reference runs the
+# merged HF model there, so verify needs only the GGUF), verify on the inference GPU. A Prefect
+# global concurrency limit with one slot per GPU (LORASHIP_GPU_SLOTS, default 1) makes sure two
+# of them never share one card, across every flow run talking to the same Prefect server.
 GPU_LIMIT = "loraship-gpu"
-GPU_STAGES = frozenset({"train", "verify"})
+GPU_STAGES = frozenset({"train", "reference", "verify"})
 
 
 def ensure_gpu_limit() -> None:
@@ -128,7 +129,8 @@ def _run_child_deployment(stage: str, config: Config, suffix: str):
 
 @flow(name="train-and-ship", log_prints=True)
 def train_and_ship(config: Config):
-    """Plan GPU memory, train a LoRA/QLoRA adapter, merge, convert to GGUF, quantize, verify, publish."""
+    """Plan GPU memory, train a LoRA/QLoRA adapter, merge, record the HF reference outputs, convert to
+    GGUF, quantize, verify, publish."""
     suffix = os.environ.get(STAGE_DEPLOYMENTS_ENV)
     results = {}
     for stage in STAGES:

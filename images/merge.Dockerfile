@@ -3,6 +3,10 @@
 #   images/build_all.sh merge                   # local CPU test image on the Debian base
 #   docker build -f images/merge.Dockerfile --build-arg BASE_IMAGE=loraship-base:cuda \
 #     -t loraship-merge:0.1.0 build/image-context   # production
+#
+# The entrypoint runs merge; reference (the merged HF model's outputs for verify, on the
+# training GPU) runs in this image too (`--entrypoint python ... -m tasks.reference`, or a
+# Prefect worker's own command).
 ARG BASE_IMAGE=loraship-base:bookworm
 FROM ${BASE_IMAGE}
 

@@ -32,11 +32,14 @@ IMAGES = {
 # image (images/<image>.Dockerfile, tag loraship-<image>) -> requirement set it installs.
 IMAGE_REQUIREMENTS = {"plan": "light", "publish": "light", "train": "train", "merge": "merge",
                       "convert": "convert", "verify": "verify"}
-# Which image runs each stage (deploy/prefect.yaml and tests/test_deploy.py use this).
+# Which image runs each stage, in pipeline order (deploy/prefect.yaml, deploy/docker/run_ci.sh
+# and tests/test_deploy.py use this). reference needs merge's stack (torch, transformers,
+# safetensors; no llama.cpp), so it runs in the merge image; quantize runs in convert's.
 STAGE_IMAGE = {
     "plan": "plan",
     "train": "train",
     "merge": "merge",
+    "reference": "merge",
     "convert": "convert",
     "quantize": "convert",
     "verify": "verify",

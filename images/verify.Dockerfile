@@ -1,5 +1,6 @@
-# Verify stage: loads the quantized GGUF with llama-cpp-python (CUDA in production) and the
-# merged model with transformers, and gates on fit, perplexity, golden prompts, template.
+# Verify stage: loads the quantized GGUF with llama-cpp-python (CUDA in production) and gates
+# on fit, perplexity, golden prompts, template against what reference recorded from the merged
+# model (it no longer loads the HF model itself).
 # The same llama.cpp as convert.Dockerfile: same sdist, same wheel, same layers.
 #
 #   images/build_all.sh verify                  # local: reuses the wheel built on the host

@@ -27,8 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "images"
 DEPLOY = ROOT / "deploy"
 POOLS = {"local": "loraship-process", "docker": "loraship-docker", "kubernetes": "loraship-kubernetes"}
-GPU_STAGES = {"train", "verify"}
-
+# Stages that hold a GPU (flows/train_and_ship.py GPU_STAGES): train and reference on the training
+# GPU, verify (the GGUF alone, under llama.cpp) on the small inference GPU.
+GPU_STAGES = {"train", "reference", "verify"}
+TRAINING_GPU_STAGES = {"train", "reference"}
 
 
 def _load(path: Path, name: str):
@@ -82,7 +84,8 @@ def test_stage_image_dockerfile(image):
 
 
 def test_every_stage_has_an_image_and_extra():
-    assert set(STAGE_IMAGE) == set(STAGES)
+    assert list(STAGE_IMAGE) == list(STAGES), "images/pin.py STAGE_IMAGE: every stage, in pipeline order"
+    assert set(STAGE_IMAGE.values()) <= set(IMAGE_REQUIREMENTS)
     extras = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for image, requirements in IMAGE_REQUIREMENTS.items():
         text = (IMAGES / f"{image}.Dockerfile").read_text(encoding="utf-8")
@@ -100,6 +103,48 @@ def test_constraints_pin_exact_versions():
 
 
 # ---- deploy/prefect.yaml ---------------------------------------------------------------------
+def test_one_parent_and_one_deployment_per_stage_and_pool():
+    names = [d["name"] for d in _prefect_yaml()["deployments"]]
+    expected = [name for suffix in POOLS for name in (suffix, *(f"{stage}-{suffix}" for stage in STAGES))]
+    assert sorted(names) == sorted(expected) and len(names) == len(set(names))
+
+
+def test_documented_deployment_counts_follow_prefect_yaml():
+    count = len(_prefect_yaml()["deployments"])
+    assert count == len(POOLS) * (len(STAGES) + 1)
+    for rel in ("README.md", "deploy/README.md", "deploy/local/run.sh", "deploy/docker/run_ci.sh",
+                "deploy/prefect.yaml"):
+        path = ROOT / rel
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        for written in re.findall(r"\b(\d+) deployments\b", text):
+            assert int(written) == count, f"{rel} says {written} deployments; deploy/prefect.yaml has {count}"
+
+
+def test_gpu_stages_match_the_flow():
+    flows = pytest.importorskip("flows.train_and_ship")
+    assert set(flows.GPU_STAGES) == GPU_STAGES
+    assert GPU_STAGES <= set(STAGES)
+
+
+def test_training_gpu_stages_share_the_training_node():
+    """reference runs the merged HF model where train ran; verify needs only an inference GPU."""
+    deployments = _deployments()
+    k8s = {stage: deployments[f"{stage}-kubernetes"]["work_pool"]["job_variables"] for stage in GPU_STAGES}
+    for stage in TRAINING_GPU_STAGES:
+        assert {k: v for k, v in k8s[stage].items() if k != "image"} == {
+            k: v for k, v in k8s["train"].items() if k != "image"}, stage
+        docker = deployments[f"{stage}-docker"]["work_pool"]["job_variables"]["container_create_kwargs"]
+        assert docker == deployments["train-docker"]["work_pool"]["job_variables"]["container_create_kwargs"], stage
+    for stage in GPU_STAGES - TRAINING_GPU_STAGES:
+        assert k8s[stage]["node_selector"] != k8s["train"]["node_selector"], stage
+
+    def gib(quantity: str) -> float:
+        return float(quantity[:-2]) * {"Mi": 1 / 1024, "Gi": 1, "Ti": 1024}[quantity[-2:]]
+
+    verify, train = k8s["verify"]["resources"], k8s["train"]["resources"]
+    assert gib(verify["requests"]["memory"]) < gib(train["requests"]["memory"]), "verify loads only the GGUF"
+
+
 @pytest.mark.parametrize("suffix", POOLS)
 def test_prefect_yaml_names_every_stage_for_each_pool(suffix):
     deployments = _deployments()

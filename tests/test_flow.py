@@ -7,6 +7,7 @@ import tempfile
 
 import pytest
 
+from loraship.constants import STAGES
 from tests.conftest import demo_config_dict
 
 # Before prefect is imported anywhere in this process: a private, throwaway Prefect home.
@@ -37,7 +38,8 @@ def test_flow_completes_and_publishes(flow_runs):
     config, first, _, _ = flow_runs
     assert first.is_completed(), first.message
     results = first.result()
-    assert list(results) == ["plan", "train", "merge", "convert", "quantize", "verify", "publish"]
+    assert list(results) == list(STAGES)
+    assert list(STAGES) == ["plan", "train", "merge", "reference", "convert", "quantize", "verify", "publish"]
     assert not any(r["skipped"] for r in results.values())
 
 
@@ -52,7 +54,7 @@ def test_each_stage_published_a_prefect_artifact(flow_runs):
 
     with get_client(sync_client=True) as client:
         keys = {a.key for a in client.read_artifacts()}
-    for stage in ("plan", "train", "merge", "convert", "quantize", "verify", "publish"):
+    for stage in STAGES:
         assert f"flow-{stage}" in keys, keys
 
 

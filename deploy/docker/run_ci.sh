@@ -8,10 +8,10 @@
 # (images/build_all.sh, reusing the host's torch and llama-cpp-python wheels) -> Prefect server
 # on 127.0.0.1 -> docker work pool (containers on the host network, so 127.0.0.1 reaches the
 # server) + worker -> prefect deploy of train-and-ship/docker and *-docker -> the run, watched
-# -> checks: parent COMPLETED, seven child runs each in its own image, artifacts on the volume,
+# -> checks: parent COMPLETED, a child run per stage in its stage's image, artifacts on the volume,
 # and each image's own entrypoint (`python -m tasks.<stage> CONFIG`) sees the stage as done.
 # This machine has no GPU: the deployed copy of prefect.yaml drops the docker GPU requests
-# (device_requests) of train and verify, and nothing else.
+# (device_requests) of the GPU stages (train, reference, verify), and nothing else.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -125,10 +125,14 @@ docker = next(d for d in yaml.safe_load(open("deploy/prefect.yaml"))["deployment
 yaml.safe_dump(docker["parameters"]["config"], open(sys.argv[1], "w"), sort_keys=False)
 EOF2
 chown 1000:1000 "$mountpoint/demo.yaml"
-for image in plan train merge convert quantize verify publish; do
-  if [[ $image == quantize ]]; then  # quantize runs in the convert image
+# stage:image pairs in pipeline order (images/pin.py STAGE_IMAGE).
+stage_images="$(python -c 'import sys; sys.path.insert(0, "images"); from pin import STAGE_IMAGE
+print(" ".join(f"{s}:{i}" for s, i in STAGE_IMAGE.items()))')"
+for pair in $stage_images; do
+  stage="${pair%%:*}" image="${pair#*:}"
+  if [[ $image != "$stage" ]]; then  # reference runs in the merge image, quantize in convert's
     out="$("$DOCKER" run --rm --network none -v "$VOLUME:/shared" --entrypoint python \
-      loraship-convert:0.1.0 -m tasks.quantize /shared/demo.yaml 2>&1)"
+      "loraship-$image:0.1.0" -m "tasks.$stage" /shared/demo.yaml 2>&1)"
   else
     out="$("$DOCKER" run --rm --network none -v "$VOLUME:/shared" "loraship-$image:0.1.0" /shared/demo.yaml 2>&1)"
   fi

@@ -60,7 +60,7 @@ python -m loraship.tinymodel --out .loraship/models/tiny-llama >/dev/null
 # Every deployment of every pool goes in (the server checks each one's job variables against its
 # pool's template), so a broken docker or kubernetes entry fails here too; only the process pool
 # has a worker on this machine.
-step "prefect deploy --all (24 deployments: local, docker and kubernetes pools)"
+step "prefect deploy --all (the parent and every stage: local, docker and kubernetes pools)"
 prefect work-pool create loraship-docker --type docker --overwrite >/dev/null
 prefect work-pool create loraship-kubernetes --type kubernetes \
   --base-job-template deploy/kubernetes/base-job-template.json --overwrite >/dev/null
