@@ -254,6 +254,8 @@ def exclusive_lock(path: Path, what: str, timeout: float | None = None, **info) 
 def _claims(folder: Path) -> list[tuple[Path, dict, float]]:
     out = []
     for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        if p.name.startswith(".tmp-"):
+            continue  # a claim being rewritten (or left by a kill during the rewrite): not a holder
         found = _read(p)
         if found is not None:
             out.append((p, *found))
@@ -337,6 +339,10 @@ def run_claim(locks_dir: Path, run_name: str, config: str, stage: str, timeout: 
 def release_run(locks_dir: Path, config: str) -> None:
     """The run of `config` is over: drop its claims, except those of stages still running."""
     folder = Path(locks_dir) / "run"
+    for leftover in folder.glob(".tmp-*") if folder.is_dir() else []:
+        with contextlib.suppress(OSError):
+            if time.time() - leftover.stat().st_mtime > STALE_S:
+                leftover.unlink()
     for path, holder, mtime in _claims(folder):
         if holder.get("config") != config:
             continue
