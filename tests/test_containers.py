@@ -117,3 +117,30 @@ def test_temporary_names_differ_between_containers_with_the_same_pid(tmp_path):
             tmp.write_bytes(b"x")
     assert names[0] != names[1]
     assert all(os.uname().nodename in n and f".{os.getpid()}." in n for n in names)
+
+
+def test_output_data_and_folder_are_synced_before_and_after_the_rename(tmp_path, monkeypatch):
+    """After a power loss an output visible under its final name must not be empty: its bytes
+    reach the disk before the rename, and the rename itself (the folder entry) right after."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    final = tmp_path / "merged"
+    with atomic_path(final) as tmp:
+        tmp.mkdir()
+        (tmp / "a.safetensors").write_bytes(b"a")
+        (tmp / "b.safetensors").write_bytes(b"b")
+    rename = events.index(("replace", str(final)))
+    synced_before = {Path(p).name for kind, p in events[:rename] if kind == "fsync"}
+    assert {"a.safetensors", "b.safetensors"} <= synced_before
+    assert ("fsync", str(tmp_path)) in events[rename:]
