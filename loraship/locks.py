@@ -6,7 +6,9 @@ Two kinds, both made of plain files under `<workdir>/<run_name>/.locks/`:
 - The run claim (`run/<holder>.json`): shared by every stage of one config, exclusive against a
   different config with the same run_name. A stage of config B waits while a stage of config A
   runs, and while A's run is between stages (A's claim stays until A's publish finishes or a
-  stage of A fails), so B cannot reset a folder that A has yet to read.
+  stage of A fails), so B cannot reset a folder that A has yet to read. Between stages, a claim
+  made on this host lasts as long as the process that made it (`loraship run` runs every stage
+  in one process); one made on another host (a pod per stage) lasts LORASHIP_RUN_IDLE_S.
 - The stage lock (`<stage>.lock`): one writer per stage folder. A second run of the same config
   waits here, then finds the first run's manifest and skips.
 
