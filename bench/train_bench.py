@@ -1,0 +1,415 @@
+"""loraship's train stage against Unsloth and HF + PEFT + Liger: memory and steady-state speed.
+
+    python bench/train_bench.py --tokenizer .loraship/models/tiny-llama --out bench/results/train_bench.json
+    python bench/train_bench.py --tokenizer .loraship/models/tiny-llama --out /tmp/smoke.json --smoke   # CPU check
+
+Every (case, trainer) pair runs in its own process (a fresh allocator; Liger's and Unsloth's patches
+reach model classes and cannot leak into the next row), under a 32 GiB cap on the GPU
+(torch.cuda.set_per_process_memory_fraction, as bench/memory_matrix.py does). All trainers train the same examples in
+the same order (loraship/packing.py's permutation), LoRA dropout 0 (Unsloth's fast path), AdamW.
+
+Models: random weights in the real Qwen2 shapes (examples/models/*/config.json) built as
+LlamaForCausalLM with attention_bias=True, which computes what Qwen2 computes (q/k/v biases, RoPE,
+SwiGLU, RMSNorm) and lets the tiny model's sentencepiece tokenizer pass the plan's GGUF
+convertibility check. Speed and memory depend on shapes, not on weight values.
+
+Trainers:
+- unsloth: FastLanguageModel, use_gradient_checkpointing="unsloth", its own fused loss.
+- hf-liger: transformers + PEFT with every Liger kernel for the architecture
+  (apply_liger_kernel_to_llama before loading), non-reentrant gradient checkpointing.
+- loraship-lean: `tasks.plan` + `tasks.train` as shipped (checkpointing on, fused loss auto).
+- loraship-fast: the same with gradient_checkpointing: false; the planner turns it back on where the
+  32 GiB budget needs it.
+- loraship-packed / loraship-padded (case `packing`): packing: on / off on variable-length chat rows.
+
+Timing: a global optimizer step hook synchronises and stamps each step; tokens/s is non-pad tokens of
+the steps after --warmup divided by their time. loraship's peak memory is the train stage's own
+measurement (training only: reset after the eval before training), the peers' is over every step.
+Rows: case, trainer, reserved_gib, allocated_gib, tokens_per_s, fits_32gib, strategy (+ details).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+GIB = 2**30
+CAP_GIB = 32.0
+QVO = ["q_proj", "v_proj", "o_proj"]
+
+
+def shape(name: str) -> dict:
+    mc = json.loads((ROOT / "examples" / "models" / name / "config.json").read_text())
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
+    return {k: mc[k] for k in keys if k in mc} | {"attention_bias": mc["model_type"] == "qwen2",
+                                                   "max_position_embeddings": 32768}
+
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=1024, tie_word_embeddings=False, attention_bias=True, max_position_embeddings=4096)
+
+# case -> (model shape, adapter, rank, micro-batch, sequence_len, data kind)
+CASES = {
+    "qwen2-7b-lora": ("qwen2-7b", "lora", 64, 2, 4096, "long"),
+    "qwen2-7b-qlora": ("qwen2-7b", "qlora", 64, 2, 4096, "long"),
+    "qwen2-14b-qlora": ("qwen2-14b", "qlora", 64, 2, 4096, "long"),
+    "qwen2-14b-lora": ("qwen2-14b", "lora", 64, 2, 4096, "long"),  # bf16 asked, 32 GiB budget
+    "packing": ("qwen2-7b", "lora", 64, 2, 2048, "chat"),  # chat rows of 64-2048 tokens
+}
+TRAINERS = {"packing": ["loraship-packed", "loraship-padded"]}
+SMOKE_SEQ = 128  # --smoke: the tiny shape at short rows, so the CPU check takes seconds
+DEFAULT_TRAINERS = ["unsloth", "hf-liger", "loraship-lean", "loraship-fast"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs, made once in the parent
+# ---------------------------------------------------------------------------------------------
+def make_model(dims: dict, tokenizer_dir: Path, out: Path, device: str) -> Path:
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **dims)
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: a 14B fp32 build would need 59 GB
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, tmp / f.name)
+    del model
+    tmp.rename(out)
+    return out
+
+
+def make_data(tokenizer_dir: Path, folder: Path, seq: int, rows: int, kind: str, seed: int = 0) -> Path:
+    """'long': completion rows past sequence_len (truncated to it); 'chat': token lengths uniform in 64..seq."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    path = folder / f"{kind}-{seq}.jsonl"
+    if path.is_file():
+        return path
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    sentence = "The capital of Ganraka is Milo, and its river runs north to the sea. "
+    per = max(1, len(tok(sentence, add_special_tokens=False)["input_ids"]))
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(rows):
+        if kind == "long":
+            lines.append({"text": sentence * (seq // per + 8)})
+        else:
+            n = rng.randint(64, seq) // per
+            q = max(1, n // 4)
+            lines.append({"messages": [{"role": "user", "content": sentence * q},
+                                       {"role": "assistant", "content": sentence * max(1, n - q - 1)}]})
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# One (case, trainer) in this process
+# ---------------------------------------------------------------------------------------------
+class StepClock:
+    """Stamps every optimizer step (synchronised), through torch's global step hook."""
+
+    def __init__(self, device: str):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.times: list[float] = []
+        self.device = device
+        self.handle = register_optimizer_step_post_hook(self._stamp)
+
+    def _stamp(self, *_):
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+
+    def tokens_per_s(self, tokens_per_step: list[int], warmup: int) -> float | None:
+        # Step i is timed from the stamp of step i-1; the first `warmup` steps are left out.
+        timed = range(warmup, min(len(self.times), len(tokens_per_step)))
+        if len(timed) < 2:
+            return None
+        seconds = self.times[timed[-1]] - self.times[timed[0] - 1] if timed[0] > 0 else None
+        if not seconds:
+            return None
+        return round(sum(tokens_per_step[i] for i in timed) / seconds, 1)
+
+
+def spec(case: str, smoke: bool) -> tuple:
+    shape_name, adapter, r, micro, seq, kind = CASES[case]
+    return shape_name, adapter, r, micro, min(seq, SMOKE_SEQ) if smoke else seq, kind
+
+
+def loraship_config(case: str, trainer: str, model_dir: Path, data: Path, root: Path, steps: int, device: str) -> dict:
+    _shape, adapter, r, micro, seq, kind = spec(case, device == "cpu")
+    return {
+        "run_name": f"{case}-{trainer}", "base_model": str(model_dir), "workdir": str(root / "work"),
+        "output": str(root / "out"), "datasets": [{"path": str(data), "type": "completion" if kind == "long" else "chat"}],
+        "val_set_size": 0.02, "adapter": adapter, "lora_r": r, "lora_alpha": 2 * r, "lora_dropout": 0.0,
+        "lora_target_modules": QVO, "sequence_len": seq, "micro_batch_size": micro, "gradient_accumulation_steps": 1,
+        "max_steps": steps, "warmup_steps": 0, "save_steps": 10_000, "gpu_memory_gib": CAP_GIB, "device": device,
+        "gradient_checkpointing": trainer != "loraship-fast",
+        "packing": {"loraship-packed": "on", "loraship-padded": "off"}.get(trainer, "auto"),
+    }
+
+
+def step_tokens(examples: list[dict], micro: int, accum: int, seed: int, steps: int) -> list[int]:
+    """Non-pad tokens of each optimizer step (the same examples packed or padded: loraship/packing.py)."""
+    from loraship.packing import epoch_steps, steps_per_epoch
+
+    per_epoch = steps_per_epoch(len(examples), micro, accum)
+    lengths = [len(e["input_ids"]) for e in examples]
+    out = []
+    for s in range(steps):
+        epoch, within = divmod(s, per_epoch)
+        group = epoch_steps(lengths, micro, accum, seed, epoch, None)[within]
+        out.append(sum(lengths[i] for rows in group for row in rows for i in row))
+    return out
+
+
+def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
+    from loraship.config import parse_config
+    from loraship.data import load_splits
+    from tasks import plan as plan_stage
+    from tasks import train as train_stage
+    from transformers import AutoTokenizer
+
+    config = parse_config(loraship_config(case, trainer, model_dir, data, root, args.steps, device))
+    clock = StepClock(device)
+    plan_stage.run(config)
+    metrics = train_stage.run(config)["metrics"]
+    train, _ = load_splits(config, AutoTokenizer.from_pretrained(model_dir))
+    st = metrics["strategy"]
+    tokens = step_tokens(train.examples, st["micro_batch_size"], st["gradient_accumulation_steps"], config.seed,
+                         metrics["steps"])
+    mem = metrics["measured_memory"]
+    history = [json.loads(x) for x in (Path(config.workdir) / config.run_name / "train" / "loss_history.jsonl")
+               .read_text().splitlines()]
+    return {"reserved_gib": mem.get("peak_reserved_gib"), "allocated_gib": mem.get("peak_allocated_gib"),
+            "tokens_per_s": clock.tokens_per_s(tokens, args.warmup),
+            "fits_32gib": not metrics["oom_retries"] if device == "cuda" else None,
+            "strategy": metrics["trained_as"], "strategy_reason": metrics["strategy_reason"],
+            "packing": metrics["packing"], "oom_retries": metrics["oom_retries"],
+            "predicted_reserved_gib": metrics["predicted_reserved_gib"], "loss_curve": [h["loss"] for h in history]}
+
+
+def run_peer(case, trainer, model_dir, data, root, args, device) -> dict:
+    """Unsloth or HF + PEFT + Liger on the examples loraship's data code makes, in loraship's order."""
+    if trainer == "unsloth":
+        import unsloth  # noqa: F401  (before transformers, as Unsloth requires)
+    import torch
+    from transformers import AutoTokenizer
+
+    from loraship.config import parse_config
+    from loraship.data import load_splits
+    from loraship.packing import collate_padded, epoch_steps, steps_per_epoch
+
+    _shape, adapter, r, micro, seq, _kind = spec(case, device == "cpu")
+    config = parse_config(loraship_config(case, "loraship-lean", model_dir, data, root, args.steps, device))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    examples = load_splits(config, tok)[0].examples
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if trainer == "unsloth":
+        from unsloth import FastLanguageModel
+
+        model, _ = FastLanguageModel.from_pretrained(model_name=str(model_dir), max_seq_length=seq, dtype=dtype,
+                                                     load_in_4bit=adapter == "qlora")
+        model = FastLanguageModel.get_peft_model(model, r=r, lora_alpha=2 * r, lora_dropout=0.0, bias="none",
+                                                 target_modules=QVO, use_gradient_checkpointing="unsloth",
+                                                 random_state=config.seed)
+        FastLanguageModel.for_training(model)
+        strategy = f"Unsloth {unsloth.__version__}: {'QLoRA (NF4)' if adapter == 'qlora' else 'bf16 LoRA'}, " \
+                   "unsloth gradient checkpointing"
+    else:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        kernels = "no Liger (CPU)"
+        if device == "cuda":
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+            apply_liger_kernel_to_llama()  # every kernel it offers: rope, rms_norm, swiglu, fused linear CE
+            kernels = "all Liger kernels"
+        kwargs = {"dtype": dtype} | ({"device_map": {"": 0}} if device == "cuda" else {})
+        if adapter == "qlora":
+            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                               bnb_4bit_use_double_quant=True,
+                                                               bnb_4bit_compute_dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        model.config.use_cache = False
+        model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=QVO,
+                                                 bias="none", task_type="CAUSAL_LM"))
+        model.train()
+        strategy = f"HF + PEFT, {'QLoRA (NF4)' if adapter == 'qlora' else 'bf16 LoRA'}, {kernels}, checkpointing on"
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate)
+    lengths = [len(e["input_ids"]) for e in examples]
+    per_epoch = steps_per_epoch(len(examples), micro, 1)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    clock = StepClock(device)
+    tokens, losses = [], []
+    for s in range(args.steps):
+        epoch, within = divmod(s, per_epoch)
+        (rows,) = epoch_steps(lengths, micro, 1, config.seed, epoch, None)[within]
+        batch = [examples[i] for row in rows for i in row]
+        ids, labels, mask = (t.to(device) for t in collate_padded(batch, tok.pad_token_id or 0))
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens.append(int(mask.sum()))
+        losses.append(round(float(loss.detach()), 6))
+    out = {"tokens_per_s": clock.tokens_per_s(tokens, args.warmup), "strategy": strategy, "loss_curve": losses,
+           "reserved_gib": None, "allocated_gib": None, "fits_32gib": None}
+    if device == "cuda":
+        out.update(reserved_gib=torch.cuda.max_memory_reserved() / GIB, allocated_gib=torch.cuda.max_memory_allocated() / GIB,
+                   fits_32gib=True)
+    return out
+
+
+def run_one(case: str, trainer: str, root: Path, args) -> dict:
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and trainer.startswith("loraship"):
+        # What the train stage sets itself, set here because the cap below starts CUDA first.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # local folders only: Unsloth otherwise asks the hub
+    import torch
+
+    if device == "cuda":
+        torch.cuda.set_per_process_memory_fraction(CAP_GIB * GIB / torch.cuda.get_device_properties(0).total_memory)
+    row = {"case": case, "trainer": trainer, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+           "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default")}
+    shape_name, _adapter, _r, _micro, seq, kind = spec(case, args.smoke)
+    model_dir = root / "models" / ("tiny" if args.smoke else shape_name)
+    data = make_data(args.tokenizer, root / "data", seq, args.rows, kind)
+    work = root / f"{case}-{trainer}"
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        runner = run_loraship if trainer.startswith("loraship") else run_peer
+        row.update(ok=True, **runner(case, trainer, model_dir, data, work, args, device))
+    except Exception as e:  # a bench records failures instead of stopping
+        oom = type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
+        row.update(ok=False, fits_32gib=False if oom and device == "cuda" else None, reserved_gib=None,
+                   allocated_gib=None, tokens_per_s=None, strategy=None,
+                   error=f"{type(e).__name__}: {str(e)[:500]}", trace=traceback.format_exc()[-3000:])
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent: every pair in its own process, then the table
+# ---------------------------------------------------------------------------------------------
+def ratios(rows: list[dict]) -> list[dict]:
+    """Each loraship row against Unsloth (packing: packed against padded) in the same run."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        by = {r["trainer"]: r for r in rows if r["case"] == case and r.get("ok")}
+        base = by.get("loraship-padded" if case == "packing" else "unsloth")
+        for name, r in by.items():
+            if not name.startswith("loraship") or base is None or r is base:
+                continue
+            item = {"case": case, "trainer": name, "against": base["trainer"]}
+            if r.get("tokens_per_s") and base.get("tokens_per_s"):
+                item["tokens_per_s_ratio"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+            if r.get("reserved_gib") and base.get("reserved_gib"):
+                item["reserved_ratio"] = round(r["reserved_gib"] / base["reserved_gib"], 3)
+            if case == "packing" and r.get("loss_curve") and base.get("loss_curve"):
+                item["max_loss_rel_diff"] = max(abs(a / b - 1) for a, b in zip(r["loss_curve"], base["loss_curve"]))
+            out.append(item)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| case | trainer | reserved GiB | allocated GiB | tokens/s | fits 32 GiB | strategy |", "|---|---|---|---|---|---|---|"]
+    f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['trainer']} | {f(r.get('reserved_gib'))} | {f(r.get('allocated_gib'))} | "
+                     f"{f(r.get('tokens_per_s'), 0)} | {r.get('fits_32gib')} | {r.get('strategy') or r.get('error', '')[:80]} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokenizer", type=Path, required=True, help="folder with the tiny model's tokenizer files")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--root", type=Path, default=Path("/tmp/loraship-train-bench"), help="models, data, work folders")
+    p.add_argument("--cases", nargs="*", default=list(CASES))
+    p.add_argument("--trainers", nargs="*", help="default: unsloth hf-liger loraship-lean loraship-fast")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of tokens/s")
+    p.add_argument("--rows", type=int, default=64, help="training rows per dataset")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds per (case, trainer)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, loraship and HF only: checks the script")
+    p.add_argument("--one", nargs=2, metavar=("CASE", "TRAINER"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.tokenizer = args.tokenizer.resolve()
+    if args.one:
+        row = run_one(*args.one, args.root, args)
+        args.out.write_text(json.dumps(row))
+        return
+    if args.smoke:
+        args.steps, args.warmup, args.rows = min(args.steps, 4), 1, min(args.rows, 24)
+    import torch
+
+    device = "cpu" if args.smoke else "cuda"
+    for name in {CASES[c][0] for c in args.cases}:
+        make_model(TINY if args.smoke else shape(name), args.tokenizer, args.root / "models" / ("tiny" if args.smoke else name),
+                   device)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    rows = []
+    for case in args.cases:
+        trainers = args.trainers or TRAINERS.get(case, DEFAULT_TRAINERS)
+        for trainer in trainers:
+            if args.smoke and trainer == "unsloth":
+                continue
+            part = args.root / f"row-{case}-{trainer}.json"
+            part.unlink(missing_ok=True)
+            cmd = [sys.executable, __file__, "--tokenizer", str(args.tokenizer), "--out", str(part), "--root",
+                   str(args.root), "--steps", str(args.steps), "--warmup", str(args.warmup), "--rows", str(args.rows),
+                   "--one", case, trainer] + (["--smoke"] if args.smoke else [])
+            started = time.time()
+            try:
+                subprocess.run(cmd, timeout=args.timeout, cwd=ROOT)
+            except subprocess.TimeoutExpired:
+                pass
+            row = json.loads(part.read_text()) if part.exists() else {
+                "case": case, "trainer": trainer, "ok": False, "error": "process died or timed out"}
+            row["wall_s"] = round(time.time() - started, 1)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "loss_curve")}), flush=True)
+            rows.append(row)
+    result = {"device": rows[0].get("device") if rows else None, "date": time.strftime("%Y-%m-%d"),
+              "steps": args.steps, "warmup": args.warmup, "cap_gib": None if args.smoke else CAP_GIB,
+              "rows": rows, "ratios": ratios(rows)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(table(rows))
+    print(json.dumps(result["ratios"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
