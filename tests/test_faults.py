@@ -390,6 +390,7 @@ def test_kill_9_in_a_stage_then_the_rerun_completes(merged_run, stage):
     out = proc.communicate()[0]
     killed = proc.returncode == -signal.SIGKILL
     assert killed or proc.returncode == 0, out
+    print(f"kill -9 in {stage}: {'killed mid-stage' if killed else 'finished before the kill landed'}")
     if not (folder / MANIFEST_NAME).exists():
         readers = [s for s in STAGES if stage in importlib.import_module(f"tasks.{s}").UPSTREAM]
         if readers:
