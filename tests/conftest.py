@@ -47,3 +47,11 @@ def pipeline_run(tiny_model, tmp_path_factory):
     config = parse_config(demo_config_dict(tiny_model, root, run_name="pipeline"))
     manifests = {stage: importlib.import_module(f"tasks.{stage}").run(config) for stage in STAGES}
     return config, manifests
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen() -> Path:
+    from loraship.tinyqwen import ensure_tiny_qwen
+
+    # Qwen2 architecture with Qwen's real 151,643-token BPE vocabulary; deterministic, so reused.
+    return ensure_tiny_qwen(REPO / ".loraship" / "models" / "tiny-qwen2")
