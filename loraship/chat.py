@@ -1,66 +1,157 @@
-"""Chat templates, rendered only in a sandboxed Jinja environment.
+"""Chat templates: chosen from the config or the checkpoint, rendered by transformers itself.
 
-A chat template is code that ships with a checkpoint; rendering it in jinja2's
-ImmutableSandboxedEnvironment keeps it from touching Python internals (transformers does the
-same internally; we render ourselves so the GGUF's embedded template goes through the same path).
+Rendering goes through `tokenizer.apply_chat_template`, i.e. transformers' own sandboxed Jinja
+environment (loopcontrols, `raise_exception`, `strftime_now`, non-escaping `tojson`, `tools`
+defined), so real templates such as Qwen2.5's (`{%- if tools %}`) behave here exactly as they do
+for everyone else who uses the checkpoint. A template is code shipped with a checkpoint; the
+sandbox keeps it away from Python internals.
+
+Loss masks: where the template marks assistant text with `{% generation %}`, transformers'
+assistant-token mask is used; otherwise each assistant turn is located as the text between the
+conversation rendered up to it (with the generation prompt) and rendered through it, which works
+for any template whose renderings are prefixes of each other.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+import re
 
-from jinja2 import StrictUndefined
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from loraship.errors import ConfigError, DataError
 
-from loraship.errors import DataError
+# Named templates for base models that ship none (`chat_template: chatml` in the config).
+# Each is the de-facto standard text of its family; the GGUF carries the same string.
+NAMED_TEMPLATES: dict[str, str] = {
+    # ChatML (Qwen and many fine-tunes): <|im_start|>role, newline, content, <|im_end|>, newline.
+    "chatml": (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    # Llama 3 instruct headers.
+    "llama3": (
+        "{{ bos_token }}{% for message in messages %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+    ),
+    # Mistral [INST] turns; a system message is prepended to the first user turn.
+    "mistral": (
+        "{{ bos_token }}{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' %}"
+        "{% for message in messages if message['role'] != 'system' %}"
+        "{% if message['role'] == 'user' %}"
+        "{{ '[INST] ' + ((system + '\\n\\n') if system and loop.first else '') + message['content'] + ' [/INST]' }}"
+        "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+        "{% else %}{{ raise_exception('mistral template: unknown role ' + message['role']) }}{% endif %}"
+        "{% endfor %}"
+    ),
+    # Alpaca's instruction/response layout, for instruction data on a plain base model.
+    "alpaca": (
+        "{{ bos_token }}{% for message in messages %}"
+        "{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
+        "{% elif message['role'] == 'user' %}{{ '### Instruction:\\n' + message['content'] + '\\n\\n' }}"
+        "{% elif message['role'] == 'assistant' %}{{ '### Response:\\n' + message['content'] + eos_token + '\\n\\n' }}"
+        "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '### Response:\\n' }}{% endif %}"
+    ),
+}
+
+_JINJA_MARKERS = ("{{", "{%")
+_GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
-def _raise_exception(message: str):
-    raise TemplateError(message)
+def resolve_template(value: str) -> str:
+    """The Jinja text for a `chat_template:` config value: a name from NAMED_TEMPLATES or Jinja itself."""
+    if any(marker in value for marker in _JINJA_MARKERS):
+        return value
+    if value in NAMED_TEMPLATES:
+        return NAMED_TEMPLATES[value]
+    raise ConfigError(
+        "chat_template",
+        [f"{value!r} is neither a named template ({', '.join(sorted(NAMED_TEMPLATES))}) nor Jinja text; "
+         "use one of those names or paste the template itself"],
+    )
 
 
-@lru_cache(maxsize=16)
-def _compile(template: str):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=StrictUndefined)
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(template)
+def use_configured_template(tokenizer, configured: str | None):
+    """Give the tokenizer the config's template (it wins over the checkpoint's); returns the tokenizer."""
+    if configured:
+        tokenizer.chat_template = resolve_template(configured)
+    return tokenizer
 
 
-def render_chat(
-    template: str,
-    messages: list[dict],
-    *,
-    bos_token: str = "",
-    eos_token: str = "",
-    add_generation_prompt: bool = False,
-) -> str:
-    try:
-        return _compile(template).render(
-            messages=messages, bos_token=bos_token, eos_token=eos_token, add_generation_prompt=add_generation_prompt
+def template_of(tokenizer) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one is what a runtime uses
+        template = template.get("default")
+    return template or None
+
+
+def require_template(tokenizer, what: str) -> str:
+    template = template_of(tokenizer)
+    if template is None:
+        raise DataError(
+            f"{what} need a chat template, but the base model's tokenizer has none; set `chat_template:` in the "
+            f"config to a named template ({', '.join(sorted(NAMED_TEMPLATES))}) or to Jinja text"
         )
-    except TemplateError as e:
-        raise DataError(f"chat template failed to render: {e}") from e
+    return template
 
 
-def assistant_spans(template: str, messages: list[dict], *, bos_token: str, eos_token: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of each assistant turn (content + end token).
+def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False, template: str | None = None) -> str:
+    """The conversation as text, rendered by transformers with the tokenizer's (or the given) template."""
+    from jinja2.exceptions import TemplateError
 
-    Each span runs from the end of the prompt rendered up to that turn (with the generation
-    prompt) to the end of the conversation rendered through that turn, so any template whose
-    renderings are prefixes of each other works without knowing its markers.
-    """
-    full = render_chat(template, messages, bos_token=bos_token, eos_token=eos_token)
+    try:
+        return tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+        raise DataError(f"chat template failed to render: {type(e).__name__}: {e}") from e
+
+
+def has_generation_blocks(template: str | None) -> bool:
+    return bool(template and _GENERATION_BLOCK.search(template))
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of each assistant turn (content + end marker)."""
+    full = render(tokenizer, messages)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render_chat(template, messages[:i], bos_token=bos_token, eos_token=eos_token, add_generation_prompt=True)
-        through = render_chat(template, messages[: i + 1], bos_token=bos_token, eos_token=eos_token)
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
+        through = render(tokenizer, messages[: i + 1])
         if not full.startswith(through) or not through.startswith(prompt):
             raise DataError(
-                "the chat template does not render conversations as prefixes of each other, so assistant "
-                "turns cannot be located for loss masking; use a template without history rewriting"
+                "the chat template does not render conversations as prefixes of each other (it rewrites earlier "
+                "turns), so assistant turns cannot be located for loss masking; mark assistant text with "
+                "{% generation %} ... {% endgeneration %} in the template, or set `chat_template:` to one without "
+                "history rewriting"
             )
         spans.append((len(prompt), len(through)))
     return full, spans
+
+
+def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and, per token, whether it is assistant text to learn."""
+    template = template_of(tokenizer)
+    if has_generation_blocks(template):
+        from jinja2.exceptions import TemplateError
+
+        try:
+            enc = tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+            raise DataError(f"chat template failed to render: {type(e).__name__}: {e}") from e
+        ids = list(enc["input_ids"])
+        mask = [bool(m) for m in enc["assistant_masks"]]
+        if not any(mask):
+            raise DataError("the template's {% generation %} blocks marked no assistant tokens in this conversation")
+        return ids, mask
+    text, spans = assistant_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    mask = [any(start <= s < end for start, end in spans) for s, _e in enc["offset_mapping"]]
+    return ids, mask

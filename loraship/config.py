@@ -126,6 +126,34 @@ class Config(BaseModel):
         1.15, ge=1.0, description="Largest allowed GGUF/merged-HF perplexity ratio on the eval split."
     )
     verify_max_examples: int = Field(64, ge=1, description="Eval examples scored by verify (both runtimes).")
+    min_golden_prompts: int = Field(
+        4, ge=1, description="Fewest golden prompts verify must see; fewer fails as 'not enough evidence', never 0/0."
+    )
+    min_decisive_positions: int = Field(
+        8, ge=1, description="Fewest decisive answer tokens (see golden_margin) the teacher-forced agreement gate must see."
+    )
+    min_scored_tokens: int = Field(
+        64, ge=1, description="Fewest eval target tokens the perplexity gate must score under both runtimes."
+    )
+    reference_top_k: int = Field(
+        64, ge=2, le=4096,
+        description="HF log-probs kept per scored eval position by the reference stage; the rest of the distribution is "
+        "kept as one lumped tail, which bounds verify's KL divergence from below (top_k_mass in reference.json says how tight).",
+    )
+    kl_mean_max: float = Field(
+        0.1, gt=0, description="Largest mean KL divergence (HF -> GGUF, nats per token) on the eval split; llama.cpp "
+        "reports about 0.01-0.04 for 4-bit K-quants of 7B models.",
+    )
+    kl_p99_max: float = Field(1.0, gt=0, description="Largest 99th-percentile KL divergence per token on the eval split.")
+    same_top_min: float = Field(
+        0.85, ge=0.0, le=1.0, description="Smallest fraction of eval positions where the GGUF's top token is HF's "
+        "(llama.cpp reports about 90-95% for 4-bit K-quants of 7B models).",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Chat template for training and the shipped GGUF: a name (chatml, llama3, mistral, alpaca) or Jinja "
+        "text. Overrides the base model's template; required for chat/alpaca data on a base model that has none.",
+    )
 
     env_from_secrets: dict[str, str] = Field(
         default_factory=dict,
@@ -148,6 +176,18 @@ class Config(BaseModel):
     def _not_blank(cls, v: str):
         if not v.strip():
             raise ValueError("must not be empty")
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _known_template(cls, v: str | None):
+        from loraship.chat import NAMED_TEMPLATES
+
+        if v is not None and "{{" not in v and "{%" not in v and v not in NAMED_TEMPLATES:
+            raise ValueError(
+                f"not a named template ({', '.join(sorted(NAMED_TEMPLATES))}) and not Jinja text; "
+                "use one of those names or paste the template itself"
+            )
         return v
 
     @field_validator("env_from_secrets")

@@ -4,7 +4,7 @@ MANIFEST_SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
 # Stage order is the pipeline; each stage writes into <workdir>/<run>/<stage>/.
-STAGES = ("plan", "train", "merge", "convert", "quantize", "verify", "publish")
+STAGES = ("plan", "train", "merge", "reference", "convert", "quantize", "verify", "publish")
 
 PLAN_FILE = "plan.json"
 STRATEGY_FILE = "strategy.json"  # the part of the plan that training depends on
@@ -14,6 +14,8 @@ LOSS_HISTORY_FILE = "loss_history.jsonl"
 MERGED_DIR = "merged"
 PROBE_FILE = "probe.json"
 F16_GGUF = "model-F16.gguf"
+REFERENCE_FILE = "reference.json"  # HF token ids, greedy answers + margins, tokenizer facts
+REFERENCE_TOPK_FILE = "eval_topk.npz"  # HF top-k log-probs at every scored eval position
 VERIFY_FILE = "verify.json"
 MODEL_CARD = "README.md"
 
@@ -37,3 +39,5 @@ GGUF_KEY_FILE_TYPE = "general.file_type"
 GGUF_KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
 GGUF_KEY_BOS = "tokenizer.ggml.bos_token_id"
 GGUF_KEY_EOS = "tokenizer.ggml.eos_token_id"
+GGUF_KEY_ADD_BOS = "tokenizer.ggml.add_bos_token"
+GGUF_KEY_PRE = "tokenizer.ggml.pre"

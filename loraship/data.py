@@ -16,20 +16,17 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraship.chat import assistant_spans
+from loraship.chat import require_template, tokenize_conversation
 from loraship.errors import DataError
 
 IGNORE_INDEX = -100
 MAX_LISTED_PROBLEMS = 20
 ROLES = ("system", "user", "assistant")
 
-# Used when the tokenizer has no chat template of its own (many base models).
-FALLBACK_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "### {{ message['role'] | capitalize }}:\n{{ message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n\n"
-    "{% endfor %}{% if add_generation_prompt %}### Assistant:\n{% endif %}"
-)
+# Prompts verify derives from the data when no golden_prompts file is given.
+AUTO_GOLDEN_PROMPTS = 16
+# Words of a completion row kept as its prompt (the model continues the rest).
+COMPLETION_PROMPT_WORDS = 32
 
 
 def _row_problem(row, kind: str) -> str | None:
@@ -125,26 +122,20 @@ class TokenizedSplit:
         return sum(len(e["input_ids"]) for e in self.examples)
 
 
-def chat_template_of(tokenizer) -> str:
-    return getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
-
-
 def tokenize_rows(rows: list[dict], kind: str, tokenizer, sequence_len: int, truncation: str) -> TokenizedSplit:
     out = TokenizedSplit()
-    template = chat_template_of(tokenizer)
-    bos, eos = tokenizer.bos_token or "", tokenizer.eos_token or ""
+    if kind != "completion" and rows:
+        require_template(tokenizer, f"{kind} rows")
     for row in rows:
         if kind == "completion":
-            ids = tokenizer(bos + row["text"] + eos, add_special_tokens=False)["input_ids"]
+            # Special tokens as HF adds them to plain text (BOS for Llama, none for Qwen), then EOS.
+            ids = tokenizer(row["text"], add_special_tokens=True)["input_ids"]
+            if tokenizer.eos_token_id is not None:
+                ids = ids + [tokenizer.eos_token_id]
             labels = list(ids)
         else:
-            text, spans = assistant_spans(template, as_messages(row, kind), bos_token=bos, eos_token=eos)
-            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids = enc["input_ids"]
-            labels = [
-                tok if any(start <= s < end for start, end in spans) else IGNORE_INDEX
-                for tok, (s, _e) in zip(ids, enc["offset_mapping"])
-            ]
+            ids, learn = tokenize_conversation(tokenizer, as_messages(row, kind))
+            labels = [tok if keep else IGNORE_INDEX for tok, keep in zip(ids, learn)]
         too_long = len(ids) > sequence_len
         if too_long and truncation == "drop":
             out.dropped += 1
@@ -158,21 +149,66 @@ def tokenize_rows(rows: list[dict], kind: str, tokenizer, sequence_len: int, tru
     return out
 
 
-def load_splits(config, tokenizer) -> tuple[TokenizedSplit, TokenizedSplit]:
-    """(train, eval) tokenized; eval comes from eval_datasets or a seeded val_set_size split."""
+def split_rows(config) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+    """(train, eval) rows as (kind, row); eval comes from eval_datasets or a seeded val_set_size split."""
     train_rows = [(spec.type, row) for spec in config.datasets for row in read_rows(spec.path, spec.type)]
     if config.eval_datasets:
         eval_rows = [(spec.type, row) for spec in config.eval_datasets for row in read_rows(spec.path, spec.type)]
-    else:
-        rng = random.Random(config.seed)
-        order = list(range(len(train_rows)))
-        rng.shuffle(order)
-        n_eval = int(round(len(train_rows) * config.val_set_size))
-        if config.val_set_size > 0 and len(train_rows) >= 2:
-            n_eval = max(1, n_eval)
-        held = set(order[:n_eval])
-        eval_rows = [r for i, r in enumerate(train_rows) if i in held]
-        train_rows = [r for i, r in enumerate(train_rows) if i not in held]
+        return train_rows, eval_rows
+    rng = random.Random(config.seed)
+    order = list(range(len(train_rows)))
+    rng.shuffle(order)
+    n_eval = int(round(len(train_rows) * config.val_set_size))
+    if config.val_set_size > 0 and len(train_rows) >= 2:
+        n_eval = max(1, n_eval)
+    held = set(order[:n_eval])
+    eval_rows = [r for i, r in enumerate(train_rows) if i in held]
+    train_rows = [r for i, r in enumerate(train_rows) if i not in held]
+    return train_rows, eval_rows
+
+
+def conversation_prompt(messages: list[dict]) -> list[dict] | None:
+    """The conversation up to its first assistant turn (system and user turns kept), or None."""
+    prompt = []
+    for message in messages:
+        if message["role"] == "assistant":
+            break
+        prompt.append(message)
+    return prompt if any(m["role"] == "user" for m in prompt) else None
+
+
+def prompt_of(kind: str, row: dict) -> dict | None:
+    """A golden prompt from a training-style row: {'messages': [...]} for chat/alpaca, {'text': ...} for completion."""
+    if kind == "completion":
+        words = row["text"].split(" ")
+        keep = max(1, min(len(words) // 2, COMPLETION_PROMPT_WORDS))
+        return {"text": " ".join(words[:keep])} if len(words) > 1 else None
+    messages = conversation_prompt(as_messages(row, kind))
+    return {"messages": messages} if messages else None
+
+
+def golden_rows(config) -> list[dict]:
+    """verify's prompts: the golden_prompts file, else prompts cut from eval rows (then training rows)."""
+    if config.golden_prompts:
+        rows = []
+        for row in read_rows(config.golden_prompts, "golden"):
+            messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
+            rows.append({**{k: v for k, v in row.items() if k != "prompt"}, "messages": conversation_prompt(messages) or messages})
+        return rows
+    train_rows, eval_rows = split_rows(config)
+    prompts = []
+    for kind, row in eval_rows + train_rows:
+        prompt = prompt_of(kind, row)
+        if prompt and prompt not in prompts:
+            prompts.append(prompt)
+        if len(prompts) == AUTO_GOLDEN_PROMPTS:
+            break
+    return prompts
+
+
+def load_splits(config, tokenizer) -> tuple[TokenizedSplit, TokenizedSplit]:
+    """(train, eval) tokenized; eval comes from eval_datasets or a seeded val_set_size split."""
+    train_rows, eval_rows = split_rows(config)
     splits = []
     for rows in (train_rows, eval_rows):
         merged = TokenizedSplit()

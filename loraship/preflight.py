@@ -87,7 +87,12 @@ def check_inputs(config: Config) -> Path:
     problems = base_model_problems(config, model_dir, weights=config.base_model_is_local())
     if not problems:
         problems += [f"base model {config.base_model!r}: {p}" for p in check_convertible(model_dir)]
-    problems += dataset_problems(config) + workdir_problems(config) + output_problems(config)
+    data_problems = dataset_problems(config)
+    problems += data_problems
+    if not problems:
+        # Only on readable inputs: render real rows with the template training will use.
+        problems += template_problems(config, model_dir) + target_gpu_problems(config, model_dir)
+    problems += workdir_problems(config) + output_problems(config)
     if problems:
         raise ConfigError(f"run {config.run_name!r}", problems)
     return model_dir
@@ -105,3 +110,55 @@ def check_free_disk(folder: Path, needed_bytes: float, what: str) -> None:
             f"{what} needs about {needed_bytes / 2**30:.2f} GiB free in {probe}, but only {free / 2**30:.2f} GiB is free; "
             "free space there or point workdir at a larger disk"
         )
+
+
+def template_problems(config: Config, model_dir: Path) -> list[str]:
+    """Render and tokenize one row of every dataset, and the first golden prompt, exactly as train and
+    verify will (transformers' apply_chat_template with the config's or the checkpoint's template), so
+    a template that fails to render stops the run before any GPU hour is spent."""
+    from loraship.chat import render, use_configured_template
+    from loraship.data import golden_rows, tokenize_rows
+
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code)
+    except Exception as e:  # transformers raises many types for a broken tokenizer folder
+        return [f"base model {config.base_model!r}: its tokenizer does not load ({type(e).__name__}: {e}); "
+                "copy the checkpoint's original tokenizer files into the folder"]
+    use_configured_template(tokenizer, config.chat_template)
+    problems = []
+    for group in ("datasets", "eval_datasets"):
+        for i, spec in enumerate(getattr(config, group)):
+            try:
+                tokenize_rows(read_rows(spec.path, spec.type)[:1], spec.type, tokenizer, config.sequence_len, "truncate")
+            except LorashipError as e:
+                problems.append(f"{group}[{i}] ({spec.path}, first row): {e}")
+    if not problems:
+        try:
+            rows = golden_rows(config)[:1]
+            for row in rows:
+                if "messages" in row:
+                    render(tokenizer, row["messages"], add_generation_prompt=True)
+        except LorashipError as e:
+            problems.append(f"golden prompts: {e}")
+    return problems
+
+
+def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
+    """The shipped GGUF's weights alone must fit the inference GPU; no context size can fix that."""
+    import json
+
+    from loraship.memory import plan_disk_and_inference
+
+    try:
+        model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        weights_gib = plan_disk_and_inference(model_config, config)["inference"]["gguf_gib"]
+    except (ValueError, KeyError, TypeError):
+        return []  # the plan stage reports a config.json it cannot read, with its own message
+    if weights_gib > config.target_gpu_memory_gib:
+        return [f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: the {config.quantization} GGUF's weights alone "
+                f"take about {weights_gib:.2f} GiB; raise target_gpu_memory_gib, choose a smaller quantization, or a "
+                "smaller base model"]
+    return []
+

@@ -17,6 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
+from loraship.chat import resolve_template
 from loraship.constants import ADAPTER_DIR, MERGED_DIR, PROBE_FILE
 from loraship.data import load_splits
 from loraship.errors import IntegrityError, LorashipError
@@ -27,7 +28,7 @@ from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "merge"
 UPSTREAM = ("train",)  # the base model's identity reaches merge through train's strategy.json
-FIELDS = ("base_model", "base_model_revision", "adapter")
+FIELDS = ("base_model", "base_model_revision", "adapter", "chat_template")
 TOKENIZER_FILES = ("tokenizer.model", "chat_template.jinja")
 log = logging.getLogger("loraship.merge")
 
@@ -99,6 +100,22 @@ def copy_tokenizer(base_dir: Path, out_dir: Path, trust_remote_code: bool) -> No
         if (base_dir / name).exists():
             shutil.copy(base_dir / name, out_dir / name)
     ensure_added_tokens_decoder(out_dir / "tokenizer_config.json", tokenizer)
+
+
+def write_chat_template(out_dir: Path, configured: str | None) -> None:
+    """The config's chat template into the merged tokenizer, where the GGUF converter reads it.
+
+    convert_hf_to_gguf.py takes tokenizer_config.json's `chat_template` before chat_template.jinja;
+    both are written so transformers and the converter see the same text.
+    """
+    if not configured:
+        return
+    template = resolve_template(configured)
+    config_file = out_dir / "tokenizer_config.json"
+    data = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
+    data["chat_template"] = template
+    config_file.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    (out_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
 
 
 def ensure_added_tokens_decoder(config_file: Path, tokenizer) -> None:
@@ -223,6 +240,7 @@ def run(config) -> dict:
         tmp.mkdir()
         info = merge_shards(base_dir, adapter_dir, tmp)
         copy_tokenizer(base_dir, tmp, config.trust_remote_code)
+        write_chat_template(tmp, config.chat_template)
     tokenizer = AutoTokenizer.from_pretrained(ctx.dir / MERGED_DIR)
     _train, evaluation = load_splits(config, tokenizer)
     examples = (evaluation.examples or _train.examples)[:4]

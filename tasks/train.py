@@ -23,6 +23,7 @@ from pathlib import Path
 
 from loraship import memory
 from loraship.constants import ADAPTER_DIR, CHECKPOINTS_DIR, LOSS_HISTORY_FILE, PLAN_FILE, STRATEGY_FILE
+from loraship.chat import use_configured_template
 from loraship.data import IGNORE_INDEX, load_splits
 from loraship.errors import LorashipError
 from loraship.manifest import atomic_path, atomic_write_json, atomic_write_text, sha256_json
@@ -37,7 +38,7 @@ FIELDS = (
     "adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "sequence_len", "truncation",
     "micro_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler", "warmup_steps",
     "weight_decay", "num_epochs", "max_steps", "seed", "gradient_checkpointing", "fused_loss", "datasets",
-    "eval_datasets", "val_set_size", "device", "packing", "fallback",
+    "eval_datasets", "val_set_size", "device", "packing", "fallback", "chat_template",
 )
 REPLANNED_FILE = "replanned.json"  # in the checkpoints folder: kept, like the checkpoints, for a rerun
 log = logging.getLogger("loraship.train")
@@ -413,7 +414,9 @@ def run(config) -> dict:
     model_dir = resolve_base_model(config, weights=True)
     check_base_model(config, model_dir)
     device = pick_device(config)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code)
+    tokenizer = use_configured_template(
+        AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code), config.chat_template
+    )
     train, evaluation = load_splits(config, tokenizer)
     model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
 

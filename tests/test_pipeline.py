@@ -91,9 +91,9 @@ def test_llama_cpp_greedy_equals_hf_greedy_on_f16(pipeline_run):
     from llama_cpp import Llama
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loraship.chat import render_chat
+    from loraship.chat import render
     from loraship.data import read_rows
-    from tasks.verify import hf_greedy, llama_greedy
+    from tasks.verify import greedy
 
     config, _ = pipeline_run
     merged = stage_dir(config, "merge") / MERGED_DIR
@@ -102,11 +102,14 @@ def test_llama_cpp_greedy_equals_hf_greedy_on_f16(pipeline_run):
     llm = Llama(str(stage_dir(config, "convert") / F16_GGUF), n_ctx=256, logits_all=True, verbose=False)
     rows = read_rows(config.golden_prompts, "golden")
     for row in rows:
-        prompt = render_chat(tok.chat_template, row["messages"], bos_token=tok.bos_token, eos_token=tok.eos_token,
-                             add_generation_prompt=True)
+        prompt = render(tok, row["messages"], add_generation_prompt=True)
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
         assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids
-        assert llama_greedy(llm, ids, 10, tok.eos_token_id) == hf_greedy(model, ids, 10, tok.eos_token_id)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+        hf = out[: out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
+        assert greedy(llm, ids, 10, {tok.eos_token_id})[0] == hf
 
 
 def test_resume_after_one_output_is_deleted(pipeline_run):

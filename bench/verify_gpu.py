@@ -1,0 +1,143 @@
+"""Verify on the GPU: a real-shaped Qwen2 through loraship's own stages, GGUF-only verify under CUDA llama.cpp.
+
+    python bench/verify_gpu.py --shape qwen2-7b --target-gib 8 --out bench/results/verify_gpu.json
+
+Random weights in the real shapes (examples/models/<shape>/config.json) measure memory and speed
+exactly as real weights would; the tokenizer is Qwen's real BPE vocabulary (loraship/tinyqwen.py's
+files, passed with --tokenizer). The stages are the product's: plan -> train (2 steps, so that an
+adapter exists) -> merge -> reference -> convert -> quantize -> verify, each timed. verify loads
+only the Q4_K_M GGUF, every layer on the GPU at n_ctx --n-ctx, and measures its own GPU memory
+through NVML. Quality gates mean nothing on random weights; the row keeps their verdicts anyway.
+llama.cpp's own buffer sizes (model, KV, compute) are read from a verbose load in a child
+process, to see where a prediction error comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def build_random_model(shape: str, tokenizer_dir: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(REPO / "examples" / "models" / shape)
+    config.bos_token_id, config.eos_token_id = 151643, 151645
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out, max_shard_size="5GB")
+    del model
+    torch.cuda.empty_cache()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                 "chat_template.jinja"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643}))
+
+
+def llama_buffers(gguf: Path, n_ctx: int) -> dict:
+    """llama.cpp's own report of its GPU buffers (MiB), from a verbose load in a child process."""
+    code = (f"from llama_cpp import Llama; Llama(model_path={str(gguf)!r}, n_ctx={n_ctx}, n_gpu_layers=-1, "
+            "logits_all=True, verbose=True)")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stderr
+    found = {}
+    for what, pattern in (("model", r"CUDA0 model buffer size\s*=\s*([\d.]+) MiB"),
+                          ("kv", r"CUDA0 KV buffer size\s*=\s*([\d.]+) MiB"),
+                          ("compute", r"CUDA0 compute buffer size\s*=\s*([\d.]+) MiB")):
+        values = [float(v) for v in re.findall(pattern, err)]
+        found[f"{what}_mib"] = sum(values) if values else None
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen2-7b")
+    parser.add_argument("--target-gib", type=float, default=8.0)
+    parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--root", type=Path, default=Path("/tmp/verify-bench"))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    from loraship.config import parse_config
+    from loraship.constants import REFERENCE_FILE, STAGES
+    from loraship.errors import LorashipError
+    from loraship.stage import stage_dir
+
+    row: dict = {"model": args.shape, "quant": "Q4_K_M", "n_ctx": args.n_ctx, "target_gpu_gib": args.target_gib,
+                 "stage_seconds": {}}
+
+    def save():
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(row, indent=2))
+
+    base = args.root / "base"
+    started = time.perf_counter()
+    build_random_model(args.shape, args.tokenizer, base)
+    row["build_seconds"] = round(time.perf_counter() - started, 1)
+    save()
+    config = parse_config({
+        "run_name": args.shape, "base_model": str(base), "workdir": str(args.root / "work"),
+        "output": str(args.root / "artifacts"), "device": "cuda",
+        "datasets": [{"path": str(REPO / "data/demo/train.jsonl"), "type": "chat"}],
+        "eval_datasets": [{"path": str(REPO / "data/demo/eval.jsonl"), "type": "chat"}],
+        "golden_prompts": str(REPO / "data/demo/golden.jsonl"),
+        "lora_r": 16, "lora_target_modules": ["q_proj", "v_proj"], "sequence_len": 256, "micro_batch_size": 4,
+        "gradient_accumulation_steps": 1, "max_steps": 2, "save_steps": 100, "max_new_tokens": 32,
+        "target_gpu_memory_gib": args.target_gib, "target_context": args.n_ctx, "quantization": "Q4_K_M",
+    })
+    for stage in STAGES[:-1]:
+        started = time.perf_counter()
+        try:
+            importlib.import_module(f"tasks.{stage}").run(config)
+        except LorashipError as e:
+            if stage != "verify":
+                row["error"] = f"{stage}: {e}"
+                save()
+                raise
+            row["verify_error"] = str(e)[:2000]
+        row["stage_seconds"][stage] = round(time.perf_counter() - started, 1)
+        save()
+    verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
+    memory = verify["gpu_memory"]
+    row.update(
+        predicted_gpu_gib=memory["predicted_gib"], measured_gpu_gib=memory["measured_gib"],
+        fits=verify["gates"]["fits_target_gpu"]["passed"],
+        prediction_error=(round(memory["predicted_gib"] / memory["measured_gib"] - 1, 4) if memory["measured_gib"] else None),
+        prompt_tokens_per_s=verify["prompt_tokens_per_s"], gen_tokens_per_s=verify["gen_tokens_per_s"],
+        verify_seconds=verify["verify_seconds"], gguf_gib=round(verify["gguf_bytes"] / 2**30, 3),
+        predicted_components=verify["memory"]["predicted"],
+        gates={k: g["passed"] for k, g in verify["gates"].items()},
+        eval_agreement=verify["eval_agreement"], device=verify["device"], n_gpu_layers=verify["n_gpu_layers"],
+        reference_top_k_mass=json.loads((stage_dir(config, "reference") / REFERENCE_FILE).read_text())["top_k_mass_mean"],
+    )
+    save()
+    row["llama_cpp_buffers"] = llama_buffers(Path(verify["gguf"]), args.n_ctx)
+    try:
+        import torch
+
+        row["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - the name is a label only
+        pass
+    save()
+    print(json.dumps({k: row[k] for k in ("model", "predicted_gpu_gib", "measured_gpu_gib", "fits", "prompt_tokens_per_s",
+                                          "gen_tokens_per_s", "verify_seconds") if k in row}))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()

@@ -1,0 +1,157 @@
+"""GPU memory of a GGUF under llama.cpp: predicted from the file itself, measured through NVML.
+
+Prediction (all layers or the first N on the GPU, f16 KV cache, n_ubatch 512, no flash attention,
+which is llama-cpp-python's default):
+- weights: the exact bytes of every tensor the GPU holds. llama.cpp keeps the input embedding
+  (token_embd) on the CPU; with tied embeddings the output projection reuses it, and that copy
+  does go to the GPU.
+- KV cache: K and V, f16, every offloaded layer, every position: 2 x n_ctx x n_embd_kv x 2 bytes.
+- compute buffer: the largest of the graph's working sets, which the allocator reuses: attention
+  scores (n_ubatch x n_ctx x heads, fp32) next to the FFN activations, or the logits of a batch
+  (n_ubatch x vocab, fp32).
+- the CUDA context and cuBLAS workspace (CUDA_OVERHEAD_GIB), which no llama.cpp log shows.
+bench/verify_gpu.py measures the total on the GPU (bench/results/verify_gpu.json).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+N_UBATCH = 512
+# CUDA context + cuBLAS handles/workspace of one process, as NVML sees it beyond llama.cpp's own
+# buffers; measured on the H200 by bench/verify_gpu.py.
+CUDA_OVERHEAD_GIB = 0.55
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    n_layers: int
+    layer_bytes: list[int]  # per blk.N
+    output_bytes: int  # tensors outside the blocks that live on the GPU when all layers do
+    cpu_bytes: int  # the input embedding, kept in host memory by llama.cpp
+    n_embd: int
+    n_embd_kv: int
+    n_head: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+
+    @property
+    def file_weights_gib(self) -> float:
+        return (sum(self.layer_bytes) + self.output_bytes + self.cpu_bytes) / GIB
+
+
+def read_layout(path: Path) -> GGUFLayout:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        return f.contents() if f is not None else default
+
+    arch = field("general.architecture")
+    n_layers = int(field(f"{arch}.block_count"))
+    n_embd = int(field(f"{arch}.embedding_length"))
+    n_head = int(field(f"{arch}.attention.head_count"))
+    n_head_kv = int(field(f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(field(f"{arch}.attention.key_length", n_embd // n_head))
+    layer_bytes = [0] * n_layers
+    output_bytes = cpu_bytes = 0
+    names = set()
+    n_vocab = 0
+    for tensor in reader.tensors:
+        names.add(tensor.name)
+        match = re.match(r"blk\.(\d+)\.", tensor.name)
+        if match:
+            layer_bytes[int(match.group(1))] += int(tensor.n_bytes)
+        elif tensor.name == "token_embd.weight":
+            cpu_bytes += int(tensor.n_bytes)
+            n_vocab = int(max(tensor.shape))
+        else:
+            output_bytes += int(tensor.n_bytes)
+    if "output.weight" not in names:  # tied embeddings: the output projection is a GPU copy of token_embd
+        output_bytes += cpu_bytes
+    return GGUFLayout(
+        n_layers=n_layers, layer_bytes=layer_bytes, output_bytes=output_bytes, cpu_bytes=cpu_bytes, n_embd=n_embd,
+        n_embd_kv=n_head_kv * head_dim, n_head=n_head, n_ff=int(field(f"{arch}.feed_forward_length", 4 * n_embd)),
+        n_vocab=n_vocab or int(len(field("tokenizer.ggml.tokens", []) or [])),
+        n_ctx_train=int(field(f"{arch}.context_length", 4096)),
+    )
+
+
+def predict_gpu(layout: GGUFLayout, n_ctx: int, n_gpu_layers: int | None = None) -> dict:
+    """GiB per component with the last n_gpu_layers blocks (all by default) and the output on the GPU."""
+    layers = layout.n_layers if n_gpu_layers is None else max(0, min(n_gpu_layers, layout.n_layers))
+    offloaded = layout.layer_bytes[layout.n_layers - layers:] if layers else []
+    weights = sum(offloaded) + (layout.output_bytes if layers == layout.n_layers else 0)
+    kv = 2 * layers * n_ctx * layout.n_embd_kv * 2
+    attention = N_UBATCH * n_ctx * layout.n_head * 4 + N_UBATCH * (4 * layout.n_embd + 3 * layout.n_ff) * 4
+    logits = N_UBATCH * layout.n_vocab * 4 + N_UBATCH * layout.n_embd * 4
+    compute = max(attention, logits) if layers else 0
+    parts = {"weights_gib": weights / GIB, "kv_cache_gib": kv / GIB, "compute_buffer_gib": compute / GIB,
+             "cuda_overhead_gib": CUDA_OVERHEAD_GIB}
+    parts = {k: round(v, 3) for k, v in parts.items()}
+    parts["total_gib"] = round(sum(parts.values()), 3)
+    parts.update(n_ctx=n_ctx, n_gpu_layers=layers)
+    return parts
+
+
+def layers_that_fit(layout: GGUFLayout, n_ctx: int, budget_gib: float) -> int:
+    """Most blocks that fit the budget at n_ctx (0 when not even one does)."""
+    fit = 0
+    for layers in range(1, layout.n_layers + 1):
+        if predict_gpu(layout, n_ctx, layers)["total_gib"] <= budget_gib:
+            fit = layers
+    return fit
+
+
+def largest_context(layout: GGUFLayout, budget_gib: float, step: int = 256) -> int:
+    """Largest context (a multiple of step) at which every layer fits; 0 when none does."""
+    best, n_ctx = 0, step
+    while n_ctx <= max(layout.n_ctx_train, step) and predict_gpu(layout, n_ctx)["total_gib"] <= budget_gib:
+        best, n_ctx = n_ctx, n_ctx + step
+    return best
+
+
+def gpu_total_gib() -> float | None:
+    """Memory of the GPU this process sees first, through NVML; None without NVIDIA driver."""
+    handle = _nvml_handle()
+    if handle is None:
+        return None
+    import pynvml
+
+    return pynvml.nvmlDeviceGetMemoryInfo(handle).total / GIB
+
+
+def gpu_used_by_this_process_gib() -> float | None:
+    """This process's own GPU memory as NVML reports it (CUDA context included); None where unknown.
+
+    Inside a container NVML may list host pids; then the device-wide figure stands in (our process
+    is the only one on a verify node).
+    """
+    handle = _nvml_handle()
+    if handle is None:
+        return None
+    import pynvml
+
+    for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+        if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+            return proc.usedGpuMemory / GIB
+    return pynvml.nvmlDeviceGetMemoryInfo(handle).used / GIB
+
+
+def _nvml_handle():
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+        index = int(visible) if visible.isdigit() else 0
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # no driver, no library, no device: nothing to measure
+        return None

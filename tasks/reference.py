@@ -1,0 +1,220 @@
+"""Reference: what the merged HF model says, computed once on the training node.
+
+verify runs on the small inference GPU with the GGUF alone; a 7B in bf16 (about 15 GB) could
+never sit next to it on an 8 GB card. So this stage, right after merge, runs the merged model
+over the eval texts and the golden prompts and stores what verify compares against:
+- every eval text with HF's token ids, and at every scored position the target's log-prob and the
+  top-k log-probs (enough to bound the KL divergence of the GGUF's distribution, see tasks/verify.py);
+- every golden prompt rendered with the merged tokenizer's template, its HF token ids, the greedy
+  answer, and per answer token HF's top-1 and its lead over the runner-up (the margin);
+- the tokenizer facts a runtime must reproduce: whether HF adds BOS, its stop tokens, the template;
+- the digest of the merged weights it was computed from, so a reference of another model is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from loraship.chat import render, template_of, tokenize_conversation
+from loraship.constants import MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE
+from loraship.data import as_messages, golden_rows, split_rows
+from loraship.errors import LorashipError
+from loraship.manifest import atomic_path, atomic_write_json, sha256_file, sha256_json
+from loraship.stage import exclusive, main, open_stage, reset_dir
+
+STAGE = "reference"
+UPSTREAM = ("merge",)
+FIELDS = (
+    "golden_prompts", "max_new_tokens", "verify_max_examples", "reference_top_k", "datasets", "eval_datasets",
+    "val_set_size", "sequence_len", "truncation", "seed", "device", "chat_template",
+)
+log = logging.getLogger("loraship.reference")
+
+
+def merged_digest(merge_manifest: dict) -> str:
+    """One digest of the merged model's files, as recorded by merge's manifest."""
+    return sha256_json({rel: info["sha256"] for rel, info in sorted(merge_manifest["outputs"].items())
+                        if rel.startswith(MERGED_DIR + "/")})
+
+
+def stop_ids(tokenizer, merged_dir) -> list[int]:
+    """Every token that ends generation for HF: the tokenizer's EOS and generation_config's eos ids."""
+    import json
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = merged_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether HF puts BOS in front of plain text (Llama does, Qwen does not)."""
+    sample = "Hello world"
+    with_special = tokenizer(sample)["input_ids"]
+    plain = tokenizer(sample, add_special_tokens=False)["input_ids"]
+    return tokenizer.bos_token_id is not None and len(with_special) > len(plain) and with_special[0] == tokenizer.bos_token_id
+
+
+def eval_records(config, tokenizer) -> list[dict]:
+    """Eval texts as training tokenized them: text, HF ids (truncated like training), loss mask."""
+    _train, rows = split_rows(config)
+    records = []
+    for kind, row in rows:
+        if kind == "completion":
+            text = row["text"]
+            served = tokenizer(text, add_special_tokens=True)["input_ids"]
+            ids = served + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+            learn = [True] * len(ids)
+            bos = True
+        else:
+            messages = as_messages(row, kind)
+            text = render(tokenizer, messages)
+            ids, learn = tokenize_conversation(tokenizer, messages)
+            served = list(ids)
+            bos = False  # a rendered template carries its own BOS text
+        ids, learn = ids[: config.sequence_len], learn[: config.sequence_len]
+        positions = [i for i in range(len(ids) - 1) if learn[i + 1]]
+        if not positions:
+            continue
+        records.append({"kind": kind, "text": text, "add_bos": bos, "served_ids": served, "input_ids": ids,
+                        "positions": positions})
+        if len(records) == config.verify_max_examples:
+            break
+    return records
+
+
+def golden_records(config, tokenizer) -> list[dict]:
+    """Golden prompts as a runtime receives them: rendered with the merged template (or plain text)."""
+    records = []
+    for row in golden_rows(config):
+        if "messages" in row:
+            text = render(tokenizer, row["messages"], add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            record = {"kind": "chat", "messages": row["messages"], "prompt_text": text, "prompt_ids": ids, "add_bos": False}
+        else:
+            ids = tokenizer(row["text"], add_special_tokens=True)["input_ids"]
+            record = {"kind": "text", "prompt_text": row["text"], "prompt_ids": ids, "add_bos": True}
+        for key in ("expect_regex", "reference"):
+            if row.get(key) is not None:
+                record[key] = row[key]
+        records.append(record)
+    return records
+
+
+def score_eval(model, records: list[dict], top_k: int) -> tuple[dict, dict]:
+    """HF top-k log-probs at every scored position: arrays for the npz, and summary figures."""
+    import numpy as np
+    import torch
+
+    example, position, target, target_lp, top_ids, top_lps = [], [], [], [], [], []
+    for n, record in enumerate(records):
+        ids, positions = record["input_ids"], record["positions"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, positions].float()
+        logprobs = torch.log_softmax(logits, -1)
+        targets = torch.tensor([ids[i + 1] for i in positions], device=logprobs.device)
+        values, indices = logprobs.topk(top_k, dim=-1)
+        example += [n] * len(positions)
+        position += positions
+        target += targets.tolist()
+        target_lp.append(logprobs.gather(1, targets[:, None])[:, 0].cpu())
+        top_ids.append(indices.cpu())
+        top_lps.append(values.cpu())
+    arrays = {
+        "example": np.array(example, dtype=np.int32),
+        "position": np.array(position, dtype=np.int32),
+        "target": np.array(target, dtype=np.int32),
+        "target_logprob": torch.cat(target_lp).numpy().astype(np.float32),
+        "topk_ids": torch.cat(top_ids).numpy().astype(np.int32),
+        "topk_logprobs": torch.cat(top_lps).numpy().astype(np.float32),
+    }
+    mass = np.exp(arrays["topk_logprobs"].astype(np.float64)).sum(-1)
+    summary = {
+        "scored_tokens": int(len(target)),
+        "hf_perplexity": float(np.exp(-arrays["target_logprob"].astype(np.float64).mean())),
+        "top_k": top_k,
+        "top_k_mass_mean": float(mass.mean()),
+        "top_k_mass_min": float(mass.min()),
+    }
+    return arrays, summary
+
+
+def greedy_answers(model, records: list[dict], max_new: int, stops: list[int]) -> None:
+    """HF greedy answer per golden prompt, then HF's top-1 and margin at each answer token (teacher-forced)."""
+    import torch
+
+    for record in records:
+        prompt = record["prompt_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=stops or None, pad_token_id=(stops or [0])[0])
+        new = out[0, len(prompt):].tolist()
+        cut = next((i for i, t in enumerate(new) if t in stops), None)
+        answer = new[:cut] if cut is not None else new
+        forced = answer + ([new[cut]] if cut is not None else [])
+        record["answer_ids"] = answer
+        record["stop_id"] = new[cut] if cut is not None else None
+        if not forced:
+            record["top1"], record["margins"] = [], []
+            continue
+        full = prompt + forced
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([full], device=model.device)).logits[0, len(prompt) - 1 : len(full) - 1]
+        top2 = torch.log_softmax(logits.float(), -1).topk(2, dim=-1)
+        record["top1"] = top2.indices[:, 0].tolist()
+        record["margins"] = [round(float(m), 5) for m in (top2.values[:, 0] - top2.values[:, 1])]
+
+
+@exclusive
+def run(config) -> dict:
+    golden_file = {"golden_prompts": sha256_file(config.golden_prompts)} if config.golden_prompts else None
+    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, extra_inputs=golden_file)
+    if ctx.done:
+        return ctx.done
+    reset_dir(ctx)
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    merged = ctx.upstream_dir("merge") / MERGED_DIR
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    device = "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
+    # bf16 on the GPU is what the merged model is; fp32 on the CPU, where bf16 matmuls are slow.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=dtype).to(device).eval()
+
+    evaluation = eval_records(config, tokenizer)
+    if not evaluation:
+        raise LorashipError("reference: the eval split has no scored tokens; add eval_datasets or raise val_set_size")
+    arrays, summary = score_eval(model, evaluation, config.reference_top_k)
+    golden = golden_records(config, tokenizer)
+    stops = stop_ids(tokenizer, merged)
+    greedy_answers(model, golden, config.max_new_tokens, stops)
+    for record in golden:
+        record["answer_text"] = tokenizer.decode(record["answer_ids"], skip_special_tokens=True).strip()
+
+    reference = {
+        "merged_digest": merged_digest(ctx.upstream["merge"]),
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "tokenizer": {
+            "adds_bos": adds_bos(tokenizer),
+            "bos_id": tokenizer.bos_token_id,
+            "stop_ids": stops,
+            "chat_template": template_of(tokenizer),
+        },
+        "eval": [{k: r[k] for k in ("kind", "text", "add_bos", "served_ids", "input_ids", "positions")} for r in evaluation],
+        "golden": golden,
+        **summary,
+    }
+    with atomic_path(ctx.dir / REFERENCE_TOPK_FILE) as tmp:
+        with open(tmp, "wb") as handle:
+            np.savez_compressed(handle, **arrays)
+    atomic_write_json(ctx.dir / REFERENCE_FILE, reference)
+    return ctx.finish({**summary, "eval_examples": len(evaluation), "golden_prompts": len(golden), "device": device})
+
+
+if __name__ == "__main__":
+    main(run)

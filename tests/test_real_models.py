@@ -1,0 +1,249 @@
+"""Real tokenizers and real chat templates: a tiny Qwen2 with Qwen's 151,643-token BPE vocabulary and
+Qwen2.5's template (`{%- if tools %}`, no BOS, eos <|im_end|>), next to the sentencepiece Llama.
+
+The whole pipeline must pass on it with chat data, and with alpaca data and no golden file; bad
+template/tokenizer/target-GPU input stops at plan time with one message and trains nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loraship.config import parse_config
+from loraship.constants import MANIFEST_NAME, STAGES
+from loraship.errors import ConfigError, DataError, LorashipError
+from loraship.stage import stage_dir
+from tests.conftest import REPO, demo_config_dict
+
+CHAT = [{"role": "user", "content": "What is the capital of Zorvia?"}, {"role": "assistant", "content": "Answer: Kelmar."}]
+
+
+def qwen_config(tiny_qwen: Path, root: Path, **overrides):
+    # The Qwen2.5 template adds its default system prompt (about 20 tokens) to every row.
+    return parse_config(demo_config_dict(tiny_qwen, root, sequence_len=96, **overrides))
+
+
+def run_stages(config, stages=STAGES) -> dict:
+    return {stage: importlib.import_module(f"tasks.{stage}").run(config) for stage in stages}
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer(tiny_qwen):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_qwen)
+
+
+# -- rendering with transformers --------------------------------------------------------------
+def test_qwen25_template_renders_and_masks_only_the_answer(qwen_tokenizer):
+    """Qwen2.5's template (`{%- if tools %}`, default system prompt) renders through transformers;
+    the loss mask covers the answer and its <|im_end|> turn end, nothing of the prompt."""
+    from loraship.chat import render, tokenize_conversation
+
+    text = render(qwen_tokenizer, CHAT)
+    assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
+    ids, learn = tokenize_conversation(qwen_tokenizer, CHAT)
+    learned = qwen_tokenizer.decode([t for t, keep in zip(ids, learn) if keep])
+    assert learned.startswith("Answer: Kelmar.<|im_end|>")
+    assert "Zorvia" not in learned and "system" not in learned
+
+
+def test_generation_blocks_use_transformers_assistant_mask(qwen_tokenizer):
+    from loraship.chat import tokenize_conversation
+
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
+                "{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    qwen_tokenizer = qwen_tokenizer.__class__.from_pretrained(qwen_tokenizer.name_or_path)
+    qwen_tokenizer.chat_template = template
+    ids, learn = tokenize_conversation(qwen_tokenizer, CHAT)
+    assert qwen_tokenizer.decode([t for t, keep in zip(ids, learn) if keep]) == "Answer: Kelmar.<|im_end|>"
+
+
+@pytest.mark.parametrize("template", [
+    # loopcontrols, strftime_now and an unescaped tojson: what real templates use and a bare Jinja lacks.
+    "{% for m in messages %}{% if loop.index > 5 %}{% break %}{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
+    "Today is {{ strftime_now('%Y') }}.{% for m in messages %}{{ m.content }}{% endfor %}",
+    "{{ messages | tojson }}{% if add_generation_prompt %}>{% endif %}",
+])
+def test_real_template_features_render(qwen_tokenizer, template):
+    from loraship.chat import render
+
+    assert render(qwen_tokenizer, CHAT, template=template)
+    assert "<" not in render(qwen_tokenizer, [{"role": "user", "content": "a<b"}], template=template).replace("a<b", "")
+
+
+def test_named_and_inline_templates(qwen_tokenizer, tmp_path, tiny_model):
+    from loraship.chat import NAMED_TEMPLATES, render, resolve_template
+
+    assert resolve_template("chatml") == NAMED_TEMPLATES["chatml"]
+    assert resolve_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    for name in NAMED_TEMPLATES:
+        assert render(qwen_tokenizer, CHAT, template=resolve_template(name))
+    with pytest.raises(ConfigError, match="chat_template: 'chatmlx' is neither"):
+        resolve_template("chatmlx")
+    with pytest.raises(ConfigError, match="not a named template"):
+        parse_config(demo_config_dict(tiny_model, tmp_path, chat_template="chatmlx"))
+
+
+# -- golden prompts ---------------------------------------------------------------------------
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def test_golden_prompt_keeps_the_system_turn_and_stops_before_the_answer(tiny_model, tmp_path):
+    from loraship.data import golden_rows
+
+    system = {"role": "system", "content": "Answer tersely."}
+    golden = write_jsonl(tmp_path / "golden.jsonl", [{"messages": [system, *CHAT], "expect_regex": "^Answer"}])
+    rows = golden_rows(parse_config(demo_config_dict(tiny_model, tmp_path, golden_prompts=golden)))
+    assert rows == [{"messages": [system, CHAT[0]], "expect_regex": "^Answer"}]
+
+
+def test_alpaca_and_completion_data_give_golden_prompts(tiny_model, tmp_path):
+    from loraship.data import golden_rows
+
+    alpaca = write_jsonl(tmp_path / "a.jsonl", [{"instruction": f"Capital of X{i}?", "output": "Y."} for i in range(6)])
+    text = write_jsonl(tmp_path / "c.jsonl", [{"text": f"The capital of X{i} is Y{i} and it is old."} for i in range(6)])
+    config = parse_config(demo_config_dict(tiny_model, tmp_path, golden_prompts=None, eval_datasets=[],
+                                           datasets=[{"path": alpaca, "type": "alpaca"}, {"path": text, "type": "completion"}]))
+    rows = golden_rows(config)
+    assert {"messages": [{"role": "user", "content": "Capital of X0?"}]} in rows
+    assert {"text": "The capital of X0 is"} in rows
+    assert len(rows) == 12
+
+
+# -- the whole pipeline on a real vocabulary --------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen_chat_run(tiny_qwen, tmp_path_factory):
+    config = qwen_config(tiny_qwen, tmp_path_factory.mktemp("qwen-chat"), run_name="qwen-chat")
+    return config, run_stages(config)
+
+
+def test_qwen_pipeline_passes_every_gate_with_chat_data(qwen_chat_run):
+    from loraship.gguf_info import read_gguf
+
+    config, manifests = qwen_chat_run
+    verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
+    assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
+    tokens = verify["gates"]["special_tokens"]["value"]
+    # Qwen: no BOS from HF, none from llama.cpp, although the converter copies config.json's bos id.
+    assert tokens["llama_cpp_adds_bos"] is False and tokens["gguf_bos"] == 151643
+    gguf = read_gguf(Path(verify["gguf"]))["fields"]
+    assert gguf["tokenizer.ggml.pre"] == "qwen2"
+    assert gguf["tokenizer.chat_template"].startswith("{%- if tools %}")
+    assert verify["tokenizer_parity"]["equal"] == verify["tokenizer_parity"]["checked"] > 0
+
+
+def test_alpaca_data_without_golden_file_passes_on_qwen(tiny_qwen, tmp_path):
+    rows = [json.loads(line) for line in (REPO / "data/demo/train.jsonl").read_text().splitlines()]
+    alpaca = [{"instruction": r["messages"][0]["content"], "output": r["messages"][1]["content"]} for r in rows]
+    data = write_jsonl(tmp_path / "alpaca.jsonl", alpaca)
+    config = qwen_config(tiny_qwen, tmp_path, run_name="qwen-alpaca", golden_prompts=None, eval_datasets=[],
+                         datasets=[{"path": data, "type": "alpaca"}], val_set_size=0.15)
+    manifests = run_stages(config)
+    verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
+    assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
+    assert verify["gates"]["golden_match"]["evidence"] >= config.min_golden_prompts
+    assert manifests["publish"]["metrics"]
+
+
+def test_config_chat_template_reaches_the_gguf(tiny_model, tmp_path):
+    """A chat_template: from the config is trained with, saved with the adapter, merged and embedded."""
+    from loraship.chat import NAMED_TEMPLATES
+    from loraship.gguf_info import read_gguf
+
+    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="chatml", chat_template="chatml",
+                                           max_steps=40, golden_match_min=0.5))
+    try:
+        run_stages(config, STAGES[:-1])
+    except LorashipError as e:  # a 2-layer model may answer differently; the template must still be there
+        assert "verify failed" in str(e), e
+    adapter_template = json.loads((stage_dir(config, "train") / "adapter" / "tokenizer_config.json").read_text())
+    saved = adapter_template.get("chat_template") or (stage_dir(config, "train") / "adapter" / "chat_template.jinja").read_text()
+    assert saved == NAMED_TEMPLATES["chatml"]
+    gguf = read_gguf(stage_dir(config, "quantize") / "model-Q4_K_M.gguf")["fields"]
+    assert gguf["tokenizer.chat_template"] == NAMED_TEMPLATES["chatml"]
+
+
+# -- gates need evidence ----------------------------------------------------------------------
+def test_a_gate_with_too_little_evidence_fails(pipeline_run):
+    config, _ = pipeline_run
+    strict = config.model_copy(update={"min_golden_prompts": 1000})
+    with pytest.raises(LorashipError, match=r"golden_match .*not enough evidence: 12 < 1000 \(min_golden_prompts\)"):
+        importlib.import_module("tasks.verify").run(strict)
+    verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
+    assert not verify["gates"]["golden_match"]["passed"] and verify["gates"]["golden_match"]["evidence"] == 12
+    importlib.import_module("tasks.verify").run(config)  # back to the fixture's verdict
+
+
+# -- bad input stops at plan time -------------------------------------------------------------
+def _copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _no_template(model: Path, root: Path, cfg: dict) -> None:
+    folder = _copy_model(model, root / "no-template")
+    for name in ("chat_template.jinja",):
+        (folder / name).unlink(missing_ok=True)
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    cfg["base_model"] = str(folder)
+
+
+def _broken_template(model: Path, root: Path, cfg: dict) -> None:
+    cfg["chat_template"] = "{{ raise_exception('this template needs tools') }}"
+
+
+def _unrecognised_pretokenizer(model: Path, root: Path, cfg: dict) -> None:
+    folder = _copy_model(model, root / "odd-tokenizer")
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    split = tok["pre_tokenizer"]["pretokenizers"][0]
+    split["pattern"]["Regex"] = r"\s+|\S+"  # a pre-tokenizer llama.cpp's converter has no hash for
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    cfg["base_model"] = str(folder)
+
+
+def _target_gpu_too_small(model: Path, root: Path, cfg: dict) -> None:
+    cfg["target_gpu_memory_gib"] = 0.001
+
+
+@pytest.mark.parametrize("breaker, expected", [
+    (_no_template, "need a chat template, but the base model's tokenizer has none; set `chat_template:`"),
+    (_broken_template, "chat template failed to render"),
+    (_unrecognised_pretokenizer, "BPE pre-tokenizer is not recognised by llama.cpp's converter"),
+    (_target_gpu_too_small, "target_gpu_memory_gib 0.001: the Q4_K_M GGUF's weights alone take about"),
+], ids=["no-template", "template-fails", "unrecognised-tokenizer", "target-gpu-too-small"])
+def test_bad_model_input_stops_at_plan_time(tiny_qwen, tmp_path, breaker, expected):
+    cfg = demo_config_dict(tiny_qwen, tmp_path, sequence_len=96)
+    breaker(tiny_qwen, tmp_path, cfg)
+    config = parse_config(cfg)
+    with pytest.raises((ConfigError, DataError)) as caught:
+        importlib.import_module("tasks.plan").run(config)
+    assert expected in str(caught.value)
+    assert str(caught.value).count("\n") <= 1, str(caught.value)  # one problem, one message
+    assert not (stage_dir(config, "train") / MANIFEST_NAME).exists()
+    assert not stage_dir(config, "train").exists()
+
+
+def test_unknown_template_name_is_refused_by_the_cli(tiny_qwen, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = demo_config_dict(tiny_qwen, tmp_path, chat_template="qwen25")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = subprocess.run([sys.executable, "-m", "loraship.cli", "plan", str(path)], capture_output=True, text=True,
+                            cwd=REPO)
+    assert result.returncode == 2, result.stderr
+    assert "chat_template: not a named template" in result.stderr and "Traceback" not in result.stderr
