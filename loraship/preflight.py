@@ -134,6 +134,7 @@ def template_problems(config: Config, model_dir: Path) -> list[str]:
                 tokenize_rows(read_rows(spec.path, spec.type)[:1], spec.type, tokenizer, config.sequence_len, "truncate")
             except LorashipError as e:
                 problems.append(f"{group}[{i}] ({spec.path}, first row): {e}")
+                return problems  # the same template fails every dataset alike: say it once
     if not problems:
         try:
             rows = golden_rows(config)[:1]

@@ -85,7 +85,7 @@ def test_named_and_inline_templates(qwen_tokenizer, tmp_path, tiny_model):
     assert resolve_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
     for name in NAMED_TEMPLATES:
         assert render(qwen_tokenizer, CHAT, template=resolve_template(name))
-    with pytest.raises(ConfigError, match="chat_template: 'chatmlx' is neither"):
+    with pytest.raises(ConfigError, match="'chatmlx' is neither a named template"):
         resolve_template("chatmlx")
     with pytest.raises(ConfigError, match="not a named template"):
         parse_config(demo_config_dict(tiny_model, tmp_path, chat_template="chatmlx"))
@@ -204,11 +204,15 @@ def _broken_template(model: Path, root: Path, cfg: dict) -> None:
 
 
 def _unrecognised_pretokenizer(model: Path, root: Path, cfg: dict) -> None:
+    """An edited vocabulary (two digit ids swapped, as a careless vocabulary extension might do): the
+    converter's check text then tokenizes to ids whose hash it has no entry for."""
     folder = _copy_model(model, root / "odd-tokenizer")
     tok = json.loads((folder / "tokenizer.json").read_text())
-    split = tok["pre_tokenizer"]["pretokenizers"][0]
-    split["pattern"]["Regex"] = r"\s+|\S+"  # a pre-tokenizer llama.cpp's converter has no hash for
+    vocab_json = json.loads((folder / "vocab.json").read_text())
+    for vocab in (tok["model"]["vocab"], vocab_json):
+        vocab["3"], vocab["4"] = vocab["4"], vocab["3"]
     (folder / "tokenizer.json").write_text(json.dumps(tok))
+    (folder / "vocab.json").write_text(json.dumps(vocab_json))
     cfg["base_model"] = str(folder)
 
 
