@@ -4,7 +4,7 @@
 
 Random weights in the real shapes (examples/models/<shape>/config.json) measure memory and speed
 exactly as real weights would; the tokenizer is Qwen's real BPE vocabulary (loraship/tinyqwen.py's
-files, passed with --tokenizer). The stages are the product's: plan -> train (2 steps, so that an
+files, passed with --tokenizer). The stages are the product's: plan -> train (3 steps at a high learning rate, so that an
 adapter exists) -> merge -> reference -> convert -> quantize -> verify, each timed. verify loads
 only the Q4_K_M GGUF, every layer on the GPU at n_ctx --n-ctx, and measures its own GPU memory
 through NVML. Quality gates mean nothing on random weights; the row keeps their verdicts anyway.
@@ -75,7 +75,8 @@ def main() -> None:
 
     from loraship.config import parse_config
     from loraship.constants import REFERENCE_FILE, STAGES
-    from loraship.errors import LorashipError
+    import yaml
+
     from loraship.stage import stage_dir
 
     row: dict = {"model": args.shape, "quant": "Q4_K_M", "n_ctx": args.n_ctx, "target_gpu_gib": args.target_gib,
@@ -97,20 +98,24 @@ def main() -> None:
         "eval_datasets": [{"path": str(REPO / "data/demo/eval.jsonl"), "type": "chat"}],
         "golden_prompts": str(REPO / "data/demo/golden.jsonl"),
         "lora_r": 16, "lora_target_modules": ["q_proj", "v_proj"], "sequence_len": 256, "micro_batch_size": 4,
-        "gradient_accumulation_steps": 1, "max_steps": 2, "save_steps": 100, "max_new_tokens": 32,
+        "gradient_accumulation_steps": 1, "max_steps": 3, "learning_rate": 5e-3, "save_steps": 100,
+        "max_new_tokens": 32,
         "target_gpu_memory_gib": args.target_gib, "target_context": args.n_ctx, "quantization": "Q4_K_M",
     })
+    # Each stage in its own process, as in its container: torch's CUDA libraries and llama.cpp's in
+    # one process crashed verify here (a segfault at load).
+    config_file = args.root / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     for stage in STAGES[:-1]:
         started = time.perf_counter()
-        try:
-            importlib.import_module(f"tasks.{stage}").run(config)
-        except LorashipError as e:
-            if stage != "verify":
-                row["error"] = f"{stage}: {e}"
-                save()
-                raise
-            row["verify_error"] = str(e)[:2000]
+        done = subprocess.run([sys.executable, "-m", f"tasks.{stage}", str(config_file)], cwd=REPO,
+                              capture_output=True, text=True)
         row["stage_seconds"][stage] = round(time.perf_counter() - started, 1)
+        if done.returncode != 0:
+            row[f"{stage}_error"] = (done.stderr or done.stdout)[-2000:]
+            save()
+            if stage != "verify":
+                raise SystemExit(f"{stage} failed: {row[f'{stage}_error']}")
         save()
     verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
     memory = verify["gpu_memory"]
