@@ -34,6 +34,8 @@ from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "train"
 UPSTREAM = ("plan",)
+# Training depends on the plan's strategy only, not its inference estimates (`loraship status` keys it the same way).
+DEPENDS_ON = {"plan": (STRATEGY_FILE,)}
 FIELDS = (
     "adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "sequence_len", "truncation",
     "micro_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler", "warmup_steps",
@@ -394,7 +396,7 @@ def describe_strategy(strategy: dict, n_layers: int | None) -> str:
 
 @exclusive
 def run(config) -> dict:
-    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, depends_on={"plan": (STRATEGY_FILE,)})
+    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, depends_on=DEPENDS_ON)
     if ctx.done:
         return ctx.done
     # Keep checkpoints only when they belong to these exact inputs (resume after a crash).
