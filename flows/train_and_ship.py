@@ -128,12 +128,16 @@ def _run_child_deployment(stage: str, config: Config, suffix: str):
 
 
 @flow(name="train-and-ship", log_prints=True)
-def train_and_ship(config: Config):
+def train_and_ship(config: Config, stages: list[str] | None = None):
     """Plan GPU memory, train a LoRA/QLoRA adapter, merge, record the HF reference outputs, convert to
-    GGUF, quantize, verify, publish."""
+    GGUF, quantize, verify, publish. `stages` runs only those, in pipeline order (`loraship run --only/--from`);
+    each still refuses an upstream output that is missing or does not match its manifest."""
+    unknown = sorted(set(stages or ()) - set(STAGES))
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; use stages from {STAGES}")
     suffix = os.environ.get(STAGE_DEPLOYMENTS_ENV)
     results = {}
-    for stage in STAGES:
+    for stage in (s for s in STAGES if stages is None or s in stages):
         if suffix:
             outcome = _run_child_deployment(stage, config, suffix)
         else:
