@@ -1,21 +1,66 @@
-"""Reading GGUF files back: metadata and tensor counts, with a clear error for broken files."""
+"""Reading GGUF files back: metadata and tensor counts, with a clear error for broken files.
+
+Every stage that reads a GGUF goes through read_gguf first, so a truncated file, or one whose
+header declares tensor data past its end or two tensors on the same bytes, is refused with its
+name before any work (quantizing, loading it into llama.cpp).
+"""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from loraship.constants import GGUF_FILE_TYPES, GGUF_KEY_FILE_TYPE
 from loraship.errors import IntegrityError, LorashipError
 
+_FIX = "the file is truncated or its header is corrupt; run the stage that wrote it again, or copy the file again"
+
+
+class _TensorExtentError(ValueError):
+    """A tensor's declared bytes run past the file's end, or overlap another tensor's."""
+
+
+def _open(path: Path):
+    """gguf.GGUFReader whose tensor infos are checked against the file size before it maps them.
+
+    GGUFReader computes each tensor's data offset and size (GGML_QUANT_SIZES) in _build_tensors
+    and only then slices its memory map, which on a short file fails with a bare numpy reshape
+    error; checking the same extents first turns that into a message naming the tensor.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class CheckedReader(GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            file_size = len(self.data)
+            extents = []
+            for field in fields:
+                _name_len, name_data, _n_dims, dims, raw_dtype, offset_tensor = field.parts
+                name = bytes(name_data).decode("utf-8", errors="replace")
+                block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
+                n_bytes = math.prod(int(d) for d in dims) * type_size // block_size  # ints: no int64 overflow
+                begin = int(start_offs) + int(offset_tensor[0])
+                if begin + n_bytes > file_size:
+                    raise _TensorExtentError(
+                        f"tensor {name!r} declares {n_bytes} bytes at offset {begin}, up to byte {begin + n_bytes}, "
+                        f"but the file has {file_size} bytes: its tensor data runs past the end of the file")
+                extents.append((begin, begin + n_bytes, name))
+            extents.sort()
+            for (b1, e1, n1), (b2, e2, n2) in zip(extents, extents[1:]):
+                if b2 < e1:
+                    raise _TensorExtentError(f"tensors {n1!r} (bytes {b1}-{e1}) and {n2!r} (bytes {b2}-{e2}) overlap")
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader(str(path))
+
 
 def read_gguf(path: Path) -> dict:
     """{'fields': {key: value}, 'tensor_count': n} of a GGUF file, or IntegrityError naming it."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(str(path))
+        reader = _open(path)
+    except _TensorExtentError as e:
+        raise IntegrityError(f"{path}: {e}; {_FIX}") from e
     except Exception as e:  # gguf raises ValueError/struct errors/IndexError on truncated files
-        raise IntegrityError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); it is truncated or corrupt") from e
+        raise IntegrityError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); {_FIX}") from e
     fields = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):

@@ -328,3 +328,71 @@ def test_bad_input_is_reported_clearly(tmp_path, name, breaker, expected):
     assert expected in " ".join(output.split()), output
     assert "Traceback" not in output, output
     assert not (tmp_path / "work" / "bad" / "train").exists()  # nothing ran
+
+
+def tiny_gguf(path: Path) -> Path:
+    """An F16 GGUF of two 64x64 tensors, written by gguf-py."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_file_type(1)  # F16
+    for name in ("a", "b"):
+        writer.add_tensor(name, np.ones((64, 64), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_cut_short(path):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _gguf_offset_past_the_end(path):
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path), "r+")
+    reader.tensors[1].field.parts[-1][0] = 1 << 20  # tensor b's data offset, in the header's tensor infos
+    reader.data.flush()
+
+
+def _gguf_tensors_overlap(path):
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path), "r+")
+    reader.tensors[1].field.parts[-1][0] = 32  # tensor b now starts inside tensor a
+    reader.data.flush()
+
+
+@pytest.mark.parametrize("breaker,expected", [
+    (_gguf_cut_short, "tensor 'b' declares 8192 bytes at offset 8384, up to byte 16576, but the file has 16476 bytes: "
+                      "its tensor data runs past the end of the file"),
+    (_gguf_offset_past_the_end, "tensor 'b' declares 8192 bytes at offset 1048768"),
+    (_gguf_tensors_overlap, "tensors 'a' (bytes 192-8384) and 'b' (bytes 224-8416) overlap"),
+], ids=["truncated", "offset past the end", "overlapping tensors"])
+def test_gguf_whose_tensor_data_lies_is_refused_before_quantizing(tmp_path, breaker, expected):
+    """The convert stage's GGUF matches its manifest but its header lies: quantize names it and does nothing."""
+    from loraship.constants import F16_GGUF
+    from loraship.manifest import write_manifest
+
+    cfg = {"run_name": "bad", "base_model": str(fake_model(tmp_path)),
+           "datasets": [{"path": str(good_dataset(tmp_path)), "type": "chat"}],
+           "workdir": str(tmp_path / "work"), "output": str(tmp_path / "artifacts")}
+    convert = tmp_path / "work" / "bad" / "convert"
+    convert.mkdir(parents=True)
+    gguf = tiny_gguf(convert / F16_GGUF)
+    breaker(gguf)
+    before = gguf.read_bytes()
+    write_manifest(convert, stage="convert", run_name="bad", fingerprint="test", config={}, upstream={}, metrics={},
+                   started=0.0)
+    config_file = write(tmp_path / "config.yaml", yaml.safe_dump(cfg))
+    result = subprocess.run([sys.executable, "-m", "tasks.quantize", str(config_file)], capture_output=True, text=True,
+                            cwd=REPO, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert f"{gguf}: {expected}" in " ".join(output.split()), output
+    assert "Traceback" not in output, output
+    assert gguf.read_bytes() == before  # nothing lost
+    assert not list((tmp_path / "work" / "bad" / "quantize").glob("*.gguf"))  # nothing quantized
