@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from loraship.constants import LLAMA_CPP_PYTHON_VERSION
-from loraship.errors import LorashipError
+from loraship.errors import IntegrityError, LorashipError
 
 _VENDORED = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
 
@@ -51,20 +51,51 @@ def converter_dir(fetch: bool = True) -> Path:
     return fetch_converter(folder)
 
 
+# sha256 of each llama-cpp-python sdist as PyPI publishes it (https://pypi.org/simple/llama-cpp-python/,
+# the "hashes" of llama_cpp_python-<version>.tar.gz); a new LLAMA_CPP_PYTHON_VERSION needs its line here.
+SDIST_SHA256 = {
+    "0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+}
+
+
 def fetch_converter(folder: Path) -> Path:
+    """Download the pinned sdist in pip's hash-checking mode and unpack its converter into folder.
+
+    pip checks the sha256 before it runs anything from the archive (preparing an sdist's metadata
+    runs its build backend), so a tampered or substituted file never executes and never reaches
+    the cache; the folder already there is left as it was.
+    """
+    version = LLAMA_CPP_PYTHON_VERSION
+    expected = SDIST_SHA256.get(version)
+    if expected is None:
+        raise LorashipError(f"no pinned sha256 for the llama-cpp-python=={version} sdist; add PyPI's sha256 of "
+                            f"llama_cpp_python-{version}.tar.gz to SDIST_SHA256 in {__name__}")
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--quiet",
-               f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", tmp]
+        requirements = Path(tmp) / "requirements.txt"
+        requirements.write_text(f"llama-cpp-python=={version} --hash=sha256:{expected}\n", encoding="utf-8")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--require-hashes",
+               "--quiet", "-r", str(requirements), "-d", tmp]
         result = subprocess.run(cmd, capture_output=True, text=True)
         sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        if "DO NOT MATCH THE HASHES" in result.stderr:  # pip's hash-checking mode refused the file it fetched
+            got = re.search(r"Got\s+([0-9a-f]{64})", result.stderr)
+            source = re.search(r"from (\S+llama_cpp_python-\S+\.tar\.gz)", result.stderr)
+            raise IntegrityError(
+                f"{source.group(1) if source else f'llama_cpp_python-{version}.tar.gz'}: sha256 "
+                f"{got.group(1) if got else '(see pip below)'} is not {expected}, the one PyPI publishes for "
+                f"llama_cpp_python-{version}.tar.gz; the download was altered or replaced, so nothing was unpacked. "
+                "Check the index or proxy pip uses (pip config list, PIP_INDEX_URL, PIP_FIND_LINKS) and run "
+                "`loraship fetch-converter` again, or set LORASHIP_LLAMA_CPP_DIR to a vendor/llama.cpp you trust\n"
+                f"{result.stderr.strip()[-2000:]}"
+            )
         if result.returncode != 0 or not sdists:
             raise LorashipError(
-                f"could not download the llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist for its converter:\n"
+                f"could not download the llama-cpp-python=={version} sdist for its converter:\n"
                 f"{result.stderr.strip()[-2000:]}\nSet LORASHIP_LLAMA_CPP_DIR to an unpacked vendor/llama.cpp instead."
             )
         staging = Path(tmp) / "staging"
-        prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+        prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
         with tarfile.open(sdists[0]) as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.name[len(prefix):].split("/")[0] in _VENDORED]
             for m in members:

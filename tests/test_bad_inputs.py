@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import os
 import subprocess
+import tarfile
 import sys
 from pathlib import Path
 
@@ -396,3 +400,85 @@ def test_gguf_whose_tensor_data_lies_is_refused_before_quantizing(tmp_path, brea
     assert "Traceback" not in output, output
     assert gguf.read_bytes() == before  # nothing lost
     assert not list((tmp_path / "work" / "bad" / "quantize").glob("*.gguf"))  # nothing quantized
+
+
+def fake_sdist(folder: Path, version: str, marker: Path | None = None) -> Path:
+    """llama_cpp_python-<version>.tar.gz holding a vendor/llama.cpp converter and an in-tree build backend
+    with no requirements, so that pip can prepare its metadata without an index; the backend creates
+    `marker` when pip runs it."""
+    backend = (
+        f"open({str(marker)!r}, 'w').close()\n" if marker else ""
+    ) + (
+        "def get_requires_for_build_wheel(config_settings=None):\n    return []\n"
+        "def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):\n"
+        "    import os\n"
+        f"    d = os.path.join(metadata_directory, 'llama_cpp_python-{version}.dist-info')\n"
+        "    os.makedirs(d)\n"
+        f"    open(os.path.join(d, 'METADATA'), 'w').write('Metadata-Version: 2.1\\nName: llama_cpp_python\\nVersion: {version}\\n')\n"
+        "    return os.path.basename(d)\n"
+    )
+    files = {
+        "pyproject.toml": '[build-system]\nrequires = []\nbuild-backend = "backend"\nbackend-path = ["."]\n',
+        "backend.py": backend,
+        "PKG-INFO": f"Metadata-Version: 2.1\nName: llama_cpp_python\nVersion: {version}\n",
+        "vendor/llama.cpp/convert_hf_to_gguf.py": "# converter\n",
+        "vendor/llama.cpp/conversion/__init__.py": "",
+        "vendor/llama.cpp/gguf-py/gguf/__init__.py": "",
+        "vendor/llama.cpp/src/llama.cpp": "// not unpacked\n",
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"llama_cpp_python-{version}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(f"llama_cpp_python-{version}/{name}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return path
+
+
+@pytest.fixture
+def local_index(tmp_path, monkeypatch):
+    """pip sees only tmp_path/links: no network, no index, no pip configuration of this machine."""
+    links = tmp_path / "links"
+    links.mkdir()
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    return links
+
+
+def test_converter_sdist_with_another_sha256_is_refused(tmp_path, local_index):
+    """A tampered sdist under the pinned name: IntegrityError naming it and its digest; nothing of it unpacked
+    or run, and the converter already in the cache stays as it was."""
+    from loraship.constants import LLAMA_CPP_PYTHON_VERSION
+    from loraship.errors import IntegrityError
+    from loraship.llamacpp import SDIST_SHA256, fetch_converter
+
+    ran = tmp_path / "backend-ran"
+    tampered = fake_sdist(local_index, LLAMA_CPP_PYTHON_VERSION, marker=ran)
+    digest = hashlib.sha256(tampered.read_bytes()).hexdigest()
+    cached = tmp_path / "cache" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
+    (cached / "conversion").mkdir(parents=True)
+    (cached / "convert_hf_to_gguf.py").write_text("# the converter fetched earlier\n")
+    with pytest.raises(IntegrityError) as caught:
+        fetch_converter(cached)
+    message = str(caught.value)
+    assert f"{tampered.name}: sha256 {digest} is not {SDIST_SHA256[LLAMA_CPP_PYTHON_VERSION]}" in message
+    assert "run `loraship fetch-converter` again" in message
+    assert not ran.exists()  # pip checked the digest before running anything from the archive
+    assert (cached / "convert_hf_to_gguf.py").read_text() == "# the converter fetched earlier\n"
+    assert sorted(p.name for p in cached.parent.iterdir()) == [cached.name]  # no staging folder left
+
+
+def test_converter_sdist_with_the_pinned_sha256_is_unpacked(tmp_path, local_index, monkeypatch):
+    """The same path with the digest pinned for the file: pip runs its backend (so the refusal above stopped
+    it), and only the converter's folders are unpacked."""
+    from loraship import llamacpp
+    from loraship.constants import LLAMA_CPP_PYTHON_VERSION
+
+    ran = tmp_path / "backend-ran"
+    sdist = fake_sdist(local_index, LLAMA_CPP_PYTHON_VERSION, marker=ran)
+    monkeypatch.setitem(llamacpp.SDIST_SHA256, LLAMA_CPP_PYTHON_VERSION, hashlib.sha256(sdist.read_bytes()).hexdigest())
+    folder = llamacpp.fetch_converter(tmp_path / "cache" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}")
+    assert sorted(p.name for p in folder.iterdir()) == ["conversion", "convert_hf_to_gguf.py", "gguf-py"]
+    assert ran.exists()
