@@ -18,6 +18,9 @@ REFERENCE_FILE = "reference.json"  # HF token ids, greedy answers + margins, tok
 REFERENCE_TOPK_FILE = "eval_topk.npz"  # HF top-k log-probs at every scored eval position
 VERIFY_FILE = "verify.json"
 MODEL_CARD = "README.md"
+MODELFILE = "Modelfile"  # Ollama's build file, beside the GGUF in the artifact
+GGUF_METADATA_FILE = "gguf_metadata.json"  # convert_hf_to_gguf.py --metadata override (general.name, ...)
+OLLAMA_FILE = "ollama.json"  # chat-template family, default system prompt, stop tokens (loraship/ollama.py)
 
 
 def quantized_gguf_name(quantization: str) -> str:

@@ -3,32 +3,105 @@
 The converter runs in a subprocess with a timeout: a blocking native call cannot be
 interrupted by a Prefect task timeout (shared/PITFALLS.md), and a crash there must not take
 the flow with it. Output is written under a temporary name and renamed when complete.
+
+The GGUF is named after the run, not after the folder it was converted from ("merged"): the
+converter's `--metadata` override file sets general.name, basename, finetune, the base model
+and, where the base model's card states one, the license. This stage also records, from the
+merged tokenizer, what publish needs for Ollama (loraship/ollama.py): the chat-template family,
+its default system prompt and the model's stop tokens.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
-from loraship.constants import F16_GGUF, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_FILE_TYPE, MERGED_DIR
+from loraship.constants import (
+    F16_GGUF, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_FILE_TYPE, GGUF_METADATA_FILE, MERGED_DIR, OLLAMA_FILE,
+)
 from loraship.gguf_info import read_gguf_of_type
 from loraship.llamacpp import converter_dir
+from loraship.manifest import atomic_write_json
 from loraship.proc import write_with_tool
 from loraship.preflight import check_free_disk
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "convert"
 UPSTREAM = ("merge",)
-FIELDS: tuple[str, ...] = ()
+FIELDS: tuple[str, ...] = ("run_name", "base_model", "base_model_revision")
 TIMEOUT_S = 4 * 3600
+log = logging.getLogger("loraship.convert")
 
 
-def convert(merged_dir: Path, out_file: Path, outtype: str = "f16") -> None:
+def convert(merged_dir: Path, out_file: Path, outtype: str = "f16", metadata: Path | None = None) -> None:
     script = converter_dir() / "convert_hf_to_gguf.py"
+    extra = ["--metadata", str(metadata)] if metadata else []
     write_with_tool(
-        lambda tmp: [sys.executable, str(script), str(merged_dir), "--outfile", str(tmp), "--outtype", outtype],
+        lambda tmp: [sys.executable, str(script), str(merged_dir), "--outfile", str(tmp), "--outtype", outtype, *extra],
         out_file, f"convert_hf_to_gguf.py on {merged_dir}", TIMEOUT_S,
     )
+
+
+def base_label(base_model: str) -> str:
+    """The base model's own name: the hub id's repository part, or the local folder's name."""
+    return Path(base_model.rstrip("/")).name or base_model
+
+
+def base_license(config) -> str | None:
+    """The license in the base model's card (README.md front matter), or None when it states none
+    or the card cannot be read (no README in a local folder, the hub unreachable or offline)."""
+    from huggingface_hub import ModelCard
+
+    if config.base_model_is_local():
+        card_file = Path(config.base_model).expanduser() / "README.md"
+        source = str(card_file) if card_file.is_file() else None
+    else:
+        source = config.base_model
+    if source is None:
+        return None
+    try:
+        card = ModelCard.load(source)  # a local README.md, or the hub repository's card
+    except Exception as e:  # noqa: BLE001 - hub errors, offline mode, a card without front matter
+        log.info("convert: no license from the base model's card (%s: %s)", type(e).__name__, e)
+        return None
+    value = card.data.to_dict().get("license")
+    return ",".join(value) if isinstance(value, list) else value
+
+
+def gguf_metadata(config) -> dict:
+    """The converter's metadata override (gguf-py's Metadata.load reads these keys)."""
+    from gguf import Keys
+
+    label = base_label(config.base_model)
+    base = {"name": label}
+    if not config.base_model_is_local():
+        organization, _, _ = config.base_model.partition("/")
+        base.update(organization=organization, repo_url=f"https://huggingface.co/{config.base_model}")
+        if config.base_model_revision:
+            base["version"] = config.base_model_revision
+    metadata = {
+        Keys.General.NAME: f"{label}-{config.run_name}",
+        Keys.General.BASENAME: label,
+        Keys.General.FINETUNE: config.run_name,
+        "general.base_models": [base],  # gguf-py's override key for general.base_model.{count,N.*}
+    }
+    license_id = base_license(config)
+    if license_id:
+        metadata[Keys.General.LICENSE] = license_id
+    return metadata
+
+
+def ollama_facts(merged_dir: Path) -> dict:
+    """Chat-template family, default system prompt and stop tokens of the merged tokenizer."""
+    from transformers import AutoTokenizer
+
+    from loraship import ollama
+    from tasks.reference import stop_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(merged_dir)
+    stops = stop_ids(tokenizer, merged_dir)
+    return {**ollama.recognise(tokenizer), "stop_ids": stops, "stop_tokens": tokenizer.convert_ids_to_tokens(stops)}
 
 
 @exclusive
@@ -40,14 +113,22 @@ def run(config) -> dict:
     merged = ctx.upstream_dir("merge") / MERGED_DIR
     merged_bytes = sum(p.stat().st_size for p in merged.glob("*.safetensors"))
     check_free_disk(ctx.dir, merged_bytes * 1.05, "convert (F16 GGUF)")
+    metadata = gguf_metadata(config)
+    atomic_write_json(ctx.dir / GGUF_METADATA_FILE, metadata)
+    facts = ollama_facts(merged)
+    atomic_write_json(ctx.dir / OLLAMA_FILE, facts)
     out = ctx.dir / F16_GGUF
-    convert(merged, out)
+    convert(merged, out, metadata=ctx.dir / GGUF_METADATA_FILE)
     info = read_gguf_of_type(out, "F16")
+    from gguf import Keys
+
     return ctx.finish(
         {
             "tensor_count": info["tensor_count"],
             "file_type": info["fields"][GGUF_KEY_FILE_TYPE],
             "has_chat_template": bool(info["fields"].get(GGUF_KEY_CHAT_TEMPLATE)),
+            "name": info["fields"].get(Keys.General.NAME),
+            "ollama_template_family": facts.get("family"),
             "bytes": out.stat().st_size,
         }
     )
