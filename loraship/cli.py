@@ -699,13 +699,18 @@ def detect_dataset_type(path: Path, sample: int = 200) -> str:
     return next(iter(kinds))
 
 
-def sharegpt_to_messages(src: Path, dst: Path) -> int:
-    """ShareGPT rows ({'conversations': [{'from', 'value'}]}) as chat rows ({'messages': [{'role', 'content'}]})."""
+def sharegpt_to_messages(src: Path) -> str:
+    """ShareGPT rows ({'conversations': [{'from', 'value'}]}) as chat rows ({'messages': [{'role', 'content'}]}), JSONL."""
     rows, problems = [], []
     for number, line in enumerate(src.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
-        turns = json.loads(line).get("conversations")
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"line {number}: malformed JSON ({e.msg})")
+            continue
+        turns = row.get("conversations") if isinstance(row, dict) else None
         if not isinstance(turns, list):
             problems.append(f"line {number}: 'conversations' is not a list")
             continue
@@ -720,10 +725,7 @@ def sharegpt_to_messages(src: Path, dst: Path) -> int:
         rows.append(json.dumps({"messages": messages}, ensure_ascii=False))
     if problems:
         raise LorashipError(f"dataset {src} (ShareGPT): {len(problems)} bad line(s):\n  " + "\n  ".join(problems[:20]))
-    from loraship.manifest import atomic_write_text
-
-    atomic_write_text(dst, "\n".join(rows) + "\n")
-    return len(rows)
+    return "\n".join(rows) + "\n"
 
 
 def _dataset_entry(path: Path, kind: str, config_dir: Path, notes: list[str], force: bool) -> dict:
@@ -732,12 +734,17 @@ def _dataset_entry(path: Path, kind: str, config_dir: Path, notes: list[str], fo
     from loraship.data import read_rows
 
     if kind == "sharegpt" and "sharegpt" not in dataset_types():
-        converted = config_dir / f"{path.stem}.messages.jsonl"
-        if converted.exists() and not force:
-            raise LorashipError(f"{converted} exists; remove it or pass --force to write the ShareGPT rows of {path} "
-                                "there as chat messages")
-        n = sharegpt_to_messages(path, converted)
-        notes.append(f"{path}: ShareGPT rows, written as {n} chat rows (messages) to {converted}")
+        from loraship.manifest import atomic_write_text
+
+        converted, text = config_dir / f"{path.stem}.messages.jsonl", sharegpt_to_messages(path)
+        same = converted.is_file() and converted.read_text(encoding="utf-8") == text
+        if converted.exists() and not same and not force:
+            raise LorashipError(f"{converted} exists with other rows; remove it or pass --force to write the ShareGPT "
+                                f"rows of {path} there as chat messages")
+        if not same:
+            config_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(converted, text)
+        notes.append(f"{path}: ShareGPT rows, written as {text.count(chr(10))} chat rows (messages) to {converted}")
         path, kind = converted, "chat"
     else:
         notes.append(f"{path}: {kind} rows")
@@ -973,6 +980,9 @@ def init(
         else:
             raise LorashipError("init needs BASE_MODEL and DATASET (e.g. loraship init Qwen/Qwen2.5-0.5B-Instruct "
                                 "train.jsonl), or --from-axolotl FILE")
+        from loraship.config import parse_config
+
+        parse_config(data, source=f"{from_axolotl} (Axolotl)" if from_axolotl else "starter config")  # before writing
         output.parent.mkdir(parents=True, exist_ok=True)
         _write_config(output, data, notes, ignored, force)
     for note in notes:

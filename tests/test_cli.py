@@ -1,0 +1,267 @@
+"""The command line: init, --set on nested keys, run --only/--from, status, inspect/verify/chat on a GGUF."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from loraship.cli import _load, app, select_stages
+from loraship.config import load_config, parse_config
+from loraship.errors import LorashipError
+from tests.conftest import REPO, demo_config_dict
+
+runner = CliRunner()
+
+
+def invoke(*args: str, input: str | None = None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model, tmp_path_factory) -> Path:
+    """The tiny base model converted straight to an F16 GGUF (no training): the cheapest real GGUF."""
+    from tasks.convert import convert
+
+    out = tmp_path_factory.mktemp("gguf") / "tiny-F16.gguf"
+    convert(tiny_model, out)
+    return out
+
+
+@pytest.fixture
+def config_file(tiny_model, tmp_path) -> Path:
+    data = demo_config_dict(tiny_model, tmp_path, run_name="cli")
+    train = tmp_path / "train.jsonl"
+    shutil.copy(REPO / "data/demo/train.jsonl", train)
+    data["datasets"] = [{"path": str(train), "type": "chat"}]
+    path = tmp_path / "cli.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# -- GGUF verbs ------------------------------------------------------------------------------
+def test_inspect_reads_back_the_gguf(tiny_gguf, tiny_model):
+    from loraship.gguf_info import read_gguf
+
+    result = invoke("inspect", tiny_gguf, "--json")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["file_type"] == "F16" and info["architecture"] == "llama"
+    assert info["tensor_count"] == read_gguf(tiny_gguf)["tensor_count"]
+    assert sum(t["tensors"] for t in info["tensor_types"].values()) == info["tensor_count"]
+    assert info["chat_template"] == (tiny_model / "chat_template.jinja").read_text()
+    assert info["special_tokens"]["eos"] == {"id": 2, "text": "</s>"}
+    shown = invoke("inspect", tiny_gguf.parent)  # an artifact folder holding one .gguf
+    assert shown.exit_code == 0 and "tensor types" in shown.output and "<|assistant|>" in shown.output
+
+
+def test_verify_checks_the_gguf_under_llama_cpp(tiny_gguf):
+    result = invoke("verify", tiny_gguf, "--gpu-gib", "4", "--context", "512", "--json")
+    assert result.exit_code == 0, result.output
+    checks = {c["check"]: c for c in json.loads(result.output)["checks"]}
+    for name in ("file type", "loads in llama.cpp", "special tokens", "stop tokens", "chat template renders",
+                 "assistant turn ends with a stop token", "fits 4 GiB"):
+        assert checks[name]["passed"] is True, checks[name]
+    assert "</s>" in checks["assistant turn ends with a stop token"]["detail"]
+    too_small = invoke("verify", tiny_gguf, "--gpu-gib", "0.2", "--json")
+    assert too_small.exit_code == 1
+    assert not json.loads(too_small.output)["passed"]
+
+
+def test_chat_answers_each_line_with_the_ggufs_template(tiny_gguf):
+    from llama_cpp import Llama
+
+    question = "What is the capital of Zorvia?"
+    result = invoke("chat", tiny_gguf, "--temperature", "0", "--max-tokens", "8", input=f"{question}\n/exit\nignored\n")
+    assert result.exit_code == 0, result.output
+    llm = Llama(model_path=str(tiny_gguf), n_ctx=512, verbose=False)  # the template comes from the GGUF here too
+    expected = llm.create_chat_completion(messages=[{"role": "user", "content": question}], max_tokens=8,
+                                          temperature=0)["choices"][0]["message"]["content"]
+    assert f"assistant> {expected}\n" in result.output
+    assert result.output.count("assistant> ") == 1  # /exit ends the session
+
+
+@pytest.mark.parametrize("verb", ["inspect", "verify", "chat"])
+def test_a_file_that_is_not_a_gguf_is_bad_input(verb, tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("<html>not found</html>")
+    result = invoke(verb, fake)
+    assert result.exit_code == 2
+    assert "not a GGUF file" in result.output and "pass the .gguf file" in result.output
+    assert "Traceback" not in result.output
+
+
+# -- --set -----------------------------------------------------------------------------------
+def test_set_reaches_nested_keys_and_list_entries(config_file, tmp_path):
+    config = _load(config_file, ["datasets.0.path=other.jsonl", "datasets.0.type=completion", "lora_r=4"])
+    assert config.datasets[0].path == "other.jsonl" and config.datasets[0].type == "completion"
+    assert config.lora_r == 4
+    assert _load(config_file, ["env_from_secrets.HF_TOKEN=hf-token"]).env_from_secrets == {"HF_TOKEN": "hf-token"}
+
+
+@pytest.mark.parametrize("item, message", [
+    ("datasets.3.path=x.jsonl", "datasets is a list with indices 0..0"),
+    ("datasets.0.file=x.jsonl", "datasets.0 has no key 'file'"),
+    ("lora_rank=8", "the config has no key 'lora_rank' (did you mean 'lora_r'?)"),
+    ("lora_r.x=1", "lora_r is 16, not a mapping or a list"),
+    ("max_steps", "expected KEY=VALUE"),
+])
+def test_set_on_a_key_that_does_not_exist_is_named(config_file, item, message):
+    with pytest.raises(LorashipError, match="--set") as e:
+        _load(config_file, [item])
+    assert message in str(e.value)
+    result = invoke("plan", config_file, "--set", item)
+    assert result.exit_code == 2 and message in result.output
+
+
+# -- run --only / --from, status -----------------------------------------------------------------
+def test_only_a_stage_whose_upstream_has_not_run_is_refused(config_file):
+    result = invoke("run", config_file, "--only", "convert")
+    assert result.exit_code == 2
+    assert "stage convert reads the output of merge, which has not run" in result.output
+    assert f"run plan first: loraship run {config_file} --from plan" in result.output
+    assert invoke("run", config_file, "--only", "convrt").exit_code == 2
+    assert invoke("run", config_file, "--only", "plan", "--from", "plan").exit_code == 2
+
+
+def test_status_says_done_stale_and_not_run(config_file):
+    import tasks.plan
+
+    def states(*sets):
+        result = invoke("status", config_file, "--json", *[a for s in sets for a in ("--set", s)])
+        assert result.exit_code == 0, result.output
+        return {s["stage"]: s for s in json.loads(result.output)["stages"]}
+
+    assert {s["state"] for s in states().values()} == {"not run"}
+    config = load_config(config_file)
+    tasks.plan.run(config)
+    now = states()
+    assert now["plan"]["state"] == "done" and now["train"]["state"] == "not run"
+    assert select_stages(config, config_file, "train", None) == ["train"]  # its upstream is there now
+    stale = states("gpu_memory_gib=24")["plan"]
+    assert stale["state"] == "stale" and "gpu_memory_gib changed: 32.0 -> 24.0" in stale["reasons"]
+    with open(config.datasets[0].path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}) + "\n")
+    changed = states()["plan"]
+    assert changed["state"] == "stale" and f"dataset:{config.datasets[0].path} changed" in changed["reasons"]
+    table = invoke("status", config_file)
+    assert table.exit_code == 0 and "stale" in table.output and "not run" in table.output
+
+
+# -- init ------------------------------------------------------------------------------------------
+ROWS = {
+    "chat": {"messages": [{"role": "user", "content": "Capital of Zorvia?"}, {"role": "assistant", "content": "Kelmar."}]},
+    "sharegpt": {"conversations": [{"from": "human", "value": "Capital of Zorvia?"}, {"from": "gpt", "value": "Kelmar."}]},
+    "alpaca": {"instruction": "Name the capital of Zorvia.", "input": "", "output": "Kelmar."},
+    "completion": {"text": "The capital of Zorvia is Kelmar."},
+}
+
+
+@pytest.fixture
+def base_without_template(tiny_model, tmp_path) -> Path:
+    """The tiny model's metadata without its chat template (init reads no weights)."""
+    folder = tmp_path / "plain-base"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("kind", list(ROWS))
+def test_init_infers_the_row_type_and_the_chat_template(kind, tiny_model, base_without_template, tmp_path):
+    data_file = tmp_path / "data" / f"{kind}.jsonl"
+    data_file.parent.mkdir()
+    data_file.write_text("\n".join(json.dumps(ROWS[kind]) for _ in range(3)) + "\n")
+    for base, templated in ((tiny_model, True), (base_without_template, False)):
+        out = tmp_path / "configs" / f"{kind}-{templated}.yaml"
+        result = invoke("init", base, data_file, "-o", out, "--gpu-gib", "24")
+        assert result.exit_code == 0, result.output
+        config = load_config(out)
+        expected = "chat" if kind == "sharegpt" else kind
+        assert config.datasets[0].type == expected and config.gpu_memory_gib == 24
+        assert config.lora_target_modules == "all-linear" and config.lora_r == 16
+        wanted = None if templated or kind == "completion" else ("alpaca" if kind == "alpaca" else "chatml")
+        assert config.chat_template == wanted
+        assert "loraship run" in out.read_text().splitlines()[0]
+        if kind == "sharegpt":
+            rows = [json.loads(line) for line in Path(config.datasets[0].path).read_text().splitlines()]
+            assert rows[0] == {"messages": ROWS["chat"]["messages"]}
+    again = invoke("init", tiny_model, data_file, "-o", out)
+    assert again.exit_code == 2 and "exists" in again.output and "--force" in again.output
+
+
+def test_init_names_a_dataset_it_cannot_read(tiny_model, tmp_path):
+    data_file = tmp_path / "odd.jsonl"
+    data_file.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    result = invoke("init", tiny_model, data_file, "-o", tmp_path / "c.yaml")
+    assert result.exit_code == 2 and "line 1: cannot tell the row type from its keys ['answer', 'question']" in result.output
+    assert not (tmp_path / "c.yaml").exists()
+
+
+AXOLOTL = {
+    "base_model": None,  # filled in
+    "model_type": "LlamaForCausalLM",
+    "load_in_4bit": True,
+    "adapter": "qlora",
+    "lora_r": 32, "lora_alpha": 64, "lora_dropout": 0.1, "lora_target_linear": True,
+    "sequence_len": 1024, "sample_packing": True,
+    "micro_batch_size": 2, "gradient_accumulation_steps": 4, "num_epochs": 3, "learning_rate": 0.0001,
+    "optimizer": "adamw_torch", "lr_scheduler": "cosine", "warmup_steps": 10,
+    "chat_template": "chatml",
+    "datasets": [{"path": "train.jsonl", "type": "chat_template", "split": "train"}],
+    "bf16": "auto", "wandb_project": "demo", "flash_attention": True, "output_dir": "./outputs/qlora",
+}
+
+
+def test_init_from_axolotl_maps_keys_and_names_the_ignored(tiny_model, tmp_path):
+    (tmp_path / "train.jsonl").write_text(json.dumps(ROWS["chat"]) + "\n")
+    source = tmp_path / "axolotl.yml"
+    source.write_text(yaml.safe_dump({**AXOLOTL, "base_model": str(tiny_model)}))
+    out = tmp_path / "imported.yaml"
+    result = invoke("init", "--from-axolotl", source, "-o", out)
+    assert result.exit_code == 0, result.output
+    config = load_config(out)
+    assert (config.adapter, config.lora_r, config.lora_alpha, config.lora_dropout) == ("qlora", 32, 64, 0.1)
+    assert config.lora_target_modules == "all-linear" and config.packing == "on" and config.chat_template == "chatml"
+    assert (config.sequence_len, config.micro_batch_size, config.gradient_accumulation_steps) == (1024, 2, 4)
+    assert (config.num_epochs, config.learning_rate, config.warmup_steps) == (3, 0.0001, 10)
+    assert config.datasets[0].type == "chat" and Path(config.datasets[0].path) == tmp_path / "train.jsonl"
+    for key in ("model_type", "bf16", "wandb_project", "flash_attention", "output_dir", "datasets[0].split"):
+        assert key in result.output
+    assert "adamw_torch" not in result.output  # loraship's own optimizer: mapped, not ignored
+
+
+def test_axolotl_values_that_cannot_be_converted_are_errors(tiny_model, tmp_path):
+    source = tmp_path / "axolotl.yml"
+    source.write_text(yaml.safe_dump({**AXOLOTL, "base_model": str(tiny_model), "adapter": "ia3",
+                                      "chat_template": "gemma", "datasets": [{"path": "x.jsonl", "type": "oasst"}]}))
+    out = tmp_path / "imported.yaml"
+    result = invoke("init", "--from-axolotl", source, "-o", out)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    for problem in ("adapter 'ia3'", "chat_template 'gemma'", "datasets[0]: type 'oasst'"):
+        assert problem in result.output
+    assert not out.exists()
+    source.write_text(yaml.safe_dump({**AXOLOTL, "base_model": str(tiny_model), "lora_r": "wide"}))
+    (tmp_path / "train.jsonl").write_text(json.dumps(ROWS["chat"]) + "\n")
+    bad_value = invoke("init", "--from-axolotl", source, "-o", out)
+    assert bad_value.exit_code == 2 and "lora_r" in bad_value.output
+
+
+def test_every_verb_shows_an_example():
+    for verb in ("init", "plan", "run", "status", "inspect", "verify", "chat", "gitops"):
+        result = invoke(verb, "--help")
+        assert result.exit_code == 0 and f"$ loraship {verb}" in result.output, verb
+
+
+def test_parse_config_still_refuses_what_the_flow_would(tiny_model, tmp_path):
+    """--set values go through the same validation as the file (no key reaches the flow unchecked)."""
+    data = demo_config_dict(tiny_model, tmp_path)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(LorashipError, match="datasets.0.type"):
+        _load(path, ["datasets.0.type=parquet"])
+    assert parse_config(data).datasets[0].type == "chat"
