@@ -1,7 +1,8 @@
 """Publish: the artifact folder at `output/<run_name>/` (local or any fsspec URL).
 
-Holds the quantized GGUF, the adapter, every stage's manifest, plan.json, verify.json and a
-model card. Files are uploaded first and manifest.json last, so a destination with a manifest
+Holds the quantized GGUF, an Ollama Modelfile beside it, the adapter, every stage's manifest,
+plan.json, verify.json and a model card (huggingface_hub's ModelCard: YAML front matter, how to
+run it with llama-server and Ollama, the strategy that really trained, memory and verify figures). Files are uploaded first and manifest.json last, so a destination with a manifest
 is complete; local destinations get each file under a temporary name, then renamed. Every file
 is read back from the destination (size and sha256); a rerun sends only what is missing or
 differs there, and removes what this artifact no longer ships.
@@ -15,8 +16,10 @@ import os
 import shutil
 from pathlib import Path
 
+from loraship import ollama
 from loraship.constants import (
-    ADAPTER_DIR, MANIFEST_NAME, MODEL_CARD, PLAN_FILE, STAGES, VERIFY_FILE, quantized_gguf_name,
+    ADAPTER_DIR, GGUF_METADATA_FILE, MANIFEST_NAME, MODEL_CARD, MODELFILE, OLLAMA_FILE, PLAN_FILE, STAGES, VERIFY_FILE,
+    quantized_gguf_name,
 )
 from loraship.errors import OutputError
 from loraship.manifest import DigestCache, atomic_path, atomic_write_json, describe_files, sha256_file, sha256_json
@@ -27,44 +30,145 @@ UPSTREAM = ("plan", "train", "merge", "convert", "quantize", "verify")
 FIELDS = ("output", "run_name", "quantization")
 
 
-def model_card(config, manifests: dict[str, dict], verify: dict) -> str:
+def _gib(value) -> str:
+    return f"{value:.2f} GiB" if isinstance(value, (int, float)) else "n/a"
+
+
+def serve_commands(config, verify: dict) -> dict:
+    """The llama-server and Ollama commands for this artifact, at the context verify checked."""
+    gguf = quantized_gguf_name(config.quantization)
+    memory = verify.get("memory") or {}
+    # All layers where verify found the whole model fits the target GPU at target_context (999 is
+    # llama.cpp's idiom for "every layer"); otherwise as many as verify found fit.
+    layers = 999 if memory.get("fits", True) else memory.get("gpu_layers_at_target_context", 0)
+    name = config.run_name.lower()  # Ollama model names are lower case
+    return {
+        "llama_server": f"llama-server -m {gguf} --jinja -c {config.target_context} -ngl {layers}",
+        "ollama_create": f"ollama create {name} -f {MODELFILE}",
+        "ollama_run": f"ollama run {name}",
+        "gpu_layers": layers,
+    }
+
+
+def card_data(config, metadata: dict, adapter: str):
+    """The card's YAML front matter (the Hub reads base_model, license, tags and pipeline_tag)."""
+    from huggingface_hub import ModelCardData
+
+    hub_base = not config.base_model_is_local()
+    return ModelCardData(
+        base_model=config.base_model if hub_base else None,
+        base_model_relation="finetune" if hub_base else None,
+        library_name="gguf",
+        license=metadata.get("general.license"),
+        pipeline_tag="text-generation",
+        tags=["gguf", config.quantization, "llama.cpp", "ollama", adapter, "loraship"],
+    )
+
+
+def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, facts: dict, metadata: dict) -> str:
+    """README.md of the artifact: a huggingface_hub ModelCard (YAML front matter + text)."""
+    from huggingface_hub import ModelCard
+
     train = manifests["train"]["metrics"]
     quant = manifests["quantize"]["metrics"]
+    gguf = quantized_gguf_name(config.quantization)
     gates = "\n".join(f"| {name} | {'pass' if g['passed'] else 'FAIL'} | {g['value']} | {g['threshold']} |"
                       for name, g in verify["gates"].items())
     versions = manifests["verify"]["versions"]
-    return f"""# {config.run_name}
+    commands = serve_commands(config, verify)
+    agreement = verify["eval_agreement"]
+    gpu = verify["gpu_memory"]
+    measured_gpu = gpu["measured_gib"]
+    predicted = plan["memory"]
+    components = "\n".join(f"| {name} | {value:.3f} |" for name, value in predicted["components_gib"].items())
+    measured = train.get("measured_memory") or {}
+    measured_line = (
+        f"measured on the training GPU: peak reserved {_gib(measured.get('peak_reserved_gib'))}, peak allocated "
+        f"{_gib(measured.get('peak_allocated_gib'))}" if measured.get("peak_reserved_gib") is not None
+        else f"not measured: trained on the {train.get('device', 'cpu')}, where there is no GPU memory to measure"
+    )
+    trained = train.get("strategy") or {}
+    adapter = trained.get("adapter", config.adapter)  # the planner may have fallen back to QLoRA
+    retries = train.get("oom_retries") or []
+    retried = "".join(
+        f"\n- out of memory with {r['strategy']} ({r['error']}); under-predicted: {r.get('under_predicted') or 'unknown'}"
+        for r in retries
+    )
+    stops = ", ".join(f"`{t}`" for t in facts.get("stop_tokens") or []) or "none"
+    if facts.get("family"):
+        template_note = (
+            f"The Modelfile carries the chat template as an Ollama Go template ({facts['family']} family), which renders "
+            "the same prompt text as the model's own template"
+            + (f", and its default system prompt (`SYSTEM`)" if facts.get("system") else "") + "."
+        )
+    else:
+        template_note = (
+            f"The Modelfile has no TEMPLATE ({facts.get('reason', 'template not recognised')}): Ollama will use the "
+            "GGUF's template, deriving its own from the chat template stored in the GGUF. Check what it made with "
+            f"`ollama show --template {config.run_name.lower()}`; llama-server `--jinja` runs the GGUF's template as is."
+        )
+    license_line = f"License: {metadata['general.license']} (from the base model's card).\n\n" \
+        if metadata.get("general.license") else ""
+    body = f"""# {config.run_name}
 
-Fine-tuned from `{config.base_model}` with a {config.adapter.upper()} adapter (r={config.lora_r},
+Fine-tuned from `{config.base_model}` with a {'QLoRA' if adapter == 'qlora' else 'LoRA'} adapter (r={config.lora_r},
 alpha={config.lora_alpha}, targets {config.lora_target_modules}) and shipped as
-`{quantized_gguf_name(config.quantization)}` ({quant['bytes'] / 2**20:.1f} MiB) by loraship.
+`{gguf}` ({quant['bytes'] / 2**20:.1f} MiB, GGUF `general.name` `{metadata.get('general.name', config.run_name)}`) by loraship.
 
-Verified with llama.cpp from llama-cpp-python {versions.get('llama-cpp-python', '?')}: load it with the
+{license_line}Verified with llama.cpp from llama-cpp-python {versions.get('llama-cpp-python', '?')}: load it with the
 same or a newer llama.cpp.
 
+## Run it
+
+```bash
+{commands['llama_server']}
+```
+
+```bash
+{commands['ollama_create']}
+{commands['ollama_run']}
+```
+
+`-c {config.target_context}` is the context verify checked against the target GPU ({config.target_gpu_memory_gib:g} GiB);
+`-ngl {commands['gpu_layers']}` puts {'every layer' if commands['gpu_layers'] == 999 else f"{commands['gpu_layers']} layers"} on it.
+Stop tokens: {stops}. {template_note}
+
 ## Training
+- trained as: {train.get('trained_as', 'n/a')}
+- why: {train.get('strategy_reason') or 'n/a'}{retried}
 - steps: {train['steps']}, train examples: {train['train_examples']}, eval examples: {train['eval_examples']}
 - eval loss: {train['eval_loss_before']:.4f} (base) -> {train['eval_loss_after']:.4f} (fine-tuned)
 - truncation policy: {train['truncation_policy']} ({train['truncated_examples']} examples truncated)
+
+## Memory
+Planned for a {plan.get('budget_gib', config.gpu_memory_gib):g} GiB training GPU: {plan.get('reason', 'n/a')}. Predicted peak
+{_gib(predicted.get('predicted_total_gib'))} (reserved {_gib(predicted.get('predicted_reserved_gib'))}); for the strategy that
+trained, predicted reserved {_gib(train.get('predicted_reserved_gib'))}, {measured_line}.
+
+| component | predicted GiB |
+|---|---|
+{components}
 
 ## Verification gates
 | gate | result | value | threshold |
 |---|---|---|---|
 {gates}
 
-On the eval split ({verify['eval_agreement']['scored_tokens']} scored tokens): perplexity merged HF
-{verify['eval_agreement']['hf_perplexity']:.4f}, GGUF {verify['eval_agreement']['gguf_perplexity']:.4f}; mean KL divergence
-{verify['eval_agreement']['kl_mean']:.4f} nats/token (99th percentile {verify['eval_agreement']['kl_p99']:.4f}); same top
-token {verify['eval_agreement']['same_top_rate']:.1%}. GPU memory at n_ctx {config.target_context}: predicted
-{verify['gpu_memory']['predicted_gib']:.2f} GiB, measured {verify['gpu_memory']['measured_gib'] if verify['gpu_memory']['measured_gib'] is not None else 'n/a (verified on CPU)'}
+On the eval split ({agreement['scored_tokens']} scored tokens): perplexity merged HF
+{agreement['hf_perplexity']:.4f}, GGUF {agreement['gguf_perplexity']:.4f}; mean KL divergence
+{agreement['kl_mean']:.4f} nats/token (99th percentile {agreement['kl_p99']:.4f}); same top
+token {agreement['same_top_rate']:.1%}. GPU memory at n_ctx {config.target_context}: predicted
+{gpu['predicted_gib']:.2f} GiB, measured {f"{measured_gpu:.2f} GiB" if measured_gpu is not None else 'n/a (verified on CPU)'}
 (target {config.target_gpu_memory_gib:g} GiB).
 
 ## Files
-- `{quantized_gguf_name(config.quantization)}`: the model for llama.cpp / Ollama / LM Studio
+- `{gguf}`: the model for llama.cpp / Ollama / LM Studio
+- `{MODELFILE}`: `ollama create` reads it (FROM the GGUF beside it, context, stop tokens{', template' if facts.get('family') else ''})
 - `adapter/`: the PEFT LoRA adapter (safetensors)
 - `manifests/<stage>.json`: inputs, outputs (sha256), library versions and figures of each stage
 - `plan.json`, `verify.json`, `manifest.json` (this folder's checksums)
 """
+    return str(ModelCard(f"---\n{card_data(config, metadata, adapter).to_yaml()}\n---\n\n{body}"))
 
 
 def stage_artifact(config, ctx) -> Path:
@@ -80,7 +184,14 @@ def stage_artifact(config, ctx) -> Path:
     shutil.copy(ctx.upstream_dir("plan") / PLAN_FILE, root / PLAN_FILE)
     shutil.copy(ctx.upstream_dir("verify") / VERIFY_FILE, root / VERIFY_FILE)
     verify = json.loads((root / VERIFY_FILE).read_text(encoding="utf-8"))
-    (root / MODEL_CARD).write_text(model_card(config, ctx.upstream, verify), encoding="utf-8")
+    plan = json.loads((root / PLAN_FILE).read_text(encoding="utf-8"))
+    convert_dir = ctx.upstream_dir("convert")
+    facts = json.loads((convert_dir / OLLAMA_FILE).read_text(encoding="utf-8"))
+    metadata = json.loads((convert_dir / GGUF_METADATA_FILE).read_text(encoding="utf-8"))
+    (root / MODELFILE).write_text(
+        ollama.modelfile(gguf, facts, facts.get("stop_tokens") or [], config.target_context), encoding="utf-8"
+    )
+    (root / MODEL_CARD).write_text(model_card(config, ctx.upstream, verify, plan, facts, metadata), encoding="utf-8")
     return root
 
 
@@ -188,7 +299,8 @@ def destination_of(config) -> str:
 # Publish reads these upstream files; the merged weights and the F16 GGUF (tens of GB on a
 # 7B model) only through their manifests, so it does not hash them again.
 CONSUMES = {
-    "plan": (PLAN_FILE,), "train": (ADAPTER_DIR,), "merge": (), "convert": (), "verify": (VERIFY_FILE,),
+    "plan": (PLAN_FILE,), "train": (ADAPTER_DIR,), "merge": (), "convert": (GGUF_METADATA_FILE, OLLAMA_FILE),
+    "verify": (VERIFY_FILE,),
 }
 
 
