@@ -8,6 +8,7 @@ from pathlib import Path
 
 from loraship.config import Config
 from loraship.errors import ConfigError, LorashipError
+from loraship.safetensors_check import safetensors_problem
 
 # What `plan` needs; training needs the weights too.
 METADATA_PATTERNS = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "chat_template*", "*.model"]
@@ -70,25 +71,6 @@ def base_model_problems(config: Config, folder: Path, weights: bool = True) -> l
             problems.append(f"{where}: no weights (*.safetensors)")
         problems += [p for p in map(safetensors_problem, safetensors) if p]
     return problems
-
-
-def safetensors_problem(path: Path) -> str | None:
-    """A truncated or corrupt safetensors file, found from its header without loading tensors."""
-    import struct
-
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > size - 8:
-                raise ValueError("header longer than the file")
-            header = json.loads(f.read(header_len))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        return f"{path}: not a readable safetensors file ({e}); re-download or re-save it"
-    if 8 + header_len + end > size:
-        return f"{path}: truncated ({size} bytes, its header needs {8 + header_len + end}); re-download or re-save it"
-    return None
 
 
 def check_base_model(config: Config, folder: Path, weights: bool = True) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -74,17 +75,49 @@ def workdir_problems(config: Config) -> list[str]:
     return []
 
 
+def outside_link_problems(folder: Path) -> list[str]:
+    """Symlinks in the base model folder that point outside it.
+
+    Stages copy files out of this folder (tokenizer and template files into the merged model,
+    the GGUF and the artifact), so a link to ~/.aws/credentials or /etc/shadow named like a model
+    file would ship whatever it points to. A huggingface_hub cache snapshot is the one layout
+    whose links leave the folder: its files link to ../../blobs of the same repository
+    (https://huggingface.co/docs/huggingface_hub/guides/manage-cache).
+    """
+    if not folder.is_dir():
+        return []  # base_model_problems says the folder does not exist
+    root = folder.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        allowed.append(root.parent.parent / "blobs")
+    outside = []
+    for dirpath, dirnames, filenames in os.walk(folder):  # does not descend into linked folders
+        for name in sorted(dirnames + filenames):
+            link = Path(dirpath) / name
+            if link.is_symlink():
+                target = link.resolve()
+                if not any(target.is_relative_to(a) for a in allowed):
+                    outside.append(f"{link.relative_to(folder)} -> {target}")
+    if not outside:
+        return []
+    shown = ", ".join(outside[:3]) + (f" and {len(outside) - 3} more" if len(outside) > 3 else "")
+    return [f"base_model {str(folder)!r}: {len(outside)} symlink(s) point outside the folder ({shown}); replace each "
+            "link with a copy of the file it should hold (cp -L), or point base_model at the folder holding the real files"]
+
+
 def check_inputs(config: Config) -> Path:
     """Every problem with the run's inputs, raised at once; returns the base model's folder.
 
-    Runs before any training: base model folder (config, tokenizer, safetensors, remote code),
+    Runs before any training: base model folder (links leaving it, config, tokenizer, safetensors
+    headers, remote code),
     GGUF convertibility with the pinned llama.cpp, every dataset line, workdir and output.
     """
     from loraship.llamacpp import check_convertible
     from loraship.models import base_model_problems, resolve_base_model
 
     model_dir = resolve_base_model(config, weights=False)
-    problems = base_model_problems(config, model_dir, weights=config.base_model_is_local())
+    problems = outside_link_problems(model_dir)
+    problems += base_model_problems(config, model_dir, weights=config.base_model_is_local())
     if not problems:
         problems += [f"base model {config.base_model!r}: {p}" for p in check_convertible(model_dir)]
     data_problems = dataset_problems(config)

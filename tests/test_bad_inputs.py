@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import struct
 import subprocess
 import tarfile
 import sys
@@ -235,6 +236,30 @@ def _relative_dataset_missing(cfg, root):
     cfg["datasets"][0]["path"] = "data/nope.jsonl"  # resolved beside the config file, and named so
 
 
+def crafted_safetensors(path: Path, offsets: dict[str, list[int]], data_bytes: int) -> None:
+    """A safetensors file whose header says what we write (F32 tensors of 4 values), data as given."""
+    header = json.dumps({name: {"dtype": "F32", "shape": [2, 2], "data_offsets": o} for name, o in offsets.items()})
+    header += " " * (-len(header) % 8)  # the format pads the header to 8 bytes
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + b"\0" * data_bytes)
+
+
+def _link_outside_model_folder(cfg, root):
+    secret = write(root / "credentials", "[default]\naws_secret_access_key = planted\n")
+    os.symlink(secret, Path(cfg["base_model"]) / "notes.txt")
+
+
+def _safetensors_overlapping_offsets(cfg, root):
+    crafted_safetensors(Path(cfg["base_model"]) / "model.safetensors", {"a": [0, 16], "b": [8, 24]}, 24)
+
+
+def _safetensors_offsets_past_the_data(cfg, root):
+    crafted_safetensors(Path(cfg["base_model"]) / "model.safetensors", {"a": [0, 16], "b": [16, 4096]}, 32)
+
+
+def _safetensors_offsets_reversed(cfg, root):
+    crafted_safetensors(Path(cfg["base_model"]) / "model.safetensors", {"a": [0, 16], "b": [32, 16]}, 32)
+
+
 CASES = [
     ("values out of range", _out_of_range, "lora_r: Input should be greater than or equal to 1"),
     ("model folder without config.json", _no_config_json, "no config.json"),
@@ -281,6 +306,14 @@ CASES = [
     ("no LoRA target modules", _no_target_modules, "list is empty"),
     ("golden prompts file missing", _golden_file_missing, "no-golden.jsonl: file not found"),
     ("relative dataset path missing", _relative_dataset_missing, "data/nope.jsonl: file not found"),
+    ("symlink in the model folder pointing outside it", _link_outside_model_folder,
+     "1 symlink(s) point outside the folder (notes.txt ->"),
+    ("safetensors header with overlapping offsets", _safetensors_overlapping_offsets,
+     "tensors 'a' [0, 16) and 'b' [8, 24) overlap"),
+    ("safetensors header with offsets past the data", _safetensors_offsets_past_the_data,
+     "tensor 'b' has data_offsets [16, 4096] past the end of the data (32 bytes"),
+    ("safetensors header with offsets ending before they begin", _safetensors_offsets_reversed,
+     "tensor 'b' has data_offsets [32, 16], which end before they begin"),
 ]
 
 
@@ -482,3 +515,21 @@ def test_converter_sdist_with_the_pinned_sha256_is_unpacked(tmp_path, local_inde
     folder = llamacpp.fetch_converter(tmp_path / "cache" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}")
     assert sorted(p.name for p in folder.iterdir()) == ["conversion", "convert_hf_to_gguf.py", "gguf-py"]
     assert ran.exists()
+
+
+
+def test_links_of_a_hub_cache_snapshot_are_accepted_and_others_named(tmp_path):
+    """huggingface_hub's cache links snapshots/<rev>/<file> to ../../blobs/<hash>: that stays inside
+    the repository's cache folder; a link from the same snapshot to a file beside the cache does not."""
+    from loraship.preflight import outside_link_problems
+
+    repo = tmp_path / "hub" / "models--org--name"
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    write(repo / "blobs" / "5f1e", "{}")
+    os.symlink("../../blobs/5f1e", snapshot / "config.json")
+    assert outside_link_problems(snapshot) == []
+    os.symlink(write(tmp_path / "hub" / "credentials", "planted"), snapshot / "tokenizer.model")
+    [problem] = outside_link_problems(snapshot)
+    assert f"tokenizer.model -> {tmp_path / 'hub' / 'credentials'}" in problem
