@@ -1,9 +1,11 @@
 """The one pinned llama.cpp: its converter (from the llama-cpp-python sdist) and what it supports.
 
 The converter, quantizer and runtime must be the same llama.cpp version, or the GGUF may not
-load (shared/PITFALLS.md). The quantizer and runtime are the installed llama-cpp-python; the
-converter is `vendor/llama.cpp/convert_hf_to_gguf.py` (+ conversion/, gguf-py/) from the sdist of
-exactly that version, fetched once into LORASHIP_CACHE (or found at LORASHIP_LLAMA_CPP_DIR).
+load (a newer converter can write tensor layouts or pre-tokenizer names an older runtime does not
+know). The quantizer and runtime are the installed llama-cpp-python; the converter is
+`vendor/llama.cpp/convert_hf_to_gguf.py` (+ conversion/, gguf-py/) from the sdist of exactly that
+version, fetched once into LORASHIP_CACHE with its sha256 checked against PyPI's (or found at
+LORASHIP_LLAMA_CPP_DIR).
 """
 
 from __future__ import annotations
