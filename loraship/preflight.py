@@ -95,13 +95,17 @@ def outside_link_problems(folder: Path) -> list[str]:
         for name in sorted(dirnames + filenames):
             link = Path(dirpath) / name
             if link.is_symlink():
-                target = link.resolve()
+                try:
+                    target = link.resolve()
+                except RuntimeError:  # Python 3.11+ raises on a loop of links
+                    outside.append(f"{link.relative_to(folder)} -> a loop of links")
+                    continue
                 if not any(target.is_relative_to(a) for a in allowed):
                     outside.append(f"{link.relative_to(folder)} -> {target}")
     if not outside:
         return []
     shown = ", ".join(outside[:3]) + (f" and {len(outside) - 3} more" if len(outside) > 3 else "")
-    return [f"base_model {str(folder)!r}: {len(outside)} symlink(s) point outside the folder ({shown}); replace each "
+    return [f"base_model {str(folder)!r}: {len(outside)} symlink(s) lead outside the folder ({shown}); replace each "
             "link with a copy of the file it should hold (cp -L), or point base_model at the folder holding the real files"]
 
 

@@ -307,7 +307,7 @@ CASES = [
     ("golden prompts file missing", _golden_file_missing, "no-golden.jsonl: file not found"),
     ("relative dataset path missing", _relative_dataset_missing, "data/nope.jsonl: file not found"),
     ("symlink in the model folder pointing outside it", _link_outside_model_folder,
-     "1 symlink(s) point outside the folder (notes.txt ->"),
+     "1 symlink(s) lead outside the folder (notes.txt ->"),
     ("safetensors header with overlapping offsets", _safetensors_overlapping_offsets,
      "tensors 'a' [0, 16) and 'b' [8, 24) overlap"),
     ("safetensors header with offsets past the data", _safetensors_offsets_past_the_data,
