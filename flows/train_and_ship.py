@@ -75,25 +75,10 @@ def _summary_markdown(stage: str, manifest: dict) -> str:
             + "\n".join(rows) + f"\n\n**Outputs**\n{outputs}\n")
 
 
-def export_secrets(config: Config) -> None:
-    """Credentials from Prefect Secret blocks into this process's environment, nowhere else."""
-    if not config.env_from_secrets:
-        return
-    from prefect.blocks.system import Secret
-
-    for env_var, block in config.env_from_secrets.items():
-        try:
-            os.environ[env_var] = str(Secret.load(block).get())
-        except ValueError as e:
-            raise LorashipError(f"env_from_secrets: Prefect Secret block {block!r} for {env_var} not found; "
-                                f"create it with `prefect block create secret` or remove the entry") from e
-
-
 @task(name="stage", task_run_name="{stage}", cache_policy=NO_CACHE)
 def stage_task(stage: str, config: Config):
     logger = get_run_logger()
     try:
-        export_secrets(config)
         with gpu_slot(stage):
             manifest = importlib.import_module(f"tasks.{stage}").run(config)
     except LorashipError as e:

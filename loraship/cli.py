@@ -182,10 +182,13 @@ def run(
         config = _load(config_path, set_)
         stages = select_stages(config, config_path, only, start)
         if "plan" in stages:
-            # Every input problem is reported here, before Prefect or a GPU is involved.
+            # Every input problem is reported here, before Prefect or a GPU is involved; with the
+            # config's secrets in the environment (a gated hub model needs its token to be checked).
+            from loraship.prefect_env import secret_env
             from loraship.preflight import check_inputs
 
-            check_inputs(config)
+            with secret_env(config.env_from_secrets):
+                check_inputs(config)
     from flows.train_and_ship import train_and_ship
 
     state = train_and_ship(config, stages=None if stages == list(STAGES) else stages, return_state=True)

@@ -71,3 +71,38 @@ def test_missing_block_is_a_clear_error(stage, tmp_path, monkeypatch):
     with pytest.raises(LorashipError, match="Secret block 'nope' for LORASHIP_TEST_TOKEN not found"):
         stage.run(config(tmp_path, env_from_secrets={"LORASHIP_TEST_TOKEN": "nope"}))
     assert "LORASHIP_TEST_TOKEN" not in os.environ
+
+
+def test_cli_preflight_sees_the_secret_and_leaves_none_behind(tmp_path, monkeypatch):
+    """`loraship run` checks inputs (a gated hub model needs its token) before Prefect runs a stage:
+    the secret must be in the environment for that check, and gone after it."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from loraship import cli, preflight
+
+    seen = {}
+
+    def check_inputs(config):
+        seen["token"] = os.environ.get("LORASHIP_TEST_TOKEN")
+        raise LorashipError("stop after the check")
+
+    monkeypatch.setattr(prefect_env, "_load_secret", lambda block: PLANTED)
+    monkeypatch.setattr(preflight, "check_inputs", check_inputs)
+    monkeypatch.delenv("LORASHIP_TEST_TOKEN", raising=False)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config(tmp_path, env_from_secrets={"LORASHIP_TEST_TOKEN": "test-token"})
+                                   .model_dump(mode="json")))
+    result = CliRunner().invoke(cli.app, ["run", str(path)])
+    assert result.exit_code == 2 and "stop after the check" in result.output
+    assert seen["token"] == PLANTED
+    assert "LORASHIP_TEST_TOKEN" not in os.environ
+
+
+def test_flow_does_not_export_secrets_itself():
+    """Only a stage holds secrets (loraship.stage.exclusive); the flow process keeps none."""
+    import inspect
+
+    import flows.train_and_ship as flow
+
+    assert "Secret" not in inspect.getsource(flow) and "env_from_secrets" not in inspect.getsource(flow)
