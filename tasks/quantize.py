@@ -12,6 +12,7 @@ from pathlib import Path
 from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, GGUF_KEY_FILE_TYPE, quantized_gguf_name
 from loraship.gguf_info import read_gguf, read_gguf_of_type
 from loraship.proc import write_with_tool
+from loraship.resources import cpu_count
 from loraship.preflight import check_free_disk
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
@@ -21,19 +22,22 @@ FIELDS = ("quantization",)
 TIMEOUT_S = 4 * 3600
 
 _WORKER = """
-import os, sys, llama_cpp
-src, dst, ftype = sys.argv[1], sys.argv[2], int(sys.argv[3])
+import sys, llama_cpp
+src, dst, ftype, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 params = llama_cpp.llama_model_quantize_default_params()
 params.ftype = ftype
-params.nthread = os.cpu_count() or 1
+params.nthread = threads
 rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
 sys.exit(rc)
 """
 
 
 def quantize(src: Path, dst: Path, quantization: str) -> None:
+    # Threads from the CPU quota and affinity, not the host's core count: in a pod limited to 8 CPUs
+    # on a 128-core node, 128 threads would thrash.
     write_with_tool(
-        lambda tmp: [sys.executable, "-c", _WORKER, str(src), str(tmp), str(GGUF_FILE_TYPES[quantization])],
+        lambda tmp: [sys.executable, "-c", _WORKER, str(src), str(tmp), str(GGUF_FILE_TYPES[quantization]),
+                     str(cpu_count())],
         dst, f"llama_model_quantize to {quantization}", TIMEOUT_S,
     )
 
