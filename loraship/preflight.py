@@ -13,9 +13,13 @@ from loraship.errors import ConfigError, LorashipError
 
 
 def output_problems(config: Config) -> list[str]:
-    """Can we write where the artifact goes (local folder or fsspec URL)?"""
+    """Can we write where the artifact goes (local folder, fsspec URL or Hugging Face Hub repository)?"""
     import fsspec
 
+    from loraship import hub
+
+    if hub.is_hub_repo(config.output):
+        return hub.output_problems(config.output)
     target = f"{config.output.rstrip('/')}/{config.run_name}"
     try:
         fs, path = fsspec.core.url_to_fs(target)

@@ -5,7 +5,8 @@ plan.json, verify.json and a model card (huggingface_hub's ModelCard: YAML front
 run it with llama-server and Ollama, the strategy that really trained, memory and verify figures). Files are uploaded first and manifest.json last, so a destination with a manifest
 is complete; local destinations get each file under a temporary name, then renamed. Every file
 is read back from the destination (size and sha256); a rerun sends only what is missing or
-differs there, and removes what this artifact no longer ships.
+differs there, and removes what this artifact no longer ships. An `hf://<namespace>/<repo>` output
+is a Hugging Face Hub repository, published in one atomic commit (loraship/hub.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from loraship import ollama
+from loraship import hub, ollama
 from loraship.constants import (
     ADAPTER_DIR, GGUF_METADATA_FILE, MANIFEST_NAME, MODEL_CARD, MODELFILE, OLLAMA_FILE, PLAN_FILE, STAGES, VERIFY_FILE,
     quantized_gguf_name,
@@ -293,7 +294,18 @@ def _put(fs, src: Path, dst: str, local: bool) -> None:
 
 
 def destination_of(config) -> str:
+    """`output/<run_name>`; a Hub repository is the destination itself, so its top-level README.md is
+    the model card the Hub renders (loraship/hub.py)."""
+    if hub.is_hub_repo(config.output):
+        return config.output.rstrip("/")
     return f"{config.output.rstrip('/')}/{config.run_name}"
+
+
+def send(root: Path, files: dict, destination: str, cache: DigestCache, run_name: str) -> dict:
+    """Publish to a Hub repository or any fsspec destination."""
+    if hub.is_hub_repo(destination):
+        return hub.sync(root, files, destination, run_name)
+    return sync(root, files, destination, cache)
 
 
 # Publish reads these upstream files; the merged weights and the F16 GGUF (tens of GB on a
@@ -314,7 +326,7 @@ def run(config) -> dict:
         # The stage folder still holds the artifact it published; the destination may not (an
         # interrupted upload, a deleted or altered object): put back whatever differs.
         root = ctx.dir / "artifact"
-        sync(root, ctx.done["metrics"]["artifact_files"], destination, cache)
+        send(root, ctx.done["metrics"]["artifact_files"], destination, cache, config.run_name)
         return ctx.done
     reset_dir(ctx)
     root = stage_artifact(config, ctx)
@@ -328,9 +340,10 @@ def run(config) -> dict:
         "files": files,
     }
     atomic_write_json(root / MANIFEST_NAME, published)
-    sent = sync(root, files, destination, cache)
+    sent = send(root, files, destination, cache, config.run_name)
     return ctx.finish({"destination": destination, "files": len(files), "files_sha256": sha256_json(files),
-                       "artifact_files": files, "uploaded": len(sent["uploaded"]), "removed": sent["removed"]})
+                       "artifact_files": files, "uploaded": len(sent["uploaded"]), "removed": sent["removed"],
+                       **({"hub_commit": sent["commit"]} if "commit" in sent else {})})
 
 
 if __name__ == "__main__":
