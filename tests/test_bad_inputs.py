@@ -260,6 +260,25 @@ def _safetensors_offsets_reversed(cfg, root):
     crafted_safetensors(Path(cfg["base_model"]) / "model.safetensors", {"a": [0, 16], "b": [32, 16]}, 32)
 
 
+def _hf_output_without_token(cfg, root):
+    cfg["output"] = "hf://alice/tiny-model"
+
+
+# Environment of the run (a breaker's `env`): no HF_TOKEN and no stored `hf auth login` token.
+_hf_output_without_token.env = {"HF_TOKEN": "", "HF_TOKEN_PATH": "no-stored-token"}
+
+
+def _hf_output_offline(cfg, root):
+    cfg["output"] = "hf://alice/tiny-model"
+
+
+_hf_output_offline.env = {"HF_TOKEN": "hf_not_a_real_token", "HF_HUB_OFFLINE": "1"}
+
+
+def _hf_output_a_space(cfg, root):
+    cfg["output"] = "hf://spaces/alice/demo"
+
+
 CASES = [
     ("values out of range", _out_of_range, "lora_r: Input should be greater than or equal to 1"),
     ("model folder without config.json", _no_config_json, "no config.json"),
@@ -314,6 +333,11 @@ CASES = [
      "tensor 'b' has data_offsets [16, 4096] past the end of the data (32 bytes"),
     ("safetensors header with offsets ending before they begin", _safetensors_offsets_reversed,
      "tensor 'b' has data_offsets [32, 16], which end before they begin"),
+    # issue 11: publish to the Hugging Face Hub (a token that cannot write: tests/test_publish_hub.py)
+    ("hf:// output without a token", _hf_output_without_token,
+     "no Hugging Face token to publish with; set HF_TOKEN to a token with write access"),
+    ("hf:// output while the Hub is switched off", _hf_output_offline, "HF_HUB_OFFLINE is set"),
+    ("hf:// output naming a Space", _hf_output_a_space, "a space repository holds an app or code"),
 ]
 
 
@@ -358,7 +382,7 @@ def test_bad_input_is_reported_clearly(tmp_path, name, breaker, expected):
     config_file = write(tmp_path / "config.yaml", text if text is not None else yaml.safe_dump(cfg))
     result = subprocess.run(
         [sys.executable, "-m", "loraship.cli", "run", str(config_file)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        capture_output=True, text=True, cwd=tmp_path, timeout=300, env={**os.environ, **getattr(breaker, "env", {})},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
