@@ -162,7 +162,12 @@ class Config(BaseModel):
         "secrets never reach logs, manifests or model cards.",
     )
     workdir: str = Field(".loraship/work", description="Local folder for stage outputs (checkpoints, merged model, F16 GGUF).")
-    output: str = Field("artifacts", description="Where publish puts the artifact: a local folder or any fsspec URL (s3://...).")
+    output: str = Field(
+        "artifacts",
+        description="Where publish puts the artifact, under run_name: a local folder or any fsspec URL (s3://...); or a "
+        "Hugging Face Hub repository, hf://<namespace>/<repo>[@<branch>][/<folder>], which holds the artifact itself "
+        "(token: HF_TOKEN, e.g. through env_from_secrets).",
+    )
 
     @field_validator("lora_target_modules")
     @classmethod
