@@ -203,7 +203,8 @@ def sync(root: Path, files: dict, url: str, run_name: str = "") -> dict:
             return {"uploaded": [], "removed": [], "commit": parent}
         commit = api.upload_folder(
             repo_id=target.repo_id, repo_type=target.repo_type, revision=target.revision, folder_path=str(root),
-            path_in_repo=target.path or None, allow_patterns=[_pattern(r) for r in stale] or None,
+            # An empty list sends nothing (None would send the whole folder).
+            path_in_repo=target.path or None, allow_patterns=[_pattern(r) for r in stale],
             delete_patterns=[_pattern(r) for r in extra] or None, parent_commit=parent,
             commit_message=f"loraship: publish {run_name or 'artifact'} ({len(stale)} file(s) sent, {len(extra)} removed)",
         )

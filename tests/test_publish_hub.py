@@ -250,6 +250,15 @@ def test_files_this_artifact_no_longer_ships_are_deleted_in_the_same_commit(tmp_
     assert set(held(fake_hub)) == {*files, MANIFEST_NAME, ".gitattributes"}  # the Hub's own file kept
 
 
+def test_a_file_added_on_the_hub_is_removed_and_nothing_sent(tmp_path, fake_hub):
+    files = artifact(tmp_path / "a")
+    hub.sync(tmp_path / "a", files, "hf://alice/tiny", "tiny")
+    (fake_hub.folder("alice/tiny") / "adapter" / "optimizer.pt").write_bytes(b"left by hand")
+    sent = hub.sync(tmp_path / "a", files, "hf://alice/tiny", "tiny")
+    assert sent == {"uploaded": [], "removed": ["adapter/optimizer.pt"], "commit": sent["commit"]}
+    assert fake_hub.committed == {"added": [], "deleted": ["adapter/optimizer.pt"]}
+
+
 def test_revision_and_folder_of_the_url_are_honoured(tmp_path, fake_hub):
     files = artifact(tmp_path / "a")
     fake_hub.create_repo("alice/tiny", exist_ok=True)
