@@ -303,6 +303,16 @@ def test_no_token_is_a_plan_time_problem(fake_hub, monkeypatch, tmp_path):
         hub.sync(tmp_path, {}, "hf://alice/tiny")
 
 
+def test_token_from_a_prefect_secret_block_through_env_from_secrets(fake_hub, monkeypatch):
+    from loraship import prefect_env
+
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr(prefect_env, "_load_secret", lambda block: {"hf-write": "hf_from_the_block"}[block])
+    with prefect_env.secret_env({"HF_TOKEN": "hf-write"}):
+        assert hub.output_problems("hf://alice/tiny") == []
+    assert fake_hub.tokens == ["hf_from_the_block"] and "HF_TOKEN" not in os.environ
+
+
 def test_token_that_cannot_write_to_the_repository(fake_hub):
     fake_hub.someone_elses_repo("bob/their-model")  # exists; alice is no member of bob
     [problem] = hub.output_problems("hf://bob/their-model")
