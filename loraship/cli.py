@@ -1043,7 +1043,9 @@ def gitops(
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING)
+    # Other libraries at WARNING; loraship's own loggers at INFO: its stages' live progress.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("loraship").setLevel(logging.INFO)
     try:
         app()
     except LorashipError as e:  # anything not caught in a command

@@ -5,10 +5,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 from loraship.errors import LorashipError
 from loraship.manifest import atomic_path
@@ -48,13 +53,24 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def run_child(cmd: list[str], timeout: float, what: str) -> subprocess.CompletedProcess:
+def run_child(cmd: list[str], timeout: float, what: str, extra_env: dict[str, str] | None = None,
+              on_line: Callable[[str], None] | None = None) -> subprocess.CompletedProcess:
     """Run cmd in its own session with an explicit environment; on timeout, an error or an
-    interrupt of the stage, kill its whole process group."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-                            start_new_session=True, preexec_fn=_child_setup)
+    interrupt of the stage, kill its whole process group.
+
+    on_line: called in this thread with every line the child prints (stdout and stderr, split at
+    \\n and \\r, which tqdm's bars use), as it prints it: the stage's live progress.
+    """
+    if on_line is not None:
+        # A Python child writes its stdout through as it goes, not in 8 KiB blocks at the end.
+        extra_env = {"PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=on_line is None,
+                            env=child_env(extra_env), start_new_session=True, preexec_fn=_child_setup)
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        if on_line is None:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        else:
+            stdout, stderr = _stream(proc, time.monotonic() + timeout, on_line)
     except subprocess.TimeoutExpired as e:
         _kill_group(proc)
         raise LorashipError(f"{what} did not finish within {timeout} s; it was stopped. "
@@ -68,13 +84,65 @@ def run_child(cmd: list[str], timeout: float, what: str) -> subprocess.Completed
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def write_with_tool(cmd_for, out_file: Path, what: str, timeout: float) -> None:
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def _read_pipe(pipe, name: str, lines: queue.Queue) -> None:
+    """Drain one pipe as fast as the child writes it (a full pipe would block the child), handing
+    complete lines to the queue; None when the pipe closed."""
+    pending = b""
+    for chunk in iter(lambda: pipe.read1(65536), b""):
+        pending += chunk
+        *complete, pending = _LINE_END.split(pending)
+        for line in complete:
+            lines.put((name, line))
+    if pending:
+        lines.put((name, pending))
+    lines.put((name, None))
+
+
+def _stream(proc: subprocess.Popen, deadline: float, on_line: Callable[[str], None]) -> tuple[str, str]:
+    """Both pipes read by threads; on_line called here, in the stage's thread, where its Prefect run
+    context lives. Raises TimeoutExpired after the deadline."""
+    lines: queue.Queue = queue.Queue()
+    readers = [threading.Thread(target=_read_pipe, args=(pipe, name, lines), daemon=True)
+               for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
+    for reader in readers:
+        reader.start()
+    text: dict[str, list[str]] = {"stdout": [], "stderr": []}
+    open_pipes = len(readers)
+    while open_pipes:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise subprocess.TimeoutExpired(proc.args, 0)
+        try:
+            name, raw = lines.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            if proc.poll() is not None:
+                # Exited, but a grandchild still holds the pipes open: end it so they close.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            continue
+        if raw is None:
+            open_pipes -= 1
+            continue
+        line = raw.decode("utf-8", errors="replace")
+        if line.strip():
+            text[name].append(line)
+            on_line(line)
+    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    return "\n".join(text["stdout"]), "\n".join(text["stderr"])
+
+
+def write_with_tool(cmd_for, out_file: Path, what: str, timeout: float,
+                    on_line: Callable[[str], None] | None = None) -> None:
     """Run cmd_for(tmp_path) in a child process that writes tmp_path; rename it to out_file on success.
 
     A timeout here, not in Prefect: a task timeout cannot interrupt blocking native code.
+    on_line: see run_child.
     """
     with atomic_path(out_file) as tmp:
-        result = run_child(cmd_for(tmp), timeout, what)
+        result = run_child(cmd_for(tmp), timeout, what, on_line=on_line)
         if result.returncode != 0 or not tmp.is_file():
             tail = "\n".join(result.stderr.strip().splitlines()[-15:])
             raise LorashipError(f"{what} failed (exit {result.returncode}):\n{tail}")

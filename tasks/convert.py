@@ -24,6 +24,7 @@ from loraship.gguf_info import read_gguf_of_type
 from loraship.llamacpp import converter_dir
 from loraship.manifest import atomic_write_json
 from loraship.proc import write_with_tool
+from loraship.progress import LlamaCppProgress, artifact_key
 from loraship.preflight import check_free_disk
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
@@ -34,13 +35,17 @@ TIMEOUT_S = 4 * 3600
 log = logging.getLogger("loraship.convert")
 
 
-def convert(merged_dir: Path, out_file: Path, outtype: str = "f16", metadata: Path | None = None) -> None:
+def convert(merged_dir: Path, out_file: Path, outtype: str = "f16", metadata: Path | None = None,
+            progress_key: str | None = None) -> None:
+    """progress_key: the Prefect progress artifact's key (loraship/progress.py) inside a flow run."""
     script = converter_dir() / "convert_hf_to_gguf.py"
     extra = ["--metadata", str(metadata)] if metadata else []
+    progress = LlamaCppProgress(STAGE, log, key=progress_key)
     write_with_tool(
         lambda tmp: [sys.executable, str(script), str(merged_dir), "--outfile", str(tmp), "--outtype", outtype, *extra],
-        out_file, f"convert_hf_to_gguf.py on {merged_dir}", TIMEOUT_S,
+        out_file, f"convert_hf_to_gguf.py on {merged_dir}", TIMEOUT_S, on_line=progress,
     )
+    progress.close()
 
 
 def base_label(base_model: str) -> str:
@@ -118,7 +123,8 @@ def run(config) -> dict:
     facts = ollama_facts(merged)
     atomic_write_json(ctx.dir / OLLAMA_FILE, facts)
     out = ctx.dir / F16_GGUF
-    convert(merged, out, metadata=ctx.dir / GGUF_METADATA_FILE)
+    convert(merged, out, metadata=ctx.dir / GGUF_METADATA_FILE,
+            progress_key=artifact_key(config.run_name, STAGE, "progress"))
     info = read_gguf_of_type(out, "F16")
     from gguf import Keys
 
