@@ -12,10 +12,12 @@ fails with the child's error when the child fails (run_deployment alone would no
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import importlib
 import os
 import re
+from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -75,6 +77,27 @@ def _summary_markdown(stage: str, manifest: dict) -> str:
             + "\n".join(rows) + f"\n\n**Outputs**\n{outputs}\n")
 
 
+# A PNG up to this size goes into its artifact as a data: URI (the train stage's are ~50 KB); a larger
+# one is linked by its path, so an artifact never carries megabytes into the Prefect database.
+INLINE_IMAGE_BYTES = 1 << 20
+
+
+def _figures_markdown(stage: str, manifest: dict) -> str | None:
+    """The stage's PNG outputs (the train stage's loss curves and memory plan), embedded."""
+    folder = Path(manifest["_dir"])
+    pictures = [rel for rel in manifest.get("outputs", {}) if rel.endswith(".png") and (folder / rel).is_file()]
+    if not pictures:
+        return None
+    parts = [f"### {stage}: figures"]
+    for rel in pictures:
+        path = folder / rel
+        data = path.read_bytes()
+        source = (f"data:image/png;base64,{base64.b64encode(data).decode('ascii')}"
+                  if len(data) <= INLINE_IMAGE_BYTES else path.as_uri())
+        parts.append(f"**{rel}** (`{path}`)\n\n![{rel}]({source})")
+    return "\n\n".join(parts) + "\n"
+
+
 @task(name="stage", task_run_name="{stage}", cache_policy=NO_CACHE)
 def stage_task(stage: str, config: Config):
     logger = get_run_logger()
@@ -94,6 +117,10 @@ def stage_task(stage: str, config: Config):
         markdown=_summary_markdown(stage, manifest),
         description=f"loraship {stage} for run {config.run_name}",
     )
+    figures = _figures_markdown(stage, manifest)
+    if figures:
+        create_markdown_artifact(key=_artifact_key(config.run_name, f"{stage}-figures"), markdown=figures,
+                                 description=f"loraship {stage} figures for run {config.run_name}")
     return {"stage": stage, "skipped": bool(manifest.get("_skipped")), "dir": manifest["_dir"],
             "metrics": manifest.get("metrics", {})}
 

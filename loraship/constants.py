@@ -11,6 +11,9 @@ STRATEGY_FILE = "strategy.json"  # the part of the plan that training depends on
 ADAPTER_DIR = "adapter"
 CHECKPOINTS_DIR = "checkpoints"
 LOSS_HISTORY_FILE = "loss_history.jsonl"
+# The train stage's pictures (loraship/plots.py), outputs of its manifest.
+LOSS_PLOT_FILE = "loss_curves.png"
+MEMORY_PLOT_FILE = "memory_plan.png"
 MERGED_DIR = "merged"
 PROBE_FILE = "probe.json"
 F16_GGUF = "model-F16.gguf"

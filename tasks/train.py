@@ -22,7 +22,10 @@ import time
 from pathlib import Path
 
 from loraship import memory
-from loraship.constants import ADAPTER_DIR, CHECKPOINTS_DIR, LOSS_HISTORY_FILE, PLAN_FILE, STRATEGY_FILE
+from loraship import plots
+from loraship.constants import (
+    ADAPTER_DIR, CHECKPOINTS_DIR, LOSS_HISTORY_FILE, LOSS_PLOT_FILE, MEMORY_PLOT_FILE, PLAN_FILE, STRATEGY_FILE,
+)
 from loraship.chat import use_configured_template
 from loraship.data import IGNORE_INDEX, load_splits
 from loraship.errors import LorashipError
@@ -30,6 +33,7 @@ from loraship.manifest import atomic_path, atomic_write_json, atomic_write_text,
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, torch_load_kwargs
 from loraship.packing import collate_packed, epoch_steps, packing_unsupported, steps_per_epoch
 from loraship.packing import collate_padded as collate  # tasks/merge.py batches its probe with it
+from loraship.progress import Progress, artifact_key
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "train"
@@ -110,7 +114,8 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     return model
 
 
-def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, device: str) -> float | None:
+def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, device: str,
+             progress: Progress | None = None) -> float | None:
     """Mean loss per target token over the eval split."""
     import torch
 
@@ -119,13 +124,17 @@ def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, device: 
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    batches = math.ceil(len(examples) / batch_size)
     with torch.no_grad():
-        for i in range(0, len(examples), batch_size):
+        for batch, i in enumerate(range(0, len(examples), batch_size), start=1):
             ids, labels, mask = (t.to(device) for t in collate(examples[i : i + batch_size], pad_id))
             n = int((labels[:, 1:] != IGNORE_INDEX).sum())
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             total += float(loss) * n
             count += n
+            if progress is not None:
+                progress.update(batch, f"batch {batch}/{batches}, loss so far {total / max(count, 1):.4f}",
+                                total=batches)
     model.train(was_training)
     return total / max(count, 1)
 
@@ -227,6 +236,17 @@ def release_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def gpu_memory_text(device: str) -> str:
+    """The CUDA caching allocator's figures for a progress line ('' on the CPU)."""
+    if device != "cuda":
+        return ""
+    import torch
+
+    gib = 2**30
+    return (f", GPU {torch.cuda.memory_allocated() / gib:.1f} GiB allocated, {torch.cuda.memory_reserved() / gib:.1f} "
+            f"reserved (peak {torch.cuda.max_memory_reserved() / gib:.1f})")
+
+
 def peak_memory(device: str) -> dict:
     if device != "cuda":
         return {}
@@ -254,7 +274,9 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(config, total_steps))
 
     eval_batch = max(1, micro)
-    eval_before = evaluate_base(model, evaluation.examples, eval_batch, pad_id, device)
+    eval_key = artifact_key(config.run_name, STAGE, "eval-progress")
+    eval_before = evaluate_base(model, evaluation.examples, eval_batch, pad_id, device,
+                                Progress("train: eval before (base model)", None, log, key=eval_key))
     eval_peak = peak_memory(device)
     # The evaluation's activations and logits are free now; hand their cached blocks back so that
     # training's own peak, not the eval's leftovers, shapes the allocator's segments.
@@ -265,6 +287,7 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     tokens_seen, started = 0, time.perf_counter()
+    progress = Progress("train", total_steps, log, key=artifact_key(config.run_name, STAGE, "progress"))
     steps: tuple[int, list] = (-1, [])
     while step < total_steps:
         epoch, within = divmod(step, per_epoch)
@@ -287,13 +310,17 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        elapsed = time.perf_counter() - started
+        progress.update(step, f"step {step}/{total_steps}, loss {step_loss:.4f}, "
+                              f"{tokens_seen / max(elapsed, 1e-9):,.0f} tokens/s{gpu_memory_text(device)}")
         if step % config.logging_steps == 0 or step == total_steps:
             history.append({"step": step, "epoch": epoch, "loss": round(step_loss, 6), "lr": scheduler.get_last_lr()[0]})
         if step % config.save_steps == 0 and step < total_steps:
             save_checkpoint(checkpoints, model, optimizer, scheduler, step, history)
     seconds = time.perf_counter() - started
     measured = peak_memory(device)
-    eval_after = evaluate(model, evaluation.examples, eval_batch, pad_id, device)
+    eval_after = evaluate(model, evaluation.examples, eval_batch, pad_id, device,
+                          Progress("train: eval after", None, log, key=eval_key))
     with atomic_path(ctx.dir / ADAPTER_DIR) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         # The tokenizer the adapter was trained with, chat template included (the config's, if set):
@@ -318,10 +345,10 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
     }
 
 
-def evaluate_base(model, examples, batch_size, pad_id, device):
+def evaluate_base(model, examples, batch_size, pad_id, device, progress: Progress | None = None):
     """Eval loss of the base model alone: the adapter switched off."""
     with model.disable_adapter():
-        return evaluate(model, examples, batch_size, pad_id, device)
+        return evaluate(model, examples, batch_size, pad_id, device, progress)
 
 
 # Messages of out-of-memory errors that do not arrive as torch.OutOfMemoryError: a cudaMalloc outside
@@ -394,11 +421,25 @@ def describe_strategy(strategy: dict, n_layers: int | None) -> str:
             f"gradient checkpointing {'on' if strategy['gradient_checkpointing'] else 'off'}")
 
 
+def draw_figures(config, folder: Path, result: dict, predicted: dict, device: str, trained_as: str) -> list[str]:
+    """The loss curves and the memory plan as PNGs in the stage folder (outputs of its manifest)."""
+    history = [json.loads(line) for line in (folder / LOSS_HISTORY_FILE).read_text(encoding="utf-8").splitlines()]
+    plots.loss_curves(history, folder / LOSS_PLOT_FILE, eval_before=result["eval_loss_before"],
+                      eval_after=result["eval_loss_after"], steps=result["steps"],
+                      title=f"{config.run_name}: loss ({trained_as})")
+    # The budget line only where a GPU measured something: on the CPU it would dwarf the predicted bar.
+    plots.memory_plan(predicted, result["measured_memory"], folder / MEMORY_PLOT_FILE, device=device,
+                      budget_gib=config.gpu_memory_gib if device == "cuda" else None,
+                      title=f"{config.run_name}: training memory, plan vs measured ({trained_as})")
+    return [LOSS_PLOT_FILE, MEMORY_PLOT_FILE]
+
+
 @exclusive
 def run(config) -> dict:
     ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, depends_on=DEPENDS_ON)
     if ctx.done:
         return ctx.done
+    plots.require_matplotlib()
     # Keep checkpoints only when they belong to these exact inputs (resume after a crash).
     marker = ctx.dir / CHECKPOINTS_DIR / "fingerprint"
     keep = (CHECKPOINTS_DIR,) if marker.is_file() and marker.read_text() == ctx.fingerprint else ()
@@ -489,6 +530,7 @@ def run(config) -> dict:
         "predicted_reserved_gib": predicted.get("predicted_reserved_gib"),
         "predicted_allocated_gib": predicted.get("predicted_allocated_gib"),
         "data_fingerprint": sha256_json([e["input_ids"] for e in train.examples]),
+        "figures": draw_figures(config, ctx.dir, result, predicted, device, f"{strategy['adapter']} on {device}"),
     }
     atomic_write_json(ctx.dir / "train_metrics.json", metrics)
     return ctx.finish(metrics, outputs=None)
