@@ -24,6 +24,7 @@ from loraship.errors import IntegrityError, LorashipError
 from loraship.manifest import atomic_path, atomic_write_json
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, weight_files
 from loraship.preflight import check_free_disk
+from loraship.progress import Progress
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "merge"
@@ -61,7 +62,9 @@ def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: s
     deltas, scale = lora_deltas(adapter_dir)
     remaining = set(deltas)
     shards = weight_files(base_dir)
-    for shard in shards:
+    sizes = [shard.stat().st_size for shard in shards]
+    progress = Progress(STAGE, sum(sizes), log)  # by bytes: shards differ in size
+    for i, shard in enumerate(shards):
         merged = {}
         try:
             with safe_open(shard, framework="pt") as f:
@@ -75,6 +78,7 @@ def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: s
         except Exception as e:  # safetensors raises its own error types for truncated files
             raise IntegrityError(f"{shard}: cannot read base weights ({e}); the file is truncated or corrupt") from e
         save_file(merged, out_dir / shard.name, metadata={"format": "pt"})
+        progress.update(sum(sizes[: i + 1]), f"shard {i + 1}/{len(shards)} ({shard.name})")
     if remaining:
         raise LorashipError(f"adapter weights with no matching base weight: {sorted(remaining)[:5]}; wrong base model?")
     index = base_dir / "model.safetensors.index.json"

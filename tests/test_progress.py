@@ -281,6 +281,13 @@ def test_train_stage_writes_its_pictures_as_manifest_outputs(tiny_model, tmp_pat
     assert any(m.startswith("train: eval before (base model): batch 1/1") for m in said), said
     assert any(m.startswith("train: eval after: batch 1/1") for m in said), said
 
+    # Merge reports its shards (the tiny model has one).
+    from tasks.merge import merge_shards
+
+    (tmp_path / "merged").mkdir()
+    merge_shards(tiny_model, folder / "adapter", tmp_path / "merged")
+    assert messages(caplog, "loraship.merge") == ["merge: shard 1/1 (model.safetensors), 100%"]
+
     # The flow attaches the same pictures to a Prefect markdown artifact, embedded as data: URIs.
     from flows.train_and_ship import _figures_markdown
 
