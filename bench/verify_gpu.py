@@ -49,18 +49,30 @@ def build_random_model(shape: str, tokenizer_dir: Path, out: Path) -> None:
         {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643}))
 
 
-def llama_buffers(gguf: Path, n_ctx: int) -> dict:
-    """llama.cpp's own report of its GPU buffers (MiB), from a verbose load in a child process."""
-    code = (f"from llama_cpp import Llama; Llama(model_path={str(gguf)!r}, n_ctx={n_ctx}, n_gpu_layers=-1, "
-            "logits_all=True, verbose=True)")
-    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stderr
+def llama_buffers(log: str) -> dict:
+    """llama.cpp's own report of its GPU buffers (MiB), from verify's verbose load."""
     found = {}
     for what, pattern in (("model", r"CUDA0 model buffer size\s*=\s*([\d.]+) MiB"),
                           ("kv", r"CUDA0 KV buffer size\s*=\s*([\d.]+) MiB"),
-                          ("compute", r"CUDA0 compute buffer size\s*=\s*([\d.]+) MiB")):
-        values = [float(v) for v in re.findall(pattern, err)]
+                          ("compute", r"CUDA0 compute buffer size\s*=\s*([\d.]+) MiB"),
+                          ("host_compute", r"CUDA_Host compute buffer size\s*=\s*([\d.]+) MiB")):
+        values = [float(v) for v in re.findall(pattern, log)]
         found[f"{what}_mib"] = sum(values) if values else None
     return found
+
+
+def prune(config, stage: str, base: Path) -> None:
+    """Delete what no later stage reads once `stage` has finished (the manifests stay)."""
+    from loraship.constants import F16_GGUF, MERGED_DIR
+    from loraship.stage import stage_dir
+
+    if stage == "merge":
+        shutil.rmtree(base, ignore_errors=True)
+    elif stage == "convert":
+        for weights in (stage_dir(config, "merge") / MERGED_DIR).glob("*.safetensors"):
+            weights.unlink()
+    elif stage == "quantize":
+        (stage_dir(config, "convert") / F16_GGUF).unlink(missing_ok=True)
 
 
 def main() -> None:
@@ -71,6 +83,12 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--root", type=Path, default=Path("/tmp/verify-bench"))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--base-dir", type=Path, help="where the random base model is saved (default ROOT/base; "
+                        "/dev/shm keeps a 14B's 30 GB off a small disk)")
+    parser.add_argument("--prune", action="store_true",
+                        help="delete each large file once no later stage reads it (base after merge, merged "
+                             "weights after convert, F16 GGUF after quantize): a 14B chain holds about 100 GB "
+                             "otherwise, more than the lent machine's 64 GiB disk")
     args = parser.parse_args()
 
     from loraship.config import parse_config
@@ -86,9 +104,10 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(row, indent=2))
 
-    base = args.root / "base"
+    base = args.base_dir or args.root / "base"
     started = time.perf_counter()
-    build_random_model(args.shape, args.tokenizer, base)
+    if not (base / "config.json").is_file():  # a rerun on the same machine resumes the chain
+        build_random_model(args.shape, args.tokenizer, base)
     row["build_seconds"] = round(time.perf_counter() - started, 1)
     save()
     config = parse_config({
@@ -106,16 +125,31 @@ def main() -> None:
     # one process crashed verify here (a segfault at load).
     config_file = args.root / "config.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    # verify loads llama.cpp verbosely (its buffer sizes are parsed below) under faulthandler; its whole
+    # log is kept beside the results, since a native crash says nothing in a traceback.
+    log_file = args.out.with_suffix(".verify.log")
     for stage in STAGES[:-1]:
+        wait_for = os.environ.get("LORASHIP_BENCH_WAIT_FOR")
+        if stage in ("quantize", "verify") and wait_for:
+            # llama-cpp-python's CUDA build running beside the chain in the same device call
+            started = time.perf_counter()
+            while not Path(wait_for).exists() and time.perf_counter() - started < 900:
+                time.sleep(2)
+            row.setdefault("waited_for_llama_build_s", round(time.perf_counter() - started, 1))
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", f"tasks.{stage}", str(config_file)], cwd=REPO,
-                              capture_output=True, text=True)
+        env = dict(os.environ, LORASHIP_LLAMA_VERBOSE="1") if stage == "verify" else None
+        done = subprocess.run([sys.executable, "-X", "faulthandler", "-m", f"tasks.{stage}", str(config_file)],
+                              cwd=REPO, capture_output=True, text=True, env=env)
         row["stage_seconds"][stage] = round(time.perf_counter() - started, 1)
+        if stage == "verify":
+            log_file.write_text(done.stdout + done.stderr)
         if done.returncode != 0:
-            row[f"{stage}_error"] = (done.stderr or done.stdout)[-2000:]
+            row[f"{stage}_error"] = {"returncode": done.returncode, "tail": (done.stderr + done.stdout)[-3000:]}
             save()
-            if stage != "verify":
-                raise SystemExit(f"{stage} failed: {row[f'{stage}_error']}")
+            raise SystemExit(f"{stage} failed (rc {done.returncode}): {row[f'{stage}_error']['tail']}")
+        row.setdefault("disk_free_gib", {})[stage] = round(shutil.disk_usage(args.root).free / 2**30, 1)
+        if args.prune:
+            prune(config, stage, base)
         save()
     verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
     memory = verify["gpu_memory"]
@@ -131,7 +165,7 @@ def main() -> None:
         reference_top_k_mass=json.loads((stage_dir(config, "reference") / REFERENCE_FILE).read_text())["top_k_mass_mean"],
     )
     save()
-    row["llama_cpp_buffers"] = llama_buffers(Path(verify["gguf"]), args.n_ctx)
+    row["llama_cpp_buffers"] = llama_buffers(log_file.read_text())
     try:
         import torch
 

@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import time
+from pathlib import Path
 
 from loraship import inference_memory as im
 from loraship.constants import (
@@ -35,8 +36,8 @@ from loraship.constants import (
     MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, quantized_gguf_name,
 )
 from loraship.errors import IntegrityError, LorashipError
-from loraship.gguf_info import read_gguf
 from loraship.manifest import atomic_write_json, read_manifest, sha256_json
+from loraship.resources import cpu_count
 from loraship.stage import exclusive, main, open_stage, reset_dir, stage_dir
 
 STAGE = "verify"
@@ -46,6 +47,7 @@ FIELDS = (
     "min_golden_prompts", "min_decisive_positions", "min_scored_tokens", "target_gpu_memory_gib", "target_context",
     "device", "quantization", "max_new_tokens", "seed",
 )
+MEASURE_TIMEOUT_S = 3 * 3600
 log = logging.getLogger("loraship.verify")
 
 
@@ -260,6 +262,119 @@ def memory_plan(layout, config) -> dict:
     return plan
 
 
+_READ_APART = """
+import dataclasses, json, sys
+from pathlib import Path
+from loraship.errors import LorashipError
+from loraship.gguf_info import read_gguf
+from loraship.inference_memory import read_layout
+path = Path(sys.argv[1])
+try:
+    fields = read_gguf(path)["fields"]
+except LorashipError as e:
+    sys.exit(str(e))
+print(json.dumps({"fields": fields, "layout": dataclasses.asdict(read_layout(path))}, default=str))
+"""
+
+
+def read_apart(gguf_path):
+    """The GGUF's metadata and tensor layout, read in a child process.
+
+    gguf's reader memory-maps the file with numpy; in the same process, llama.cpp's CUDA load of
+    that file then crashed with a segfault on the H200 (7B Q4_K_M, bench/verify_gpu.py), and
+    dropping the reader first did not help. A child process keeps the two apart.
+    """
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _READ_APART, str(gguf_path)], capture_output=True, text=True,
+                          timeout=600)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise IntegrityError(tail if str(gguf_path) in tail else
+                             f"{gguf_path}: reading its metadata failed ({tail}); run the quantize stage again")
+    data = json.loads(done.stdout)
+    return data["fields"], im.GGUFLayout(**data["layout"])
+
+
+def measure(job: dict) -> dict:
+    """Everything that needs the GGUF loaded in llama.cpp, in the process that loads it.
+
+    The model is loaded first, before any large array is allocated: in a process that had read the
+    reference's arrays or memory-mapped the GGUF, llama.cpp's CUDA load segfaulted on the H200
+    (bench/verify_gpu.py) while the same load as a process's first work did not.
+    """
+    import json
+    from types import SimpleNamespace
+
+    from llama_cpp import Llama
+
+    cuda = job["device"] == "cuda"
+    before = im.gpu_used_by_this_process_gib() if cuda else None
+    started = time.perf_counter()
+    llm = Llama(model_path=job["gguf"], n_ctx=job["n_ctx"], n_gpu_layers=job["n_gpu_layers"], logits_all=True,
+                verbose=os.environ.get("LORASHIP_LLAMA_VERBOSE") == "1", seed=job["seed"], n_threads=cpu_count())
+    out = {"load_seconds": round(time.perf_counter() - started, 2), "gpu_used_before_load_gib": before}
+    import numpy as np
+
+    reference = json.loads(Path(job["reference"]).read_text(encoding="utf-8"))
+    with np.load(job["topk"]) as handle:
+        topk = {k: handle[k] for k in handle.files}
+    log.info("loaded in %.1f s; special tokens, tokenizer parity", out["load_seconds"])
+    out["special_tokens"] = special_tokens_gate(llm, job["fields"], reference)
+    out["tokenizer_parity"] = tokenizer_parity(llm, reference)
+    log.info("scoring %d eval texts against the reference", len(reference["eval"]))
+    out["eval_agreement"] = eval_agreement(llm, reference, topk)
+    stops = set(reference["tokenizer"]["stop_ids"]) | {t for t in range(llm.n_vocab()) if _is_eog(llm, t)}
+    log.info("answering %d golden prompts", len(reference["golden"]))
+    settings = SimpleNamespace(max_new_tokens=job["max_new_tokens"], golden_margin=job["golden_margin"])
+    out["golden"] = golden_agreement(llm, reference, settings, stops)
+    out["builtin_template_engine"] = builtin_engine_report(llm, reference)
+    out["gpu_used_gib"] = im.gpu_used_by_this_process_gib() if cuda else None
+    return out
+
+
+_MEASURE = """
+import importlib, json, logging, sys
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+module = importlib.import_module(sys.argv[1])
+job = json.loads(open(sys.argv[2], encoding="utf-8").read())
+result = module.measure(job)
+open(sys.argv[3], "w", encoding="utf-8").write(json.dumps(result, default=float))
+"""
+
+
+def measure_apart(ctx, job: dict) -> dict:
+    """measure(job) in a fresh child process: a native crash there is reported, not fatal to the stage."""
+    import json
+    import sys
+
+    from loraship.proc import run_child
+
+    job_file, result_file = ctx.dir / ".measure-job.json", ctx.dir / ".measure-result.json"
+    job_file.write_text(json.dumps(job), encoding="utf-8")
+    result_file.unlink(missing_ok=True)
+    module = __spec__.name if __spec__ is not None else __name__  # tasks.verify, also under python -m
+    keep = {k: os.environ[k] for k in ("LORASHIP_LLAMA_VERBOSE", "PYTHONUNBUFFERED") if k in os.environ}
+    done = run_child([sys.executable, "-c", _MEASURE, module, str(job_file), str(result_file)], MEASURE_TIMEOUT_S,
+                     f"verify's llama.cpp run on {Path(job['gguf']).name}", extra_env=keep)
+    if keep.get("LORASHIP_LLAMA_VERBOSE") == "1" or done.returncode != 0:
+        sys.stderr.write(done.stderr)
+    if done.returncode != 0 or not result_file.is_file():
+        how = f"killed by signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+        raise LorashipError(
+            f"llama.cpp failed while loading or running {job['gguf']} ({how}):\n{tail}\n"
+            "A GGUF that llama-cpp-python cannot load is a llama.cpp version mismatch or a broken file: run the "
+            "convert and quantize stages again with this image's llama-cpp-python; out of memory: lower target_context"
+        )
+    result = json.loads(result_file.read_text(encoding="utf-8"))
+    job_file.unlink(missing_ok=True)
+    result_file.unlink(missing_ok=True)
+    return result
+
+
 @exclusive
 def run(config) -> dict:
     ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
@@ -268,16 +383,10 @@ def run(config) -> dict:
     reset_dir(ctx)
     import json
 
-    import numpy as np
-    from llama_cpp import Llama
-
     gguf_path = ctx.upstream_dir("quantize") / quantized_gguf_name(config.quantization)
     reference = json.loads((ctx.upstream_dir("reference") / REFERENCE_FILE).read_text(encoding="utf-8"))
     check_lineage(config, reference)
-    with np.load(ctx.upstream_dir("reference") / REFERENCE_TOPK_FILE) as handle:
-        topk = {k: handle[k] for k in handle.files}
-    fields = read_gguf(gguf_path)["fields"]
-    layout = im.read_layout(gguf_path)
+    fields, layout = read_apart(gguf_path)
     gates: dict[str, dict] = {}
     report: dict = {"gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size}
 
@@ -304,22 +413,25 @@ def run(config) -> dict:
     # On the GPU the context the model must serve; on the CPU (tests) just what the texts need.
     n_ctx = max(config.target_context, needed) if device == "cuda" else max(256, needed)
     n_gpu_layers = (-1 if memory["fits"] else memory["gpu_layers_at_target_context"]) if device == "cuda" else 0
-    before = im.gpu_used_by_this_process_gib() if device == "cuda" else None
-    started = time.perf_counter()
-    llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, logits_all=True, verbose=False,
-                seed=config.seed, n_threads=os.cpu_count() or 1)
-    report["load_seconds"] = round(time.perf_counter() - started, 2)
-    report.update(device=device, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers)
+    log.info("loading %s on %s in a fresh process: n_ctx %d, %s GPU layers", gguf_path.name, device, n_ctx,
+             "all" if n_gpu_layers == -1 else n_gpu_layers)
+    measured = measure_apart(ctx, {
+        "gguf": str(gguf_path), "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "device": device, "seed": config.seed,
+        "reference": str(ctx.upstream_dir("reference") / REFERENCE_FILE),
+        "topk": str(ctx.upstream_dir("reference") / REFERENCE_TOPK_FILE),
+        "fields": {k: fields.get(k) for k in (GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_EOS)},
+        "max_new_tokens": config.max_new_tokens, "golden_margin": config.golden_margin,
+    })
+    report.update(device=device, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, load_seconds=measured["load_seconds"])
 
-    gates["special_tokens"] = special_tokens_gate(llm, fields, reference)
-    parity = tokenizer_parity(llm, reference)
+    gates["special_tokens"] = measured["special_tokens"]
+    parity = measured["tokenizer_parity"]
     report["tokenizer_parity"] = parity
     gates["tokenizer_parity"] = gate(f"{parity['equal']}/{parity['checked']}", "all", parity["equal"] == parity["checked"],
                                      "llama.cpp tokenization of eval texts and golden prompts (BOS as served) equals HF's",
                                      evidence=parity["checked"], minimum=1, minimum_key="eval texts")
 
-    stops = set(reference["tokenizer"]["stop_ids"]) | {t for t in range(llm.n_vocab()) if _is_eog(llm, t)}
-    agreement = eval_agreement(llm, reference, topk)
+    agreement = measured["eval_agreement"]
     report["eval_agreement"] = agreement
     scored = agreement["scored_tokens"]
     enough = dict(evidence=scored, minimum=config.min_scored_tokens, minimum_key="min_scored_tokens")
@@ -333,7 +445,7 @@ def run(config) -> dict:
     gates["same_top_token"] = gate(round(agreement.get("same_top_rate", float("nan")), 4), config.same_top_min,
                                    scored and agreement["same_top_rate"] >= config.same_top_min, **enough)
 
-    golden = golden_agreement(llm, reference, config, stops)
+    golden = measured["golden"]
     n = len(reference["golden"])
     prompts = dict(evidence=n, minimum=config.min_golden_prompts, minimum_key="min_golden_prompts")
     rate = golden["matches"] / n if n else 0.0
@@ -349,7 +461,7 @@ def run(config) -> dict:
     with_reference = [a for a in golden["answers"] if "reference" in a]
     if with_reference:
         report["golden_accuracy_vs_reference"] = sum(a["gguf"] == a["reference"] for a in with_reference) / len(with_reference)
-    report["builtin_template_engine"] = builtin_engine_report(llm, reference)
+    report["builtin_template_engine"] = measured["builtin_template_engine"]
 
     train_metrics = ctx.upstream["train"]["metrics"]
     before, after = train_metrics.get("eval_loss_before"), train_metrics.get("eval_loss_after")
@@ -358,13 +470,14 @@ def run(config) -> dict:
 
     predicted = memory["predicted"]["total_gib"] if memory["fits"] else im.predict_gpu(
         layout, n_ctx, memory["gpu_layers_at_target_context"])["total_gib"]
-    measured = im.gpu_used_by_this_process_gib() if device == "cuda" else None
-    report["gpu_memory"] = {"predicted_gib": predicted, "measured_gib": measured,
-                            "measured_before_load_gib": before, "target_gpu_gib": config.target_gpu_memory_gib}
-    fits_value = measured if measured is not None else predicted
+    used = measured["gpu_used_gib"]
+    report["gpu_memory"] = {"predicted_gib": predicted, "measured_gib": used,
+                            "measured_before_load_gib": measured["gpu_used_before_load_gib"],
+                            "target_gpu_gib": config.target_gpu_memory_gib}
+    fits_value = used if used is not None else predicted
     gates["fits_target_gpu"] = gate(
         round(fits_value, 3), config.target_gpu_memory_gib, memory["fits"] and fits_value <= config.target_gpu_memory_gib,
-        ("measured through NVML (this process)" if measured is not None else "predicted from the GGUF's tensors")
+        ("measured through NVML (the process that loaded it)" if used is not None else "predicted from the GGUF's tensors")
         + f", every layer on the GPU at n_ctx {config.target_context}"
         + ("" if memory["fits"] else f"; does not fit: all layers fit up to n_ctx {memory['largest_context_all_layers']}, "
            f"{memory['gpu_layers_at_target_context']} of {layout.n_layers} layers at n_ctx {config.target_context}"),
