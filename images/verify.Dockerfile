@@ -1,6 +1,6 @@
 # Verify stage: loads the quantized GGUF with llama-cpp-python (CUDA in production) and gates
 # on fit, perplexity, golden prompts, template against what reference recorded from the merged
-# model (it no longer loads the HF model itself).
+# model (it loads neither torch nor the HF model).
 # The same llama.cpp as convert.Dockerfile: same sdist, same wheel, same layers.
 #
 #   images/build_all.sh verify                  # local: reuses the wheel built on the host
@@ -51,16 +51,12 @@ RUN python3 -m venv /opt/venv \
     && mkdir -p /shared && chown 1000:1000 /shared
 WORKDIR /opt/loraship
 
-# torch alone first: the largest layer, identical in every torch image so the cache shares it.
-ARG TORCH_SPEC=torch==2.13.0
+# No torch and no transformers: verify reads only the GGUF and what the reference stage stored,
+# so this image stays small enough for an inference node.
 COPY constraints.txt /opt/loraship/images/constraints.txt
-COPY wheels/torch/ /wheels/torch/
-RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install --find-links /wheels/torch -c images/constraints.txt "${TORCH_SPEC}"
-
 COPY requirements/verify.txt /opt/loraship/images/requirements.txt
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install --find-links /wheels/torch -c images/constraints.txt -r images/requirements.txt
+    pip install -c images/constraints.txt -r images/requirements.txt
 
 ARG LLAMA_CPP_PYTHON_VERSION=0.3.36
 COPY --from=llama-cpp /out/llama.cpp/ /opt/llama.cpp/
