@@ -16,6 +16,8 @@ def configure_local_prefect(project_root: Path | None = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_UI_ENABLED", "false")
+    # The stages' own progress and findings (loraship.* loggers) in the flow run's logs too.
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "loraship")
 
 
 def _load_secret(block: str) -> str:

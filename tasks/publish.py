@@ -19,8 +19,8 @@ from pathlib import Path
 
 from loraship import hub, ollama
 from loraship.constants import (
-    ADAPTER_DIR, GGUF_METADATA_FILE, MANIFEST_NAME, MODEL_CARD, MODELFILE, OLLAMA_FILE, PLAN_FILE, STAGES, VERIFY_FILE,
-    quantized_gguf_name,
+    ADAPTER_DIR, GGUF_METADATA_FILE, LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD, MODELFILE, OLLAMA_FILE,
+    PLAN_FILE, STAGES, VERIFY_FILE, quantized_gguf_name,
 )
 from loraship.errors import OutputError
 from loraship.manifest import DigestCache, atomic_path, atomic_write_json, describe_files, sha256_file, sha256_json
@@ -100,7 +100,7 @@ def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, fac
         template_note = (
             f"The Modelfile carries the chat template as an Ollama Go template ({facts['family']} family), which renders "
             "the same prompt text as the model's own template"
-            + (f", and its default system prompt (`SYSTEM`)" if facts.get("system") else "") + "."
+            + (", and its default system prompt (`SYSTEM`)" if facts.get("system") else "") + "."
         )
     else:
         template_note = (
@@ -150,6 +150,10 @@ trained, predicted reserved {_gib(train.get('predicted_reserved_gib'))}, {measur
 |---|---|
 {components}
 
+![training and eval loss]({LOSS_PLOT_FILE})
+
+![memory plan: predicted components and measured peak]({MEMORY_PLOT_FILE})
+
 ## Verification gates
 | gate | result | value | threshold |
 |---|---|---|---|
@@ -167,6 +171,7 @@ token {agreement['same_top_rate']:.1%}. GPU memory at n_ctx {config.target_conte
 - `{MODELFILE}`: `ollama create` reads it (FROM the GGUF beside it, context, stop tokens{', template' if facts.get('family') else ''})
 - `adapter/`: the PEFT LoRA adapter (safetensors)
 - `manifests/<stage>.json`: inputs, outputs (sha256), library versions and figures of each stage
+- `{LOSS_PLOT_FILE}`, `{MEMORY_PLOT_FILE}`: loss curves and the memory plan against the measured peak
 - `plan.json`, `verify.json`, `manifest.json` (this folder's checksums)
 """
     return str(ModelCard(f"---\n{card_data(config, metadata, adapter).to_yaml()}\n---\n\n{body}"))
@@ -184,6 +189,9 @@ def stage_artifact(config, ctx) -> Path:
         shutil.copy(stage_dir(config, name) / MANIFEST_NAME, root / "manifests" / f"{name}.json")
     shutil.copy(ctx.upstream_dir("plan") / PLAN_FILE, root / PLAN_FILE)
     shutil.copy(ctx.upstream_dir("verify") / VERIFY_FILE, root / VERIFY_FILE)
+    for picture in (LOSS_PLOT_FILE, MEMORY_PLOT_FILE):  # drawn by the train stage
+        if (ctx.upstream_dir("train") / picture).is_file():
+            shutil.copy(ctx.upstream_dir("train") / picture, root / picture)
     verify = json.loads((root / VERIFY_FILE).read_text(encoding="utf-8"))
     plan = json.loads((root / PLAN_FILE).read_text(encoding="utf-8"))
     convert_dir = ctx.upstream_dir("convert")

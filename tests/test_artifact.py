@@ -13,7 +13,9 @@ import pytest
 
 from loraship import ollama
 from loraship.chat import NAMED_TEMPLATES
-from loraship.constants import MANIFEST_NAME, MODEL_CARD, MODELFILE, PLAN_FILE, VERIFY_FILE, quantized_gguf_name
+from loraship.constants import (
+    LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD, MODELFILE, PLAN_FILE, VERIFY_FILE, quantized_gguf_name,
+)
 from loraship.stage import stage_dir
 
 # Real checkpoints' templates (tokenizer_config.json), written out so the tests need no download.
@@ -244,6 +246,10 @@ def test_published_modelfile_and_card(pipeline_run):
         assert f"| {name} | {'pass' if gate['passed'] else 'FAIL'} |" in card.text
     published = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))["files"]
     assert {MODELFILE, MODEL_CARD}.issubset(published)
+    # The train stage's pictures ship beside the GGUF and the card shows them.
+    for picture in (LOSS_PLOT_FILE, MEMORY_PLOT_FILE):
+        assert picture in published and (root / picture).read_bytes().startswith(b"\x89PNG")
+        assert f"]({picture})" in card.text
 
 
 def test_card_of_a_hub_base_that_fell_back_to_qlora_and_does_not_fit_whole(pipeline_run):
