@@ -1,0 +1,325 @@
+"""Starter configs: `loraship init` from a base model and a dataset (row type read from the rows),
+or from an Axolotl YAML (the keys that map, each ignored key named)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any, get_args
+
+from loraship.errors import ConfigError, LorashipError
+
+
+def model_config_of(config) -> dict:
+    from loraship.models import resolve_base_model
+
+    # config.json is all the planner reads: a 14B model need not be downloaded to plan it.
+    config_file = resolve_base_model(config, weights=False) / "config.json"
+    if not config_file.is_file():
+        raise LorashipError(f"base_model {config.base_model!r}: no config.json at {config_file}; "
+                            "point base_model at a folder holding the model's config.json")
+    try:
+        return json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LorashipError(f"{config_file}: not valid JSON ({e}); fix or replace the model's config.json") from e
+
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "model": "assistant", "bot": "assistant"}
+
+
+def dataset_types() -> tuple[str, ...]:
+    from loraship.config import DatasetSpec
+
+    return get_args(DatasetSpec.model_fields["type"].annotation)
+
+
+def detect_dataset_type(path: Path, sample: int = 200) -> str:
+    """chat (messages), sharegpt (conversations/from/value), alpaca or completion, from the rows themselves."""
+    if not path.is_file():
+        raise LorashipError(f"dataset {path}: file not found; pass a JSONL file with one example per line")
+    kinds: dict[str, int] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise LorashipError(f"dataset {path} line {number}: malformed JSON ({e.msg}); one JSON object per "
+                                        "line (JSONL)") from e
+                keys = set(row) if isinstance(row, dict) else set()
+                kind = ("chat" if "messages" in keys else "sharegpt" if "conversations" in keys
+                        else "alpaca" if {"instruction", "output"} <= keys else "completion" if "text" in keys else None)
+                if kind is None:
+                    raise LorashipError(
+                        f"dataset {path} line {number}: cannot tell the row type from its keys {sorted(keys)}; rows need "
+                        "'messages' (chat), 'conversations' (ShareGPT), 'instruction'+'output' (alpaca) or 'text' (completion)")
+                kinds.setdefault(kind, number)
+                if len(kinds) > 1:
+                    (a, la), (b, lb) = list(kinds.items())[:2]
+                    raise LorashipError(f"dataset {path}: line {la} is a {a} row but line {lb} a {b} row; keep one row "
+                                        "type per file (split it into two datasets)")
+                if number >= sample:
+                    break
+    except UnicodeDecodeError as e:
+        raise LorashipError(f"dataset {path}: not UTF-8 ({e.reason}); re-encode the file as UTF-8") from e
+    if not kinds:
+        raise LorashipError(f"dataset {path}: empty; add at least one example")
+    return next(iter(kinds))
+
+
+def sharegpt_to_messages(src: Path) -> str:
+    """ShareGPT rows ({'conversations': [{'from', 'value'}]}) as chat rows ({'messages': [{'role', 'content'}]}), JSONL."""
+    rows, problems = [], []
+    for number, line in enumerate(src.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"line {number}: malformed JSON ({e.msg})")
+            continue
+        turns = row.get("conversations") if isinstance(row, dict) else None
+        if not isinstance(turns, list):
+            problems.append(f"line {number}: 'conversations' is not a list")
+            continue
+        messages = []
+        for j, turn in enumerate(turns):
+            role = SHAREGPT_ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
+            if role is None or not isinstance(turn.get("value"), str):
+                problems.append(f"line {number}: conversations[{j}] needs 'from' (one of {', '.join(SHAREGPT_ROLES)}) "
+                                "and a string 'value'")
+                break
+            messages.append({"role": role, "content": turn["value"]})
+        rows.append(json.dumps({"messages": messages}, ensure_ascii=False))
+    if problems:
+        raise LorashipError(f"dataset {src} (ShareGPT): {len(problems)} bad line(s):\n  " + "\n  ".join(problems[:20]))
+    return "\n".join(rows) + "\n"
+
+
+def _dataset_entry(path: Path, kind: str, config_dir: Path, notes: list[str], force: bool) -> dict:
+    """A datasets[] entry for the config in config_dir; ShareGPT rows become chat rows where the
+    config does not read ShareGPT itself."""
+    from loraship.data import read_rows
+
+    if kind == "sharegpt" and "sharegpt" not in dataset_types():
+        from loraship.manifest import atomic_write_text
+
+        converted, text = config_dir / f"{path.stem}.messages.jsonl", sharegpt_to_messages(path)
+        same = converted.is_file() and converted.read_text(encoding="utf-8") == text
+        if converted.exists() and not same and not force:
+            raise LorashipError(f"{converted} exists with other rows; remove it or pass --force to write the ShareGPT "
+                                f"rows of {path} there as chat messages")
+        if not same:
+            config_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(converted, text)
+        notes.append(f"{path}: ShareGPT rows, written as {text.count(chr(10))} chat rows (messages) to {converted}")
+        path, kind = converted, "chat"
+    else:
+        notes.append(f"{path}: {kind} rows")
+    read_rows(path, kind)  # every bad line named now, not at plan time
+    return {"path": os.path.relpath(path.resolve(), config_dir.resolve()), "type": kind}
+
+
+def _has_chat_template(folder: Path) -> bool:
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    with contextlib.suppress(OSError, ValueError):
+        return bool(json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    return False
+
+
+def starter_config(base_model: str, dataset: Path, out_file: Path, gpu_gib: float | None, force: bool) -> tuple[dict, list[str]]:
+    """Config keys for a base model and a dataset, and what was inferred (for the header)."""
+    from loraship import memory
+    from loraship.config import Config, parse_config
+    from loraship.inference_memory import gpu_total_gib
+    from loraship.models import resolve_base_model
+
+    notes: list[str] = []
+    kind = detect_dataset_type(dataset)
+    entry = _dataset_entry(dataset, kind, out_file.parent, notes, force)
+    defaults = {k: Config.model_fields[k].default for k in ("adapter", "lora_r", "lora_alpha", "lora_dropout")}
+    data: dict[str, Any] = {"base_model": base_model, "datasets": [entry], **defaults, "lora_target_modules": "all-linear"}
+    # Resolved against the config's folder, as load_config will.
+    config = parse_config({**data, "datasets": [{**entry, "path": str(out_file.parent / entry["path"])}]},
+                          source="starter config")
+    folder = resolve_base_model(config, weights=False)
+    model_config = model_config_of(config)
+    if entry["type"] != "completion":
+        if _has_chat_template(folder):
+            notes.append(f"{base_model}: has a chat template; training and the GGUF use it")
+        else:
+            data["chat_template"] = "alpaca" if entry["type"] == "alpaca" else "chatml"
+            notes.append(f"{base_model}: no chat template, so chat_template: {data['chat_template']}")
+    max_positions = model_config.get("max_position_embeddings")
+    data["sequence_len"] = min(Config.model_fields["sequence_len"].default, max_positions or 10**9)
+    found = gpu_total_gib()
+    data["gpu_memory_gib"] = gpu_gib or (round(found, 1) if found else Config.model_fields["gpu_memory_gib"].default)
+    notes.append(f"training GPU: {data['gpu_memory_gib']:g} GiB (" + ("--gpu-gib" if gpu_gib else "this machine's GPU"
+                 if found else "no GPU here; the default, change gpu_memory_gib to your card's") + ")")
+    try:
+        planned = memory.plan_training(model_config, parse_config({**data, "datasets": config.model_dump()["datasets"]}))
+        if planned["strategy"]["adapter"] != data["adapter"]:
+            data["adapter"] = planned["strategy"]["adapter"]
+        notes.append(f"memory plan: {planned['reason']}")
+    except LorashipError as e:
+        notes.append(f"memory plan: {e}")
+    except (ValueError, KeyError) as e:
+        notes.append(f"memory plan: config.json not understood by the planner ({e})")
+    return data, notes
+
+
+def write_config(out_file: Path, data: dict, notes: list[str], warnings: list[str], force: bool) -> None:
+    import yaml
+
+    from loraship.config import load_config
+    from loraship.manifest import atomic_write_text
+
+    header = [f"# Written by `loraship init`. Run with:  loraship run {out_file}",
+              "# Keys not set here take the defaults described in loraship/config.py.",
+              *(f"#   {n}" for n in notes), *(f"#   ignored: {w}" for w in warnings)]
+    text = "\n".join(line.replace("\n", " ") for line in header) + "\n" + yaml.safe_dump(
+        data, sort_keys=False, allow_unicode=True, width=120)
+    if out_file.exists() and not force:
+        raise LorashipError(f"{out_file} exists; choose another file with -o, or pass --force to overwrite it")
+    atomic_write_text(out_file, text)
+    load_config(out_file)  # the file it wrote loads, or the user hears why now
+
+
+# Axolotl keys with the same meaning and name in loraship's config.
+AXOLOTL_SAME = (
+    "base_model", "trust_remote_code", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "sequence_len",
+    "micro_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay",
+    "num_epochs", "max_steps", "seed", "gradient_checkpointing", "save_steps", "logging_steps", "val_set_size",
+)
+# Axolotl chat_template names with a loraship equivalent (loraship/chat.py NAMED_TEMPLATES).
+AXOLOTL_TEMPLATES = {"chatml": "chatml", "llama3": "llama3", "alpaca": "alpaca"}
+# Optimizers that are loraship's own (torch AdamW).
+ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"}
+AXOLOTL_DATASET_KEYS = {"path", "type", "ds_type", "field_messages", "message_property_mappings", "message_field_role",
+                        "message_field_content", "field", "roles_to_train", "train_on_eos"}
+
+
+def _axolotl_dataset(spec, where: str, source: Path, out_dir: Path, problems: list[str], ignored: list[str],
+                     notes: list[str], force: bool) -> dict | None:
+    if not isinstance(spec, dict) or not isinstance(spec.get("path"), str):
+        problems.append(f"{where}: needs a 'path' (a local JSONL file)")
+        return None
+    ignored += [f"{where}.{k}" for k in spec if k not in AXOLOTL_DATASET_KEYS]
+    kind, axolotl_type = None, spec.get("type")
+    roles = spec.get("message_property_mappings") or {}
+    role_key = roles.get("role", spec.get("message_field_role", "role"))
+    content_key = roles.get("content", spec.get("message_field_content", "content"))
+    messages_key = spec.get("field_messages", "messages")
+    if axolotl_type == "alpaca":
+        kind = "alpaca"
+    elif axolotl_type == "completion" and spec.get("field", "text") == "text":
+        kind = "completion"
+    elif axolotl_type == "chat_template" and (messages_key, role_key, content_key) == ("messages", "role", "content"):
+        kind = "chat"
+    elif axolotl_type == "sharegpt" or (axolotl_type == "chat_template"
+                                        and (messages_key, role_key, content_key) == ("conversations", "from", "value")):
+        kind = "sharegpt"
+    if kind is None:
+        problems.append(f"{where}: type {axolotl_type!r} (fields {messages_key}/{role_key}/{content_key}) has no loraship "
+                        "equivalent; use alpaca, completion (field text), chat_template with messages/role/content, or "
+                        "sharegpt, converting the file if needed")
+        return None
+    path = Path(spec["path"]).expanduser()
+    if not path.is_absolute():
+        path = (source.parent / path) if (source.parent / path).exists() else path
+    if not path.is_file():
+        problems.append(f"{where}.path {spec['path']!r}: not a local file; loraship reads local JSONL files "
+                        "(download the dataset as JSONL and point path at it)")
+        return None
+    try:
+        return _dataset_entry(path, kind, out_dir, notes, force)
+    except LorashipError as e:
+        problems.append(f"{where}: {e}")
+        return None
+
+
+def import_axolotl(source: Path, out_file: Path, force: bool) -> tuple[dict, list[str], list[str]]:
+    """loraship config keys from an Axolotl YAML: (keys, notes, ignored Axolotl keys). Raises
+    ConfigError listing every value that cannot be converted."""
+    from loraship.config import Config, _read_yaml
+
+    if not source.is_file():
+        raise LorashipError(f"{source}: file not found; pass the Axolotl YAML config")
+    try:
+        ax = _read_yaml(source.read_text(encoding="utf-8"), str(source))
+    except UnicodeDecodeError as e:
+        raise LorashipError(f"{source}: not UTF-8 text; save it as UTF-8") from e
+    except Exception as e:  # yaml.YAMLError
+        if isinstance(e, LorashipError):
+            raise
+        raise LorashipError(f"{source}: not valid YAML ({e})") from e
+    if not isinstance(ax, dict):
+        raise LorashipError(f"{source}: expected a mapping of Axolotl keys, got {type(ax).__name__}")
+    data: dict[str, Any] = {}
+    problems: list[str] = []
+    ignored: list[str] = []
+    notes: list[str] = [f"imported from the Axolotl config {source}"]
+    for key, value in ax.items():
+        if key in AXOLOTL_SAME:
+            data[key] = value
+        elif key == "adapter":
+            if value not in ("lora", "qlora"):
+                problems.append(f"adapter {value!r}: loraship trains LoRA or QLoRA adapters only; set adapter: lora or qlora")
+            else:
+                data.setdefault("adapter", value)
+        elif key == "load_in_4bit":
+            if value:
+                data["adapter"] = "qlora"
+        elif key == "lora_target_linear":
+            if value:
+                data["lora_target_modules"] = "all-linear"
+        elif key == "revision_of_model":
+            data["base_model_revision"] = value
+        elif key == "sample_packing":
+            data["packing"] = "on" if value else "off"
+        elif key == "chat_template":
+            if value == "jinja":
+                if not ax.get("chat_template_jinja"):
+                    problems.append("chat_template: jinja needs chat_template_jinja (the template text)")
+                data["chat_template"] = ax.get("chat_template_jinja")
+            elif value in AXOLOTL_TEMPLATES:
+                data["chat_template"] = AXOLOTL_TEMPLATES[value]
+            elif value != "tokenizer_default":
+                problems.append(f"chat_template {value!r}: no loraship equivalent; use tokenizer_default (the base model's), "
+                                f"{', '.join(AXOLOTL_TEMPLATES)}, or jinja with chat_template_jinja")
+        elif key in ("datasets", "test_datasets"):
+            target = "datasets" if key == "datasets" else "eval_datasets"
+            if not isinstance(value, list) or not value:
+                problems.append(f"{key}: expected a non-empty list of {{path, type}}")
+                continue
+            entries = [_axolotl_dataset(spec, f"{key}[{i}]", source, out_file.parent, problems, ignored, notes, force)
+                       for i, spec in enumerate(value)]
+            data[target] = [e for e in entries if e]
+        elif key == "train_on_inputs" and "train_on_inputs" not in Config.model_fields:
+            if value:
+                problems.append("train_on_inputs: true: loraship computes the loss on assistant turns (outputs) only; "
+                                "set it to false, or turn inputs into completion rows")
+        elif key == "optimizer" and value in ADAMW:
+            pass  # loraship's optimizer is torch AdamW
+        elif key == "chat_template_jinja" or (key == "base_model_config" and value == ax.get("base_model")):
+            pass  # read with chat_template / the same as base_model
+        elif key in Config.model_fields and key not in ("datasets", "eval_datasets"):
+            data[key] = value  # a key loraship shares with Axolotl by name
+        else:
+            ignored.append(key)
+    if "base_model" not in data:
+        problems.append("base_model: missing; Axolotl configs name the base model in base_model")
+    if "datasets" not in ax:
+        problems.append("datasets: missing; list the training data as datasets: [{path, type}]")
+    if problems:
+        raise ConfigError(f"{source} (Axolotl)", problems)
+    if "lora_target_modules" not in data:
+        data["lora_target_modules"] = "all-linear"
+        notes.append("lora_target_modules: all-linear (the Axolotl file names none)")
+    return data, notes, ignored
