@@ -221,7 +221,50 @@ def plan(
     if as_json:
         out.print_json(data={**training, **footprint})
     else:
-        out.print(memory.render_plan(training, footprint))
+        out.print(render_plan(training, footprint))
+
+
+def render_plan(plan: dict, disk: dict):
+    """A rich renderable for `loraship plan CONFIG`."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    st, mem = plan["strategy"], plan["memory"]
+    verdict = "[green]fits[/]" if plan["fits"] else "[red]does not fit[/]"
+    head = Text.from_markup(
+        f"[bold]Training plan[/]: {st['adapter']}"
+        + (f" + {st['offload_layers']} layers offloaded" if st["offload_layers"] else "")
+        + f", micro-batch {st['micro_batch_size']} x {st['gradient_accumulation_steps']} accumulation, "
+        f"fused loss {'on' if st['fused_loss'] else 'off'}, checkpointing {'on' if st['gradient_checkpointing'] else 'off'}"
+        f"\n{mem['predicted_total_gib']:.1f} GiB predicted of {plan['budget_gib']:g} GiB "
+        f"(safety margin {plan['safety_margin_gib']:.1f} GiB): {verdict}\n{plan['reason']}")
+    t = Table(title="Peak training memory (GiB)", show_footer=False)
+    t.add_column("component")
+    t.add_column("GiB", justify="right")
+    for k, v in mem["components_gib"].items():
+        t.add_row(k.replace("_", " "), f"{v:.2f}")
+    t.add_row("[bold]allocated (peak)", f"[bold]{mem['predicted_allocated_gib']:.2f}")
+    t.add_row("[bold]reserved (peak)", f"[bold]{mem['predicted_reserved_gib']:.2f}")
+    t.add_row("[bold]card must hold (reserved + context)", f"[bold]{mem['predicted_total_gib']:.2f}")
+    t.add_row("weights-only estimate, for comparison", f"{mem['weights_only_estimate_gib']:.2f}")
+    a = Table(title="Alternatives")
+    for c in ("adapter", "offload", "micro x GA", "fused", "ckpt", "GiB", "fits"):
+        a.add_column(c)
+    for r in plan["alternatives"]:
+        a.add_row(r["adapter"], str(r["offload_layers"]), f"{r['micro_batch_size']} x {r['gradient_accumulation_steps']}",
+                  str(r["fused_loss"]), str(r["gradient_checkpointing"]), f"{r['predicted_total_gib']:.1f}",
+                  "yes" if r["fits"] else "no")
+    inf = disk["inference"]
+    d = Table(title="Disk and inference (GiB)")
+    d.add_column("item")
+    d.add_column("GiB", justify="right")
+    for k, v in disk["disk_gib"].items():
+        d.add_row(f"disk: {k}", f"{v:.2f}")
+    for k in ("gguf_gib", "kv_cache_gib", "compute_buffer_gib", "cuda_context_gib", "total_gib"):
+        d.add_row(f"inference ({inf['quantization']}, n_ctx {inf['target_context']}): {k.removesuffix('_gib')}", f"{inf[k]:.2f}")
+    d.add_row(f"fits the {inf['target_gpu_memory_gib']:g} GiB target", "yes" if inf["fits_target"] else "no")
+    return Group(head, t, a, d)
 
 
 # -- status ------------------------------------------------------------------------------------

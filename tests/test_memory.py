@@ -217,9 +217,11 @@ def test_disk_and_inference():
 def test_render_plan():
     from rich.console import Console
 
+    from loraship.cli import render_plan
+
     c = cfg(sequence_len=4096)
     con = Console(record=True, width=140)
-    con.print(memory.render_plan(memory.plan_training(QWEN2_14B, c), memory.plan_disk_and_inference(QWEN2_14B, c)))
+    con.print(render_plan(memory.plan_training(QWEN2_14B, c), memory.plan_disk_and_inference(QWEN2_14B, c)))
     text = con.export_text()
     assert "frozen weights" in text and "safety margin" in text and "kv_cache" in text
 
