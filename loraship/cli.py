@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from loraship.constants import STAGES
+from loraship.constants import GGUF_KEY_CHAT_TEMPLATE, STAGES
 from loraship.errors import LorashipError
 from loraship.gguf_tools import describe_gguf, gguf_file, human_size, load_llama, verify_checks
 from loraship.starter import import_axolotl, model_config_of, starter_config, write_config
@@ -379,12 +379,12 @@ def chat(
 ) -> None:
     """Talk to a GGUF through llama.cpp with its own chat template. One message per line; /reset starts
     over, /exit or end of input quits."""
-    from loraship.gguf_info import read_gguf
+    from loraship.gguf_info import read_gguf_apart
 
     with _user_errors():
         path = gguf_file(artifact)
-        fields = read_gguf(path)["fields"]
-        if not fields.get("tokenizer.chat_template"):
+        fields = read_gguf_apart(path)["fields"]  # not in this process: llama.cpp loads the file next
+        if not fields.get(GGUF_KEY_CHAT_TEMPLATE):
             raise LorashipError(f"{path}: no chat template in the GGUF (a completion model), so there are no turns to "
                                 "render; train with chat data or set `chat_template:` in the config, then ship again")
         trained = fields.get(f"{fields.get('general.architecture')}.context_length") or 4096

@@ -1,5 +1,7 @@
 """File names, manifest keys and the llama.cpp / GGUF facts the pipeline relies on."""
 
+from gguf import Keys, LlamaFileType
+
 MANIFEST_SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
@@ -33,17 +35,20 @@ def quantized_gguf_name(quantization: str) -> str:
 # The one llama.cpp we ship with: convert, quantize and verify all use this pin.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
-# llama.cpp's llama_ftype values (include/llama.h) = GGUF general.file_type.
-GGUF_FILE_TYPES = {"F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}
+# llama.cpp's llama_ftype values = GGUF general.file_type, from gguf-py (the format's own package).
+GGUF_FILE_TYPES = {
+    "F16": int(LlamaFileType.MOSTLY_F16), "Q8_0": int(LlamaFileType.MOSTLY_Q8_0),
+    "Q4_K_M": int(LlamaFileType.MOSTLY_Q4_K_M), "Q5_K_M": int(LlamaFileType.MOSTLY_Q5_K_M),
+}
 
 # Approximate bits per weight of each quantization for a full model (llama.cpp's
-# quantize README: Q4_K_M 4.84 on a 7B Llama, measured 4.84 in shared/DESIGN.md).
+# quantize README: Q4_K_M 4.84 on a 7B Llama).
 BITS_PER_WEIGHT = {"Q4_K_M": 4.85, "Q5_K_M": 5.69, "Q8_0": 8.5, "F16": 16.0}
 
-# GGUF metadata keys verify insists on (gguf-py constants.Keys.Tokenizer).
-GGUF_KEY_FILE_TYPE = "general.file_type"
-GGUF_KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
-GGUF_KEY_BOS = "tokenizer.ggml.bos_token_id"
-GGUF_KEY_EOS = "tokenizer.ggml.eos_token_id"
-GGUF_KEY_ADD_BOS = "tokenizer.ggml.add_bos_token"
-GGUF_KEY_PRE = "tokenizer.ggml.pre"
+# GGUF metadata keys the stages read (gguf-py's Keys).
+GGUF_KEY_FILE_TYPE = Keys.General.FILE_TYPE
+GGUF_KEY_CHAT_TEMPLATE = Keys.Tokenizer.CHAT_TEMPLATE
+GGUF_KEY_BOS = Keys.Tokenizer.BOS_ID
+GGUF_KEY_EOS = Keys.Tokenizer.EOS_ID
+GGUF_KEY_ADD_BOS = Keys.Tokenizer.ADD_BOS
+GGUF_KEY_PRE = Keys.Tokenizer.PRE

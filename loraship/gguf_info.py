@@ -79,3 +79,42 @@ def read_gguf_of_type(path: Path, file_type: str) -> dict:
     if found != expected:
         raise LorashipError(f"{path}: general.file_type is {found}, expected {expected} ({file_type})")
     return info
+
+
+_READ_APART = """
+import dataclasses, json, sys
+from pathlib import Path
+from loraship.errors import LorashipError
+from loraship.gguf_info import read_gguf
+from loraship.inference_memory import read_layout
+path = Path(sys.argv[1])
+try:
+    info = read_gguf(path)
+except LorashipError as e:
+    sys.exit(str(e))
+try:
+    info["layout"] = dataclasses.asdict(read_layout(path))
+except (KeyError, TypeError, ValueError) as e:  # metadata a prediction needs is missing or odd
+    info["layout"], info["layout_error"] = None, f"{type(e).__name__}: {e}"
+print(json.dumps(info, default=str))
+"""
+
+
+def read_gguf_apart(path: Path) -> dict:
+    """read_gguf plus the tensor layout (loraship/inference_memory.py), read in a child process, for
+    a process about to load the same GGUF in llama.cpp.
+
+    gguf's reader memory-maps the file with numpy; in a process that had done so (or had allocated
+    large numpy arrays), llama.cpp's CUDA load of the file segfaulted on an H200, while the same load
+    as a process's first work did not (bench/verify_gpu.py). Values come back as JSON types; layout
+    is None (layout_error says why) where the metadata cannot give one.
+    """
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _READ_APART, str(path)], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise IntegrityError(tail if str(path) in tail else f"{path}: reading its metadata failed ({tail}); {_FIX}")
+    return json.loads(done.stdout)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gguf import Keys
+
 from loraship.errors import LorashipError
 
 
@@ -37,7 +39,7 @@ def _file_type_name(value) -> str:
 
 
 def _token_text(fields: dict, token_id) -> str | None:
-    tokens = fields.get("tokenizer.ggml.tokens") or []
+    tokens = fields.get(Keys.Tokenizer.LIST) or []
     return tokens[token_id] if isinstance(token_id, int) and 0 <= token_id < len(tokens) else None
 
 
@@ -56,7 +58,7 @@ def describe_gguf(path: Path) -> dict:
         row["parameters"] += int(tensor.n_elements)
         row["bytes"] += int(tensor.n_bytes)
     metadata = {k: (f"[{len(v)} items]" if isinstance(v, list) and len(v) > 16 else v)
-                for k, v in fields.items() if k != "tokenizer.chat_template"}
+                for k, v in fields.items() if k != Keys.Tokenizer.CHAT_TEMPLATE}
     special = {}
     for key, value in fields.items():
         if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
@@ -65,14 +67,14 @@ def describe_gguf(path: Path) -> dict:
     return {
         "file": str(path), "bytes": path.stat().st_size,
         "architecture": fields.get("general.architecture"), "name": fields.get("general.name"),
-        "file_type": _file_type_name(fields.get("general.file_type")),
+        "file_type": _file_type_name(fields.get(Keys.General.FILE_TYPE)),
         "tensor_count": len(reader.tensors),
         "parameters": sum(t["parameters"] for t in types.values()),
         "tensor_types": dict(sorted(types.items(), key=lambda kv: -kv[1]["bytes"])),
         "special_tokens": special,
-        "add_bos_token": fields.get("tokenizer.ggml.add_bos_token"),
-        "add_eos_token": fields.get("tokenizer.ggml.add_eos_token"),
-        "chat_template": fields.get("tokenizer.chat_template"),
+        "add_bos_token": fields.get(Keys.Tokenizer.ADD_BOS),
+        "add_eos_token": fields.get(Keys.Tokenizer.ADD_EOS),
+        "chat_template": fields.get(Keys.Tokenizer.CHAT_TEMPLATE),
         "metadata": metadata,
     }
 
@@ -112,15 +114,16 @@ def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]
     import llama_cpp
 
     from loraship import inference_memory as im
-    from loraship.gguf_info import read_gguf
+    from loraship.gguf_info import read_gguf_apart
 
     checks = []
 
     def check(name: str, passed: bool | None, detail: str) -> None:
         checks.append({"check": name, "passed": passed, "detail": detail})
 
-    fields = read_gguf(path)["fields"]
-    file_type = fields.get("general.file_type")
+    info = read_gguf_apart(path)  # not in this process: llama.cpp loads the file next
+    fields, layout = info["fields"], im.GGUFLayout(**info["layout"]) if info["layout"] else None
+    file_type = fields.get(Keys.General.FILE_TYPE)
     check("file type", file_type is not None,
           f"{_file_type_name(file_type)} (general.file_type {file_type})" if file_type is not None
           else "general.file_type is missing; convert the model again with the pinned llama.cpp")
@@ -133,7 +136,7 @@ def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]
           f"{llm._model.n_params():,} parameters")
     vocab = llm._model.vocab
     eos, bos = llm.token_eos(), llm.token_bos()
-    adds_bos = fields.get("tokenizer.ggml.add_bos_token")
+    adds_bos = fields.get(Keys.Tokenizer.ADD_BOS)
     eos_ok = eos >= 0 and bool(llama_cpp.llama_vocab_is_eog(vocab, eos))
     check("special tokens", eos_ok,
           f"BOS {bos} {special_text(llm, bos)!r} (added to plain text: {adds_bos}), EOS {eos} {special_text(llm, eos)!r}"
@@ -143,7 +146,7 @@ def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]
           + (f" (+{len(stops) - 8} more)" if len(stops) > 8 else "") if stops
           else "no end-of-generation token; generation would only stop at max_tokens")
 
-    template = fields.get("tokenizer.chat_template")
+    template = fields.get(Keys.Tokenizer.CHAT_TEMPLATE)
     if not template:
         check("chat template", None, "none in the GGUF (a completion model); chat needs `chat_template:` in the config")
     else:
@@ -175,8 +178,10 @@ def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]
                   "renders the same prompt (llama-server works without --jinja)" if builtin == prompt
                   else f"renders {builtin!r}, not the template's prompt: run llama-server with --jinja" if builtin
                   else "does not know the template: run llama-server with --jinja")
+    if layout is None:
+        check("GPU memory", False, f"cannot predict from the GGUF's metadata ({info['layout_error']})")
+        return checks
     try:
-        layout = im.read_layout(path)
         predicted = im.predict_gpu(layout, context)
     except (KeyError, TypeError, ValueError) as e:
         check("GPU memory", False, f"cannot predict from the GGUF's metadata ({type(e).__name__}: {e})")
