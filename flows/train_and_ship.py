@@ -27,14 +27,16 @@ from prefect.states import Failed
 from loraship.config import Config
 from loraship.constants import STAGES
 from loraship.errors import LorashipError
+from loraship.stage_table import gpu_stages
 
 STAGE_DEPLOYMENTS_ENV = "LORASHIP_STAGE_DEPLOYMENTS"
-# Stages that hold an accelerator: train and reference on the training GPU (reference runs the
-# merged HF model there, so verify needs only the GGUF), verify on the inference GPU. A Prefect
-# global concurrency limit with one slot per GPU (LORASHIP_GPU_SLOTS, default 1) makes sure two
-# of them never share one card, across every flow run talking to the same Prefect server.
+# Stages that hold an accelerator (loraship/stage_table.py): train and reference on the training
+# GPU (reference runs the merged HF model there, so verify needs only the GGUF), verify on the
+# inference GPU. A Prefect global concurrency limit with one slot per GPU (LORASHIP_GPU_SLOTS,
+# default 1) makes sure two of them never share one card, across every flow run talking to the
+# same Prefect server.
 GPU_LIMIT = "loraship-gpu"
-GPU_STAGES = frozenset({"train", "reference", "verify"})
+GPU_STAGES = gpu_stages()
 
 
 def ensure_gpu_limit() -> None:

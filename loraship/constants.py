@@ -2,11 +2,13 @@
 
 from gguf import Keys, LlamaFileType
 
+from loraship.stage_table import STAGE_NAMES
+
 MANIFEST_SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
-# Stage order is the pipeline; each stage writes into <workdir>/<run>/<stage>/.
-STAGES = ("plan", "train", "merge", "reference", "convert", "quantize", "verify", "publish")
+# Stage order is the pipeline (loraship/stage_table.py); each stage writes into <workdir>/<run>/<stage>/.
+STAGES = STAGE_NAMES
 
 PLAN_FILE = "plan.json"
 STRATEGY_FILE = "strategy.json"  # the part of the plan that training depends on
