@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Assemble the image build context and build the stage images.
+# Assemble the image build context and build the stage images: one target of images/Dockerfile
+# per image named in loraship/stage_table.py, tagged loraship-<image>:<tag>.
 #
 #   images/build_all.sh                       # base (if missing) + every stage image
 #   images/build_all.sh train verify          # only these
 #   LORASHIP_IMAGE_TAG=0.1.0 BASE_IMAGE=loraship-base:cuda TORCH_SPEC=torch==2.13.0 images/build_all.sh
 #
-# The context (build/image-context, git-ignored) holds only what the Dockerfiles copy: the
-# source, requirements derived from the pyproject extras, the pins, the llama-cpp-python sdist
+# The context (build/image-context, git-ignored) holds only what the Dockerfile copies: the
+# source, one requirements file per image from the pyproject extras, the pins, the llama-cpp-python sdist
 # and, for local CPU builds, prebuilt wheels. Wheels are hard-linked, not rebuilt: the
 # llama-cpp-python wheel built on the host (about 10 minutes here) is reused so the images
 # never compile llama.cpp again; without one, the llama-cpp stage builds it from the sdist
@@ -26,8 +27,14 @@ LLAMA_VERSION="$("$PY" -c 'from loraship.constants import LLAMA_CPP_PYTHON_VERSI
 TAG="${LORASHIP_IMAGE_TAG:-$("$PY" -c 'import loraship; print(loraship.__version__)')}"
 BASE_IMAGE="${BASE_IMAGE:-loraship-base:bookworm}"
 CTX="${LORASHIP_IMAGE_CONTEXT:-$ROOT/build/image-context}"
-STAGE_IMAGES=(plan publish train merge convert verify)
-if [[ $# -gt 0 ]]; then STAGE_IMAGES=("$@"); fi
+read -ra STAGE_IMAGES <<<"$("$PY" images/pin.py images)"
+if [[ $# -gt 0 ]]; then
+  for image in "$@"; do
+    [[ " ${STAGE_IMAGES[*]} " == *" $image "* ]] || {
+      echo "unknown image '$image': the images are ${STAGE_IMAGES[*]} (loraship/stage_table.py)" >&2; exit 2; }
+  done
+  STAGE_IMAGES=("$@")
+fi
 
 link() { ln -f "$1" "$2" 2>/dev/null || cp -f "$1" "$2"; }
 
@@ -97,7 +104,7 @@ builder_args=()
 for image in "${STAGE_IMAGES[@]}"; do
   t0=$SECONDS
   DOCKER_BUILDKIT=1 "$DOCKER" build --progress=plain \
-    -f "images/${image}.Dockerfile" \
+    -f images/Dockerfile --target "$image" \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" \
     --build-arg "TORCH_SPEC=$TORCH_SPEC" \
     --build-arg "LLAMA_CPP_PYTHON_VERSION=$LLAMA_VERSION" \

@@ -2,12 +2,13 @@
 
     python images/pin.py constraints > images/constraints.txt   # refresh the pins (commit it)
     python images/pin.py requirements OUT_DIR                   # one requirements file per image
+    python images/pin.py images                                 # the image names, in build order
 
 Images install exactly the versions the test suite ran with: constraints.txt pins every
 distribution of the project venv (torch and llama-cpp-python excepted: their build differs
 between the CPU test images and the CUDA production ones and comes in as a build argument
-or a wheel). Requirements come from the pyproject extras, so an extra stays the one source
-of what a stage needs.
+or a wheel). Requirements come from the pyproject extras named in loraship/stage_table.py, so
+an extra stays the one source of what a stage needs and the table says which stage needs which.
 """
 
 from __future__ import annotations
@@ -19,35 +20,9 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from loraship.stage_table import IMAGES, STAGE_TABLE  # noqa: E402  (the repository, not an install)
 
-# requirement set -> pyproject extras installed on top of the core dependencies. `light` is
-# plan's and publish's (and the parent flow's); convert covers convert and quantize (one llama.cpp).
-IMAGES = {
-    "light": ["orchestrate"],
-    "train": ["train", "orchestrate"],
-    "merge": ["merge", "orchestrate"],
-    "convert": ["convert", "orchestrate"],
-    "verify": ["verify", "orchestrate"],
-}
-# image (images/<image>.Dockerfile, tag loraship-<image>) -> requirement set it installs.
-IMAGE_REQUIREMENTS = {"plan": "light", "publish": "light", "train": "train", "merge": "merge",
-                      "convert": "convert", "verify": "verify"}
-# Which image runs each stage, in pipeline order (deploy/prefect.yaml, deploy/docker/run_ci.sh
-# and tests/test_deploy.py use this). reference needs merge's stack (torch, transformers,
-# safetensors; no llama.cpp), so it runs in the merge image; quantize runs in convert's.
-STAGE_IMAGE = {
-    "plan": "plan",
-    "train": "train",
-    "merge": "merge",
-    "reference": "merge",
-    "convert": "convert",
-    "quantize": "convert",
-    "verify": "verify",
-    "publish": "publish",
-}
-# plan reads the tokenizer (AutoTokenizer, for llama.cpp's BPE pre-tokenizer check) without
-# torch; pyproject has no `plan` extra, so these few come from the train extra by name.
-LIGHT_FROM_TRAIN = ("transformers", "sentencepiece", "protobuf", "safetensors")
 UNPINNED = {"torch", "llama-cpp-python", "loraship", "pip"}
 
 
@@ -70,18 +45,24 @@ def constraints() -> str:
     return "\n".join(lines) + "\n"
 
 
-def requirements(out_dir: Path) -> None:
+def image_requirements() -> dict[str, list[str]]:
+    """image -> requirements: the core dependencies, then its stages' extras and picks, in order."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     extras = project["optional-dependencies"]
+    every_extra = [r for names in extras.values() for r in names]
+    out: dict[str, list[str]] = {}
+    for stage in STAGE_TABLE:
+        reqs = out.setdefault(stage.image, list(project["dependencies"]))
+        wanted = [r for extra in stage.extras for r in extras[extra]]
+        wanted += [next(r for r in every_extra if _name(r) == name) for name in stage.also]
+        reqs += [r for r in wanted if r not in reqs]
+    # torch and llama-cpp-python are installed from their own layer first.
+    return {image: [r for r in reqs if _name(r) not in UNPINNED] for image, reqs in out.items()}
+
+
+def requirements(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    for image, names in IMAGES.items():
-        reqs = list(project["dependencies"])
-        for extra in names:
-            reqs += [r for r in extras[extra] if r not in reqs]
-        if image == "light":
-            reqs += [r for r in extras["train"] if _name(r) in LIGHT_FROM_TRAIN]
-        # torch and llama-cpp-python are installed from their own layer first.
-        reqs = [r for r in reqs if _name(r) not in UNPINNED]
+    for image, reqs in image_requirements().items():
         (out_dir / f"{image}.txt").write_text("\n".join(reqs) + "\n", encoding="utf-8")
 
 
@@ -90,5 +71,7 @@ if __name__ == "__main__":
         sys.stdout.write(constraints())
     elif sys.argv[1:2] == ["requirements"] and len(sys.argv) == 3:
         requirements(Path(sys.argv[2]))
+    elif sys.argv[1:2] == ["images"]:
+        print(" ".join(IMAGES))
     else:
         sys.exit(__doc__)

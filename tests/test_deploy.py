@@ -7,12 +7,14 @@ Lint tools come from deploy/requirements-ci.txt; a test whose tool is missing is
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -22,15 +24,14 @@ from loraship.config import load_config, parse_config
 from loraship.constants import STAGES
 from loraship.errors import LorashipError
 from loraship.gitops import TAG_PREFIX, load_spec, trigger_changed_specs
+from loraship.stage_table import IMAGES, STAGE_TABLE, STAGES_BY_NAME, gpu_stages
 
 ROOT = Path(__file__).resolve().parent.parent
-IMAGES = ROOT / "images"
+IMAGES_DIR = ROOT / "images"
 DEPLOY = ROOT / "deploy"
 POOLS = {"local": "loraship-process", "docker": "loraship-docker", "kubernetes": "loraship-kubernetes"}
-# Stages that hold a GPU (flows/train_and_ship.py GPU_STAGES): train and reference on the training
-# GPU, verify (the GGUF alone, under llama.cpp) on the small inference GPU.
-GPU_STAGES = {"train", "reference", "verify"}
-TRAINING_GPU_STAGES = {"train", "reference"}
+GPU_STAGES = gpu_stages()
+TRAINING_GPU_STAGES = gpu_stages("training")
 
 
 def _load(path: Path, name: str):
@@ -41,9 +42,10 @@ def _load(path: Path, name: str):
     return module
 
 
-_pin = _load(IMAGES / "pin.py", "loraship_images_pin")
-IMAGE_REQUIREMENTS, REQUIREMENT_SETS, STAGE_IMAGE = _pin.IMAGE_REQUIREMENTS, _pin.IMAGES, _pin.STAGE_IMAGE
+_pin = _load(IMAGES_DIR / "pin.py", "loraship_images_pin")
 k8s_render = _load(DEPLOY / "kubernetes" / "render.py", "loraship_k8s_render")
+prefect_render = _load(DEPLOY / "render_prefect_yaml.py", "loraship_prefect_render")
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
 
 
 def _tool(name: str) -> str:
@@ -61,41 +63,120 @@ def _deployments() -> dict[str, dict]:
     return {d["name"]: d for d in _prefect_yaml()["deployments"]}
 
 
+# ---- the stage table -------------------------------------------------------------------------
+def _extra_names(stage) -> set[str]:
+    """Distribution names a stage's image installs from the extras (plus its picks by name)."""
+    extras = PYPROJECT["optional-dependencies"]
+    return {_pin._name(r) for extra in stage.extras for r in extras[extra]} | set(stage.also)
+
+
+def test_stage_table_is_the_pipeline():
+    assert STAGES == tuple(s.name for s in STAGE_TABLE) and len(set(STAGES)) == len(STAGES)
+    assert STAGES[0] == "plan" and STAGES[-1] == "publish"
+    assert all(s.gpu in ("training", "inference", "none") for s in STAGE_TABLE)
+
+
+def test_stage_table_extras_exist_and_images_hold_one_requirement_set():
+    extras = PYPROJECT["optional-dependencies"]
+    every = {_pin._name(r) for names in extras.values() for r in names}
+    for stage in STAGE_TABLE:
+        assert set(stage.extras) <= set(extras), f"{stage.name}: unknown extra in {stage.extras}"
+        assert set(stage.also) <= every, f"{stage.name}: {stage.also} not in any pyproject extra"
+    for image in IMAGES:
+        rows = {(s.extras, s.also) for s in STAGE_TABLE if s.image == image}
+        assert len(rows) == 1, f"the stages in image {image} must name the same extras: {rows}"
+
+
+def test_verify_runs_the_gguf_alone_on_the_inference_gpu():
+    verify = STAGES_BY_NAME["verify"]
+    assert verify.gpu == "inference" and gpu_stages("inference") == {"verify"}
+    assert {"torch", "transformers"}.isdisjoint(_extra_names(verify)), "the verify image has no torch"
+    assert "llama-cpp-python" in _extra_names(verify)
+    assert TRAINING_GPU_STAGES == {"train", "reference"}, "reference runs the merged HF model where train ran"
+
+
+def test_kubernetes_quantities_parse():
+    for stage in STAGE_TABLE:
+        r = stage.resources
+        assert re.fullmatch(r"\d+(\.\d+)?", r.cpu), (stage.name, r.cpu)
+        assert re.fullmatch(r"\d+(Mi|Gi)", r.memory) and re.fullmatch(r"\d+(Mi|Gi)", r.shm), stage.name
+        assert r.docker_shm is None or re.fullmatch(r"\d+[mg]", r.docker_shm), stage.name
+
+
 # ---- images ----------------------------------------------------------------------------------
-DOCKERFILES = sorted(IMAGES.glob("*.Dockerfile"))
+DOCKERFILE = IMAGES_DIR / "Dockerfile"
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def _dockerfile_stages() -> dict[str, tuple[str, str]]:
+    """Build stage name -> (what it is FROM, its own lines)."""
+    stages = {}
+    for part in re.split(r"^FROM\s+", DOCKERFILE.read_text(encoding="utf-8"), flags=re.M)[1:]:
+        first, _, body = part.partition("\n")
+        match = re.fullmatch(r"(\S+)\s+AS\s+(\S+)", first.strip())
+        assert match, f"every FROM in images/Dockerfile names its stage: FROM {first}"
+        stages[match[2]] = (match[1], body)
+    return stages
+
+
+def _target_text(name: str) -> tuple[list[str], str]:
+    """A target's chain of stages (itself first) and their lines, base first."""
+    stages = _dockerfile_stages()
+    chain, text = [], ""
+    while name in stages:
+        chain.append(name)
+        name, body = stages[name][0], stages[name][1]
+        text = body + text
+    assert name == "${BASE_IMAGE}", f"{chain[-1]} must start from the BASE_IMAGE build argument"
+    return chain, text
+
+
+@pytest.mark.parametrize("dockerfile", sorted(IMAGES_DIR.glob("*Dockerfile")), ids=lambda p: p.name)
 def test_hadolint_clean(dockerfile):
     result = subprocess.run([_tool("hadolint"), "--no-color", str(dockerfile)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("image", sorted(set(STAGE_IMAGE.values())))
-def test_stage_image_dockerfile(image):
-    text = (IMAGES / f"{image}.Dockerfile").read_text(encoding="utf-8")
+def test_one_dockerfile_for_every_stage_image():
+    assert sorted(p.name for p in IMAGES_DIR.glob("*Dockerfile")) == ["Dockerfile", "base-cuda.Dockerfile"]
+    text = DOCKERFILE.read_text(encoding="utf-8")
     assert re.search(r"^ARG BASE_IMAGE=", text, re.M), "the base image must be a build argument"
-    assert re.search(r"^USER 1000:1000$", text, re.M), "stages run as the non-root uid 1000"
-    assert f'ENTRYPOINT ["python", "-m", "tasks.{image}"]' in text
     assert not re.search(r"(?i)(token|password|secret|api_key)\s*=", text), "no secrets in any layer"
     assert "# syntax=" not in text, "a syntax line makes BuildKit fetch a frontend from a registry"
-    if image in ("convert", "verify"):
-        assert "AS llama-cpp" in text and "LORASHIP_LLAMA_CPP_DIR=/opt/llama.cpp" in text
+    assert set(IMAGES) <= set(_dockerfile_stages())
 
 
-def test_every_stage_has_an_image_and_extra():
-    assert list(STAGE_IMAGE) == list(STAGES), "images/pin.py STAGE_IMAGE: every stage, in pipeline order"
-    assert set(STAGE_IMAGE.values()) <= set(IMAGE_REQUIREMENTS)
-    extras = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    for image, requirements in IMAGE_REQUIREMENTS.items():
-        text = (IMAGES / f"{image}.Dockerfile").read_text(encoding="utf-8")
-        assert f"COPY requirements/{requirements}.txt " in text
-    for name, wanted in REQUIREMENT_SETS.items():
-        assert set(wanted) <= set(extras), f"{name}: unknown extra in {wanted}"
+@pytest.mark.parametrize("image", IMAGES)
+def test_image_target_installs_what_its_stages_need(image):
+    """Each target: its own entrypoint, uid 1000, the requirement set of its stages' extras, torch
+    only when an extra asks for it, llama.cpp's binding only when an extra asks for it."""
+    chain, text = _target_text(image)
+    own = _dockerfile_stages()[image][1]
+    assert re.findall(r"^ENTRYPOINT (.*)$", own, re.M)[-1] == f'["python", "-m", "tasks.{image}"]'
+    assert re.findall(r"^USER (.*)$", text, re.M)[-1] == "1000:1000", "stages run as the non-root uid 1000"
+    assert text.rindex("COPY src/") > max(text.rindex(w) for w in ("RUN ", "COPY requirements/")), "source last"
+
+    stage = next(s for s in STAGE_TABLE if s.image == image)
+    names = _extra_names(stage)
+    installed = re.findall(r"^COPY requirements/(\S+)\.txt ", text, re.M)
+    assert len(installed) == 1, f"{image}: one requirements file, got {installed}"
+    requirements = _pin.image_requirements()
+    assert requirements[installed[0]] == requirements[image], f"{image} installs {installed[0]}'s requirements"
+    assert ("torch" in chain) == ("torch" in names), f"{image}: torch layer iff an extra of its stages needs torch"
+    binding = "COPY --from=llama-cpp /out/wheels/" in text
+    assert binding == ("llama-cpp-python" in names), image
+    if binding or stage.name == "plan":  # plan's GGUF check reads the converter's architecture list
+        assert "LORASHIP_LLAMA_CPP_DIR=/opt/llama.cpp" in text
+
+
+def test_build_all_builds_every_image_target():
+    result = subprocess.run([sys.executable, str(IMAGES_DIR / "pin.py"), "images"], capture_output=True, text=True)
+    assert result.stdout.split() == list(IMAGES)
+    script = (IMAGES_DIR / "build_all.sh").read_text(encoding="utf-8")
+    assert "pin.py images" in script and '-f images/Dockerfile --target "$image"' in script
 
 
 def test_constraints_pin_exact_versions():
-    lines = [ln for ln in (IMAGES / "constraints.txt").read_text().splitlines() if ln and not ln.startswith("#")]
+    lines = [ln for ln in (IMAGES_DIR / "constraints.txt").read_text().splitlines() if ln and not ln.startswith("#")]
     assert lines and all(re.fullmatch(r"[a-z0-9-]+==[^=\s]+", ln) for ln in lines), lines[:5]
     names = {ln.split("==")[0] for ln in lines}
     assert {"torch", "llama-cpp-python"}.isdisjoint(names), "CPU vs CUDA builds: pinned by build argument / wheel"
@@ -103,6 +184,25 @@ def test_constraints_pin_exact_versions():
 
 
 # ---- deploy/prefect.yaml ---------------------------------------------------------------------
+def test_prefect_yaml_is_what_the_generator_writes():
+    assert (DEPLOY / "prefect.yaml").read_text(encoding="utf-8") == prefect_render.render(), (
+        "deploy/prefect.yaml differs from loraship/stage_table.py and configs/demo.yaml: "
+        "run `python deploy/render_prefect_yaml.py` and commit deploy/prefect.yaml")
+
+
+def test_generator_follows_the_table(monkeypatch):
+    """A row's resources reach its deployments (and only its own)."""
+    table = tuple(dataclasses.replace(s, resources=dataclasses.replace(s.resources, memory="12Gi", docker_shm="2g"))
+                  if s.name == "verify" else s for s in STAGE_TABLE)
+    monkeypatch.setattr(prefect_render, "STAGE_TABLE", table)
+    deployments = {d["name"]: d for d in prefect_render.deployments()}
+    k8s = deployments["verify-kubernetes"]["work_pool"]["job_variables"]["resources"]
+    assert k8s == {"requests": {"cpu": "4", "memory": "12Gi", "nvidia.com/gpu": "1"},
+                   "limits": {"memory": "12Gi", "nvidia.com/gpu": "1"}}
+    assert deployments["verify-docker"]["work_pool"]["job_variables"]["container_create_kwargs"]["shm_size"] == "2g"
+    assert deployments["quantize-kubernetes"] == _deployments()["quantize-kubernetes"]
+
+
 def test_one_parent_and_one_deployment_per_stage_and_pool():
     names = [d["name"] for d in _prefect_yaml()["deployments"]]
     expected = [name for suffix in POOLS for name in (suffix, *(f"{stage}-{suffix}" for stage in STAGES))]
@@ -122,8 +222,7 @@ def test_documented_deployment_counts_follow_prefect_yaml():
 
 def test_gpu_stages_match_the_flow():
     flows = pytest.importorskip("flows.train_and_ship")
-    assert set(flows.GPU_STAGES) == GPU_STAGES
-    assert GPU_STAGES <= set(STAGES)
+    assert flows.GPU_STAGES == GPU_STAGES == {"train", "reference", "verify"}
 
 
 def test_training_gpu_stages_share_the_training_node():
@@ -159,7 +258,7 @@ def test_prefect_yaml_names_every_stage_for_each_pool(suffix):
         assert d["work_pool"]["name"] == POOLS[suffix]
         jv = d["work_pool"].get("job_variables") or {}
         if suffix != "local":
-            assert jv["image"] == f"loraship-{STAGE_IMAGE[stage]}:0.1.0"
+            assert jv["image"] == f"loraship-{STAGES_BY_NAME[stage].image}:0.1.0"
             assert d["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == "/opt/loraship"
         if suffix == "docker":
             kwargs = jv["container_create_kwargs"]
@@ -188,7 +287,7 @@ def test_parent_parameters_are_the_demo_config():
         config = parse_config(_deployments()[suffix]["parameters"]["config"]).model_dump(mode="json")
         assert {k: v for k, v in config.items() if k not in path_fields} == {
             k: v for k, v in demo.items() if k not in path_fields
-        }, f"{suffix}: update `demo_training` in deploy/prefect.yaml (and deploy/gitops/specs/tiny-demo.yaml) to configs/demo.yaml"
+        }, f"{suffix}: regenerate deploy/prefect.yaml from configs/demo.yaml (python deploy/render_prefect_yaml.py)"
         if suffix == "local":
             assert config == demo
         else:

@@ -11,7 +11,8 @@
 # -> checks: parent COMPLETED, a child run per stage in its stage's image, artifacts on the volume,
 # and each image's own entrypoint (`python -m tasks.<stage> CONFIG`) sees the stage as done.
 # This machine has no GPU: the deployed copy of prefect.yaml drops the docker GPU requests
-# (device_requests) of the GPU stages (train, reference, verify), and nothing else.
+# (device_requests) of the GPU stages (train, reference, verify: loraship/stage_table.py), and
+# nothing else.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -57,7 +58,7 @@ trap cleanup EXIT
 step "tiny base model"
 python -m loraship.tinymodel --out .loraship/models/tiny-llama >/dev/null
 
-step "images (base + one per stage)"
+step "images (base + one target of images/Dockerfile per stage image)"
 images/build_all.sh >"$LOGS/build.log" 2>&1 || { tail -40 "$LOGS/build.log" >&2; exit 1; }
 grep -E '^(built|base image|all images)' "$LOGS/build.log"
 "$DOCKER" images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep '^loraship-'
@@ -125,12 +126,12 @@ docker = next(d for d in yaml.safe_load(open("deploy/prefect.yaml"))["deployment
 yaml.safe_dump(docker["parameters"]["config"], open(sys.argv[1], "w"), sort_keys=False)
 EOF2
 chown 1000:1000 "$mountpoint/demo.yaml"
-# stage:image pairs in pipeline order (images/pin.py STAGE_IMAGE).
-stage_images="$(python -c 'import sys; sys.path.insert(0, "images"); from pin import STAGE_IMAGE
-print(" ".join(f"{s}:{i}" for s, i in STAGE_IMAGE.items()))')"
+# stage:image pairs in pipeline order (loraship/stage_table.py).
+stage_images="$(python -c 'from loraship.stage_table import STAGE_TABLE
+print(" ".join(f"{s.name}:{s.image}" for s in STAGE_TABLE))')"
 for pair in $stage_images; do
   stage="${pair%%:*}" image="${pair#*:}"
-  if [[ $image != "$stage" ]]; then  # reference runs in the merge image, quantize in convert's
+  if [[ $image != "$stage" ]]; then  # e.g. reference runs in the merge image, quantize in convert's
     out="$("$DOCKER" run --rm --network none -v "$VOLUME:/shared" --entrypoint python \
       "loraship-$image:0.1.0" -m "tasks.$stage" /shared/demo.yaml 2>&1)"
   else
