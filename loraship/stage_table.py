@@ -48,8 +48,7 @@ TOKENIZER = ("transformers", "sentencepiece", "protobuf", "safetensors")
 
 # Small CPU pods: plan, quantize, publish and the parent flow.
 CPU = Resources(cpu="2", memory="8Gi", shm="1Gi", node_pool="cpu")
-# Merge holds one bf16 shard at a time but the probe loads base and adapter; convert reads the
-# merged model. Both are CPU and RAM bound.
+# Merge holds the bf16 base in host memory; convert is CPU and RAM bound.
 HIGHMEM = Resources(cpu="8", memory="64Gi", shm="8Gi", node_pool="cpu-highmem", docker_shm="8g")
 # The 32 GB training GPU, tainted so only GPU work lands there. torch DataLoader workers and NCCL
 # use /dev/shm (Docker's default is 64 MB). reference runs the merged HF model here too.
@@ -66,7 +65,6 @@ STAGE_TABLE: tuple[Stage, ...] = (
     # llama.cpp's converter script (not the binding). The parent flow runs in this image too.
     Stage("plan", "plan", "none", ("orchestrate",), CPU, also=TOKENIZER),
     Stage("train", "train", "training", ("train", "orchestrate"), TRAINING_GPU),
-    # merge's probe needs no GPU (it falls back to the CPU within the pod's memory).
     Stage("merge", "merge", "none", ("merge", "orchestrate"), HIGHMEM),
     # The merged HF model's outputs that verify compares against, on the training GPU with
     # merge's stack (torch, transformers, safetensors; no llama.cpp).
