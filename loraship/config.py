@@ -149,6 +149,21 @@ class Config(BaseModel):
         0.85, ge=0.0, le=1.0, description="Smallest fraction of eval positions where the GGUF's top token is HF's "
         "(llama.cpp reports about 90-95% for 4-bit K-quants of 7B models).",
     )
+    adapter_gguf: bool = Field(
+        False,
+        description="Also ship the LoRA as an adapter-only GGUF (llama.cpp's convert_lora_to_gguf.py) with the base model "
+        "converted and quantized like the merged one, to run as `llama-server -m base.gguf --lora adapter.gguf`; verify "
+        "then gates base GGUF + adapter against the merged GGUF (adapter_kl_mean_max, adapter_same_top_min).",
+    )
+    adapter_kl_mean_max: float = Field(
+        0.1, gt=0, description="With adapter_gguf: largest mean KL divergence (merged GGUF -> base GGUF + adapter, nats "
+        "per token) on the eval split. Both sides are quantized, each from different weights, so their difference is "
+        "quantization noise of the same order as kl_mean_max's.",
+    )
+    adapter_same_top_min: float = Field(
+        0.85, ge=0.0, le=1.0, description="With adapter_gguf: smallest fraction of eval positions where base GGUF + "
+        "adapter picks the merged GGUF's top token.",
+    )
     chat_template: str | None = Field(
         None,
         description="Chat template for training and the shipped GGUF: a name (chatml, llama3, mistral, alpaca) or Jinja "

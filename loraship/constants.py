@@ -34,6 +34,14 @@ def quantized_gguf_name(quantization: str) -> str:
     return f"model-{quantization}.gguf"
 
 
+# With adapter_gguf: the LoRA alone (convert_lora_to_gguf.py) and the base model it applies to.
+ADAPTER_GGUF = "adapter-F16.gguf"
+
+
+def base_gguf_name(quantization: str) -> str:
+    return f"base-{quantization}.gguf"
+
+
 # The one llama.cpp we ship with: convert, quantize and verify all use this pin.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 

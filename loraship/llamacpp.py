@@ -24,6 +24,8 @@ from loraship.constants import LLAMA_CPP_PYTHON_VERSION
 from loraship.errors import IntegrityError, LorashipError
 
 _VENDORED = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+# Needed only with adapter_gguf, so not required of a folder fetched before it was unpacked too.
+LORA_CONVERTER = "convert_lora_to_gguf.py"
 
 
 def cache_root() -> Path:
@@ -51,6 +53,22 @@ def converter_dir(fetch: bool = True) -> Path:
     if not fetch:
         raise LorashipError(f"llama.cpp converter not found in {folder}; run `loraship fetch-converter`")
     return fetch_converter(folder)
+
+
+def lora_converter() -> Path:
+    """convert_lora_to_gguf.py of the pinned llama.cpp, beside convert_hf_to_gguf.py (it imports its model classes)."""
+    folder = converter_dir()
+    script = folder / LORA_CONVERTER
+    if script.is_file():
+        return script
+    if os.environ.get("LORASHIP_LLAMA_CPP_DIR"):
+        raise LorashipError(
+            f"LORASHIP_LLAMA_CPP_DIR={folder} has no {LORA_CONVERTER}, which adapter_gguf needs; copy it there from the "
+            f"same llama.cpp (vendor/llama.cpp/ of the llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist), or set "
+            "adapter_gguf: false"
+        )
+    fetch_converter(folder)  # a cache unpacked before the LoRA converter was part of it
+    return script
 
 
 # sha256 of each llama-cpp-python sdist as PyPI publishes it (https://pypi.org/simple/llama-cpp-python/,
@@ -99,7 +117,7 @@ def fetch_converter(folder: Path) -> Path:
         staging = Path(tmp) / "staging"
         prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
         with tarfile.open(sdists[0]) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.name[len(prefix):].split("/")[0] in _VENDORED]
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.name[len(prefix):].split("/")[0] in (*_VENDORED, LORA_CONVERTER)]
             for m in members:
                 m.name = m.name[len(prefix):]
             tar.extractall(staging, members=members, filter="data")

@@ -9,6 +9,11 @@ converter's `--metadata` override file sets general.name, basename, finetune, th
 and, where the base model's card states one, the license. This stage also records, from the
 merged tokenizer, what publish needs for Ollama (loraship/ollama.py): the chat-template family,
 its default system prompt and the model's stop tokens.
+
+With adapter_gguf it also writes the train stage's PEFT adapter alone as a GGUF LoRA (llama.cpp's
+convert_lora_to_gguf.py) and the base model converted and quantized like the merged one, which
+llama.cpp applies it to at run time (its LoRA matmul adds scale * B(A x) to the quantized base
+weight's product, so the base need not be F16).
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import sys
 from pathlib import Path
 
 from loraship.constants import (
-    F16_GGUF, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_FILE_TYPE, GGUF_METADATA_FILE, MERGED_DIR, OLLAMA_FILE,
+    ADAPTER_DIR, ADAPTER_GGUF, F16_GGUF, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_FILE_TYPE, GGUF_METADATA_FILE, MERGED_DIR,
+    OLLAMA_FILE, base_gguf_name,
 )
-from loraship.gguf_info import read_gguf_of_type
-from loraship.llamacpp import converter_dir
+from loraship.errors import LorashipError
+from loraship.gguf_info import read_gguf, read_gguf_of_type
+from loraship.llamacpp import converter_dir, lora_converter
 from loraship.manifest import atomic_write_json
 from loraship.proc import write_with_tool
 from loraship.progress import LlamaCppProgress, artifact_key
@@ -30,7 +37,7 @@ from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "convert"
 UPSTREAM = ("merge",)
-FIELDS: tuple[str, ...] = ("run_name", "base_model", "base_model_revision")
+FIELDS: tuple[str, ...] = ("run_name", "base_model", "base_model_revision", "adapter_gguf")
 TIMEOUT_S = 4 * 3600
 log = logging.getLogger("loraship.convert")
 
@@ -46,6 +53,46 @@ def convert(merged_dir: Path, out_file: Path, outtype: str = "f16", metadata: Pa
         out_file, f"convert_hf_to_gguf.py on {merged_dir}", TIMEOUT_S, on_line=progress,
     )
     progress.close()
+
+
+def convert_adapter(adapter_dir: Path, base_dir: Path, out_file: Path, progress_key: str | None = None) -> None:
+    """The PEFT adapter alone as a GGUF LoRA; base_dir gives the converter the architecture (config.json)."""
+    script = lora_converter()
+    progress = LlamaCppProgress(f"{STAGE} adapter", log, key=progress_key)
+    write_with_tool(
+        lambda tmp: [sys.executable, str(script), str(adapter_dir), "--base", str(base_dir), "--outfile", str(tmp),
+                     "--outtype", "f16"],
+        out_file, f"convert_lora_to_gguf.py on {adapter_dir}", TIMEOUT_S, on_line=progress,
+    )
+    progress.close()
+
+
+def adapter_ggufs(config, ctx, progress_key: str | None) -> dict:
+    """adapter_gguf: the adapter GGUF and its base GGUF, read back; their facts for the manifest."""
+    from gguf import Keys
+
+    from loraship.models import check_base_model, resolve_base_model, weight_files
+    from tasks.quantize import quantize
+
+    base_dir = resolve_base_model(config, weights=True)
+    check_base_model(config, base_dir)
+    base_bytes = sum(p.stat().st_size for p in weight_files(base_dir))
+    check_free_disk(ctx.dir, base_bytes * 1.65, "convert (base model GGUF for adapter_gguf)")  # F16 + quantized
+    base_f16, base_out = ctx.dir / "base-F16.gguf", ctx.dir / base_gguf_name(config.quantization)
+    try:
+        convert(base_dir, base_f16, progress_key=progress_key)
+        quantize(base_f16, base_out, config.quantization, progress_key=progress_key)
+    finally:
+        base_f16.unlink(missing_ok=True)  # a step on the way; the base ships quantized like the merged model
+    base_info = read_gguf_of_type(base_out, config.quantization)
+    convert_adapter(ctx.upstream_dir("train") / ADAPTER_DIR, base_dir, ctx.dir / ADAPTER_GGUF, progress_key)
+    fields = read_gguf(ctx.dir / ADAPTER_GGUF)
+    if fields["fields"].get(Keys.General.TYPE) != "adapter" or fields["fields"].get(Keys.Adapter.TYPE) != "lora":
+        raise LorashipError(f"{ctx.dir / ADAPTER_GGUF}: not a LoRA adapter GGUF (general.type "
+                            f"{fields['fields'].get(Keys.General.TYPE)!r}); run the convert stage again")
+    return {"adapter_tensor_count": fields["tensor_count"], "adapter_bytes": (ctx.dir / ADAPTER_GGUF).stat().st_size,
+            "lora_alpha": fields["fields"].get(Keys.Adapter.LORA_ALPHA), "base_tensor_count": base_info["tensor_count"],
+            "base_bytes": base_out.stat().st_size}
 
 
 def base_label(base_model: str) -> str:
@@ -111,7 +158,10 @@ def ollama_facts(merged_dir: Path) -> dict:
 
 @exclusive
 def run(config) -> dict:
-    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
+    # adapter_gguf reads the train stage's adapter (only it, not the checkpoints) and quantizes the base.
+    adapter = {"train": (ADAPTER_DIR,)} if config.adapter_gguf else {}
+    ctx = open_stage(config, STAGE, UPSTREAM + tuple(adapter), FIELDS + (("quantization",) if adapter else ()),
+                     consumes=adapter)
     if ctx.done:
         return ctx.done
     reset_dir(ctx)
@@ -123,9 +173,10 @@ def run(config) -> dict:
     facts = ollama_facts(merged)
     atomic_write_json(ctx.dir / OLLAMA_FILE, facts)
     out = ctx.dir / F16_GGUF
-    convert(merged, out, metadata=ctx.dir / GGUF_METADATA_FILE,
-            progress_key=artifact_key(config.run_name, STAGE, "progress"))
+    progress_key = artifact_key(config.run_name, STAGE, "progress")
+    convert(merged, out, metadata=ctx.dir / GGUF_METADATA_FILE, progress_key=progress_key)
     info = read_gguf_of_type(out, "F16")
+    extra = {"adapter_gguf": adapter_ggufs(config, ctx, progress_key)} if config.adapter_gguf else {}
     from gguf import Keys
 
     return ctx.finish(
@@ -136,6 +187,7 @@ def run(config) -> dict:
             "name": info["fields"].get(Keys.General.NAME),
             "ollama_template_family": facts.get("family"),
             "bytes": out.stat().st_size,
+            **extra,
         }
     )
 
