@@ -13,6 +13,9 @@ ratio, mean and 99th-percentile KL divergence, same-top-token rate), plus:
 - eval loss after training below the base model's;
 - GPU memory: predicted from the GGUF's tensors, and on a GPU measured through NVML, within
   target_gpu_memory_gib; where it does not fit, the largest context and the layers that do.
+- with adapter_gguf: base GGUF + adapter GGUF (convert's) against the merged GGUF, both under
+  llama.cpp: mean KL divergence and same-top-token rate on the eval texts (adapter_kl_mean_max,
+  adapter_same_top_min), a gate that exists only when the adapter GGUF does.
 Every gate carries its evidence count and fails with "not enough evidence" below the config's
 minimum, never passing as 0/0.
 
@@ -32,8 +35,8 @@ from pathlib import Path
 
 from loraship import inference_memory as im
 from loraship.constants import (
-    GGUF_FILE_TYPES, GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_EOS, GGUF_KEY_FILE_TYPE,
-    MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, quantized_gguf_name,
+    ADAPTER_GGUF, GGUF_FILE_TYPES, GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_EOS, GGUF_KEY_FILE_TYPE,
+    MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
 )
 from loraship.errors import IntegrityError, LorashipError
 from loraship.manifest import atomic_write_json, read_manifest, sha256_json
@@ -45,8 +48,10 @@ UPSTREAM = ("train", "reference", "quantize")
 FIELDS = (
     "golden_match_min", "golden_margin", "perplexity_ratio_max", "kl_mean_max", "kl_p99_max", "same_top_min",
     "min_golden_prompts", "min_decisive_positions", "min_scored_tokens", "target_gpu_memory_gib", "target_context",
-    "device", "quantization", "max_new_tokens", "seed",
+    "device", "quantization", "max_new_tokens", "seed", "adapter_gguf",
 )
+ADAPTER_FIELDS = ("adapter_kl_mean_max", "adapter_same_top_min")  # key the stage only with adapter_gguf on
+MERGED_TOPK_FILE = ".merged-topk.npz"  # the merged GGUF's top-k for the adapter run; removed once scored
 MEASURE_TIMEOUT_S = 3 * 3600
 log = logging.getLogger("loraship.verify")
 
@@ -184,6 +189,27 @@ def eval_agreement(llm, reference: dict, topk) -> dict:
         "prompt_tokens": eval_tokens,
         "prompt_tokens_per_s": round(eval_tokens / eval_seconds, 1) if eval_seconds else None,
     }
+
+
+def gguf_topk(llm, reference: dict, topk, k: int) -> dict:
+    """The loaded GGUF's own top-k log-probs (sorted) and target log-prob at the reference's scored
+    positions, laid out as the reference's eval_topk.npz, so eval_agreement can score another
+    llama.cpp run against this one."""
+    import numpy as np
+
+    rows_of = []
+    for n, record in enumerate(reference["eval"]):
+        rows = np.nonzero(topk["example"] == n)[0]
+        if not len(rows):
+            continue
+        q = logprobs_at(llm, record["input_ids"], topk["position"][rows].tolist())
+        ids = np.argpartition(-q, k - 1, axis=1)[:, :k]
+        ids = np.take_along_axis(ids, np.argsort(-np.take_along_axis(q, ids, axis=1), axis=1), axis=1)
+        targets = topk["target"][rows]
+        rows_of.append({"example": topk["example"][rows], "position": topk["position"][rows], "target": targets,
+                        "topk_ids": ids, "topk_logprobs": np.take_along_axis(q, ids, axis=1).astype(np.float32),
+                        "target_logprob": q[np.arange(len(rows)), targets].astype(np.float32)})
+    return {key: np.concatenate([r[key] for r in rows_of]) for key in rows_of[0]} if rows_of else {}
 
 
 def golden_agreement(llm, reference: dict, config, stops: set[int]) -> dict:
@@ -332,7 +358,33 @@ def measure(job: dict) -> dict:
     out["golden"] = golden_agreement(llm, reference, settings, stops)
     out["builtin_template_engine"] = builtin_engine_report(llm, reference)
     out["gpu_used_gib"] = im.gpu_used_by_this_process_gib() if cuda else None
+    if job.get("merged_topk_out"):
+        log.info("top-%d of the merged GGUF for the adapter comparison", reference["top_k"])
+        np.savez(job["merged_topk_out"], **gguf_topk(llm, reference, topk, reference["top_k"]))
     return out
+
+
+def measure_adapter(job: dict) -> dict:
+    """Base GGUF + adapter GGUF loaded as llama.cpp serves them (llama-server --lora; scale 1, so
+    llama.cpp's own alpha / rank), scored on the eval texts against the merged GGUF's top-k that
+    measure() wrote. Loads first, in its own process, for the reason measure() does."""
+    import json
+
+    from llama_cpp import Llama
+
+    started = time.perf_counter()
+    llm = Llama(model_path=job["gguf"], lora_path=job["lora"], lora_scale=1.0, n_ctx=job["n_ctx"],
+                n_gpu_layers=job["n_gpu_layers"], logits_all=True, seed=job["seed"], n_threads=cpu_count(),
+                verbose=os.environ.get("LORASHIP_LLAMA_VERBOSE") == "1")
+    load_seconds = round(time.perf_counter() - started, 2)
+    import numpy as np
+
+    reference = json.loads(Path(job["reference"]).read_text(encoding="utf-8"))
+    with np.load(job["merged_topk"]) as handle:
+        merged = {k: handle[k] for k in handle.files}
+    log.info("scoring base GGUF + adapter on %d eval texts against the merged GGUF", len(reference["eval"]))
+    agreement = eval_agreement(llm, reference, merged) if merged else {"scored_tokens": 0}
+    return {"load_seconds": load_seconds, "eval_agreement": agreement}
 
 
 _MEASURE = """
@@ -340,13 +392,14 @@ import importlib, json, logging, sys
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 module = importlib.import_module(sys.argv[1])
 job = json.loads(open(sys.argv[2], encoding="utf-8").read())
-result = module.measure(job)
+result = getattr(module, sys.argv[4])(job)
 open(sys.argv[3], "w", encoding="utf-8").write(json.dumps(result, default=float))
 """
 
 
-def measure_apart(ctx, job: dict) -> dict:
-    """measure(job) in a fresh child process: a native crash there is reported, not fatal to the stage."""
+def measure_apart(ctx, job: dict, entry: str = "measure") -> dict:
+    """measure(job) (or another function of this module) in a fresh child process: a native crash
+    there is reported, not fatal to the stage."""
     import json
     import sys
 
@@ -357,8 +410,8 @@ def measure_apart(ctx, job: dict) -> dict:
     result_file.unlink(missing_ok=True)
     module = __spec__.name if __spec__ is not None else __name__  # tasks.verify, also under python -m
     keep = {k: os.environ[k] for k in ("LORASHIP_LLAMA_VERBOSE", "PYTHONUNBUFFERED") if k in os.environ}
-    done = run_child([sys.executable, "-c", _MEASURE, module, str(job_file), str(result_file)], MEASURE_TIMEOUT_S,
-                     f"verify's llama.cpp run on {Path(job['gguf']).name}", extra_env=keep)
+    done = run_child([sys.executable, "-c", _MEASURE, module, str(job_file), str(result_file), entry],
+                     MEASURE_TIMEOUT_S, f"verify's llama.cpp run on {Path(job['gguf']).name}", extra_env=keep)
     if keep.get("LORASHIP_LLAMA_VERBOSE") == "1" or done.returncode != 0:
         sys.stderr.write(done.stderr)
     if done.returncode != 0 or not result_file.is_file():
@@ -377,7 +430,10 @@ def measure_apart(ctx, job: dict) -> dict:
 
 @exclusive
 def run(config) -> dict:
-    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
+    # adapter_gguf: convert's adapter and base GGUFs are inputs too (only those, not its F16 model).
+    adapter = {"convert": (ADAPTER_GGUF, base_gguf_name(config.quantization))} if config.adapter_gguf else {}
+    ctx = open_stage(config, STAGE, UPSTREAM + tuple(adapter), FIELDS + (ADAPTER_FIELDS if adapter else ()),
+                     consumes=adapter)
     if ctx.done:
         return ctx.done
     reset_dir(ctx)
@@ -421,6 +477,7 @@ def run(config) -> dict:
         "topk": str(ctx.upstream_dir("reference") / REFERENCE_TOPK_FILE),
         "fields": {k: fields.get(k) for k in (GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_EOS)},
         "max_new_tokens": config.max_new_tokens, "golden_margin": config.golden_margin,
+        "merged_topk_out": str(ctx.dir / MERGED_TOPK_FILE) if adapter else None,
     })
     report.update(device=device, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, load_seconds=measured["load_seconds"])
 
@@ -482,6 +539,10 @@ def run(config) -> dict:
         + ("" if memory["fits"] else f"; does not fit: all layers fit up to n_ctx {memory['largest_context_all_layers']}, "
            f"{memory['gpu_layers_at_target_context']} of {layout.n_layers} layers at n_ctx {config.target_context}"),
     )
+    if adapter:
+        report["adapter_gguf"] = adapter_gates(ctx, config, gates, {
+            "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "device": device, "seed": config.seed,
+            "reference": str(ctx.upstream_dir("reference") / REFERENCE_FILE)})
     report["prompt_tokens_per_s"] = agreement.get("prompt_tokens_per_s")
     report["gen_tokens_per_s"] = golden["gen_tokens_per_s"]
     report["verify_seconds"] = round(time.time() - ctx.started, 2)
@@ -496,7 +557,36 @@ def run(config) -> dict:
                        "perplexity_ratio": agreement["perplexity_ratio"], "kl_mean": agreement["kl_mean"],
                        "same_top_rate": agreement["same_top_rate"], "golden_match": rate,
                        "gpu_memory": report["gpu_memory"], "prompt_tokens_per_s": report["prompt_tokens_per_s"],
-                       "gen_tokens_per_s": report["gen_tokens_per_s"]})
+                       "gen_tokens_per_s": report["gen_tokens_per_s"],
+                       **({"adapter_gguf": {k: report["adapter_gguf"].get(k) for k in ("kl_mean", "same_top_rate",
+                                                                                      "scored_tokens")}}
+                          if adapter else {})})
+
+
+def adapter_gates(ctx, config, gates: dict, job: dict) -> dict:
+    """Run base GGUF + adapter GGUF against the merged GGUF's top-k; add its gates; its report."""
+    convert_dir = ctx.upstream_dir("convert")
+    base, lora = convert_dir / base_gguf_name(config.quantization), convert_dir / ADAPTER_GGUF
+    merged_topk = ctx.dir / MERGED_TOPK_FILE
+    log.info("loading %s with the adapter %s in a fresh process", base.name, lora.name)
+    try:
+        measured = measure_apart(ctx, {**job, "gguf": str(base), "lora": str(lora), "merged_topk": str(merged_topk)},
+                                 entry="measure_adapter")
+    finally:
+        merged_topk.unlink(missing_ok=True)
+    agreement = measured["eval_agreement"]
+    scored = agreement["scored_tokens"]
+    enough = dict(evidence=scored, minimum=config.min_scored_tokens, minimum_key="min_scored_tokens")
+    note = f"{base.name} + {lora.name} against the merged GGUF, both in llama.cpp, on the eval texts"
+    gates["adapter_kl_divergence_mean"] = gate(
+        round(agreement.get("kl_mean", float("nan")), 5), config.adapter_kl_mean_max,
+        scored and agreement["kl_mean"] <= config.adapter_kl_mean_max, note + " (KL(merged || base + adapter))", **enough)
+    gates["adapter_same_top_token"] = gate(
+        round(agreement.get("same_top_rate", float("nan")), 4), config.adapter_same_top_min,
+        scored and agreement["same_top_rate"] >= config.adapter_same_top_min, note, **enough)
+    names = {"hf_perplexity": "merged_gguf_perplexity", "gguf_perplexity": "base_plus_adapter_perplexity"}
+    return {"base_gguf": str(base), "adapter_gguf": str(lora), "load_seconds": measured["load_seconds"],
+            **{names.get(k, k): v for k, v in agreement.items()}}
 
 
 def _is_eog(llm, token: int) -> bool:
