@@ -19,8 +19,8 @@ from pathlib import Path
 
 from loraship import hub, ollama
 from loraship.constants import (
-    ADAPTER_DIR, GGUF_METADATA_FILE, LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD, MODELFILE, OLLAMA_FILE,
-    PLAN_FILE, STAGES, VERIFY_FILE, quantized_gguf_name,
+    ADAPTER_DIR, ADAPTER_GGUF, GGUF_METADATA_FILE, LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD, MODELFILE, OLLAMA_FILE,
+    PLAN_FILE, STAGES, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
 )
 from loraship.errors import OutputError
 from loraship.manifest import DigestCache, atomic_path, atomic_write_json, describe_files, sha256_file, sha256_json
@@ -28,7 +28,7 @@ from loraship.stage import exclusive, main, open_stage, reset_dir, stage_dir
 
 STAGE = "publish"
 UPSTREAM = ("plan", "train", "merge", "convert", "quantize", "verify")
-FIELDS = ("output", "run_name", "quantization")
+FIELDS = ("output", "run_name", "quantization", "adapter_gguf")
 
 
 def _gib(value) -> str:
@@ -43,8 +43,11 @@ def serve_commands(config, verify: dict) -> dict:
     # llama.cpp's idiom for "every layer"); otherwise as many as verify found fit.
     layers = 999 if memory.get("fits", True) else memory.get("gpu_layers_at_target_context", 0)
     name = config.run_name.lower()  # Ollama model names are lower case
+    adapter = (f"llama-server -m {base_gguf_name(config.quantization)} --lora {ADAPTER_GGUF} --jinja "
+               f"-c {config.target_context} -ngl {layers}") if config.adapter_gguf else None
     return {
         "llama_server": f"llama-server -m {gguf} --jinja -c {config.target_context} -ngl {layers}",
+        "llama_server_adapter": adapter,
         "ollama_create": f"ollama create {name} -f {MODELFILE}",
         "ollama_run": f"ollama run {name}",
         "gpu_layers": layers,
@@ -108,6 +111,10 @@ def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, fac
             "GGUF's template, deriving its own from the chat template stored in the GGUF. Check what it made with "
             f"`ollama show --template {config.run_name.lower()}`; llama-server `--jinja` runs the GGUF's template as is."
         )
+    adapter_block = (
+        f"The adapter alone (`{ADAPTER_GGUF}`) on the base model quantized the same way (verify gated the pair "
+        f"against the merged GGUF):\n\n```bash\n{commands['llama_server_adapter']}\n```\n\n"
+    ) if commands["llama_server_adapter"] else ""
     license_line = f"License: {metadata['general.license']} (from the base model's card).\n\n" \
         if metadata.get("general.license") else ""
     body = f"""# {config.run_name}
@@ -125,7 +132,7 @@ same or a newer llama.cpp.
 {commands['llama_server']}
 ```
 
-```bash
+{adapter_block}```bash
 {commands['ollama_create']}
 {commands['ollama_run']}
 ```
@@ -190,8 +197,10 @@ def stage_artifact(config, ctx) -> Path:
     shutil.copy(ctx.upstream_dir("plan") / PLAN_FILE, root / PLAN_FILE)
     shutil.copy(ctx.upstream_dir("verify") / VERIFY_FILE, root / VERIFY_FILE)
     for picture in (LOSS_PLOT_FILE, MEMORY_PLOT_FILE):  # drawn by the train stage
-        if (ctx.upstream_dir("train") / picture).is_file():
-            shutil.copy(ctx.upstream_dir("train") / picture, root / picture)
+        shutil.copy(ctx.upstream_dir("train") / picture, root / picture)
+    if config.adapter_gguf:
+        for name in (ADAPTER_GGUF, base_gguf_name(config.quantization)):
+            _link_or_copy(ctx.upstream_dir("convert") / name, root / name)
     verify = json.loads((root / VERIFY_FILE).read_text(encoding="utf-8"))
     plan = json.loads((root / PLAN_FILE).read_text(encoding="utf-8"))
     convert_dir = ctx.upstream_dir("convert")
@@ -319,7 +328,7 @@ def send(root: Path, files: dict, destination: str, cache: DigestCache, run_name
 # Publish reads these upstream files; the merged weights and the F16 GGUF (tens of GB on a
 # 7B model) only through their manifests, so it does not hash them again.
 CONSUMES = {
-    "plan": (PLAN_FILE,), "train": (ADAPTER_DIR,), "merge": (), "convert": (GGUF_METADATA_FILE, OLLAMA_FILE),
+    "plan": (PLAN_FILE,), "train": (ADAPTER_DIR, LOSS_PLOT_FILE, MEMORY_PLOT_FILE), "merge": (), "convert": (GGUF_METADATA_FILE, OLLAMA_FILE),
     "verify": (VERIFY_FILE,),
 }
 
@@ -327,7 +336,10 @@ CONSUMES = {
 @exclusive
 def run(config) -> dict:
     gguf = quantized_gguf_name(config.quantization)
-    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, consumes={**CONSUMES, "quantize": (gguf,)})
+    consumes = {**CONSUMES, "quantize": (gguf,)}
+    if config.adapter_gguf:  # the adapter alone and the base it applies to, beside the merged GGUF
+        consumes["convert"] += (ADAPTER_GGUF, base_gguf_name(config.quantization))
+    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, consumes=consumes)
     destination = destination_of(config)
     cache = DigestCache.of_run(ctx.dir)
     if ctx.done and "artifact_files" in ctx.done["metrics"]:

@@ -113,6 +113,23 @@ def test_verify_gates_base_plus_adapter_against_the_merged_gguf(adapter_run):
     assert not list(stage_dir(config, "verify").glob(".merged-topk*"))
 
 
+def test_publish_ships_the_adapter_and_its_base(adapter_run):
+    from huggingface_hub import ModelCard
+
+    from loraship.constants import ADAPTER_GGUF, MANIFEST_NAME, MODEL_CARD, base_gguf_name
+
+    config, _ = adapter_run
+    run_stages(config, ("publish",))
+    root = Path(config.output) / config.run_name
+    base = base_gguf_name(config.quantization)
+    published = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))["files"]
+    assert {ADAPTER_GGUF, base}.issubset(published)
+    assert read_gguf(root / ADAPTER_GGUF)["fields"]["general.type"] == "adapter"
+    card = ModelCard.load(root / MODEL_CARD)
+    assert f"llama-server -m {base} --lora {ADAPTER_GGUF}" in card.text
+    assert "| adapter_kl_divergence_mean | pass |" in card.text
+
+
 def test_without_the_key_there_is_no_adapter_gguf_and_no_gate(pipeline_run):
     config, manifests = pipeline_run
     assert not config.adapter_gguf
