@@ -195,11 +195,25 @@ def atomic_path(final: Path) -> Iterator[Path]:
     try:
         yield tmp
         fsync_tree(tmp)
-        _remove(final)
-        os.replace(tmp, final)
+        if final.is_dir() and not final.is_symlink():
+            # No rename replaces a non-empty folder: move the old one aside first (one rename), so a
+            # kill between the two renames leaves it whole under its aside name (aside_of finds it),
+            # never half deleted.
+            os.replace(final, final.with_name(f".old-{final.name}.{temp_suffix()}"))
+        os.replace(tmp, final)  # a file is replaced in this one step
         fsync_dir(final.parent)
+        for old in final.parent.glob(f".old-{final.name}.*"):
+            _remove(old)
     finally:
         _remove(tmp)
+
+
+def aside_of(final: Path) -> Path | None:
+    """The folder atomic_path moved aside for `final` when a kill came before its replacement
+    took its place (the newest, if several); None when there is none."""
+    final = Path(final)
+    found = sorted(final.parent.glob(f".old-{final.name}.*"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
 
 
 def _remove(path: Path) -> None:

@@ -29,7 +29,7 @@ from loraship.constants import (
 from loraship.chat import use_configured_template
 from loraship.data import IGNORE_INDEX, load_splits
 from loraship.errors import LorashipError
-from loraship.manifest import atomic_path, atomic_write_json, atomic_write_text, sha256_json
+from loraship.manifest import aside_of, atomic_path, atomic_write_json, atomic_write_text, sha256_json
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, torch_load_kwargs
 from loraship.packing import collate_packed, epoch_steps, packing_unsupported, steps_per_epoch
 from loraship.packing import collate_padded as collate  # tasks/merge.py batches its probe with it
@@ -178,7 +178,10 @@ def load_checkpoint(folder: Path, model, optimizer, scheduler) -> tuple[int, lis
 
     last = folder / "last"
     if not (last / "trainer_state.pt").is_file():
-        return 0, []
+        # Killed while a newer checkpoint took the place of this one: the older is whole, aside.
+        last = aside_of(last)
+        if last is None or not (last / "trainer_state.pt").is_file():
+            return 0, []
     set_peft_model_state_dict(model, load_file(last / "adapter_model.safetensors"))
     # weights_only: even our own checkpoint is loaded without running arbitrary pickled code.
     state = torch.load(last / "trainer_state.pt", weights_only=True)

@@ -69,6 +69,39 @@ def test_kill_during_training_resumes_the_same_loss_curve(tiny_model, tmp_path):
         reference["metrics"]["eval_loss_after"], rel=1e-3)
 
 
+def test_kill_between_the_renames_of_a_folder_swap_keeps_the_old_one_whole(tmp_path, monkeypatch):
+    """A checkpoint folder replaces the last one in two renames (no rename replaces a folder): a kill
+    between them leaves the older checkpoint whole, aside, and resume takes it (the kill test above
+    hit this window under load: resumed from step 0)."""
+    import os
+
+    from loraship import manifest
+
+    last = tmp_path / "checkpoints" / "last"
+    with manifest.atomic_path(last) as tmp:
+        tmp.mkdir()
+        (tmp / "trainer_state.pt").write_text("step 4")
+    real_replace = os.replace
+
+    def killed_before_the_new_one_lands(src, dst):
+        if Path(src).name.startswith(".tmp-last"):
+            raise KeyboardInterrupt("kill -9")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_before_the_new_one_lands)
+    with pytest.raises(KeyboardInterrupt):
+        with manifest.atomic_path(last) as tmp:
+            tmp.mkdir()
+            (tmp / "trainer_state.pt").write_text("step 8")
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not last.exists()
+    assert (manifest.aside_of(last) / "trainer_state.pt").read_text() == "step 4"
+    with manifest.atomic_path(last) as tmp:  # the next checkpoint lands and clears what was aside
+        tmp.mkdir()
+        (tmp / "trainer_state.pt").write_text("step 12")
+    assert (last / "trainer_state.pt").read_text() == "step 12" and manifest.aside_of(last) is None
+
+
 @pytest.fixture(scope="module")
 def merged_run(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
