@@ -39,6 +39,7 @@ from loraship.constants import (
     MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
 )
 from loraship.errors import IntegrityError, LorashipError
+from loraship.gguf_info import read_gguf_apart
 from loraship.manifest import atomic_write_json, read_manifest, sha256_json
 from loraship.resources import cpu_count
 from loraship.stage import exclusive, main, open_stage, reset_dir, stage_dir
@@ -288,42 +289,6 @@ def memory_plan(layout, config) -> dict:
     return plan
 
 
-_READ_APART = """
-import dataclasses, json, sys
-from pathlib import Path
-from loraship.errors import LorashipError
-from loraship.gguf_info import read_gguf
-from loraship.inference_memory import read_layout
-path = Path(sys.argv[1])
-try:
-    fields = read_gguf(path)["fields"]
-except LorashipError as e:
-    sys.exit(str(e))
-print(json.dumps({"fields": fields, "layout": dataclasses.asdict(read_layout(path))}, default=str))
-"""
-
-
-def read_apart(gguf_path):
-    """The GGUF's metadata and tensor layout, read in a child process.
-
-    gguf's reader memory-maps the file with numpy; in the same process, llama.cpp's CUDA load of
-    that file then crashed with a segfault on the H200 (7B Q4_K_M, bench/verify_gpu.py), and
-    dropping the reader first did not help. A child process keeps the two apart.
-    """
-    import json
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", _READ_APART, str(gguf_path)], capture_output=True, text=True,
-                          timeout=600)
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise IntegrityError(tail if str(gguf_path) in tail else
-                             f"{gguf_path}: reading its metadata failed ({tail}); run the quantize stage again")
-    data = json.loads(done.stdout)
-    return data["fields"], im.GGUFLayout(**data["layout"])
-
-
 def measure(job: dict) -> dict:
     """Everything that needs the GGUF loaded in llama.cpp, in the process that loads it.
 
@@ -442,7 +407,13 @@ def run(config) -> dict:
     gguf_path = ctx.upstream_dir("quantize") / quantized_gguf_name(config.quantization)
     reference = json.loads((ctx.upstream_dir("reference") / REFERENCE_FILE).read_text(encoding="utf-8"))
     check_lineage(config, reference)
-    fields, layout = read_apart(gguf_path)
+    # Read in a child: llama.cpp loads this file next (loraship/gguf_info.py says why).
+    info = read_gguf_apart(gguf_path)
+    fields = info["fields"]
+    if info["layout"] is None:
+        raise IntegrityError(f"{gguf_path}: its metadata gives no tensor layout ({info['layout_error']}); "
+                             "run the convert and quantize stages again")
+    layout = im.GGUFLayout(**info["layout"])
     gates: dict[str, dict] = {}
     report: dict = {"gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size}
 
