@@ -8,8 +8,19 @@ files, passed with --tokenizer). The stages are the product's: plan -> train (3 
 adapter exists) -> merge -> reference -> convert -> quantize -> verify, each timed. verify loads
 only the Q4_K_M GGUF, every layer on the GPU at n_ctx --n-ctx, and measures its own GPU memory
 through NVML. Quality gates mean nothing on random weights; the row keeps their verdicts anyway.
-llama.cpp's own buffer sizes (model, KV, compute) are read from a verbose load in a child
-process, to see where a prediction error comes from.
+llama.cpp's own buffer sizes (model, KV, compute) are read from verify's verbose log
+(LORASHIP_LLAMA_VERBOSE=1), kept beside the results, to see where a prediction error comes from.
+
+On a bare GPU machine with torch and transformers but no registry, carry in one ignored folder:
+wheels for pydantic, pydantic-core (cp312), annotated-types, typing-inspection, diskcache and
+gguf; the llama-cpp-python sdist (pinned version, .git and vendor/llama.cpp/{docs,benches,models
+*.gguf} removed: 11 MB) or the CUDA build from an earlier call (dedupe llama_cpp/lib's three
+copies of each .so: 44 MB); the tiny Qwen tokenizer files (loraship.tinyqwen.write_tokenizer);
+the converter folder of `loraship fetch-converter`. Build with the machine's python3:
+CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" pip install --no-build-isolation
+--no-deps --target /tmp/llama <sdist folder> (308 s on an H200's 16 cores), beside the chain:
+LORASHIP_BENCH_WAIT_FOR=<a file touched when the build ends> holds quantize and verify back.
+For a 14B (about 100 GB of files in the chain) on a 64 GiB disk: --base-dir /dev/shm --prune.
 """
 
 from __future__ import annotations
