@@ -6,7 +6,7 @@ Three modes:
   python bench/memory_matrix.py analyze RAW.json         # on a laptop: add predictions, fit/eval split,
                                                          # write bench/results/memory_matrix.json + .md
 
-Measurement (GPU.md): random weights in real shapes, built under torch.device("cuda") in bf16; QLoRA
+Measurement: random weights in real shapes, built under torch.device("cuda") in bf16; QLoRA
 replaces every decoder Linear by bitsandbytes Linear4bit (NF4, double quant, blocksize 64) and
 quantizes random bf16 weights one matrix at a time, as from_pretrained does. model.train() is
 called (eval mode silently skips checkpointing); use_cache is off; 2 warm-up steps (AdamW state
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 CAP_GIB = 32.0
 
-# Public config.json shapes (GPU.md; Qwen2-7B/14B and Meta-Llama-3-8B config.json values).
+# Public config.json shapes (Qwen2-7B/14B and Meta-Llama-3-8B config.json values; examples/models/).
 SHAPES = {
     "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                      num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
@@ -60,7 +60,7 @@ def _c(shape, adapter, r, targets, seq, mb, ckpt=True, fused=False):
                 micro_batch_size=mb, gradient_checkpointing=ckpt, fused_loss=fused)
 
 
-# Rows 0, 3, 11, 17, 19 repeat DESIGN.md's measured configs (rank 64 q/v/o, 2 x 4096) as cross-checks.
+# Rows 0, 3, 11, 17, 19 repeat earlier measured configs (rank 64 q/v/o, 2 x 4096) as cross-checks.
 MATRIX = [
     _c("qwen2-7b", "lora", 64, "qvo", 4096, 2),
     _c("qwen2-7b", "lora", 64, "qvo", 4096, 2, fused=True),
@@ -256,7 +256,7 @@ def run_one(spec: dict, cap_gib: float | None, device: str) -> dict:
 
 
 def _context_gib(reserved: int) -> float | None:
-    """CUDA context = this process's NVML usage minus torch's reserved (GPU.md)."""
+    """CUDA context = this process's NVML usage minus torch's reserved."""
     try:
         import pynvml
 
@@ -509,16 +509,16 @@ NOTES = """## How it was measured, and what to know
   (NVML per-process usage minus reserved). `fits 32 (pred.)` means reserved + context + the 8% safety
   margin (2.56 GiB) <= 32 GiB.
 - The fused loss is `LigerFusedLinearCrossEntropyLoss` alone, on the base model's last hidden state;
-  no other Liger kernels (RMSNorm, SwiGLU, RoPE) were applied, so fused rows are not DESIGN.md's
-  "LoRA + Liger kernels" rows.
+  no other Liger kernels (RMSNorm, SwiGLU, RoPE) were applied, so fused rows are not
+  "LoRA + all Liger kernels" rows.
 - HF loss: the step is `loss = model(input_ids, labels=labels).loss`, so the output object (and its
-  bf16 logits) is gone before backward. DESIGN.md's HF-loss figures are about 2.3 GiB higher in allocated
+  bf16 logits) is gone before backward. Earlier HF-loss measurements were about 2.3 GiB higher in allocated
   at 2 x 4096 Qwen2 tokens (Qwen2-7B LoRA 32.55 vs 30.23 here; QLoRA 23.50 vs 21.20), which is one bf16
   copy of the logits (8192 x 152064 x 2 B = 2.32 GiB): a training loop that keeps the outputs alive
   through backward needs that much more than the plan says.
 - QLoRA weights are quantized in memory (every decoder Linear replaced by bitsandbytes Linear4bit, NF4,
-  double quant, block 64); Qwen2-7B loads at 5.20 GiB here against 5.30 GiB via from_pretrained in
-  shared/MEMORY.md. No `prepare_model_for_kbit_training` (it upcasts embeddings/lm_head to fp32).
+  double quant, block 64); Qwen2-7B loads at 5.20 GiB here against 5.30 GiB measured via
+  from_pretrained. No `prepare_model_for_kbit_training` (it upcasts embeddings/lm_head to fp32).
 - LoRA adapters are fp32 (PEFT's default), dropout 0.05, AdamW; `model.train()`; `use_cache=False`;
   non-reentrant checkpointing.
 - The weights-only column is what a weights-only calculator reports (frozen weights alone); it misses

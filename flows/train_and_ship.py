@@ -3,7 +3,7 @@
 Each stage is one Prefect task around `tasks.<stage>.run(config)`. Resume is the stages' own:
 a stage whose manifest shows the same inputs and intact outputs returns at once (logged as
 skipped). Prefect's own result caching stays off because it keys on argument values, not on the
-content of the files behind paths (shared/PITFALLS.md).
+content of the files behind paths.
 
 With LORASHIP_STAGE_DEPLOYMENTS=<suffix> set (deploy/prefect.yaml sets it), each stage runs as
 its own deployment `loraship-stage/<stage>-<suffix>` (its own image / pod), and the parent

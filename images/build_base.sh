@@ -5,7 +5,7 @@
 #
 # No registry is reachable here, so `FROM python:3.11-slim` cannot be pulled; mmdebstrap
 # builds the root file system from Debian's packages and `docker import` turns it into an
-# image (shared/CONTAINERS.md). Production builds pass a CUDA base instead
+# image. Production builds pass a CUDA base instead
 # (images/base-cuda.Dockerfile). Outgoing TLS goes through a proxy whose CA lives in
 # /usr/local/share/ca-certificates: it is copied in and trusted, or pip inside builds fails.
 # The image is skipped when it already exists (set LORASHIP_REBUILD_BASE=1 to force).

@@ -5,7 +5,7 @@ The model is additive and physical: every term is bytes of a tensor that exists 
 few multipliers (CAL) fitted against bench/memory_matrix.py on a real GPU. bench/memory_matrix.md
 shows predicted vs measured, and which rows were used to fit CAL.
 
-Notation (shared/MEMORY.md): h hidden, q = heads x head_dim, kv = kv_heads x head_dim,
+Notation: h hidden, q = heads x head_dim, kv = kv_heads x head_dim,
 f intermediate, V vocab, L layers, r rank, T = micro_batch x sequence_len tokens.
 """
 
@@ -29,7 +29,7 @@ LORA_BYTES_PER_PARAM = {"weight": 4, "grad": 4, "optimizer": 8}
 
 # Multipliers fitted on the GPU: `python bench/memory_matrix.py fit bench/results/memory_matrix_raw.json`
 # on the 12 even-numbered rows of the H200 matrix only (odd rows and rows 24+ are held out; see
-# bench/memory_matrix.md). Starting values were the physical counts (1.0) and shared/MEMORY.md's leads.
+# bench/memory_matrix.md). Starting values were the physical counts (1.0).
 CAL = {
     "keep": 1.032,  # per-layer checkpoint (bf16 layer input, 2h bytes per token per layer)
     "layer": 1.0,  # one layer's saved activations (recompute, or each layer without checkpointing)
@@ -474,7 +474,7 @@ def plan_disk_and_inference(model_config: dict, cfg: Config, n_ubatch: int = 512
     kv = 2 * s.L * cfg.target_context * s.kv * 2
     # Compute buffer at n_ubatch 512: fp32 logits for the batch, a few hidden/FFN-wide scratch
     # tensors, and attention scores over the context (no flash attention); with the CUDA context this
-    # lands on the 6.7 GiB measured for a Llama-2-7B shape at n_ctx 4096 (shared/DESIGN.md).
+    # lands on the 6.7 GiB measured for a Llama-2-7B shape at n_ctx 4096.
     compute = n_ubatch * (4 * s.V + 16 * s.h + 4 * s.f) + n_ubatch * cfg.target_context * s.heads * 4
     ctx = 0.45 * GIB
     total = quant + kv + compute + ctx

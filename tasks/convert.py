@@ -1,7 +1,7 @@
 """Convert: merged HF folder -> F16 GGUF with the pinned llama.cpp's convert_hf_to_gguf.py.
 
 The converter runs in a subprocess with a timeout: a blocking native call cannot be
-interrupted by a Prefect task timeout (shared/PITFALLS.md), and a crash there must not take
+interrupted by a Prefect task timeout, and a crash there must not take
 the flow with it. Output is written under a temporary name and renamed when complete.
 
 The GGUF is named after the run, not after the folder it was converted from ("merged"): the

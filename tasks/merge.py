@@ -2,7 +2,7 @@
 
 Merging streams one safetensors shard at a time (W' = W + scale * B @ A in fp32, stored bf16),
 so RAM stays at one shard however large the model: OOM during merge is a common failure of
-other tools (shared/PITFALLS.md). QLoRA adapters are merged into the bf16 base, never the NF4
+other tools. QLoRA adapters are merged into the bf16 base, never the NF4
 copy; the probe measures what that does to the logits the adapter was trained against.
 
 Probe invariant: merged logits equal base+adapter logits (up to bf16 rounding of the merged

@@ -83,7 +83,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     if strategy["gradient_checkpointing"]:
         # Not prepare_model_for_kbit_training: it upcasts embeddings/norms/lm_head to fp32,
-        # which costs more memory than it saves (shared/MEMORY.md). We take only what it does for
+        # which costs more memory than it saves. We take only what it does for
         # checkpointing: inputs that require grad so the frozen embedding output carries a graph.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

@@ -69,7 +69,7 @@ def test_qlora_weights_smaller_than_lora_and_nf4_keeps_embeddings_bf16():
     lora = memory.estimate(QWEN2_7B, c, {**memory.strategy_from_config(c), "adapter": "lora"})
     qlora = memory.estimate(QWEN2_7B, c, {**memory.strategy_from_config(c), "adapter": "qlora"})
     assert qlora["components_gib"]["frozen_weights"] < 0.4 * lora["components_gib"]["frozen_weights"]
-    # shared/MEMORY.md: Qwen2-7B NF4 double quant measured 5.30 GiB after load (2 x 1.02 GiB of it bf16 embeddings).
+    # Qwen2-7B NF4 double quant measured on a GPU: 5.30 GiB after load (2 x 1.02 GiB of it bf16 embeddings).
     assert qlora["components_gib"]["frozen_weights"] == pytest.approx(5.30, rel=0.05)
 
 

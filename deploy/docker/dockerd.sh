@@ -5,7 +5,7 @@
 #   deploy/docker/dockerd.sh stop
 #
 # Debian's docker.io does not start by itself here; it runs with its own data root and
-# socket, and raised ulimits (shared/CONTAINERS.md). Stopped by its recorded pid only.
+# socket, and raised ulimits. Stopped by its recorded pid only.
 set -euo pipefail
 
 ROOT="${LORASHIP_DOCKER_ROOT:-/tmp/loraship-docker}"
