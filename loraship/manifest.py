@@ -195,12 +195,12 @@ def atomic_path(final: Path) -> Iterator[Path]:
     try:
         yield tmp
         fsync_tree(tmp)
-        if final.is_dir() and not final.is_symlink():
-            # No rename replaces a non-empty folder: move the old one aside first (one rename), so a
-            # kill between the two renames leaves it whole under its aside name (aside_of finds it),
-            # never half deleted.
+        if (final.exists() or final.is_symlink()) and (tmp.is_dir() or (final.is_dir() and not final.is_symlink())):
+            # No rename replaces a non-empty folder (nor a file by a folder): move the old one aside
+            # first (one rename), so a kill between the two renames leaves it whole under its aside
+            # name (aside_of finds it), never half deleted.
             os.replace(final, final.with_name(f".old-{final.name}.{temp_suffix()}"))
-        os.replace(tmp, final)  # a file is replaced in this one step
+        os.replace(tmp, final)  # a file over a file is replaced in this one step
         fsync_dir(final.parent)
         for old in final.parent.glob(f".old-{final.name}.*"):
             _remove(old)
