@@ -19,8 +19,8 @@ from pathlib import Path
 
 from loraship import hub, ollama
 from loraship.constants import (
-    ADAPTER_DIR, ADAPTER_GGUF, GGUF_METADATA_FILE, LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD, MODELFILE, OLLAMA_FILE,
-    PLAN_FILE, STAGES, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
+    ADAPTER_DIR, ADAPTER_GGUF, GGUF_METADATA_FILE, LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD,
+    MODELFILE, OLLAMA_FILE, PLAN_FILE, STAGES, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
 )
 from loraship.errors import OutputError
 from loraship.manifest import DigestCache, atomic_path, atomic_write_json, describe_files, sha256_file, sha256_json
@@ -69,6 +69,16 @@ def card_data(config, metadata: dict, adapter: str):
     )
 
 
+# The train stage's pictures and their captions in the card.
+PICTURES = {LOSS_PLOT_FILE: "training and eval loss",
+            MEMORY_PLOT_FILE: "memory plan: predicted components and measured peak"}
+
+
+def shipped_pictures(train_manifest: dict) -> list[str]:
+    """The pictures the train stage drew (a run trained before it drew them has none)."""
+    return [name for name in PICTURES if name in train_manifest.get("outputs", {})]
+
+
 def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, facts: dict, metadata: dict) -> str:
     """README.md of the artifact: a huggingface_hub ModelCard (YAML front matter + text)."""
     from huggingface_hub import ModelCard
@@ -111,6 +121,10 @@ def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, fac
             "GGUF's template, deriving its own from the chat template stored in the GGUF. Check what it made with "
             f"`ollama show --template {config.run_name.lower()}`; llama-server `--jinja` runs the GGUF's template as is."
         )
+    pictures = shipped_pictures(manifests["train"])
+    picture_lines = "".join(f"\n![{PICTURES[name]}]({name})\n" for name in pictures)
+    picture_files = (f"- {', '.join(f'`{name}`' for name in pictures)}: loss curves and the memory plan against the "
+                     "measured peak\n") if pictures else ""
     adapter_block = (
         f"The adapter alone (`{ADAPTER_GGUF}`) on the base model quantized the same way (verify gated the pair "
         f"against the merged GGUF):\n\n```bash\n{commands['llama_server_adapter']}\n```\n\n"
@@ -156,11 +170,7 @@ trained, predicted reserved {_gib(train.get('predicted_reserved_gib'))}, {measur
 | component | predicted GiB |
 |---|---|
 {components}
-
-![training and eval loss]({LOSS_PLOT_FILE})
-
-![memory plan: predicted components and measured peak]({MEMORY_PLOT_FILE})
-
+{picture_lines}
 ## Verification gates
 | gate | result | value | threshold |
 |---|---|---|---|
@@ -178,8 +188,7 @@ token {agreement['same_top_rate']:.1%}. GPU memory at n_ctx {config.target_conte
 - `{MODELFILE}`: `ollama create` reads it (FROM the GGUF beside it, context, stop tokens{', template' if facts.get('family') else ''})
 - `adapter/`: the PEFT LoRA adapter (safetensors)
 - `manifests/<stage>.json`: inputs, outputs (sha256), library versions and figures of each stage
-- `{LOSS_PLOT_FILE}`, `{MEMORY_PLOT_FILE}`: loss curves and the memory plan against the measured peak
-- `plan.json`, `verify.json`, `manifest.json` (this folder's checksums)
+{picture_files}- `plan.json`, `verify.json`, `manifest.json` (this folder's checksums)
 """
     return str(ModelCard(f"---\n{card_data(config, metadata, adapter).to_yaml()}\n---\n\n{body}"))
 
@@ -196,7 +205,7 @@ def stage_artifact(config, ctx) -> Path:
         shutil.copy(stage_dir(config, name) / MANIFEST_NAME, root / "manifests" / f"{name}.json")
     shutil.copy(ctx.upstream_dir("plan") / PLAN_FILE, root / PLAN_FILE)
     shutil.copy(ctx.upstream_dir("verify") / VERIFY_FILE, root / VERIFY_FILE)
-    for picture in (LOSS_PLOT_FILE, MEMORY_PLOT_FILE):  # drawn by the train stage
+    for picture in shipped_pictures(ctx.upstream["train"]):
         shutil.copy(ctx.upstream_dir("train") / picture, root / picture)
     if config.adapter_gguf:
         for name in (ADAPTER_GGUF, base_gguf_name(config.quantization)):
@@ -328,7 +337,8 @@ def send(root: Path, files: dict, destination: str, cache: DigestCache, run_name
 # Publish reads these upstream files; the merged weights and the F16 GGUF (tens of GB on a
 # 7B model) only through their manifests, so it does not hash them again.
 CONSUMES = {
-    "plan": (PLAN_FILE,), "train": (ADAPTER_DIR, LOSS_PLOT_FILE, MEMORY_PLOT_FILE), "merge": (), "convert": (GGUF_METADATA_FILE, OLLAMA_FILE),
+    "plan": (PLAN_FILE,), "train": (ADAPTER_DIR, *PICTURES), "merge": (),
+    "convert": (GGUF_METADATA_FILE, OLLAMA_FILE),
     "verify": (VERIFY_FILE,),
 }
 

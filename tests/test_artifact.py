@@ -293,3 +293,10 @@ def test_license_comes_from_the_base_models_card(tmp_path):
     metadata = gguf_metadata(config)
     assert metadata["general.license"] == "apache-2.0"
     assert metadata["general.name"] == "my-base-support-bot" and metadata["general.finetune"] == "support-bot"
+
+
+def test_a_run_trained_before_its_pictures_publishes_without_them():
+    from tasks.publish import shipped_pictures
+
+    assert shipped_pictures({"outputs": {"adapter/adapter_model.safetensors": {}}}) == []
+    assert shipped_pictures({"outputs": {LOSS_PLOT_FILE: {}, MEMORY_PLOT_FILE: {}}}) == [LOSS_PLOT_FILE, MEMORY_PLOT_FILE]
