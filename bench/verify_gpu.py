@@ -72,6 +72,42 @@ def llama_buffers(log: str) -> dict:
     return found
 
 
+def peer_kl_divergence(perplexity_bin: Path, f16: Path, quantized: Path, text: Path, work: Path) -> dict:
+    """llama.cpp's own `llama-perplexity --kl-divergence` (the F16 GGUF as base, the quantized one
+    scored against it), every layer on the GPU: the figures verify's statistics are named after.
+    Its positions are not verify's (it scores the second half of each chunk of one text), so the
+    two agree in magnitude, not to the digit."""
+    logits = work / "peer-f16-logits.bin"
+    common = ["-f", str(text), "-c", "512", "-ngl", "999", "-b", "512"]
+    found: dict = {}
+    for what, model, extra in (("base_seconds", f16, ["--kl-divergence-base", str(logits)]),
+                               ("kl_seconds", quantized, ["--kl-divergence-base", str(logits), "--kl-divergence"])):
+        started = time.perf_counter()
+        done = subprocess.run([str(perplexity_bin), "-m", str(model), *common, *extra], capture_output=True, text=True)
+        found[what] = round(time.perf_counter() - started, 2)
+        if done.returncode != 0:
+            found["error"] = (done.stdout + done.stderr)[-2000:]
+            return found
+    out = done.stdout + done.stderr
+    for key, pattern in (("ppl_ratio", r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([\d.]+)"),
+                         ("kl_mean", r"Mean\s+KLD:\s*([-\d.]+)"), ("kl_p99", r"99\.0%\s+KLD:\s*([-\d.]+)"),
+                         ("same_top_percent", r"Same top p:\s*([\d.]+)")):
+        match = re.search(pattern, out)
+        found[key] = float(match.group(1)) if match else None
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", out)
+    found["chunks_of_512"] = int(chunks.group(1)) if chunks else None
+    logits.unlink(missing_ok=True)
+    return found
+
+
+def peer_text(path: Path) -> None:
+    """The demo's chat rows as plain text, repeated to a few 512-token chunks for llama-perplexity."""
+    rows = [json.loads(line) for name in ("train.jsonl", "eval.jsonl")
+            for line in (REPO / "data/demo" / name).read_text().splitlines() if line.strip()]
+    text = "\n".join(f"{m['role']}: {m['content']}" for row in rows for m in row["messages"])
+    path.write_text((text + "\n") * 3)
+
+
 def prune(config, stage: str, base: Path) -> None:
     """Delete what no later stage reads once `stage` has finished (the manifests stay)."""
     from loraship.constants import F16_GGUF, MERGED_DIR
@@ -96,6 +132,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--base-dir", type=Path, help="where the random base model is saved (default ROOT/base; "
                         "/dev/shm keeps a 14B's 30 GB off a small disk)")
+    parser.add_argument("--peer-perplexity", type=Path,
+                        help="llama.cpp's llama-perplexity binary: run its --kl-divergence on the same GGUFs after verify")
+    parser.add_argument("--also-target-gib", type=float,
+                        help="run verify again for a smaller target GPU: the layers and context that fit, predicted "
+                             "and measured")
     parser.add_argument("--prune", action="store_true",
                         help="delete each large file once no later stage reads it (base after merge, merged "
                              "weights after convert, F16 GGUF after quantize): a 14B chain holds about 100 GB "
@@ -154,12 +195,17 @@ def main() -> None:
         row["stage_seconds"][stage] = round(time.perf_counter() - started, 1)
         if stage == "verify":
             log_file.write_text(done.stdout + done.stderr)
+            if done.returncode == 1 and "verify failed:" in done.stderr:
+                # Quality gates fail on random weights; the figures are all in verify.json.
+                row["verify_gates_failed_on_random_weights"] = True
+                save()
+                continue
         if done.returncode != 0:
             row[f"{stage}_error"] = {"returncode": done.returncode, "tail": (done.stderr + done.stdout)[-3000:]}
             save()
             raise SystemExit(f"{stage} failed (rc {done.returncode}): {row[f'{stage}_error']['tail']}")
         row.setdefault("disk_free_gib", {})[stage] = round(shutil.disk_usage(args.root).free / 2**30, 1)
-        if args.prune:
+        if args.prune and not (stage == "quantize" and args.peer_perplexity):
             prune(config, stage, base)
         save()
     verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
@@ -177,6 +223,35 @@ def main() -> None:
     )
     save()
     row["llama_cpp_buffers"] = llama_buffers(log_file.read_text())
+    save()
+    if args.peer_perplexity:
+        from loraship.constants import F16_GGUF
+        from loraship.constants import quantized_gguf_name
+
+        text = args.root / "peer.txt"
+        peer_text(text)
+        peer = peer_kl_divergence(args.peer_perplexity, stage_dir(config, "convert") / F16_GGUF,
+                                  stage_dir(config, "quantize") / quantized_gguf_name("Q4_K_M"), text, args.root)
+        row["peer_llama_perplexity"] = peer
+        row["kl_mean_ratio_to_peer"] = (round(verify["eval_agreement"]["kl_mean"] / peer["kl_mean"], 3)
+                                        if peer.get("kl_mean") else None)
+        if args.prune:
+            (stage_dir(config, "convert") / F16_GGUF).unlink(missing_ok=True)
+        save()
+    if args.also_target_gib:
+        smaller = config.model_copy(update={"target_gpu_memory_gib": args.also_target_gib})
+        config_file.write_text(yaml.safe_dump(smaller.model_dump(mode="json")))
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "tasks.verify", str(config_file)],
+                              cwd=REPO, capture_output=True, text=True)
+        again = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
+        row["smaller_target"] = {
+            "target_gpu_gib": args.also_target_gib, "returncode": done.returncode,
+            "seconds": round(time.perf_counter() - started, 1), "memory_plan": again["memory"],
+            "n_gpu_layers": again["n_gpu_layers"], "predicted_gpu_gib": again["gpu_memory"]["predicted_gib"],
+            "measured_gpu_gib": again["gpu_memory"]["measured_gib"],
+            "prompt_tokens_per_s": again["prompt_tokens_per_s"], "gen_tokens_per_s": again["gen_tokens_per_s"],
+            "tail": (done.stderr + done.stdout)[-1500:] if done.returncode not in (0, 1) else None}
     try:
         import torch
 
