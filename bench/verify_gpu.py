@@ -94,7 +94,7 @@ def peer_kl_divergence(perplexity_bin: Path, f16: Path, quantized: Path, text: P
                          ("same_top_percent", r"Same top p:\s*([\d.]+)")):
         match = re.search(pattern, out)
         found[key] = float(match.group(1)) if match else None
-    chunks = re.search(r"calculating perplexity over (\d+) chunks", out)
+    chunks = re.search(r"computing over (\d+) chunks", out)
     found["chunks_of_512"] = int(chunks.group(1)) if chunks else None
     logits.unlink(missing_ok=True)
     return found
