@@ -1,10 +1,11 @@
 """The stage table: one row per pipeline stage, in pipeline order, with what runs it where.
 
 Everything else reads this table: loraship.constants.STAGES (the order), stage_module() (the one
-way the CLI, status and the flow import a stage's code), flows/ (which stages hold a GPU slot), images/pin.py (one requirements file per image from the rows' extras),
-images/build_all.sh (the image list, one target of images/Dockerfile each) and
-deploy/render_prefect_yaml.py, which writes deploy/prefect.yaml from it (tests/test_deploy.py
-fails when the committed file differs). A new stage is its module in tasks/, a row here and a test.
+way the CLI, status and the flow import a stage's code), flows/ (which stages hold a GPU slot),
+images/pin.py (one requirements file per image from the rows' extras), images/build_all.sh (the
+image list, one target of images/Dockerfile each) and deploy/render_prefect_yaml.py, which writes
+deploy/prefect.yaml from it (tests/test_deploy.py fails when the committed file differs). A new
+stage is its module in tasks/, a row here and a test, then `python deploy/render_prefect_yaml.py`.
 
 Plain data and no imports beyond the standard library: the CLI, pin.py and the generator read it
 without torch, Prefect or llama.cpp installed; a stage's module is imported only when asked for.
