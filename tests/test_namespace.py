@@ -1,5 +1,5 @@
 """One installed namespace: tasks/ is loraship.stages and flows/ is loraship.flows, in a wheel, an
-editable install and a plain checkout on PYTHONPATH; imports run core <- stages <- flows."""
+editable install and a plain checkout on PYTHONPATH; imports run core <- stages <- the flow."""
 
 from __future__ import annotations
 
