@@ -74,8 +74,8 @@ def main() -> None:
     from loraship.config import parse_config
     from loraship.data import load_splits
     from loraship.stage import open_stage, reset_dir
-    from tasks import plan as plan_stage
-    from tasks import train as train_stage
+    from loraship.stages import plan as plan_stage
+    from loraship.stages import train as train_stage
     from transformers import AutoTokenizer
 
     if args.one is None:

@@ -38,9 +38,9 @@ BLOCK = 64 * 2**20
 
 
 def stage_args(stage: str) -> dict:
-    import importlib
+    from loraship.stage_table import stage_module
 
-    module = importlib.import_module(f"tasks.{stage}")
+    module = stage_module(stage)
     args = {"upstream": module.UPSTREAM, "fields": module.FIELDS}
     if stage == "plan":
         args["extra_inputs"] = {"dataset:data.jsonl": "0" * 64}

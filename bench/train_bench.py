@@ -17,7 +17,7 @@ Trainers:
 - unsloth: FastLanguageModel, use_gradient_checkpointing="unsloth", its own fused loss.
 - hf-liger: transformers + PEFT with every Liger kernel for the architecture
   (apply_liger_kernel_to_llama before loading), non-reentrant gradient checkpointing.
-- loraship-lean: `tasks.plan` + `tasks.train` as shipped (checkpointing on, fused loss auto).
+- loraship-lean: `loraship.stages.plan` + `loraship.stages.train` as shipped (checkpointing on, fused loss auto).
 - loraship-fast: the same with gradient_checkpointing: false; the planner turns it back on where the
   32 GiB budget needs it.
 - loraship-packed / loraship-padded (case `packing`): packing: on / off on variable-length chat rows.
@@ -192,8 +192,8 @@ def step_tokens(examples: list[dict], micro: int, accum: int, seed: int, steps: 
 def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
     from loraship.config import parse_config
     from loraship.data import load_splits
-    from tasks import plan as plan_stage
-    from tasks import train as train_stage
+    from loraship.stages import plan as plan_stage
+    from loraship.stages import train as train_stage
     from transformers import AutoTokenizer
 
     config = parse_config(loraship_config(case, trainer, model_dir, data, root, args.steps, device))

@@ -190,7 +190,7 @@ def main() -> None:
             row.setdefault("waited_for_llama_build_s", round(time.perf_counter() - started, 1))
         started = time.perf_counter()
         env = dict(os.environ, LORASHIP_LLAMA_VERBOSE="1") if stage == "verify" else None
-        done = subprocess.run([sys.executable, "-X", "faulthandler", "-m", f"tasks.{stage}", str(config_file)],
+        done = subprocess.run([sys.executable, "-X", "faulthandler", "-m", f"loraship.stages.{stage}", str(config_file)],
                               cwd=REPO, capture_output=True, text=True, env=env)
         row["stage_seconds"][stage] = round(time.perf_counter() - started, 1)
         if stage == "verify":
@@ -242,7 +242,7 @@ def main() -> None:
         smaller = config.model_copy(update={"target_gpu_memory_gib": args.also_target_gib})
         config_file.write_text(yaml.safe_dump(smaller.model_dump(mode="json")))
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "tasks.verify", str(config_file)],
+        done = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "loraship.stages.verify", str(config_file)],
                               cwd=REPO, capture_output=True, text=True)
         again = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
         row["smaller_target"] = {

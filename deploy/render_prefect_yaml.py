@@ -67,7 +67,7 @@ HEADER = """\
 #
 # Docker stages run with /usr/bin/env as entrypoint: workers start containers with their own
 # command (`prefect flow-run execute`), which would otherwise be appended to the image's
-# `python -m tasks.<stage>`. Kubernetes job variables are those of
+# `python -m loraship.stages.<stage>`. Kubernetes job variables are those of
 # deploy/kubernetes/base-job-template.json; deploy/kubernetes/render.py renders and validates
 # the resulting Job manifests offline. No build/push steps: images/build_all.sh builds the images.
 """

@@ -1,6 +1,6 @@
 """The `train-and-ship` flow: plan -> train -> merge -> reference -> convert -> quantize -> verify -> publish.
 
-Each stage is one Prefect task around `tasks.<stage>.run(config)`. Resume is the stages' own:
+Each stage is one Prefect task around `loraship.stages.<stage>.run(config)` (tasks/<stage>.py). Resume is the stages' own:
 a stage whose manifest shows the same inputs and intact outputs returns at once (logged as
 skipped). Prefect's own result caching stays off because it keys on argument values, not on the
 content of the files behind paths.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import importlib
 import os
 import re
 from pathlib import Path
@@ -27,7 +26,7 @@ from prefect.states import Failed
 from loraship.config import Config
 from loraship.constants import STAGES
 from loraship.errors import LorashipError
-from loraship.stage_table import gpu_stages
+from loraship.stage_table import gpu_stages, stage_module
 
 STAGE_DEPLOYMENTS_ENV = "LORASHIP_STAGE_DEPLOYMENTS"
 # Stages that hold an accelerator (loraship/stage_table.py): train and reference on the training
@@ -105,7 +104,7 @@ def stage_task(stage: str, config: Config):
     logger = get_run_logger()
     try:
         with gpu_slot(stage):
-            manifest = importlib.import_module(f"tasks.{stage}").run(config)
+            manifest = stage_module(stage).run(config)
     except LorashipError as e:
         # A problem the user can fix: say it plainly, without a traceback.
         logger.error("%s failed: %s", stage, e)

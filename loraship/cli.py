@@ -18,7 +18,8 @@ from loraship.constants import GGUF_KEY_CHAT_TEMPLATE, STAGES
 from loraship.errors import LorashipError
 from loraship.gguf_tools import describe_gguf, gguf_file, human_size, load_llama, verify_checks
 from loraship.starter import import_axolotl, model_config_of, starter_config, write_config
-from loraship.status import short, stage_module, stage_status
+from loraship.stage_table import stage_module
+from loraship.status import short, stage_status
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode="rich")
 err = Console(stderr=True, soft_wrap=True)
@@ -185,7 +186,7 @@ def run(
 
             with secret_env(config.env_from_secrets):
                 check_inputs(config)
-    from flows.train_and_ship import train_and_ship
+    from loraship.flows.train_and_ship import train_and_ship  # Prefect: imported only to run
 
     state = train_and_ship(config, stages=None if stages == list(STAGES) else stages, return_state=True)
     if not state.is_completed():
@@ -193,9 +194,8 @@ def run(
         err.print("Finished stages are kept; fix the problem and run the same command again to resume.")
         raise typer.Exit(1)
     if "publish" in stages:
-        from tasks.publish import destination_of
-
-        out.print(f"[green]shipped[/] {config.run_name} -> {destination_of(config)}")
+        destination = stage_module("publish").destination_of(config)
+        out.print(f"[green]shipped[/] {config.run_name} -> {destination}")
     else:
         out.print(f"[green]done[/] {config.run_name}: {', '.join(stages)}")
 

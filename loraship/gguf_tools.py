@@ -3,6 +3,7 @@ llama.cpp-only checks `loraship verify GGUF` runs without a reference."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 from gguf import Keys
@@ -109,6 +110,27 @@ def chat_formatter(llm, template: str):
                                bos_token=special_text(llm, llm.token_bos()), stop_token_ids=[llm.token_eos()])
 
 
+def builtin_template_prompt(llm, messages: list[dict]) -> str | None:
+    """The prompt llama.cpp's own (non-Jinja) template engine makes from the GGUF's template, as
+    llama-server without --jinja and Ollama-style importers do; None when it does not know the template."""
+    import llama_cpp
+
+    template = llama_cpp.llama_model_chat_template(llm._model.model, None)
+    if not template:
+        return None
+    keep = [(m["role"].encode("utf-8"), m["content"].encode("utf-8")) for m in messages]
+    chat = (llama_cpp.llama_chat_message * len(keep))(*[llama_cpp.llama_chat_message(role=r, content=c) for r, c in keep])
+    size = 4096 + sum(len(c) for _r, c in keep) * 2
+    buf = ctypes.create_string_buffer(size)
+    n = llama_cpp.llama_chat_apply_template(template, chat, len(keep), True, buf, size)
+    if n < 0:
+        return None
+    if n > size:
+        buf = ctypes.create_string_buffer(n)
+        n = llama_cpp.llama_chat_apply_template(template, chat, len(keep), True, buf, n)
+    return buf.raw[:n].decode("utf-8", errors="replace")
+
+
 def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]:
     """The checks a GGUF passes with llama.cpp alone (no reference): each {check, passed, detail}."""
     import llama_cpp
@@ -169,8 +191,6 @@ def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]
                   f"{special_text(llm, ends[0])!r} (id {ends[0]}) ends generation" if ends_ok
                   else f"the template ends an assistant turn with {after[:20]!r}, which llama.cpp does not treat as "
                        "end of generation: answers would run on; use a template whose turns end with EOS or a stop token")
-            from tasks.verify import builtin_template_prompt
-
             # llama-server without --jinja (and importers like Ollama's) use llama.cpp's own engine,
             # which matches the template against the formats it knows and may pick a different one.
             builtin = builtin_template_prompt(llm, [{"role": "user", "content": question}])

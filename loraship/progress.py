@@ -4,7 +4,7 @@ A stage reports `Progress.update(done, detail)`; this module adds the percentage
 decides when to say it: the first update, then at most every LORASHIP_PROGRESS_S seconds
 (default 15), and the last one, never a line per token or tensor. Inside a Prefect flow or task
 run the same figure goes into a progress artifact (created on the first update, updated on the
-same cadence); outside one (`python -m tasks.<stage>`, tests) that part is skipped without
+same cadence); outside one (`python -m loraship.stages.<stage>`, tests) that part is skipped without
 importing Prefect, which the stage images need not have.
 
 `LlamaCppProgress` reads llama.cpp's converter and quantizer output, line by line as it streams

@@ -112,7 +112,7 @@ def stage_lock(config: Config, stage: str):
 
 def stage_name(run) -> str:
     """The stage a tasks/<stage>.py run() belongs to. Not run.__module__: under
-    `python -m tasks.<stage>` (every image's entrypoint) that is '__main__' for every stage."""
+    `python -m loraship.stages.<stage>` (every image's entrypoint) that is '__main__' for every stage."""
     name = run.__globals__.get("STAGE")
     if name not in STAGES:
         raise TypeError(f"{run.__module__}.{run.__qualname__}: its module must set STAGE to one of {STAGES}")
@@ -151,7 +151,7 @@ def reset_dir(ctx: StageContext, keep: tuple[str, ...] = ()) -> None:
 
 
 def main(run) -> None:
-    """`python -m tasks.<stage> CONFIG.yaml`: the stage image's entrypoint."""
+    """`python -m loraship.stages.<stage> CONFIG.yaml`: the stage image's entrypoint."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if len(sys.argv) != 2:
         sys.exit(f"usage: python -m {run.__module__} CONFIG.yaml")

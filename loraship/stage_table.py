@@ -1,21 +1,27 @@
 """The stage table: one row per pipeline stage, in pipeline order, with what runs it where.
 
-Everything else reads this table: loraship.constants.STAGES (the order), flows/ (which stages
-hold a GPU slot), images/pin.py (one requirements file per image from the rows' extras),
-images/build_all.sh (the image list, one target of images/Dockerfile each) and
-deploy/render_prefect_yaml.py, which writes deploy/prefect.yaml from it (tests/test_deploy.py
-fails when the committed file differs). A new stage is its module in tasks/, a row here and a test.
+Everything else reads this table: loraship.constants.STAGES (the order), stage_module() (the one
+way the CLI, status and the flow import a stage's code), flows/ (which stages hold a GPU slot),
+images/pin.py (one requirements file per image from the rows' extras), images/build_all.sh (the
+image list, one target of images/Dockerfile each) and deploy/render_prefect_yaml.py, which writes
+deploy/prefect.yaml from it (tests/test_deploy.py fails when the committed file differs). A new
+stage is its module in tasks/, a row here and a test, then `python deploy/render_prefect_yaml.py`.
 
 Plain data and no imports beyond the standard library: the CLI, pin.py and the generator read it
-without torch, Prefect or llama.cpp installed.
+without torch, Prefect or llama.cpp installed; a stage's module is imported only when asked for.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Literal
 
 Gpu = Literal["training", "inference", "none"]
+# tasks/<stage>.py, installed as loraship.stages.<stage> (pyproject's package-dir; a plain checkout
+# gets the same name from loraship/__init__.py).
+STAGES_PACKAGE = "loraship.stages"
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,11 @@ class Stage:
     resources: Resources
     # Requirements taken by name from other extras, for a stage that needs a few of them only.
     also: tuple[str, ...] = ()
+
+    @property
+    def module(self) -> str:
+        """Its code's module: `python -m <module> CONFIG.yaml` runs it, run(config) in-process."""
+        return f"{STAGES_PACKAGE}.{self.name}"
 
 
 # plan reads the tokenizer (AutoTokenizer, for llama.cpp's BPE pre-tokenizer check) without torch;
@@ -94,3 +105,9 @@ GPU_SLOTS = {"training": 4, "inference": 8}
 def gpu_stages(kind: Gpu | None = None) -> frozenset[str]:
     """Stages holding a GPU (of one kind, when given)."""
     return frozenset(s.name for s in STAGE_TABLE if s.gpu != "none" and (kind is None or s.gpu == kind))
+
+
+def stage_module(name: str) -> ModuleType:
+    """The stage's code (run, UPSTREAM, its helpers), imported on first use: the core, the CLI and
+    the flow reach stages only through here, so importing the core never pulls in torch or llama.cpp."""
+    return importlib.import_module(STAGES_BY_NAME[name].module)

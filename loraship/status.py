@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 from typing import Any
 
 from loraship.errors import LorashipError
-
-
-def stage_module(stage: str):
-    return importlib.import_module(f"tasks.{stage}")
+from loraship.stage_table import stage_module
 
 
 def _extra_inputs(stage: str, config) -> dict | None:
@@ -19,9 +15,8 @@ def _extra_inputs(stage: str, config) -> dict | None:
 
     if stage == "plan":
         from loraship.models import resolve_base_model
-        from tasks.plan import input_files
 
-        return input_files(config, resolve_base_model(config, weights=False))
+        return stage_module("plan").input_files(config, resolve_base_model(config, weights=False))
     if stage == "reference" and config.golden_prompts:  # as tasks/reference.py keys it
         return {"golden_prompts": sha256_file(config.golden_prompts)}
     return None

@@ -72,7 +72,7 @@ def adapter_ggufs(config, ctx, progress_key: str | None) -> dict:
     from gguf import Keys
 
     from loraship.models import check_base_model, resolve_base_model, weight_files
-    from tasks.quantize import quantize
+    from loraship.stages.quantize import quantize
 
     base_dir = resolve_base_model(config, weights=True)
     check_base_model(config, base_dir)
@@ -149,7 +149,7 @@ def ollama_facts(merged_dir: Path) -> dict:
     from transformers import AutoTokenizer
 
     from loraship import ollama
-    from tasks.reference import stop_ids
+    from loraship.stages.reference import stop_ids
 
     tokenizer = AutoTokenizer.from_pretrained(merged_dir)
     stops = stop_ids(tokenizer, merged_dir)

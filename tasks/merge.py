@@ -168,7 +168,7 @@ def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tasks.train import collate
+    from loraship.stages.train import collate
 
     ids, _labels, mask = collate(examples, pad_id=0)
     load = dict(dtype=torch.float32, trust_remote_code=config.trust_remote_code,

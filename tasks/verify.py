@@ -26,7 +26,6 @@ lower bound of the full KL, tight when the top-k mass is close to 1 (reference.j
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
@@ -40,6 +39,7 @@ from loraship.constants import (
 )
 from loraship.errors import IntegrityError, LorashipError
 from loraship.gguf_info import read_gguf_apart
+from loraship.gguf_tools import builtin_template_prompt
 from loraship.manifest import atomic_write_json, read_manifest, sha256_json
 from loraship.resources import cpu_count
 from loraship.stage import exclusive, main, open_stage, reset_dir, stage_dir
@@ -125,27 +125,6 @@ def logprobs_at(llm, ids: list[int], positions: list[int]):
     logits = np.asarray(llm.scores[: len(ids)], dtype=np.float64)[positions]
     top = logits.max(-1, keepdims=True)
     return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-
-
-def builtin_template_prompt(llm, messages: list[dict]) -> str | None:
-    """The prompt llama.cpp's own (non-Jinja) template engine makes from the GGUF's template, as
-    llama-server without --jinja and Ollama-style importers do; None when it does not know the template."""
-    import llama_cpp
-
-    template = llama_cpp.llama_model_chat_template(llm._model.model, None)
-    if not template:
-        return None
-    keep = [(m["role"].encode("utf-8"), m["content"].encode("utf-8")) for m in messages]
-    chat = (llama_cpp.llama_chat_message * len(keep))(*[llama_cpp.llama_chat_message(role=r, content=c) for r, c in keep])
-    size = 4096 + sum(len(c) for _r, c in keep) * 2
-    buf = ctypes.create_string_buffer(size)
-    n = llama_cpp.llama_chat_apply_template(template, chat, len(keep), True, buf, size)
-    if n < 0:
-        return None
-    if n > size:
-        buf = ctypes.create_string_buffer(n)
-        n = llama_cpp.llama_chat_apply_template(template, chat, len(keep), True, buf, n)
-    return buf.raw[:n].decode("utf-8", errors="replace")
 
 
 # -- comparisons -----------------------------------------------------------------------------
@@ -373,7 +352,7 @@ def measure_apart(ctx, job: dict, entry: str = "measure") -> dict:
     job_file, result_file = ctx.dir / ".measure-job.json", ctx.dir / ".measure-result.json"
     job_file.write_text(json.dumps(job), encoding="utf-8")
     result_file.unlink(missing_ok=True)
-    module = __spec__.name if __spec__ is not None else __name__  # tasks.verify, also under python -m
+    module = __spec__.name if __spec__ is not None else __name__  # loraship.stages.verify, also under python -m
     keep = {k: os.environ[k] for k in ("LORASHIP_LLAMA_VERBOSE", "PYTHONUNBUFFERED") if k in os.environ}
     done = run_child([sys.executable, "-c", _MEASURE, module, str(job_file), str(result_file), entry],
                      MEASURE_TIMEOUT_S, f"verify's llama.cpp run on {Path(job['gguf']).name}", extra_env=keep)

@@ -45,7 +45,7 @@ def pipeline_run(tiny_model, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("pipeline")
     config = parse_config(demo_config_dict(tiny_model, root, run_name="pipeline"))
-    manifests = {stage: importlib.import_module(f"tasks.{stage}").run(config) for stage in STAGES}
+    manifests = {stage: importlib.import_module(f"loraship.stages.{stage}").run(config) for stage in STAGES}
     return config, manifests
 
 

@@ -40,7 +40,7 @@ def trained_copy(pipeline_run, tiny_model, root: Path, **overrides):
 def run_stages(config, stages=("convert", "quantize", "verify")) -> dict:
     import importlib
 
-    return {stage: importlib.import_module(f"tasks.{stage}").run(config) for stage in stages}
+    return {stage: importlib.import_module(f"loraship.stages.{stage}").run(config) for stage in stages}
 
 
 @pytest.fixture(scope="module")
@@ -159,9 +159,9 @@ def test_a_wrong_adapter_gguf_fails_the_gate(pipeline_run, tiny_model, tmp_path,
     factor: base + that adapter no longer agrees with the merged GGUF, and verify says so."""
     from safetensors.torch import load_file, save_file
 
-    import tasks.convert
+    import loraship.stages.convert as convert_stage
 
-    real = tasks.convert.convert_adapter
+    real = convert_stage.convert_adapter
 
     def wrong_adapter(adapter_dir, base_dir, out_file, progress_key=None):
         bent = tmp_path / "bent-adapter"
@@ -170,7 +170,7 @@ def test_a_wrong_adapter_gguf_fails_the_gate(pipeline_run, tiny_model, tmp_path,
         save_file({k: v * factor if "lora_B" in k else v for k, v in weights.items()}, bent / "adapter_model.safetensors")
         real(bent, base_dir, out_file, progress_key)
 
-    monkeypatch.setattr(tasks.convert, "convert_adapter", wrong_adapter)
+    monkeypatch.setattr(convert_stage, "convert_adapter", wrong_adapter)
     config = trained_copy(pipeline_run, tiny_model, tmp_path / "run")
     with pytest.raises(LorashipError, match="adapter_") as failed:
         run_stages(config)

@@ -256,7 +256,7 @@ def test_card_of_a_hub_base_that_fell_back_to_qlora_and_does_not_fit_whole(pipel
     """From the run's real manifests, changed as a GPU run that re-planned would have them."""
     from huggingface_hub import ModelCard
 
-    from tasks.publish import model_card
+    from loraship.stages.publish import model_card
 
     config, manifests = pipeline_run
     config = config.model_copy(update={"base_model": "Qwen/Qwen2-7B-Instruct"})
@@ -283,7 +283,7 @@ def test_card_of_a_hub_base_that_fell_back_to_qlora_and_does_not_fit_whole(pipel
 
 def test_license_comes_from_the_base_models_card(tmp_path):
     from loraship.config import parse_config
-    from tasks.convert import gguf_metadata
+    from loraship.stages.convert import gguf_metadata
 
     base = tmp_path / "my-base"
     base.mkdir()
@@ -296,7 +296,7 @@ def test_license_comes_from_the_base_models_card(tmp_path):
 
 
 def test_a_run_trained_before_its_pictures_publishes_without_them():
-    from tasks.publish import shipped_pictures
+    from loraship.stages.publish import shipped_pictures
 
     assert shipped_pictures({"outputs": {"adapter/adapter_model.safetensors": {}}}) == []
     assert shipped_pictures({"outputs": {LOSS_PLOT_FILE: {}, MEMORY_PLOT_FILE: {}}}) == [LOSS_PLOT_FILE, MEMORY_PLOT_FILE]

@@ -449,7 +449,7 @@ def test_gguf_whose_tensor_data_lies_is_refused_before_quantizing(tmp_path, brea
     write_manifest(convert, stage="convert", run_name="bad", fingerprint="test", config={}, upstream={}, metrics={},
                    started=0.0)
     config_file = write(tmp_path / "config.yaml", yaml.safe_dump(cfg))
-    result = subprocess.run([sys.executable, "-m", "tasks.quantize", str(config_file)], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "loraship.stages.quantize", str(config_file)], capture_output=True, text=True,
                             cwd=REPO, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 2, output

@@ -25,7 +25,7 @@ def invoke(*args: str, input: str | None = None):
 @pytest.fixture(scope="module")
 def tiny_gguf(tiny_model, tmp_path_factory) -> Path:
     """The tiny base model converted straight to an F16 GGUF (no training): the cheapest real GGUF."""
-    from tasks.convert import convert
+    from loraship.stages.convert import convert
 
     out = tmp_path_factory.mktemp("gguf") / "tiny-F16.gguf"
     convert(tiny_model, out)
@@ -129,7 +129,7 @@ def test_only_a_stage_whose_upstream_has_not_run_is_refused(config_file):
 
 
 def test_status_says_done_stale_and_not_run(config_file):
-    import tasks.plan
+    from loraship.stage_table import stage_module
 
     def states(*sets):
         result = invoke("status", config_file, "--json", *[a for s in sets for a in ("--set", s)])
@@ -138,7 +138,7 @@ def test_status_says_done_stale_and_not_run(config_file):
 
     assert {s["state"] for s in states().values()} == {"not run"}
     config = load_config(config_file)
-    tasks.plan.run(config)
+    stage_module("plan").run(config)
     now = states()
     assert now["plan"]["state"] == "done" and now["train"]["state"] == "not run"
     assert select_stages(config, config_file, "train", None) == ["train"]  # its upstream is there now

@@ -59,7 +59,7 @@ def test_cgroup_v1_fallback_and_no_limit(tmp_path, monkeypatch):
 def test_merge_probe_respects_the_pod_limit(tmp_path, monkeypatch):
     """A 14B bf16 base (28 GiB: ~70 GiB fp32 probe) inside a 64 GiB pod on a 1 TiB node is skipped,
     not started and OOM-killed; with the pod's limit lifted it runs on the CPU."""
-    from tasks.merge import probe_device
+    from loraship.stages.merge import probe_device
 
     root, proc_self = cgroup_tree(tmp_path, {"memory.max": str(64 * GiB), "memory.current": "0"}, "0::/")
     monkeypatch.setattr(resources, "CGROUP_ROOT", root)

@@ -151,7 +151,7 @@ def test_image_target_installs_what_its_stages_need(image):
     only when an extra asks for it, llama.cpp's binding only when an extra asks for it."""
     chain, text = _target_text(image)
     own = _dockerfile_stages()[image][1]
-    assert re.findall(r"^ENTRYPOINT (.*)$", own, re.M)[-1] == f'["python", "-m", "tasks.{image}"]'
+    assert re.findall(r"^ENTRYPOINT (.*)$", own, re.M)[-1] == f'["python", "-m", "{STAGES_BY_NAME[image].module}"]'
     assert re.findall(r"^USER (.*)$", text, re.M)[-1] == "1000:1000", "stages run as the non-root uid 1000"
     assert text.rindex("COPY src/") > max(text.rindex(w) for w in ("RUN ", "COPY requirements/")), "source last"
 
@@ -221,8 +221,8 @@ def test_documented_deployment_counts_follow_prefect_yaml():
 
 
 def test_gpu_stages_match_the_flow():
-    flows = pytest.importorskip("flows.train_and_ship")
-    assert flows.GPU_STAGES == GPU_STAGES == {"train", "reference", "verify"}
+    flow = pytest.importorskip("loraship.flows.train_and_ship")
+    assert flow.GPU_STAGES == GPU_STAGES == {"train", "reference", "verify"}
 
 
 def test_training_gpu_stages_share_the_training_node():
@@ -274,10 +274,10 @@ def test_prefect_yaml_names_every_stage_for_each_pool(suffix):
 
 
 def test_flow_names_match_the_deployments():
-    flows = pytest.importorskip("flows.train_and_ship")
-    assert flows.train_and_ship.name == "train-and-ship"
-    assert flows.run_stage.name == "loraship-stage"
-    assert flows.STAGE_DEPLOYMENTS_ENV == "LORASHIP_STAGE_DEPLOYMENTS"
+    flow = pytest.importorskip("loraship.flows.train_and_ship")
+    assert flow.train_and_ship.name == "train-and-ship"
+    assert flow.run_stage.name == "loraship-stage"
+    assert flow.STAGE_DEPLOYMENTS_ENV == "LORASHIP_STAGE_DEPLOYMENTS"
 
 
 def test_parent_parameters_are_the_demo_config():

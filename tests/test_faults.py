@@ -23,7 +23,7 @@ FAST = dict(max_steps=24, save_steps=2, micro_batch_size=8, warmup_steps=2)
 
 
 def run_stages(config, stages):
-    return {s: importlib.import_module(f"tasks.{s}").run(config) for s in stages}
+    return {s: importlib.import_module(f"loraship.stages.{s}").run(config) for s in stages}
 
 
 def config_file(config, path: Path) -> Path:
@@ -32,7 +32,7 @@ def config_file(config, path: Path) -> Path:
 
 
 def stage_process(stage: str, cfg_path: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", f"tasks.{stage}", str(cfg_path)], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", f"loraship.stages.{stage}", str(cfg_path)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -120,7 +120,7 @@ def test_kill_during_convert_leaves_nothing_taken_as_complete(merged_run):
     if not (stage_dir(config, "convert") / MANIFEST_NAME).exists():
         # Without a manifest nothing downstream accepts the folder, complete file or not.
         with pytest.raises(IntegrityError, match="no manifest"):
-            importlib.import_module("tasks.quantize").run(config)
+            importlib.import_module("loraship.stages.quantize").run(config)
     if out.exists():  # renamed only once the converter finished, so it must read back
         from loraship.gguf_info import read_gguf
 
@@ -178,7 +178,7 @@ def test_manifest_checksum_mismatch_stops_downstream(merged_run):
     manifest_path.write_text(json.dumps(data))
     try:
         with pytest.raises(IntegrityError, match="sha256 does not match"):
-            importlib.import_module("tasks.quantize").run(config.model_copy(update={"quantization": "Q5_K_M"}))
+            importlib.import_module("loraship.stages.quantize").run(config.model_copy(update={"quantization": "Q5_K_M"}))
     finally:
         manifest_path.write_text(original)
 
@@ -186,7 +186,7 @@ def test_manifest_checksum_mismatch_stops_downstream(merged_run):
 def test_out_of_memory_replans_and_records_why(merged_run, monkeypatch):
     import torch
 
-    import tasks.train as train
+    import loraship.stages.train as train
 
     config, _ = merged_run
     config = config.model_copy(update={"run_name": "oom", "micro_batch_size": 8, "gradient_accumulation_steps": 1})
@@ -288,7 +288,7 @@ def test_planted_secret_never_reaches_outputs(tiny_model, tmp_path, monkeypatch)
 
 
 def test_merge_probe_is_skipped_with_a_reason_rather_than_running_out_of_ram():
-    from tasks.merge import probe_device
+    from loraship.stages.merge import probe_device
 
     assert probe_device(1024)[0] in ("cpu", "cuda")
     device, why = probe_device(10 * 2**50)  # a 10 PiB model fits nowhere
@@ -302,7 +302,7 @@ from loraship.config import load_config
 from loraship.constants import STAGES
 config = load_config(sys.argv[1])
 for stage in STAGES:
-    importlib.import_module(f"tasks.{stage}").run(config)
+    importlib.import_module(f"loraship.stages.{stage}").run(config)
 print("published", config.output, flush=True)
 """
 
@@ -425,10 +425,10 @@ def test_kill_9_in_a_stage_then_the_rerun_completes(merged_run, stage):
     assert killed or proc.returncode == 0, out
     print(f"kill -9 in {stage}: {'killed mid-stage' if killed else 'finished before the kill landed'}")
     if not (folder / MANIFEST_NAME).exists():
-        readers = [s for s in STAGES if stage in importlib.import_module(f"tasks.{s}").UPSTREAM]
+        readers = [s for s in STAGES if stage in importlib.import_module(f"loraship.stages.{s}").UPSTREAM]
         if readers:
             with pytest.raises(IntegrityError, match="has no manifest"):
-                importlib.import_module(f"tasks.{readers[0]}").run(config)
+                importlib.import_module(f"loraship.stages.{readers[0]}").run(config)
     rerun = run_stages(config, STAGES)
     for s in STAGES:
         load_verified(stage_dir(config, s), s)

@@ -20,7 +20,7 @@ PLANTED = "hf_PLANTEDflowSecret0123456789"
 
 @pytest.fixture(scope="module")
 def flow_runs(tiny_model, tmp_path_factory):
-    from flows.train_and_ship import train_and_ship
+    from loraship.flows.train_and_ship import train_and_ship
     from loraship.config import parse_config
 
     from prefect.blocks.system import Secret
@@ -59,7 +59,7 @@ def test_each_stage_published_a_prefect_artifact(flow_runs):
 
 
 def test_failed_stage_fails_the_flow_with_its_message(tiny_model, tmp_path):
-    from flows.train_and_ship import train_and_ship
+    from loraship.flows.train_and_ship import train_and_ship
     from loraship.config import parse_config
 
     config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="broken", datasets=[
@@ -79,7 +79,7 @@ def test_secret_block_reaches_the_stage_but_no_output(flow_runs):
 
 
 def test_missing_secret_block_is_a_clear_error(tiny_model, tmp_path):
-    from flows.train_and_ship import train_and_ship
+    from loraship.flows.train_and_ship import train_and_ship
     from loraship.config import parse_config
 
     config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="nosecret",

@@ -45,8 +45,8 @@ def kill9(proc: subprocess.Popen) -> None:
 
 
 def test_stage_lock_is_named_after_the_stage_even_as_main():
-    # `python -m tasks.quantize` runs the module as __main__; the lock must still be quantize's.
-    module = runpy.run_module("tasks.quantize", run_name="__main_like__")
+    # `python -m loraship.stages.quantize` runs the module as __main__; the lock must still be quantize's.
+    module = runpy.run_module("loraship.stages.quantize", run_name="__main_like__")
     assert module["run"].__wrapped__.__module__ == "__main_like__"
     assert stage_name(module["run"].__wrapped__) == "quantize"
 

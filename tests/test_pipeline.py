@@ -59,7 +59,7 @@ def test_fp32_merge_equals_base_plus_adapter_exactly(pipeline_run, tiny_model, t
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tasks.merge import merge_shards
+    from loraship.stages.merge import merge_shards
 
     config, _ = pipeline_run
     adapter = stage_dir(config, "train") / "adapter"
@@ -93,7 +93,7 @@ def test_llama_cpp_greedy_equals_hf_greedy_on_f16(pipeline_run):
 
     from loraship.chat import render
     from loraship.data import read_rows
-    from tasks.verify import greedy
+    from loraship.stages.verify import greedy
 
     config, _ = pipeline_run
     merged = stage_dir(config, "merge") / MERGED_DIR
@@ -117,7 +117,7 @@ def test_resume_after_one_output_is_deleted(pipeline_run):
     and publish, keyed on content hashes rather than timestamps, stay skipped."""
     config, first = pipeline_run
     (stage_dir(config, "quantize") / quantized_gguf_name(config.quantization)).unlink()
-    again = {stage: importlib.import_module(f"tasks.{stage}").run(config) for stage in STAGES}
+    again = {stage: importlib.import_module(f"loraship.stages.{stage}").run(config) for stage in STAGES}
     ran = {stage for stage, m in again.items() if not m.get("_skipped")}
     assert ran == {"quantize"}
     assert again["quantize"]["outputs"] == first["quantize"]["outputs"]  # deterministic requantization
@@ -127,13 +127,13 @@ def test_changed_upstream_output_reruns_downstream(pipeline_run):
     """A different quantization re-plans (cheap) and requantizes; training and merge are untouched."""
     config, _ = pipeline_run
     q8 = config.model_copy(update={"quantization": "Q8_0", "run_name": config.run_name})
-    again = {stage: importlib.import_module(f"tasks.{stage}").run(q8) for stage in STAGES}
+    again = {stage: importlib.import_module(f"loraship.stages.{stage}").run(q8) for stage in STAGES}
     ran = {stage for stage, m in again.items() if not m.get("_skipped")}
     assert ran == {"plan", "quantize", "verify", "publish"}
     assert again["verify"]["metrics"]["passed"]
     # Back to the fixture's configuration for the tests that follow.
     for stage in ("quantize", "verify", "publish"):
-        importlib.import_module(f"tasks.{stage}").run(config)
+        importlib.import_module(f"loraship.stages.{stage}").run(config)
 
 
 def test_corrupt_upstream_output_is_refused(pipeline_run):
@@ -145,7 +145,7 @@ def test_corrupt_upstream_output_is_refused(pipeline_run):
     try:
         f16.write_bytes(original[: len(original) // 2])
         with pytest.raises(IntegrityError, match="model-F16.gguf"):
-            importlib.import_module("tasks.quantize").run(config.model_copy(update={"quantization": "Q8_0"}))
+            importlib.import_module("loraship.stages.quantize").run(config.model_copy(update={"quantization": "Q8_0"}))
     finally:
         f16.write_bytes(original)
 
@@ -156,7 +156,7 @@ def test_publish_to_an_fsspec_url(pipeline_run):
 
     config, _ = pipeline_run
     remote = config.model_copy(update={"output": "memory://bucket/models"})
-    manifest = importlib.import_module("tasks.publish").run(remote)
+    manifest = importlib.import_module("loraship.stages.publish").run(remote)
     fs = fsspec.filesystem("memory")
     published = json.loads(fs.cat_file(f"/bucket/models/{config.run_name}/{MANIFEST_NAME}"))
     assert manifest["metrics"]["destination"] == f"memory://bucket/models/{config.run_name}"
@@ -198,7 +198,7 @@ def test_qlora_trains_on_cpu_and_merges_into_the_bf16_base(tiny_model, tmp_path)
 
     config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="qlora", adapter="qlora",
                                            max_steps=24, micro_batch_size=8))
-    manifests = {s: importlib.import_module(f"tasks.{s}").run(config) for s in ("plan", "train", "merge")}
+    manifests = {s: importlib.import_module(f"loraship.stages.{s}").run(config) for s in ("plan", "train", "merge")}
     train = manifests["train"]["metrics"]
     assert train["strategy"]["adapter"] == "qlora"
     assert train["eval_loss_after"] < train["eval_loss_before"]

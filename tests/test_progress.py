@@ -124,8 +124,8 @@ def test_converter_progress_is_rate_limited_per_phase(caplog):
 
 # --- live, from the real converter and quantizer --------------------------------------------------
 def test_real_convert_and_quantize_report_progress_as_they_run(tiny_model, tmp_path, caplog, monkeypatch):
-    from tasks.convert import convert
-    from tasks.quantize import quantize
+    from loraship.stages.convert import convert
+    from loraship.stages.quantize import quantize
 
     monkeypatch.setenv("LORASHIP_PROGRESS_S", "3600")  # first and last of each phase only
     caplog.set_level(logging.INFO, logger="loraship")
@@ -196,7 +196,7 @@ def test_progress_outside_prefect_creates_no_artifact(monkeypatch, caplog):
 
 
 def test_progress_without_prefect_installed_does_not_import_it(tmp_path):
-    """A stage image without Prefect (python -m tasks.<stage>): progress neither needs nor imports it."""
+    """A stage image without Prefect (python -m loraship.stages.<stage>): progress neither needs nor imports it."""
     code = ("import sys, logging\n"
             "from loraship.progress import Progress, in_prefect_run\n"
             "assert not in_prefect_run()\n"
@@ -258,7 +258,7 @@ def test_train_stage_writes_its_pictures_as_manifest_outputs(tiny_model, tmp_pat
     caplog.set_level(logging.INFO, logger="loraship")
     config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="pictures", max_steps=3, save_steps=100,
                                            warmup_steps=0))
-    manifests = {s: importlib.import_module(f"tasks.{s}").run(config) for s in ("plan", "train")}
+    manifests = {s: importlib.import_module(f"loraship.stages.{s}").run(config) for s in ("plan", "train")}
     train = manifests["train"]
     folder = tmp_path / "work" / "pictures" / "train"
     assert train["metrics"]["figures"] == [LOSS_PLOT_FILE, MEMORY_PLOT_FILE]
@@ -282,14 +282,14 @@ def test_train_stage_writes_its_pictures_as_manifest_outputs(tiny_model, tmp_pat
     assert any(m.startswith("train: eval after: batch 1/1") for m in said), said
 
     # Merge reports its shards (the tiny model has one).
-    from tasks.merge import merge_shards
+    from loraship.stages.merge import merge_shards
 
     (tmp_path / "merged").mkdir()
     merge_shards(tiny_model, folder / "adapter", tmp_path / "merged")
     assert messages(caplog, "loraship.merge") == ["merge: shard 1/1 (model.safetensors), 100%"]
 
     # The flow attaches the same pictures to a Prefect markdown artifact, embedded as data: URIs.
-    from flows.train_and_ship import _figures_markdown
+    from loraship.flows.train_and_ship import _figures_markdown
 
     markdown = _figures_markdown("train", train)
     embedded = [base64.b64decode(uri) for uri in re.findall(r"\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", markdown)]

@@ -13,7 +13,7 @@ import pytest
 from loraship.constants import MANIFEST_NAME
 from loraship.errors import OutputError
 from loraship.manifest import atomic_write_json, describe_files
-from tasks.publish import sync
+from loraship.stages.publish import sync
 
 
 def artifact(root: Path, gguf: str = "model-Q4_K_M.gguf") -> dict:

@@ -412,7 +412,7 @@ def test_cli_refuses_before_any_training_a_token_that_cannot_write(tmp_path):
 # -- the publish stage of a real pipeline run ---------------------------------------------
 
 def test_publish_stage_puts_the_artifact_at_the_repository_top_and_resumes(pipeline_run, fake_hub):
-    import tasks.publish as publish
+    import loraship.stages.publish as publish
     from loraship.config import parse_config
 
     config, _ = pipeline_run

@@ -29,7 +29,7 @@ def qwen_config(tiny_qwen: Path, root: Path, **overrides):
 
 
 def run_stages(config, stages=STAGES) -> dict:
-    return {stage: importlib.import_module(f"tasks.{stage}").run(config) for stage in stages}
+    return {stage: importlib.import_module(f"loraship.stages.{stage}").run(config) for stage in stages}
 
 
 @pytest.fixture(scope="module")
@@ -177,10 +177,10 @@ def test_a_gate_with_too_little_evidence_fails(pipeline_run):
     config, _ = pipeline_run
     strict = config.model_copy(update={"min_golden_prompts": 1000})
     with pytest.raises(LorashipError, match=r"golden_match .*not enough evidence: 12 < 1000 \(min_golden_prompts\)"):
-        importlib.import_module("tasks.verify").run(strict)
+        importlib.import_module("loraship.stages.verify").run(strict)
     verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
     assert not verify["gates"]["golden_match"]["passed"] and verify["gates"]["golden_match"]["evidence"] == 12
-    importlib.import_module("tasks.verify").run(config)  # back to the fixture's verdict
+    importlib.import_module("loraship.stages.verify").run(config)  # back to the fixture's verdict
 
 
 # -- bad input stops at plan time -------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_bad_model_input_stops_at_plan_time(tiny_qwen, tmp_path, breaker, expect
     breaker(tiny_qwen, tmp_path, cfg)
     config = parse_config(cfg)
     with pytest.raises((ConfigError, DataError)) as caught:
-        importlib.import_module("tasks.plan").run(config)
+        importlib.import_module("loraship.stages.plan").run(config)
     assert expected in str(caught.value)
     assert str(caught.value).count("\n") <= 1, str(caught.value)  # one problem, one message
     assert not (stage_dir(config, "train") / MANIFEST_NAME).exists()

@@ -103,6 +103,6 @@ def test_flow_does_not_export_secrets_itself():
     """Only a stage holds secrets (loraship.stage.exclusive); the flow process keeps none."""
     import inspect
 
-    import flows.train_and_ship as flow
+    import loraship.flows.train_and_ship as flow
 
     assert "Secret" not in inspect.getsource(flow) and "env_from_secrets" not in inspect.getsource(flow)

@@ -111,7 +111,7 @@ def test_gguf_keeps_vocab_template_and_tokenizes_like_hf(tiny_qwen, hf_tok, tmp_
     from llama_cpp import Llama
 
     from loraship.gguf_info import read_gguf
-    from tasks.convert import convert
+    from loraship.stages.convert import convert
 
     gguf = tmp_path / "tiny-qwen2-f16.gguf"
     convert(tiny_qwen, gguf, "f16")

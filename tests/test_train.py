@@ -20,7 +20,7 @@ SHORT = dict(max_steps=None, num_epochs=1, micro_batch_size=5, gradient_accumula
 
 
 def run_stages(config, stages):
-    return {s: importlib.import_module(f"tasks.{s}").run(config) for s in stages}
+    return {s: importlib.import_module(f"loraship.stages.{s}").run(config) for s in stages}
 
 
 def curve(config) -> list[dict]:
@@ -120,7 +120,7 @@ def test_packing_is_on_by_default_on_sdpa_and_trains_every_token(tiny_model, tmp
 
 
 def test_packing_on_refuses_an_attention_that_cannot_separate_examples(tiny_model):
-    import tasks.train as train
+    import loraship.stages.train as train
 
     model = _tiny(tiny_model)
     model.config._attn_implementation = "flash_attention_2"
@@ -137,7 +137,7 @@ class Killed(Exception):
 
 
 def test_resume_with_lora_dropout_repeats_the_loss_curve(tiny_model, tmp_path, monkeypatch):
-    import tasks.train as train
+    import loraship.stages.train as train
 
     common = dict(max_steps=8, save_steps=3, lora_dropout=0.2, micro_batch_size=8, gradient_accumulation_steps=1,
                   warmup_steps=1)
@@ -165,7 +165,7 @@ def test_resume_with_lora_dropout_repeats_the_loss_curve(tiny_model, tmp_path, m
 
 
 def test_checkpoint_carries_the_cuda_rng_state_when_cuda_is_present(tiny_model, tmp_path, monkeypatch):
-    import tasks.train as train
+    import loraship.stages.train as train
 
     fake_state = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
     restored = []
@@ -199,13 +199,13 @@ class OutOfResources(Exception):  # the name triton.runtime.errors uses; not a R
     (ValueError("out of memory"), False),
 ])
 def test_out_of_memory_errors_are_recognised_whatever_their_type(error, oom):
-    import tasks.train as train
+    import loraship.stages.train as train
 
     assert train.is_out_of_memory(error) is oom
 
 
 def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_model, tmp_path, monkeypatch):
-    import tasks.train as train
+    import loraship.stages.train as train
 
     config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="oom", max_steps=4, save_steps=2,
                                            micro_batch_size=8, gradient_accumulation_steps=1, warmup_steps=0))
@@ -244,7 +244,7 @@ def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_m
 
 
 def test_allocator_gets_expandable_segments_unless_the_user_set_it(monkeypatch):
-    import tasks.train as train
+    import loraship.stages.train as train
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)

@@ -9,7 +9,7 @@
 # on 127.0.0.1 -> docker work pool (containers on the host network, so 127.0.0.1 reaches the
 # server) + worker -> prefect deploy of train-and-ship/docker and *-docker -> the run, watched
 # -> checks: parent COMPLETED, a child run per stage in its stage's image, artifacts on the volume,
-# and each image's own entrypoint (`python -m tasks.<stage> CONFIG`) sees the stage as done.
+# and each image's own entrypoint (`python -m loraship.stages.<stage> CONFIG`) sees the stage as done.
 # This machine has no GPU: the deployed copy of prefect.yaml drops the docker GPU requests
 # (device_requests) of the GPU stages (train, reference, verify: loraship/stage_table.py), and
 # nothing else.
@@ -119,7 +119,7 @@ if [[ $rc -ne 0 ]]; then
   exit "$rc"
 fi
 
-step "each image's own entrypoint (python -m tasks.<stage> CONFIG) resumes the finished run"
+step "each image's own entrypoint (python -m loraship.stages.<stage> CONFIG) resumes the finished run"
 python - "$mountpoint/demo.yaml" <<'EOF2'
 import sys, yaml
 docker = next(d for d in yaml.safe_load(open("deploy/prefect.yaml"))["deployments"] if d["name"] == "docker")
@@ -133,7 +133,7 @@ for pair in $stage_images; do
   stage="${pair%%:*}" image="${pair#*:}"
   if [[ $image != "$stage" ]]; then  # e.g. reference runs in the merge image, quantize in convert's
     out="$("$DOCKER" run --rm --network none -v "$VOLUME:/shared" --entrypoint python \
-      "loraship-$image:0.1.0" -m "tasks.$stage" /shared/demo.yaml 2>&1)"
+      "loraship-$image:0.1.0" -m "loraship.stages.$stage" /shared/demo.yaml 2>&1)"
   else
     out="$("$DOCKER" run --rm --network none -v "$VOLUME:/shared" "loraship-$image:0.1.0" /shared/demo.yaml 2>&1)"
   fi
