@@ -14,7 +14,12 @@ Two kinds, both made of plain files under `<workdir>/<run_name>/.locks/`:
 
 Files created with O_EXCL (or hard-linked into place), not flock: flock blocks forever without a
 timeout, and on NFS it is emulated by byte-range locks or not at all, depending on the client.
-Creating a file exclusively is atomic on local filesystems and on NFSv3 and later.
+Creating a file exclusively is atomic on local filesystems and on NFSv3 and later. Why not the
+`filelock` package: its FileLock is flock/fcntl (the NFS problem above); its SoftFileLock (O_EXCL)
+takes over a dead holder on the same host only (filelock 4.3's owner_is_stale: "a foreign
+hostname ... cannot establish" it), so a killed pod's lock on the shared volume would stand until
+deleted by hand; and neither has the run claim's shape (shared within a config, exclusive
+between configs). The heartbeat below is what covers other hosts.
 
 A holder is alive while it can be shown to be: on this host, while its pid runs with the same
 start time (pids are reused, and pid 1 runs in every container, so the host name is part of the

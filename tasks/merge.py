@@ -24,7 +24,7 @@ from loraship.errors import IntegrityError, LorashipError
 from loraship.manifest import atomic_path, atomic_write_json
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, weight_files
 from loraship.preflight import check_free_disk
-from loraship.progress import Progress
+from loraship.progress import Progress, artifact_key
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "merge"
@@ -53,7 +53,9 @@ def lora_deltas(adapter_dir: Path) -> tuple[dict, float]:
     return {name: (ab["A"], ab["B"]) for name, ab in pairs.items()}, scale
 
 
-def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: str = "bfloat16") -> dict:
+def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: str = "bfloat16",
+                 progress_key: str | None = None) -> dict:
+    """progress_key: the Prefect progress artifact's key inside a flow run (loraship/progress.py)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -63,7 +65,7 @@ def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: s
     remaining = set(deltas)
     shards = weight_files(base_dir)
     sizes = [shard.stat().st_size for shard in shards]
-    progress = Progress(STAGE, sum(sizes), log)  # by bytes: shards differ in size
+    progress = Progress(STAGE, sum(sizes), log, key=progress_key)  # by bytes: shards differ in size
     for i, shard in enumerate(shards):
         merged = {}
         try:
@@ -242,7 +244,7 @@ def run(config) -> dict:
     check_free_disk(ctx.dir, base_bytes * 1.05, "merge (bf16 copy of the base)")
     with atomic_path(ctx.dir / MERGED_DIR) as tmp:
         tmp.mkdir()
-        info = merge_shards(base_dir, adapter_dir, tmp)
+        info = merge_shards(base_dir, adapter_dir, tmp, progress_key=artifact_key(config.run_name, STAGE, "progress"))
         copy_tokenizer(base_dir, tmp, config.trust_remote_code)
         write_chat_template(tmp, config.chat_template)
     tokenizer = AutoTokenizer.from_pretrained(ctx.dir / MERGED_DIR)

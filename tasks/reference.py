@@ -20,6 +20,7 @@ from loraship.constants import MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE
 from loraship.data import as_messages, golden_rows, split_rows
 from loraship.errors import LorashipError
 from loraship.manifest import atomic_path, atomic_write_json, sha256_file, sha256_json
+from loraship.progress import Progress, artifact_key
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "reference"
@@ -103,13 +104,15 @@ def golden_records(config, tokenizer) -> list[dict]:
     return records
 
 
-def score_eval(model, records: list[dict], top_k: int) -> tuple[dict, dict]:
+def score_eval(model, records: list[dict], top_k: int, progress: Progress | None = None) -> tuple[dict, dict]:
     """HF top-k log-probs at every scored position: arrays for the npz, and summary figures."""
     import numpy as np
     import torch
 
     example, position, target, target_lp, top_ids, top_lps = [], [], [], [], [], []
     for n, record in enumerate(records):
+        if progress is not None:
+            progress.update(n, f"eval text {n + 1}/{len(records)}")
         ids, positions = record["input_ids"], record["positions"]
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, positions].float()
@@ -122,6 +125,8 @@ def score_eval(model, records: list[dict], top_k: int) -> tuple[dict, dict]:
         target_lp.append(logprobs.gather(1, targets[:, None])[:, 0].cpu())
         top_ids.append(indices.cpu())
         top_lps.append(values.cpu())
+    if progress is not None:
+        progress.update(len(records), f"{len(records)} eval texts scored")
     arrays = {
         "example": np.array(example, dtype=np.int32),
         "position": np.array(position, dtype=np.int32),
@@ -141,11 +146,13 @@ def score_eval(model, records: list[dict], top_k: int) -> tuple[dict, dict]:
     return arrays, summary
 
 
-def greedy_answers(model, records: list[dict], max_new: int, stops: list[int]) -> None:
+def greedy_answers(model, records: list[dict], max_new: int, stops: list[int], progress: Progress | None = None) -> None:
     """HF greedy answer per golden prompt, then HF's top-1 and margin at each answer token (teacher-forced)."""
     import torch
 
-    for record in records:
+    for n, record in enumerate(records):
+        if progress is not None:
+            progress.update(n, f"golden prompt {n + 1}/{len(records)}")
         prompt = record["prompt_ids"]
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new, do_sample=False,
@@ -165,6 +172,8 @@ def greedy_answers(model, records: list[dict], max_new: int, stops: list[int]) -
         top2 = torch.log_softmax(logits.float(), -1).topk(2, dim=-1)
         record["top1"] = top2.indices[:, 0].tolist()
         record["margins"] = [round(float(m), 5) for m in (top2.values[:, 0] - top2.values[:, 1])]
+    if progress is not None:
+        progress.update(len(records), f"{len(records)} golden prompts answered")
 
 
 @exclusive
@@ -188,10 +197,13 @@ def run(config) -> dict:
     evaluation = eval_records(config, tokenizer)
     if not evaluation:
         raise LorashipError("reference: the eval split has no scored tokens; add eval_datasets or raise val_set_size")
-    arrays, summary = score_eval(model, evaluation, config.reference_top_k)
+    # One progress artifact for the stage: the eval texts, then the golden prompts.
+    key = artifact_key(config.run_name, STAGE, "progress")
+    arrays, summary = score_eval(model, evaluation, config.reference_top_k,
+                                 Progress(f"{STAGE}: eval", len(evaluation), log, key=key))
     golden = golden_records(config, tokenizer)
     stops = stop_ids(tokenizer, merged)
-    greedy_answers(model, golden, config.max_new_tokens, stops)
+    greedy_answers(model, golden, config.max_new_tokens, stops, Progress(f"{STAGE}: golden", len(golden), log, key=key))
     for record in golden:
         record["answer_text"] = tokenizer.decode(record["answer_ids"], skip_special_tokens=True).strip()
 

@@ -288,6 +288,21 @@ def test_train_stage_writes_its_pictures_as_manifest_outputs(tiny_model, tmp_pat
     merge_shards(tiny_model, folder / "adapter", tmp_path / "merged")
     assert messages(caplog, "loraship.merge") == ["merge: shard 1/1 (model.safetensors), 100%"]
 
+    # Reference reports its eval texts, then its golden prompts, on the merged model.
+    from transformers import AutoModelForCausalLM
+
+    from loraship.progress import Progress
+    from tasks.reference import greedy_answers, log as reference_log, score_eval
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    texts = [{"input_ids": [1, 5, 6, 7, 8], "positions": [0, 1, 2, 3]}, {"input_ids": [1, 9, 10], "positions": [1]}]
+    score_eval(model, texts, 4, Progress("reference: eval", len(texts), reference_log, every=0, clock=lambda: 0.0))
+    greedy_answers(model, [{"prompt_ids": [1, 5, 6]}], 2, [], Progress("reference: golden", 1, reference_log, every=0, clock=lambda: 0.0))
+    assert messages(caplog, "loraship.reference") == [
+        "reference: eval: eval text 1/2, 0%", "reference: eval: eval text 2/2, 50%",
+        "reference: eval: 2 eval texts scored, 100%",
+        "reference: golden: golden prompt 1/1, 0%", "reference: golden: 1 golden prompts answered, 100%"]
+
     # The flow attaches the same pictures to a Prefect markdown artifact, embedded as data: URIs.
     from loraship.flows.train_and_ship import _figures_markdown
 
