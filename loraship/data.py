@@ -34,11 +34,11 @@ log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 MAX_LISTED_PROBLEMS = 20
-ROLES = ("system", "user", "assistant", "tool")
+# No tool role: many templates (Llama 2/3 base, Mistral) cannot render one, and chat rows refuse it too.
+ROLES = ("system", "user", "assistant")
 # ShareGPT speaker names (as FastChat, Axolotl and the common dumps write them) -> chat roles.
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "model": "assistant", "bot": "assistant", "tool": "tool", "function": "tool", "observation": "tool",
-                  "function_response": "tool"}
+                  "model": "assistant", "bot": "assistant"}
 # Top-level columns each row type needs (the rest of DATASET_FIELDS are keys inside each message).
 REQUIRED_COLUMNS = {"alpaca": ("instruction", "output"), "chat": ("messages",), "sharegpt": ("conversations",),
                     "completion": ("text",)}
