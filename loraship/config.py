@@ -21,14 +21,45 @@ RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+# The names each row type reads: top-level columns first, then keys inside each message.
+# `fields` maps these names onto a file's own column (or message key) names.
+DATASET_FIELDS: dict[str, tuple[str, ...]] = {
+    "alpaca": ("instruction", "input", "output"),
+    "chat": ("messages", "role", "content"),
+    "sharegpt": ("conversations", "from", "value"),
+    "completion": ("text",),
+}
+
+
 class DatasetSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(description="JSONL file, one example per line (UTF-8).")
-    type: Literal["alpaca", "chat", "completion"] = Field(
-        description="alpaca: instruction/input/output rows; chat: {'messages': [...]} rendered by the "
-        "tokenizer's chat template, loss on assistant turns only; completion: {'text': ...}, loss on all tokens."
+    path: str = Field(
+        description="A local .jsonl/.json/.parquet/.csv file, or a Hugging Face Hub dataset: 'hf://datasets/<org>/<name>' "
+        "or '<org>/<name>' (read through the `datasets` library, from its cache when HF_HUB_OFFLINE=1)."
     )
+    type: Literal["alpaca", "chat", "sharegpt", "completion"] = Field(
+        description="alpaca: instruction/input/output rows; chat: {'messages': [{role, content}]} (OpenAI style) rendered "
+        "by the tokenizer's chat template; sharegpt: {'conversations': [{from, value}]}, roles mapped onto chat's; "
+        "completion: {'text': ...}, loss on all tokens."
+    )
+    split: str = Field("train", description="Split of a Hub dataset (local files are one split).")
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="The type's field names -> this file's column names, e.g. {instruction: prompt, output: answer} or "
+        "{messages: convo, role: speaker, content: text}.",
+    )
+
+    @model_validator(mode="after")
+    def _known_fields(self):
+        unknown = sorted(set(self.fields) - set(DATASET_FIELDS[self.type]))
+        if unknown:
+            raise ValueError(
+                f"fields: {unknown} are not {self.type} field names; map {self.type}'s "
+                f"{', '.join(DATASET_FIELDS[self.type])} onto your columns, e.g. "
+                f"{{{DATASET_FIELDS[self.type][0]}: <your column>}}"
+            )
+        return self
 
 
 class Config(BaseModel):
@@ -92,6 +123,11 @@ class Config(BaseModel):
     save_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps (resume after a crash).")
     logging_steps: int = Field(1, ge=1, description="Record the loss every N optimizer steps.")
 
+    train_on_inputs: bool = Field(
+        False,
+        description="As in Axolotl: true computes the loss on prompt tokens too (system/user turns, alpaca's "
+        "instruction); false on assistant/completion tokens only.",
+    )
     datasets: list[DatasetSpec] = Field(min_length=1, description="Training data; concatenated in order.")
     eval_datasets: list[DatasetSpec] = Field(
         default_factory=list, description="Held-out data; when empty, val_set_size of the training data is held out."

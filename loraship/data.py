@@ -1,32 +1,70 @@
-"""Datasets: read and validate JSONL rows, render and tokenize them with loss masks.
+"""Datasets: read and validate rows, render and tokenize them with loss masks.
 
 Row types (DatasetSpec.type):
 - alpaca: {"instruction", "output", optional "input"}; rendered as a user/assistant chat, loss on the output.
-- chat: {"messages": [{"role", "content"}, ...]}; loss on assistant turns only.
+- chat: {"messages": [{"role", "content"}, ...]} (OpenAI style); loss on assistant turns only.
+- sharegpt: {"conversations": [{"from", "value"}, ...]}; `from` mapped onto chat roles (SHAREGPT_ROLES), then as chat.
 - completion: {"text"}; loss on every token.
+`train_on_inputs: true` puts the loss on prompt tokens too (Axolotl's meaning).
+Sources: local .jsonl/.json read here; .parquet/.csv and Hugging Face Hub datasets through the
+`datasets` library, imported only for them (JSONL needs nothing beyond the core). `fields` maps
+the type's names onto the file's columns.
+Tokenized rows are cached under LORASHIP_CACHE by a fingerprint of the data, the tokenizer and its
+chat template, the type and the field mapping, so train, merge and reference tokenize each row once.
 Truncation policy: an example longer than sequence_len keeps its first sequence_len tokens
 (config.truncation = "truncate", counted in the train manifest) or is skipped ("drop").
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraship.chat import require_template, tokenize_conversation
+from loraship.chat import render, require_template, template_of, tokenize_conversation
+from loraship.config import DATASET_FIELDS, HUB_ID_PATTERN
 from loraship.errors import DataError
+
+log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 MAX_LISTED_PROBLEMS = 20
+# No tool role: many templates (Llama 2/3 base, Mistral) cannot render one, and chat rows refuse it too.
 ROLES = ("system", "user", "assistant")
+# ShareGPT speaker names (as FastChat, Axolotl and the common dumps write them) -> chat roles.
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "model": "assistant", "bot": "assistant"}
+# Top-level columns each row type needs (the rest of DATASET_FIELDS are keys inside each message).
+REQUIRED_COLUMNS = {"alpaca": ("instruction", "output"), "chat": ("messages",), "sharegpt": ("conversations",),
+                    "completion": ("text",)}
+LIST_COLUMN = {"chat": "messages", "sharegpt": "conversations"}
+TABULAR_SUFFIXES = {".parquet": "parquet", ".csv": "csv"}
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+# Bumped when the cached record's layout or the tokenization code changes meaning.
+TOKENIZED_CACHE_VERSION = 1
 
 # Prompts verify derives from the data when no golden_prompts file is given.
 AUTO_GOLDEN_PROMPTS = 16
 # Words of a completion row kept as its prompt (the model continues the rest).
 COMPLETION_PROMPT_WORDS = 32
+
+
+def _messages_problem(msgs: list[dict]) -> str | None:
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+            return f"messages[{j}] must be {{'role': one of {list(ROLES)}, 'content': string}}"
+    if not any(m["role"] == "assistant" for m in msgs):
+        return "no assistant message, so nothing to learn (loss is only on assistant turns)"
+    if msgs[-1]["role"] != "assistant":
+        # A trailing prompt teaches nothing and renders as an unanswered turn in the training text.
+        return (f"the conversation ends with a {msgs[-1]['role']!r} turn; a training row must end with the "
+                "assistant's answer (remove the trailing turn or add its answer)")
+    return None
 
 
 def _row_problem(row, kind: str) -> str | None:
@@ -42,15 +80,19 @@ def _row_problem(row, kind: str) -> str | None:
         msgs = row.get("messages")
         if not isinstance(msgs, list) or not msgs:
             return "missing field 'messages' (chat rows need a non-empty list of {role, content})"
-        for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
-                return f"messages[{j}] must be {{'role': one of {list(ROLES)}, 'content': string}}"
-        if not any(m["role"] == "assistant" for m in msgs):
-            return "no assistant message, so nothing to learn (loss is only on assistant turns)"
-        if msgs[-1]["role"] != "assistant":
-            # A trailing prompt teaches nothing and renders as an unanswered turn in the training text.
-            return (f"the conversation ends with a {msgs[-1]['role']!r} turn; a training row must end with the "
-                    "assistant's answer (remove the trailing turn or add its answer)")
+        return _messages_problem(msgs)
+    elif kind == "sharegpt":
+        turns = row.get("conversations")
+        if not isinstance(turns, list) or not turns:
+            return "missing field 'conversations' (ShareGPT rows need a non-empty list of {from, value})"
+        for j, turn in enumerate(turns):
+            if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+                return f"conversations[{j}] must be {{'from': role, 'value': string}}"
+            if turn.get("from") not in SHAREGPT_ROLES:
+                return (f"conversations[{j}]: unknown role from={turn.get('from')!r}; use one of "
+                        f"{', '.join(SHAREGPT_ROLES)} (or rename it in the file)")
+        problem = _messages_problem(as_messages(row, kind))
+        return problem.replace("messages[", "conversations[") if problem else None
     elif kind == "golden":  # verify's prompts: a conversation to answer, or a bare user prompt
         msgs = row.get("messages")
         if not isinstance(row.get("prompt"), str) and (not isinstance(msgs, list) or not msgs or any(
@@ -66,47 +108,197 @@ def _row_problem(row, kind: str) -> str | None:
         if not isinstance(row.get("text"), str) or not row["text"]:
             return "missing or empty field 'text' (completion rows need {'text': ...})"
     else:
-        return f"unknown dataset type {kind!r}; use alpaca, chat or completion"
+        return f"unknown dataset type {kind!r}; use alpaca, chat, sharegpt or completion"
     return None
 
 
-def read_rows(path: str | Path, kind: str) -> list[dict]:
-    """All rows of a JSONL file, or a DataError listing every bad line (up to 20) with its number."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"dataset {path}: file not found; check datasets[].path (relative paths start at the current folder)")
+def _problems_error(where: str, kind: str, problems: list[str], unit: str) -> DataError:
+    shown = problems[:MAX_LISTED_PROBLEMS]
+    more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+    return DataError(f"dataset {where} ({kind}): {len(problems)} bad {unit}(s):\n  " + "\n  ".join(shown) + more)
+
+
+def _json_records(path: Path) -> list[tuple[int, object]]:
+    """(line number, parsed value) per non-empty line; a .json file holding one array gives its items."""
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
         raise DataError(f"dataset {path} line {line}: not UTF-8 (byte {e.start}); re-encode the file as UTF-8") from e
-    rows, problems = [], []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
-            row = json.loads(line)
+            items = json.loads(text)
         except json.JSONDecodeError as e:
-            problems.append(f"line {number}: malformed JSON ({e.msg} at column {e.colno})")
+            raise DataError(f"dataset {path} line {e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
+        return list(enumerate(items, start=1))
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append((number, json.loads(line)))
+            except json.JSONDecodeError as e:
+                records.append((number, e))
+    return records
+
+
+def map_fields(row, kind: str, fields: dict[str, str]):
+    """The row under the type's own names: fields maps those names onto the file's (columns and message keys)."""
+    if not fields or not isinstance(row, dict):
+        return row
+    names = DATASET_FIELDS.get(kind, ())
+    out = dict(row)
+    list_name = LIST_COLUMN.get(kind)
+    if list_name is None:
+        for name in names:
+            if name in fields and fields[name] in row:
+                out[name] = row[fields[name]]
+    else:
+        turns = row.get(fields.get(list_name, list_name))
+        inner = {name: fields[name] for name in names[1:] if name in fields}
+        if inner and isinstance(turns, list):
+            turns = [{**{k: v for k, v in t.items() if k not in inner.values()}, **{n: t.get(c) for n, c in inner.items()}}
+                     if isinstance(t, dict) else t for t in turns]
+        out[list_name] = turns
+    return out
+
+
+def _missing_columns(where: str, kind: str, fields: dict[str, str], columns: list[str]) -> None:
+    """One line naming a mapped or required column the data does not have, and the columns it does."""
+    columns_read = (LIST_COLUMN[kind],) if kind in LIST_COLUMN else DATASET_FIELDS[kind]  # role/content are message keys
+    for name in columns_read:
+        if name in fields and fields[name] not in columns:
+            raise DataError(f"dataset {where}: fields maps {name} to column {fields[name]!r}, which it does not have "
+                            f"(columns: {', '.join(map(str, columns))}); fix datasets[].fields")
+    for name in REQUIRED_COLUMNS[kind]:
+        if name not in fields and name not in columns:
+            raise DataError(f"dataset {where} ({kind}): no column {name!r} (columns: {', '.join(map(str, columns))}); "
+                            f"rename the column or map it with fields: {{{name}: <column>}}")
+
+
+def _check_rows(records, where: str, kind: str, fields: dict[str, str], unit: str) -> list[dict]:
+    rows, problems = [], []
+    for number, value in records:
+        if isinstance(value, json.JSONDecodeError):
+            problems.append(f"{unit} {number}: malformed JSON ({value.msg} at column {value.colno})")
             continue
+        row = map_fields(value, kind, fields)
         problem = _row_problem(row, kind)
         if problem:
-            problems.append(f"line {number}: {problem}")
+            problems.append(f"{unit} {number}: {problem}")
         else:
             rows.append(row)
     if problems:
-        shown = problems[:MAX_LISTED_PROBLEMS]
-        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-        raise DataError(f"dataset {path} ({kind}): {len(problems)} bad line(s):\n  " + "\n  ".join(shown) + more)
+        raise _problems_error(where, kind, problems, unit)
     if not rows:
-        raise DataError(f"dataset {path}: empty (no rows); add at least one {kind} row")
+        raise DataError(f"dataset {where}: empty (no rows); add at least one {kind} row")
     return rows
+
+
+def read_rows(path: str | Path, kind: str, fields: dict[str, str] | None = None) -> list[dict]:
+    """All rows of a JSONL (or JSON array) file, or a DataError listing every bad line (up to 20) with its number."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"dataset {path}: file not found; check datasets[].path (relative paths start at the current folder)")
+    records = _json_records(path)
+    fields = fields or {}
+    if fields and kind in DATASET_FIELDS and records:  # a mapping naming no column is one mistake, not one per line
+        _missing_columns(str(path), kind, fields, sorted({k for _n, r in records if isinstance(r, dict) for k in r}))
+    return _check_rows(records, str(path), kind, fields, "line")
+
+
+def hub_dataset_id(path: str) -> str | None:
+    """'org/name' for a Hub dataset path (hf://datasets/org/name or a bare id that is no local file), else None."""
+    if path.startswith("hf://datasets/"):
+        return path.removeprefix("hf://datasets/").strip("/")
+    if Path(path).expanduser().exists() or Path(path).suffix.lower() in (*JSON_SUFFIXES, *TABULAR_SUFFIXES):
+        return None
+    return path if HUB_ID_PATTERN.match(path) and not path.startswith((".", "/", "~")) else None
+
+
+def _datasets_module(where: str):
+    try:
+        import datasets
+    except ImportError as e:
+        raise DataError(f"dataset {where}: reading it needs the `datasets` package, which is not installed; "
+                        "pip install 'loraship[train]' (or datasets), or convert the data to JSONL") from e
+    return datasets
+
+
+def load_table(spec):
+    """A `datasets.Dataset` for a .parquet/.csv file or a Hub dataset; a one-line DataError saying how to fix a failure."""
+    repo = hub_dataset_id(spec.path)
+    where = spec.path
+    datasets = _datasets_module(where)
+    try:
+        if repo is None:
+            path = Path(spec.path).expanduser()
+            if not path.is_file():
+                raise DataError(f"dataset {path}: file not found; check datasets[].path (relative paths start at the "
+                                "config file's folder)")
+            # Local files get their Arrow copy in loraship's cache, not the user's Hugging Face one.
+            return datasets.load_dataset(TABULAR_SUFFIXES[path.suffix.lower()], data_files=str(path), split="train",
+                                         cache_dir=str(cache_root() / "datasets"))
+        if "/" in repo.split("/", 2)[-1] and Path(repo).suffix.lower() in TABULAR_SUFFIXES:  # one file in a Hub repo
+            return datasets.load_dataset(TABULAR_SUFFIXES[Path(repo).suffix.lower()], data_files=f"hf://datasets/{repo}",
+                                         split=spec.split)
+        return datasets.load_dataset(repo, split=spec.split)
+    except DataError:
+        raise
+    except Exception as e:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ValueError, ...)
+        cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if repo and os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+            raise DataError(
+                f"dataset {where}: not in the local Hugging Face cache and HF_HUB_OFFLINE=1 forbids downloading it "
+                f"({cause}); download it once online (python -c \"import datasets; datasets.load_dataset('{repo}', "
+                f"split='{spec.split}')\"), unset HF_HUB_OFFLINE, or point path at a local .jsonl/.parquet/.csv file"
+            ) from e
+        hint = ("check the id, the split and HF_TOKEN for a private dataset" if repo
+                else "check that the file is valid " + Path(spec.path).suffix.lstrip(".").upper())
+        raise DataError(f"dataset {where}: cannot load it ({cause}); {hint}") from e
+
+
+def _cell(value, name: str, kind: str):
+    """CSV has no nested values: a messages/conversations cell holding JSON text is decoded."""
+    if name == LIST_COLUMN.get(kind) and isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def read_dataset(spec) -> list[dict]:
+    """The rows of one datasets[] entry under the type's own field names; every bad row named at once."""
+    suffix = Path(spec.path).suffix.lower()
+    if hub_dataset_id(spec.path) is None and suffix not in TABULAR_SUFFIXES:
+        return read_rows(spec.path, spec.type, spec.fields)
+    table = load_table(spec)
+    _missing_columns(spec.path, spec.type, spec.fields, table.column_names)
+    by_name = {v: k for k, v in spec.fields.items()}
+    records = [(i, {c: _cell(v, by_name.get(c, c), spec.type) for c, v in row.items()})
+               for i, row in enumerate(table.to_list(), start=1)]
+    return _check_rows(records, spec.path, spec.type, spec.fields, "row")
+
+
+def dataset_identity(spec) -> str:
+    """What the data is, for fingerprints: a local file's sha256, a Hub dataset's id, split and `datasets` fingerprint."""
+    from loraship.manifest import sha256_file
+
+    repo = hub_dataset_id(spec.path)
+    if repo is None:
+        path = Path(spec.path).expanduser()
+        if not path.is_file():
+            raise DataError(f"dataset {path}: file not found; check datasets[].path")
+        return sha256_file(path)
+    return f"hub:{repo}@{spec.split}:{load_table(spec)._fingerprint}"
 
 
 def as_messages(row: dict, kind: str) -> list[dict]:
     if kind == "chat":
         return row["messages"]
+    if kind == "sharegpt":
+        return [{"role": SHAREGPT_ROLES.get(t["from"], t["from"]), "content": t["value"]} for t in row["conversations"]]
     prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
 
@@ -122,20 +314,29 @@ class TokenizedSplit:
         return sum(len(e["input_ids"]) for e in self.examples)
 
 
-def tokenize_rows(rows: list[dict], kind: str, tokenizer, sequence_len: int, truncation: str) -> TokenizedSplit:
+def encode_row(row: dict, kind: str, tokenizer) -> dict:
+    """One row at full length: its text as served, ids, which tokens are the answer (learn) and, for
+    completion rows, the ids a runtime is served (without the EOS training appends)."""
+    if kind == "completion":
+        # Special tokens as HF adds them to plain text (BOS for Llama, none for Qwen), then EOS.
+        served = tokenizer(row["text"], add_special_tokens=True)["input_ids"]
+        ids = served + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        return {"text": row["text"], "input_ids": ids, "learn": [1] * len(ids), "served_ids": served}
+    messages = as_messages(row, kind)
+    ids, learn = tokenize_conversation(tokenizer, messages)
+    return {"text": render(tokenizer, messages), "input_ids": list(ids), "learn": [int(k) for k in learn]}
+
+
+def labels_of(record: dict, train_on_inputs: bool) -> list[int]:
+    if train_on_inputs:
+        return list(record["input_ids"])
+    return [tok if keep else IGNORE_INDEX for tok, keep in zip(record["input_ids"], record["learn"])]
+
+
+def examples_from(records: list[dict], sequence_len: int, truncation: str, train_on_inputs: bool = False) -> TokenizedSplit:
     out = TokenizedSplit()
-    if kind != "completion" and rows:
-        require_template(tokenizer, f"{kind} rows")
-    for row in rows:
-        if kind == "completion":
-            # Special tokens as HF adds them to plain text (BOS for Llama, none for Qwen), then EOS.
-            ids = tokenizer(row["text"], add_special_tokens=True)["input_ids"]
-            if tokenizer.eos_token_id is not None:
-                ids = ids + [tokenizer.eos_token_id]
-            labels = list(ids)
-        else:
-            ids, learn = tokenize_conversation(tokenizer, as_messages(row, kind))
-            labels = [tok if keep else IGNORE_INDEX for tok, keep in zip(ids, learn)]
+    for record in records:
+        ids, labels = record["input_ids"], labels_of(record, train_on_inputs)
         too_long = len(ids) > sequence_len
         if too_long and truncation == "drop":
             out.dropped += 1
@@ -145,26 +346,112 @@ def tokenize_rows(rows: list[dict], kind: str, tokenizer, sequence_len: int, tru
             out.dropped += 1  # nothing (left) to learn: every target lies past sequence_len
             continue
         out.truncated += too_long
-        out.examples.append({"input_ids": ids, "labels": labels})
+        out.examples.append({"input_ids": list(ids), "labels": labels})
     return out
+
+
+def tokenize_rows(rows: list[dict], kind: str, tokenizer, sequence_len: int, truncation: str,
+                  train_on_inputs: bool = False) -> TokenizedSplit:
+    if kind != "completion" and rows:
+        require_template(tokenizer, f"{kind} rows")
+    return examples_from([encode_row(row, kind, tokenizer) for row in rows], sequence_len, truncation, train_on_inputs)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LORASHIP_CACHE", Path.home() / ".cache" / "loraship")).expanduser()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """The tokenizer by content (vocabulary, merges, normalizer, special tokens, chat template), not by
+    folder, so the merged model's copy of the training tokenizer finds the same cache entry."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = {
+        "class": type(tokenizer).__name__,
+        "backend": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
+        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        # BOS/EOS insertion can live outside the backend (add_bos_token), so probe it.
+        "probe": tokenizer("a b", add_special_tokens=True)["input_ids"],
+        "eos": tokenizer.eos_token_id,
+        "template": template_of(tokenizer),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def encoded_dataset(spec, tokenizer) -> list[dict]:
+    """read_dataset's rows encoded (encode_row), cached by fingerprint so each row is tokenized once.
+
+    The key is the data (file hash or the `datasets` fingerprint), the tokenizer with its chat
+    template, the row type and the field mapping. Records are kept at full length with the
+    assistant mask, and sequence_len, truncation and train_on_inputs are applied on read
+    (examples_from): changing them retrains without re-tokenizing."""
+    from loraship.manifest import atomic_write_json
+
+    key = hashlib.sha256(json.dumps({
+        "version": TOKENIZED_CACHE_VERSION, "data": dataset_identity(spec), "tokenizer": tokenizer_fingerprint(tokenizer),
+        "type": spec.type, "fields": spec.fields,
+    }, sort_keys=True).encode()).hexdigest()
+    cached = cache_root() / "tokenized" / f"{key}.json"
+    if cached.is_file():
+        try:
+            records = json.loads(cached.read_text(encoding="utf-8"))
+            log.info("dataset %s: %d tokenized rows from the cache (%s)", spec.path, len(records), cached.name)
+            return records
+        except (OSError, ValueError):
+            log.warning("dataset %s: unreadable tokenized cache %s; tokenizing again", spec.path, cached)
+    rows = read_dataset(spec)
+    if spec.type != "completion":
+        require_template(tokenizer, f"{spec.type} rows")
+    records = [encode_row(row, spec.type, tokenizer) for row in rows]
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(cached, records)
+    return records
+
+
+def _split(config, items_of):
+    """(train, eval) items; eval comes from eval_datasets or a seeded val_set_size split of the training items."""
+    train_items = [item for spec in config.datasets for item in items_of(spec)]
+    if config.eval_datasets:
+        return train_items, [item for spec in config.eval_datasets for item in items_of(spec)]
+    rng = random.Random(config.seed)
+    order = list(range(len(train_items)))
+    rng.shuffle(order)
+    n_eval = int(round(len(train_items) * config.val_set_size))
+    if config.val_set_size > 0 and len(train_items) >= 2:
+        n_eval = max(1, n_eval)
+    held = set(order[:n_eval])
+    eval_items = [r for i, r in enumerate(train_items) if i in held]
+    train_items = [r for i, r in enumerate(train_items) if i not in held]
+    return train_items, eval_items
 
 
 def split_rows(config) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
     """(train, eval) rows as (kind, row); eval comes from eval_datasets or a seeded val_set_size split."""
-    train_rows = [(spec.type, row) for spec in config.datasets for row in read_rows(spec.path, spec.type)]
-    if config.eval_datasets:
-        eval_rows = [(spec.type, row) for spec in config.eval_datasets for row in read_rows(spec.path, spec.type)]
-        return train_rows, eval_rows
-    rng = random.Random(config.seed)
-    order = list(range(len(train_rows)))
-    rng.shuffle(order)
-    n_eval = int(round(len(train_rows) * config.val_set_size))
-    if config.val_set_size > 0 and len(train_rows) >= 2:
-        n_eval = max(1, n_eval)
-    held = set(order[:n_eval])
-    eval_rows = [r for i, r in enumerate(train_rows) if i in held]
-    train_rows = [r for i, r in enumerate(train_rows) if i not in held]
-    return train_rows, eval_rows
+    return _split(config, lambda spec: [(spec.type, row) for row in read_dataset(spec)])
+
+
+def encoded_splits(config, tokenizer) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+    """split_rows' split (the same rows, in the same order) as (kind, encoded record)."""
+    return _split(config, lambda spec: [(spec.type, record) for record in encoded_dataset(spec, tokenizer)])
+
+
+def eval_records(config, tokenizer) -> list[dict]:
+    """Eval texts as training tokenized them, for the reference stage: text, HF ids (truncated like
+    training), the ids a runtime is served, and the scored positions (whose next token has a label)."""
+    _train, items = encoded_splits(config, tokenizer)
+    records = []
+    for kind, record in items:
+        ids = record["input_ids"][: config.sequence_len]
+        labels = labels_of(record, config.train_on_inputs)[: config.sequence_len]
+        positions = [i for i in range(len(ids) - 1) if labels[i + 1] != IGNORE_INDEX]
+        if not positions:
+            continue
+        completion = kind == "completion"  # a rendered template carries its own BOS text
+        records.append({"kind": kind, "text": record["text"], "add_bos": completion,
+                        "served_ids": record["served_ids"] if completion else list(record["input_ids"]),
+                        "input_ids": ids, "positions": positions})
+        if len(records) == config.verify_max_examples:
+            break
+    return records
 
 
 def conversation_prompt(messages: list[dict]) -> list[dict] | None:
@@ -207,13 +494,13 @@ def golden_rows(config) -> list[dict]:
 
 
 def load_splits(config, tokenizer) -> tuple[TokenizedSplit, TokenizedSplit]:
-    """(train, eval) tokenized; eval comes from eval_datasets or a seeded val_set_size split."""
-    train_rows, eval_rows = split_rows(config)
+    """(train, eval) tokenized (through the cache); eval comes from eval_datasets or a seeded val_set_size split."""
     splits = []
-    for rows in (train_rows, eval_rows):
+    for items in encoded_splits(config, tokenizer):
         merged = TokenizedSplit()
-        for kind in ("alpaca", "chat", "completion"):
-            part = tokenize_rows([r for k, r in rows if k == kind], kind, tokenizer, config.sequence_len, config.truncation)
+        for kind in DATASET_FIELDS:  # grouped by row type, as before the cache
+            part = examples_from([r for k, r in items if k == kind], config.sequence_len, config.truncation,
+                                 config.train_on_inputs)
             merged.examples += part.examples
             merged.truncated += part.truncated
             merged.dropped += part.dropped

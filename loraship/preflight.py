@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 from loraship.config import Config
-from loraship.data import read_rows
+from loraship.data import read_dataset, read_rows
 from loraship.errors import ConfigError, LorashipError
 
 
@@ -43,7 +43,7 @@ def dataset_problems(config: Config) -> list[str]:
     for group in ("datasets", "eval_datasets"):
         for i, spec in enumerate(getattr(config, group)):
             try:
-                read_rows(spec.path, spec.type)
+                read_dataset(spec)
             except LorashipError as e:
                 problems.append(f"{group}[{i}]: {e}")
     if config.golden_prompts:
@@ -172,7 +172,7 @@ def template_problems(config: Config, model_dir: Path) -> list[str]:
     for group in ("datasets", "eval_datasets"):
         for i, spec in enumerate(getattr(config, group)):
             try:
-                tokenize_rows(read_rows(spec.path, spec.type)[:1], spec.type, tokenizer, config.sequence_len, "truncate")
+                tokenize_rows(read_dataset(spec)[:1], spec.type, tokenizer, config.sequence_len, "truncate")
             except LorashipError as e:
                 problems.append(f"{group}[{i}] ({spec.path}, first row): {e}")
                 return problems  # the same template fails every dataset alike: say it once

@@ -56,6 +56,9 @@ class Stage:
 # plan reads the tokenizer (AutoTokenizer, for llama.cpp's BPE pre-tokenizer check) without torch;
 # pyproject has no plan extra, so these come from the train extra by name.
 TOKENIZER = ("transformers", "sentencepiece", "protobuf", "safetensors")
+# plan reads every dataset row (parquet/CSV and Hub datasets through `datasets`) before any GPU work;
+# publish shares plan's image, so its requirement set too.
+DATA = ("datasets",)
 
 # Small CPU pods: plan, quantize, publish and the parent flow.
 CPU = Resources(cpu="2", memory="8Gi", shm="1Gi", node_pool="cpu")
@@ -74,7 +77,7 @@ INFERENCE_GPU = Resources(cpu="4", memory="8Gi", shm="1Gi", node_pool="gpu-infer
 STAGE_TABLE: tuple[Stage, ...] = (
     # plan checks GGUF convertibility against the pinned converter, so its image carries
     # llama.cpp's converter script (not the binding). The parent flow runs in this image too.
-    Stage("plan", "plan", "none", ("orchestrate",), CPU, also=TOKENIZER),
+    Stage("plan", "plan", "none", ("orchestrate",), CPU, also=TOKENIZER + DATA),
     Stage("train", "train", "training", ("train", "orchestrate"), TRAINING_GPU),
     Stage("merge", "merge", "none", ("merge", "orchestrate"), HIGHMEM),
     # The merged HF model's outputs that verify compares against, on the training GPU with
@@ -86,7 +89,7 @@ STAGE_TABLE: tuple[Stage, ...] = (
     # The GGUF alone under llama.cpp (no torch, no transformers: pyproject's verify extra).
     Stage("verify", "verify", "inference", ("verify", "orchestrate"), INFERENCE_GPU),
     # publish needs only the core, but sharing plan's layers makes its image free to build.
-    Stage("publish", "publish", "none", ("orchestrate",), CPU, also=TOKENIZER),
+    Stage("publish", "publish", "none", ("orchestrate",), CPU, also=TOKENIZER + DATA),
 )
 
 STAGE_NAMES = tuple(stage.name for stage in STAGE_TABLE)

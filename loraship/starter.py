@@ -26,10 +26,6 @@ def model_config_of(config) -> dict:
         raise LorashipError(f"{config_file}: not valid JSON ({e}); fix or replace the model's config.json") from e
 
 
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "model": "assistant", "bot": "assistant"}
-
-
 def dataset_types() -> tuple[str, ...]:
     from loraship.config import DatasetSpec
 
@@ -72,57 +68,19 @@ def detect_dataset_type(path: Path, sample: int = 200) -> str:
     return next(iter(kinds))
 
 
-def sharegpt_to_messages(src: Path) -> str:
-    """ShareGPT rows ({'conversations': [{'from', 'value'}]}) as chat rows ({'messages': [{'role', 'content'}]}), JSONL."""
-    rows, problems = [], []
-    for number, line in enumerate(src.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(f"line {number}: malformed JSON ({e.msg})")
-            continue
-        turns = row.get("conversations") if isinstance(row, dict) else None
-        if not isinstance(turns, list):
-            problems.append(f"line {number}: 'conversations' is not a list")
-            continue
-        messages = []
-        for j, turn in enumerate(turns):
-            role = SHAREGPT_ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
-            if role is None or not isinstance(turn.get("value"), str):
-                problems.append(f"line {number}: conversations[{j}] needs 'from' (one of {', '.join(SHAREGPT_ROLES)}) "
-                                "and a string 'value'")
-                break
-            messages.append({"role": role, "content": turn["value"]})
-        rows.append(json.dumps({"messages": messages}, ensure_ascii=False))
-    if problems:
-        raise LorashipError(f"dataset {src} (ShareGPT): {len(problems)} bad line(s):\n  " + "\n  ".join(problems[:20]))
-    return "\n".join(rows) + "\n"
+def _dataset_entry(path: Path | str, kind: str, config_dir: Path, notes: list[str], force: bool,
+                   fields: dict[str, str] | None = None, split: str | None = None) -> dict:
+    """A datasets[] entry for the config in config_dir, its rows read now (every bad one named) rather than at plan time."""
+    from loraship.config import DatasetSpec
+    from loraship.data import hub_dataset_id, read_dataset
 
-
-def _dataset_entry(path: Path, kind: str, config_dir: Path, notes: list[str], force: bool) -> dict:
-    """A datasets[] entry for the config in config_dir; ShareGPT rows become chat rows where the
-    config does not read ShareGPT itself."""
-    from loraship.data import read_rows
-
-    if kind == "sharegpt" and "sharegpt" not in dataset_types():
-        from loraship.manifest import atomic_write_text
-
-        converted, text = config_dir / f"{path.stem}.messages.jsonl", sharegpt_to_messages(path)
-        same = converted.is_file() and converted.read_text(encoding="utf-8") == text
-        if converted.exists() and not same and not force:
-            raise LorashipError(f"{converted} exists with other rows; remove it or pass --force to write the ShareGPT "
-                                f"rows of {path} there as chat messages")
-        if not same:
-            config_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(converted, text)
-        notes.append(f"{path}: ShareGPT rows, written as {text.count(chr(10))} chat rows (messages) to {converted}")
-        path, kind = converted, "chat"
-    else:
-        notes.append(f"{path}: {kind} rows")
-    read_rows(path, kind)  # every bad line named now, not at plan time
-    return {"path": os.path.relpath(path.resolve(), config_dir.resolve()), "type": kind}
+    local = hub_dataset_id(str(path)) is None
+    entry = {"path": os.path.relpath(Path(path).resolve(), config_dir.resolve()) if local else str(path), "type": kind}
+    entry.update({"fields": fields} if fields else {})
+    entry.update({"split": split} if split and not local else {})
+    read_dataset(DatasetSpec(**{**entry, "path": str(path)}))
+    notes.append(f"{path}: {kind} rows" + (f" (fields {fields})" if fields else ""))
+    return entry
 
 
 def _has_chat_template(folder: Path) -> bool:
@@ -201,8 +159,9 @@ AXOLOTL_SAME = (
 AXOLOTL_TEMPLATES = {"chatml": "chatml", "llama3": "llama3", "alpaca": "alpaca"}
 # Optimizers that are loraship's own (torch AdamW).
 ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"}
-AXOLOTL_DATASET_KEYS = {"path", "type", "ds_type", "field_messages", "message_property_mappings", "message_field_role",
-                        "message_field_content", "field", "roles_to_train", "train_on_eos"}
+AXOLOTL_DATASET_KEYS = {"path", "type", "ds_type", "split", "field_messages", "message_property_mappings",
+                        "message_field_role", "message_field_content", "field", "field_instruction", "field_input",
+                        "field_output", "roles_to_train", "train_on_eos"}
 
 
 def _axolotl_dataset(spec, where: str, source: Path, out_dir: Path, problems: list[str], ignored: list[str],
@@ -216,29 +175,36 @@ def _axolotl_dataset(spec, where: str, source: Path, out_dir: Path, problems: li
     role_key = roles.get("role", spec.get("message_field_role", "role"))
     content_key = roles.get("content", spec.get("message_field_content", "content"))
     messages_key = spec.get("field_messages", "messages")
+    fields: dict[str, str] = {}
     if axolotl_type == "alpaca":
         kind = "alpaca"
-    elif axolotl_type == "completion" and spec.get("field", "text") == "text":
-        kind = "completion"
-    elif axolotl_type == "chat_template" and (messages_key, role_key, content_key) == ("messages", "role", "content"):
-        kind = "chat"
-    elif axolotl_type == "sharegpt" or (axolotl_type == "chat_template"
-                                        and (messages_key, role_key, content_key) == ("conversations", "from", "value")):
+        fields = {name: spec[f"field_{name}"] for name in ("instruction", "input", "output") if spec.get(f"field_{name}")}
+    elif axolotl_type == "completion":
+        kind, fields = "completion", ({"text": spec["field"]} if spec.get("field", "text") != "text" else {})
+    elif axolotl_type == "sharegpt" or (axolotl_type == "chat_template" and (role_key, content_key) == ("from", "value")):
         kind = "sharegpt"
+        fields = {"conversations": messages_key} if messages_key not in ("conversations", "messages") else {}
+    elif axolotl_type == "chat_template":
+        kind = "chat"
+        fields = {name: key for name, key in (("messages", messages_key), ("role", role_key), ("content", content_key))
+                  if key != name}
     if kind is None:
-        problems.append(f"{where}: type {axolotl_type!r} (fields {messages_key}/{role_key}/{content_key}) has no loraship "
-                        "equivalent; use alpaca, completion (field text), chat_template with messages/role/content, or "
-                        "sharegpt, converting the file if needed")
+        problems.append(f"{where}: type {axolotl_type!r} has no loraship equivalent; use alpaca, completion, "
+                        "chat_template or sharegpt, converting the file if needed")
         return None
-    path = Path(spec["path"]).expanduser()
+    from loraship.data import hub_dataset_id
+
+    path: Path | str = Path(spec["path"]).expanduser()
     if not path.is_absolute():
         path = (source.parent / path) if (source.parent / path).exists() else path
-    if not path.is_file():
-        problems.append(f"{where}.path {spec['path']!r}: not a local file; loraship reads local JSONL files "
-                        "(download the dataset as JSONL and point path at it)")
-        return None
+    if not Path(path).is_file():
+        if hub_dataset_id(spec["path"]) is None:
+            problems.append(f"{where}.path {spec['path']!r}: not a local file nor a Hub dataset id; point path at a "
+                            ".jsonl/.json/.parquet/.csv file or an '<org>/<name>' Hub dataset")
+            return None
+        path = spec["path"]
     try:
-        return _dataset_entry(path, kind, out_dir, notes, force)
+        return _dataset_entry(path, kind, out_dir, notes, force, fields, spec.get("split"))
     except LorashipError as e:
         problems.append(f"{where}: {e}")
         return None
@@ -301,10 +267,6 @@ def import_axolotl(source: Path, out_file: Path, force: bool) -> tuple[dict, lis
             entries = [_axolotl_dataset(spec, f"{key}[{i}]", source, out_file.parent, problems, ignored, notes, force)
                        for i, spec in enumerate(value)]
             data[target] = [e for e in entries if e]
-        elif key == "train_on_inputs" and "train_on_inputs" not in Config.model_fields:
-            if value:
-                problems.append("train_on_inputs: true: loraship computes the loss on assistant turns (outputs) only; "
-                                "set it to false, or turn inputs into completion rows")
         elif key == "optimizer" and value in ADAMW:
             pass  # loraship's optimizer is torch AdamW
         elif key == "chat_template_jinja" or (key == "base_model_config" and value == ax.get("base_model")):

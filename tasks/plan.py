@@ -11,8 +11,9 @@ import json
 
 from loraship import memory
 from loraship.constants import PLAN_FILE, STRATEGY_FILE
+from loraship.data import dataset_identity
 from loraship.errors import ConfigError
-from loraship.manifest import atomic_write_json, sha256_file
+from loraship.manifest import atomic_write_json
 from loraship.preflight import check_inputs
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
@@ -22,7 +23,7 @@ FIELDS = (
     "base_model", "base_model_revision", "trust_remote_code", "allow_pickle", "adapter", "lora_r", "lora_alpha",
     "lora_target_modules", "sequence_len", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
     "fused_loss", "gpu_memory_gib", "target_gpu_memory_gib", "target_context", "quantization", "datasets",
-    "eval_datasets", "device", "fallback",
+    "eval_datasets", "device", "fallback", "train_on_inputs",
 )
 
 
@@ -32,7 +33,7 @@ def input_files(config, model_dir) -> dict:
     Datasets are hashed in full. Model weights are identified by name, size and mtime: hashing
     28 GB of weights on every resume costs minutes and a changed checkpoint changes those too.
     """
-    files = {f"dataset:{s.path}": sha256_file(s.path) for s in [*config.datasets, *config.eval_datasets]}
+    files = {f"dataset:{s.path}": dataset_identity(s) for s in [*config.datasets, *config.eval_datasets]}
     for p in sorted(model_dir.iterdir()) if model_dir.is_dir() else []:
         if p.is_file():
             st = p.stat()

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 
-from loraship.chat import render, template_of, tokenize_conversation
+from loraship.chat import render, template_of
 from loraship.constants import MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE
-from loraship.data import as_messages, golden_rows, split_rows
+from loraship.data import eval_records, golden_rows
 from loraship.errors import LorashipError
 from loraship.manifest import atomic_path, atomic_write_json, sha256_file, sha256_json
 from loraship.progress import Progress, artifact_key
@@ -27,7 +27,7 @@ STAGE = "reference"
 UPSTREAM = ("merge",)
 FIELDS = (
     "golden_prompts", "max_new_tokens", "verify_max_examples", "reference_top_k", "datasets", "eval_datasets",
-    "val_set_size", "sequence_len", "truncation", "seed", "device", "chat_template",
+    "val_set_size", "sequence_len", "truncation", "seed", "device", "chat_template", "train_on_inputs",
 )
 log = logging.getLogger("loraship.reference")
 
@@ -56,34 +56,6 @@ def adds_bos(tokenizer) -> bool:
     with_special = tokenizer(sample)["input_ids"]
     plain = tokenizer(sample, add_special_tokens=False)["input_ids"]
     return tokenizer.bos_token_id is not None and len(with_special) > len(plain) and with_special[0] == tokenizer.bos_token_id
-
-
-def eval_records(config, tokenizer) -> list[dict]:
-    """Eval texts as training tokenized them: text, HF ids (truncated like training), loss mask."""
-    _train, rows = split_rows(config)
-    records = []
-    for kind, row in rows:
-        if kind == "completion":
-            text = row["text"]
-            served = tokenizer(text, add_special_tokens=True)["input_ids"]
-            ids = served + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-            learn = [True] * len(ids)
-            bos = True
-        else:
-            messages = as_messages(row, kind)
-            text = render(tokenizer, messages)
-            ids, learn = tokenize_conversation(tokenizer, messages)
-            served = list(ids)
-            bos = False  # a rendered template carries its own BOS text
-        ids, learn = ids[: config.sequence_len], learn[: config.sequence_len]
-        positions = [i for i in range(len(ids) - 1) if learn[i + 1]]
-        if not positions:
-            continue
-        records.append({"kind": kind, "text": text, "add_bos": bos, "served_ids": served, "input_ids": ids,
-                        "positions": positions})
-        if len(records) == config.verify_max_examples:
-            break
-    return records
 
 
 def golden_records(config, tokenizer) -> list[dict]:

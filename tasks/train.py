@@ -44,7 +44,7 @@ FIELDS = (
     "adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "sequence_len", "truncation",
     "micro_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler", "warmup_steps",
     "weight_decay", "num_epochs", "max_steps", "seed", "gradient_checkpointing", "fused_loss", "datasets",
-    "eval_datasets", "val_set_size", "device", "packing", "fallback", "chat_template",
+    "eval_datasets", "val_set_size", "device", "packing", "fallback", "chat_template", "train_on_inputs",
 )
 REPLANNED_FILE = "replanned.json"  # in the checkpoints folder: kept, like the checkpoints, for a rerun
 log = logging.getLogger("loraship.train")

@@ -61,7 +61,7 @@ def _empty_dataset(cfg, root):
 
 
 def _unknown_type(cfg, root):
-    cfg["datasets"][0]["type"] = "sharegpt"
+    cfg["datasets"][0]["type"] = "oasst"
 
 
 def _unknown_quant(cfg, root):
@@ -296,7 +296,7 @@ CASES = [
     ("missing dataset file", _missing_dataset, "file not found"),
     ("malformed JSONL line", _malformed_line, "line 3: malformed JSON"),
     ("empty dataset", _empty_dataset, "empty (no rows)"),
-    ("unknown dataset type", _unknown_type, "'sharegpt' is not allowed"),
+    ("unknown dataset type", _unknown_type, "'oasst' is not allowed"),
     ("unknown quantization", _unknown_quant, "'Q3_K_XL' is not allowed"),
     ("unwritable output", _unwritable_output, "cannot write there"),
     ("non-UTF-8 dataset", _non_utf8, "not UTF-8"),

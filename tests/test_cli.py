@@ -181,15 +181,11 @@ def test_init_infers_the_row_type_and_the_chat_template(kind, tiny_model, base_w
         result = invoke("init", base, data_file, "-o", out, "--gpu-gib", "24")
         assert result.exit_code == 0, result.output
         config = load_config(out)
-        expected = "chat" if kind == "sharegpt" else kind
-        assert config.datasets[0].type == expected and config.gpu_memory_gib == 24
+        assert config.datasets[0].type == kind and config.gpu_memory_gib == 24
         assert config.lora_target_modules == "all-linear" and config.lora_r == 16
         wanted = None if templated or kind == "completion" else ("alpaca" if kind == "alpaca" else "chatml")
         assert config.chat_template == wanted
         assert "loraship run" in out.read_text().splitlines()[0]
-        if kind == "sharegpt":
-            rows = [json.loads(line) for line in Path(config.datasets[0].path).read_text().splitlines()]
-            assert rows[0] == {"messages": ROWS["chat"]["messages"]}
     again = invoke("init", tiny_model, data_file, "-o", out)
     assert again.exit_code == 2 and "exists" in again.output and "--force" in again.output
 
@@ -230,7 +226,7 @@ def test_init_from_axolotl_maps_keys_and_names_the_ignored(tiny_model, tmp_path)
     assert (config.sequence_len, config.micro_batch_size, config.gradient_accumulation_steps) == (1024, 2, 4)
     assert (config.num_epochs, config.learning_rate, config.warmup_steps) == (3, 0.0001, 10)
     assert config.datasets[0].type == "chat" and Path(config.datasets[0].path) == tmp_path / "train.jsonl"
-    for key in ("model_type", "bf16", "wandb_project", "flash_attention", "output_dir", "datasets[0].split"):
+    for key in ("model_type", "bf16", "wandb_project", "flash_attention", "output_dir"):
         assert key in result.output
     assert "adamw_torch" not in result.output  # loraship's own optimizer: mapped, not ignored
 

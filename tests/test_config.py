@@ -27,7 +27,7 @@ def test_there_are_shipped_configs():
 def test_all_errors_listed_at_once():
     bad = {
         "base_model": "m",
-        "datasets": [{"path": "x.jsonl", "type": "sharegpt"}],
+        "datasets": [{"path": "x.jsonl", "type": "oasst"}],
         "lora_r": 0,
         "quantization": "Q3_XL",
         "learning_rate": -1,
