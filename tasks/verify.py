@@ -59,17 +59,122 @@ log = logging.getLogger("loraship.verify")
 
 def gate(value, threshold, passed: bool, note: str = "", evidence: int | None = None, minimum: int | None = None,
          minimum_key: str = "") -> dict:
-    """One gate's record. With an evidence count below its minimum the gate fails, whatever the value."""
+    """One gate's record. With an evidence count below its minimum, or of zero, the gate fails
+    whatever the value: nothing seen is never a pass (0/0)."""
     record = {"passed": bool(passed), "value": value, "threshold": threshold}
     if evidence is not None:
         record["evidence"] = evidence
-        if minimum is not None and evidence < minimum:
+        if minimum is not None:
+            record["minimum"] = minimum
+        if evidence < max(minimum or 0, 1):
             record["passed"] = False
-            note = (f"not enough evidence: {evidence} < {minimum} ({minimum_key}); add eval data or golden prompts, "
-                    f"or lower {minimum_key}") + (f"; {note}" if note else "")
+            why = f"{evidence} < {minimum} ({minimum_key}); add eval data or golden prompts, or lower {minimum_key}" \
+                if minimum is not None and evidence < minimum else f"{evidence} seen"
+            note = f"not enough evidence: {why}" + (f"; {note}" if note else "")
     if note:
         record["note"] = note
     return record
+
+
+# -- the gates, one function each -----------------------------------------------------------
+def _rounded(agreement: dict, key: str, digits: int) -> float:
+    return round(agreement.get(key, float("nan")), digits)
+
+
+def _scored(agreement: dict, config) -> dict:
+    return dict(evidence=agreement["scored_tokens"], minimum=config.min_scored_tokens, minimum_key="min_scored_tokens")
+
+
+def _golden_prompts(n: int, config) -> dict:
+    return dict(evidence=n, minimum=config.min_golden_prompts, minimum_key="min_golden_prompts")
+
+
+def file_type_gate(fields: dict, quantization: str) -> dict:
+    want = GGUF_FILE_TYPES[quantization]
+    return gate(fields.get(GGUF_KEY_FILE_TYPE), want, fields.get(GGUF_KEY_FILE_TYPE) == want)
+
+
+def chat_template_gate(fields: dict, reference: dict) -> dict:
+    template, hf_template = fields.get(GGUF_KEY_CHAT_TEMPLATE), reference["tokenizer"]["chat_template"]
+    return gate(bool(template), bool(hf_template), template == hf_template,
+                "identical to the merged model's template" if hf_template else "no chat template on either side (completion data)")
+
+
+def tokenizer_parity_gate(parity: dict) -> dict:
+    return gate(f"{parity['equal']}/{parity['checked']}", "all", parity["equal"] == parity["checked"],
+                "llama.cpp tokenization of eval texts and golden prompts (BOS as served) equals HF's",
+                evidence=parity["checked"], minimum=1, minimum_key="eval texts")
+
+
+def perplexity_ratio_gate(agreement: dict, config) -> dict:
+    return gate(_rounded(agreement, "perplexity_ratio", 4), config.perplexity_ratio_max,
+                agreement["scored_tokens"] and agreement["perplexity_ratio"] <= config.perplexity_ratio_max,
+                **_scored(agreement, config))
+
+
+def kl_mean_gate(agreement: dict, config, top_k: int) -> dict:
+    return gate(_rounded(agreement, "kl_mean", 5), config.kl_mean_max,
+                agreement["scored_tokens"] and agreement["kl_mean"] <= config.kl_mean_max,
+                f"KL(HF || GGUF) over HF's top-{top_k} + tail", **_scored(agreement, config))
+
+
+def kl_p99_gate(agreement: dict, config) -> dict:
+    return gate(_rounded(agreement, "kl_p99", 5), config.kl_p99_max,
+                agreement["scored_tokens"] and agreement["kl_p99"] <= config.kl_p99_max, **_scored(agreement, config))
+
+
+def same_top_gate(agreement: dict, config) -> dict:
+    return gate(_rounded(agreement, "same_top_rate", 4), config.same_top_min,
+                agreement["scored_tokens"] and agreement["same_top_rate"] >= config.same_top_min,
+                **_scored(agreement, config))
+
+
+def golden_match_gate(golden: dict, n: int, config) -> dict:
+    """n: golden prompts the reference answered (golden["matches"] of them matched)."""
+    rate = golden["matches"] / n if n else 0.0
+    return gate(round(rate, 4), config.golden_match_min, n and rate >= config.golden_match_min,
+                "greedy llama.cpp answer == greedy merged-HF answer, token for token", **_golden_prompts(n, config))
+
+
+def golden_decisive_gate(golden: dict, config) -> dict:
+    return gate(f"{golden['agreed']}/{golden['decisive']}", "all", golden["agreed"] == golden["decisive"],
+                f"HF answer teacher-forced; tokens where the merged model leads by >= {config.golden_margin} nats",
+                evidence=golden["decisive"], minimum=config.min_decisive_positions, minimum_key="min_decisive_positions")
+
+
+def golden_format_gate(golden: dict, n: int, config) -> dict:
+    return gate(f"{golden['formatted']}/{n}", "all", golden["formatted"] == n, **_golden_prompts(n, config))
+
+
+def eval_loss_gate(train_metrics: dict) -> dict:
+    before, after = train_metrics.get("eval_loss_before"), train_metrics.get("eval_loss_after")
+    return gate({"before": before, "after": after}, "after < before",
+                before is not None and after is not None and after < before)
+
+
+def fits_target_gpu_gate(memory: dict, gpu_memory: dict, layout, config) -> dict:
+    """memory: memory_plan's; gpu_memory: predicted and measured GiB of the run verify made."""
+    used = gpu_memory["measured_gib"]
+    value = used if used is not None else gpu_memory["predicted_gib"]
+    return gate(
+        round(value, 3), config.target_gpu_memory_gib, memory["fits"] and value <= config.target_gpu_memory_gib,
+        ("measured through NVML (the process that loaded it)" if used is not None else "predicted from the GGUF's tensors")
+        + f", every layer on the GPU at n_ctx {config.target_context}"
+        + ("" if memory["fits"] else f"; does not fit: all layers fit up to n_ctx {memory['largest_context_all_layers']}, "
+           f"{memory['gpu_layers_at_target_context']} of {layout.n_layers} layers at n_ctx {config.target_context}"),
+    )
+
+
+def adapter_kl_mean_gate(agreement: dict, config, note: str) -> dict:
+    return gate(_rounded(agreement, "kl_mean", 5), config.adapter_kl_mean_max,
+                agreement["scored_tokens"] and agreement["kl_mean"] <= config.adapter_kl_mean_max,
+                note + " (KL(merged || base + adapter))", **_scored(agreement, config))
+
+
+def adapter_same_top_gate(agreement: dict, config, note: str) -> dict:
+    return gate(_rounded(agreement, "same_top_rate", 4), config.adapter_same_top_min,
+                agreement["scored_tokens"] and agreement["same_top_rate"] >= config.adapter_same_top_min,
+                note, **_scored(agreement, config))
 
 
 # -- llama.cpp -------------------------------------------------------------------------------
@@ -417,13 +522,8 @@ def run(config) -> dict:
     gates: dict[str, dict] = {}
     report: dict = {"gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size}
 
-    want = GGUF_FILE_TYPES[config.quantization]
-    gates["file_type"] = gate(fields.get(GGUF_KEY_FILE_TYPE), want, fields.get(GGUF_KEY_FILE_TYPE) == want)
-    template, hf_template = fields.get(GGUF_KEY_CHAT_TEMPLATE), reference["tokenizer"]["chat_template"]
-    gates["chat_template_in_gguf"] = gate(
-        bool(template), bool(hf_template), template == hf_template,
-        "identical to the merged model's template" if hf_template else "no chat template on either side (completion data)",
-    )
+    gates["file_type"] = file_type_gate(fields, config.quantization)
+    gates["chat_template_in_gguf"] = chat_template_gate(fields, reference)
 
     device = pick_device(config)
     memory = memory_plan(layout, config)
@@ -455,61 +555,34 @@ def run(config) -> dict:
     gates["special_tokens"] = measured["special_tokens"]
     parity = measured["tokenizer_parity"]
     report["tokenizer_parity"] = parity
-    gates["tokenizer_parity"] = gate(f"{parity['equal']}/{parity['checked']}", "all", parity["equal"] == parity["checked"],
-                                     "llama.cpp tokenization of eval texts and golden prompts (BOS as served) equals HF's",
-                                     evidence=parity["checked"], minimum=1, minimum_key="eval texts")
+    gates["tokenizer_parity"] = tokenizer_parity_gate(parity)
 
     agreement = measured["eval_agreement"]
     report["eval_agreement"] = agreement
-    scored = agreement["scored_tokens"]
-    enough = dict(evidence=scored, minimum=config.min_scored_tokens, minimum_key="min_scored_tokens")
-    gates["perplexity_ratio"] = gate(round(agreement.get("perplexity_ratio", float("nan")), 4), config.perplexity_ratio_max,
-                                     scored and agreement["perplexity_ratio"] <= config.perplexity_ratio_max, **enough)
-    gates["kl_divergence_mean"] = gate(round(agreement.get("kl_mean", float("nan")), 5), config.kl_mean_max,
-                                       scored and agreement["kl_mean"] <= config.kl_mean_max,
-                                       f"KL(HF || GGUF) over HF's top-{reference['top_k']} + tail", **enough)
-    gates["kl_divergence_p99"] = gate(round(agreement.get("kl_p99", float("nan")), 5), config.kl_p99_max,
-                                      scored and agreement["kl_p99"] <= config.kl_p99_max, **enough)
-    gates["same_top_token"] = gate(round(agreement.get("same_top_rate", float("nan")), 4), config.same_top_min,
-                                   scored and agreement["same_top_rate"] >= config.same_top_min, **enough)
+    gates["perplexity_ratio"] = perplexity_ratio_gate(agreement, config)
+    gates["kl_divergence_mean"] = kl_mean_gate(agreement, config, reference["top_k"])
+    gates["kl_divergence_p99"] = kl_p99_gate(agreement, config)
+    gates["same_top_token"] = same_top_gate(agreement, config)
 
     golden = measured["golden"]
     n = len(reference["golden"])
-    prompts = dict(evidence=n, minimum=config.min_golden_prompts, minimum_key="min_golden_prompts")
-    rate = golden["matches"] / n if n else 0.0
-    gates["golden_match"] = gate(round(rate, 4), config.golden_match_min, n and rate >= config.golden_match_min,
-                                 "greedy llama.cpp answer == greedy merged-HF answer, token for token", **prompts)
-    gates["golden_decisive_agreement"] = gate(
-        f"{golden['agreed']}/{golden['decisive']}", "all", golden["agreed"] == golden["decisive"],
-        f"HF answer teacher-forced; tokens where the merged model leads by >= {config.golden_margin} nats",
-        evidence=golden["decisive"], minimum=config.min_decisive_positions, minimum_key="min_decisive_positions",
-    )
-    gates["golden_format"] = gate(f"{golden['formatted']}/{n}", "all", golden["formatted"] == n, **prompts)
+    gates["golden_match"] = golden_match_gate(golden, n, config)
+    gates["golden_decisive_agreement"] = golden_decisive_gate(golden, config)
+    gates["golden_format"] = golden_format_gate(golden, n, config)
     report["golden_answers"] = golden["answers"]
     with_reference = [a for a in golden["answers"] if "reference" in a]
     if with_reference:
         report["golden_accuracy_vs_reference"] = sum(a["gguf"] == a["reference"] for a in with_reference) / len(with_reference)
     report["builtin_template_engine"] = measured["builtin_template_engine"]
 
-    train_metrics = ctx.upstream["train"]["metrics"]
-    before, after = train_metrics.get("eval_loss_before"), train_metrics.get("eval_loss_after")
-    gates["eval_loss_improved"] = gate({"before": before, "after": after}, "after < before",
-                                       before is not None and after is not None and after < before)
+    gates["eval_loss_improved"] = eval_loss_gate(ctx.upstream["train"]["metrics"])
 
     predicted = memory["predicted"]["total_gib"] if memory["fits"] else im.predict_gpu(
         layout, n_ctx, memory["gpu_layers_at_target_context"])["total_gib"]
-    used = measured["gpu_used_gib"]
-    report["gpu_memory"] = {"predicted_gib": predicted, "measured_gib": used,
+    report["gpu_memory"] = {"predicted_gib": predicted, "measured_gib": measured["gpu_used_gib"],
                             "measured_before_load_gib": measured["gpu_used_before_load_gib"],
                             "target_gpu_gib": config.target_gpu_memory_gib}
-    fits_value = used if used is not None else predicted
-    gates["fits_target_gpu"] = gate(
-        round(fits_value, 3), config.target_gpu_memory_gib, memory["fits"] and fits_value <= config.target_gpu_memory_gib,
-        ("measured through NVML (the process that loaded it)" if used is not None else "predicted from the GGUF's tensors")
-        + f", every layer on the GPU at n_ctx {config.target_context}"
-        + ("" if memory["fits"] else f"; does not fit: all layers fit up to n_ctx {memory['largest_context_all_layers']}, "
-           f"{memory['gpu_layers_at_target_context']} of {layout.n_layers} layers at n_ctx {config.target_context}"),
-    )
+    gates["fits_target_gpu"] = fits_target_gpu_gate(memory, report["gpu_memory"], layout, config)
     if adapter:
         report["adapter_gguf"] = adapter_gates(ctx, config, gates, {
             "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "device": device, "seed": config.seed,
@@ -526,7 +599,7 @@ def run(config) -> dict:
         raise LorashipError(f"verify failed: {failed}; details in {ctx.dir / VERIFY_FILE}")
     return ctx.finish({"passed": True, "gates": {k: g["passed"] for k, g in gates.items()},
                        "perplexity_ratio": agreement["perplexity_ratio"], "kl_mean": agreement["kl_mean"],
-                       "same_top_rate": agreement["same_top_rate"], "golden_match": rate,
+                       "same_top_rate": agreement["same_top_rate"], "golden_match": golden["matches"] / n,
                        "gpu_memory": report["gpu_memory"], "prompt_tokens_per_s": report["prompt_tokens_per_s"],
                        "gen_tokens_per_s": report["gen_tokens_per_s"],
                        **({"adapter_gguf": {k: report["adapter_gguf"].get(k) for k in ("kl_mean", "same_top_rate",
@@ -546,15 +619,9 @@ def adapter_gates(ctx, config, gates: dict, job: dict) -> dict:
     finally:
         merged_topk.unlink(missing_ok=True)
     agreement = measured["eval_agreement"]
-    scored = agreement["scored_tokens"]
-    enough = dict(evidence=scored, minimum=config.min_scored_tokens, minimum_key="min_scored_tokens")
     note = f"{base.name} + {lora.name} against the merged GGUF, both in llama.cpp, on the eval texts"
-    gates["adapter_kl_divergence_mean"] = gate(
-        round(agreement.get("kl_mean", float("nan")), 5), config.adapter_kl_mean_max,
-        scored and agreement["kl_mean"] <= config.adapter_kl_mean_max, note + " (KL(merged || base + adapter))", **enough)
-    gates["adapter_same_top_token"] = gate(
-        round(agreement.get("same_top_rate", float("nan")), 4), config.adapter_same_top_min,
-        scored and agreement["same_top_rate"] >= config.adapter_same_top_min, note, **enough)
+    gates["adapter_kl_divergence_mean"] = adapter_kl_mean_gate(agreement, config, note)
+    gates["adapter_same_top_token"] = adapter_same_top_gate(agreement, config, note)
     names = {"hf_perplexity": "merged_gguf_perplexity", "gguf_perplexity": "base_plus_adapter_perplexity"}
     return {"base_gguf": str(base), "adapter_gguf": str(lora), "load_seconds": measured["load_seconds"],
             **{names.get(k, k): v for k, v in agreement.items()}}
