@@ -19,6 +19,11 @@ ratio, mean and 99th-percentile KL divergence, same-top-token rate), plus:
 Every gate carries its evidence count and fails with "not enough evidence" below the config's
 minimum, never passing as 0/0.
 
+With several quantizations each GGUF is verified the same way, in its own llama.cpp process;
+verify.json keeps the primary's (the first's) report and gates at its top level, where a
+one-quantization verify.json has them, the others' gates beside them as '<quantization>/<gate>',
+and a section per quantization under "quantizations".
+
 KL divergence from top-k: the reference keeps HF's top-k log-probs per position and lumps the rest
 of the distribution into one tail bucket. By the log-sum inequality, KL over (top-k, tail) is a
 lower bound of the full KL, tight when the top-k mass is close to 1 (reference.json reports it).
@@ -498,20 +503,9 @@ def measure_apart(ctx, job: dict, entry: str = "measure") -> dict:
     return result
 
 
-@exclusive
-def run(config) -> dict:
-    # adapter_gguf: convert's adapter and base GGUFs are inputs too (only those, not its F16 model).
-    adapter = {"convert": (ADAPTER_GGUF, base_gguf_name(config.quantization))} if config.adapter_gguf else {}
-    ctx = open_stage(config, STAGE, UPSTREAM + tuple(adapter), FIELDS + (ADAPTER_FIELDS if adapter else ()),
-                     consumes=adapter)
-    if ctx.done:
-        return ctx.done
-    reset_dir(ctx)
-    import json
-
-    gguf_path = ctx.upstream_dir("quantize") / quantized_gguf_name(config.quantization)
-    reference = json.loads((ctx.upstream_dir("reference") / REFERENCE_FILE).read_text(encoding="utf-8"))
-    check_lineage(config, reference)
+def verify_quantization(ctx, config, quantization: str, reference: dict, device: str, with_adapter: bool) -> dict:
+    """One quantized GGUF against the reference: its gates and what was measured (a section of verify.json)."""
+    gguf_path = ctx.upstream_dir("quantize") / quantized_gguf_name(quantization)
     # Read in a child: llama.cpp loads this file next (loraship/gguf_info.py says why).
     info = read_gguf_apart(gguf_path)
     fields = info["fields"]
@@ -520,21 +514,13 @@ def run(config) -> dict:
                              "run the convert and quantize stages again")
     layout = im.GGUFLayout(**info["layout"])
     gates: dict[str, dict] = {}
-    report: dict = {"gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size}
+    report: dict = {"quantization": quantization, "gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size}
 
-    gates["file_type"] = file_type_gate(fields, config.quantization)
+    gates["file_type"] = file_type_gate(fields, quantization)
     gates["chat_template_in_gguf"] = chat_template_gate(fields, reference)
 
-    device = pick_device(config)
     memory = memory_plan(layout, config)
     report["memory"] = memory
-    if device == "cuda":
-        total = im.gpu_total_gib()
-        if total is not None and total < config.target_gpu_memory_gib:
-            raise LorashipError(
-                f"this GPU has {total:.1f} GiB, less than target_gpu_memory_gib {config.target_gpu_memory_gib:g} the plan "
-                "was made for; run verify on a GPU at least that large, or lower target_gpu_memory_gib and run again"
-            )
     needed = max([len(r["input_ids"]) for r in reference["eval"]]
                  + [len(r["prompt_ids"]) + config.max_new_tokens + 1 for r in reference["golden"]])
     # On the GPU the context the model must serve; on the CPU (tests) just what the texts need.
@@ -548,7 +534,7 @@ def run(config) -> dict:
         "topk": str(ctx.upstream_dir("reference") / REFERENCE_TOPK_FILE),
         "fields": {k: fields.get(k) for k in (GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_EOS)},
         "max_new_tokens": config.max_new_tokens, "golden_margin": config.golden_margin,
-        "merged_topk_out": str(ctx.dir / MERGED_TOPK_FILE) if adapter else None,
+        "merged_topk_out": str(ctx.dir / MERGED_TOPK_FILE) if with_adapter else None,
     })
     report.update(device=device, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, load_seconds=measured["load_seconds"])
 
@@ -583,34 +569,82 @@ def run(config) -> dict:
                             "measured_before_load_gib": measured["gpu_used_before_load_gib"],
                             "target_gpu_gib": config.target_gpu_memory_gib}
     gates["fits_target_gpu"] = fits_target_gpu_gate(memory, report["gpu_memory"], layout, config)
-    if adapter:
-        report["adapter_gguf"] = adapter_gates(ctx, config, gates, {
+    if with_adapter:
+        report["adapter_gguf"] = adapter_gates(ctx, config, quantization, gates, {
             "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "device": device, "seed": config.seed,
             "reference": str(ctx.upstream_dir("reference") / REFERENCE_FILE)})
     report["prompt_tokens_per_s"] = agreement.get("prompt_tokens_per_s")
     report["gen_tokens_per_s"] = golden["gen_tokens_per_s"]
-    report["verify_seconds"] = round(time.time() - ctx.started, 2)
+    report["golden_match"] = golden["matches"] / n if n else 0.0
+    return {"passed": all(g["passed"] for g in gates.values()), "gates": gates, **report}
+
+
+def all_gates(sections: dict[str, dict]) -> dict[str, dict]:
+    """Every quantization's gates in one mapping: the primary's (first) under their own names, where
+    readers of a one-quantization verify.json find them, the others' as '<quantization>/<gate>'."""
+    primary, *others = sections
+    return {**sections[primary]["gates"],
+            **{f"{q}/{name}": g for q in others for name, g in sections[q]["gates"].items()}}
+
+
+def figures(section: dict) -> dict:
+    """A quantization's verify figures as the manifests and the model card quote them."""
+    agreement = section.get("eval_agreement") or {}
+    return {"passed": section["passed"], "gguf_bytes": section.get("gguf_bytes"),
+            "perplexity_ratio": agreement.get("perplexity_ratio"), "kl_mean": agreement.get("kl_mean"),
+            "kl_p99": agreement.get("kl_p99"), "same_top_rate": agreement.get("same_top_rate"),
+            "golden_match": section.get("golden_match"), "gpu_memory": section.get("gpu_memory")}
+
+
+@exclusive
+def run(config) -> dict:
+    primary = config.primary_quantization
+    # adapter_gguf: convert's adapter and base GGUFs are inputs too (only those, not its F16 model).
+    adapter = {"convert": (ADAPTER_GGUF, base_gguf_name(primary))} if config.adapter_gguf else {}
+    ctx = open_stage(config, STAGE, UPSTREAM + tuple(adapter), FIELDS + (ADAPTER_FIELDS if adapter else ()),
+                     consumes=adapter)
+    if ctx.done:
+        return ctx.done
+    reset_dir(ctx)
+    import json
+
+    reference = json.loads((ctx.upstream_dir("reference") / REFERENCE_FILE).read_text(encoding="utf-8"))
+    check_lineage(config, reference)
+    device = pick_device(config)
+    if device == "cuda":
+        total = im.gpu_total_gib()
+        if total is not None and total < config.target_gpu_memory_gib:
+            raise LorashipError(
+                f"this GPU has {total:.1f} GiB, less than target_gpu_memory_gib {config.target_gpu_memory_gib:g} the plan "
+                "was made for; run verify on a GPU at least that large, or lower target_gpu_memory_gib and run again"
+            )
+    # The adapter's base is quantized like the primary, so the pair is compared with the primary GGUF.
+    sections = {q: verify_quantization(ctx, config, q, reference, device, with_adapter=bool(adapter) and q == primary)
+                for q in config.quantizations}
+    gates = all_gates(sections)
     passed = all(g["passed"] for g in gates.values())
-    verdict = {"passed": passed, "gates": gates, **report}
+    head = sections[primary]
+    verdict = {**head, "passed": passed, "gates": gates, "quantizations": sections,
+               "verify_seconds": round(time.time() - ctx.started, 2)}
     atomic_write_json(ctx.dir / VERIFY_FILE, verdict)
     if not passed:
+        failing = [q for q, section in sections.items() if not section["passed"]]
         failed = "; ".join(f"{k} (value {g['value']}, threshold {g['threshold']}{', ' + g['note'] if 'note' in g else ''})"
                            for k, g in gates.items() if not g["passed"])
-        raise LorashipError(f"verify failed: {failed}; details in {ctx.dir / VERIFY_FILE}")
+        raise LorashipError(f"verify failed for {', '.join(failing)}: {failed}; details in {ctx.dir / VERIFY_FILE}")
     return ctx.finish({"passed": True, "gates": {k: g["passed"] for k, g in gates.items()},
-                       "perplexity_ratio": agreement["perplexity_ratio"], "kl_mean": agreement["kl_mean"],
-                       "same_top_rate": agreement["same_top_rate"], "golden_match": golden["matches"] / n,
-                       "gpu_memory": report["gpu_memory"], "prompt_tokens_per_s": report["prompt_tokens_per_s"],
-                       "gen_tokens_per_s": report["gen_tokens_per_s"],
-                       **({"adapter_gguf": {k: report["adapter_gguf"].get(k) for k in ("kl_mean", "same_top_rate",
-                                                                                      "scored_tokens")}}
+                       **{k: v for k, v in figures(head).items() if k not in ("passed", "gguf_bytes", "kl_p99")},
+                       "prompt_tokens_per_s": head["prompt_tokens_per_s"], "gen_tokens_per_s": head["gen_tokens_per_s"],
+                       "quantizations": {q: figures(section) for q, section in sections.items()},
+                       **({"adapter_gguf": {k: head["adapter_gguf"].get(k) for k in ("kl_mean", "same_top_rate",
+                                                                                    "scored_tokens")}}
                           if adapter else {})})
 
 
-def adapter_gates(ctx, config, gates: dict, job: dict) -> dict:
+def adapter_gates(ctx, config, quantization: str, gates: dict, job: dict) -> dict:
     """Run base GGUF + adapter GGUF against the merged GGUF's top-k; add its gates; its report."""
     convert_dir = ctx.upstream_dir("convert")
-    base, lora = convert_dir / base_gguf_name(config.quantization), convert_dir / ADAPTER_GGUF
+    base, lora = convert_dir / base_gguf_name(quantization), convert_dir / ADAPTER_GGUF
     merged_topk = ctx.dir / MERGED_TOPK_FILE
     log.info("loading %s with the adapter %s in a fresh process", base.name, lora.name)
     try:
