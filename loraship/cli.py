@@ -264,6 +264,9 @@ def render_plan(plan: dict, disk: dict):
     for k in ("gguf_gib", "kv_cache_gib", "compute_buffer_gib", "cuda_context_gib", "total_gib"):
         d.add_row(f"inference ({inf['quantization']}, n_ctx {inf['target_context']}): {k.removesuffix('_gib')}", f"{inf[k]:.2f}")
     d.add_row(f"fits the {inf['target_gpu_memory_gib']:g} GiB target", "yes" if inf["fits_target"] else "no")
+    others = {q: f for q, f in (inf.get("by_quantization") or {}).items() if q != inf["quantization"]}
+    for q, f in others.items():  # the other quantizations of the list: same context, their own weights
+        d.add_row(f"inference ({q}): total, fits the target: {'yes' if f['fits_target'] else 'no'}", f"{f['total_gib']:.2f}")
     return Group(head, t, a, d)
 
 

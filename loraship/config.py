@@ -62,6 +62,9 @@ class DatasetSpec(BaseModel):
         return self
 
 
+Quantization = Literal["Q4_K_M", "Q5_K_M", "Q8_0"]
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -139,7 +142,11 @@ class Config(BaseModel):
     target_context: int = Field(4096, ge=128, description="Context the shipped model must serve on the target GPU (KV cache).")
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where train/merge/verify run; 'auto' prefers CUDA.")
 
-    quantization: Literal["Q4_K_M", "Q5_K_M", "Q8_0"] = Field("Q4_K_M", description="llama.cpp quantization of the shipped GGUF.")
+    quantization: list[Quantization] = Field(
+        default_factory=lambda: ["Q4_K_M"],
+        description="llama.cpp quantization of the shipped GGUF, or a list of them (e.g. [Q4_K_M, Q8_0]): each is made "
+        "from the one F16 GGUF, verified and shipped. The first is the primary: the Modelfile and `loraship chat` open it.",
+    )
     golden_prompts: str | None = Field(
         None, description="JSONL of {'messages': [...]} or {'prompt': ...}: greedy answers must agree between HF and llama.cpp."
     )
@@ -227,6 +234,21 @@ class Config(BaseModel):
             raise ValueError("list is empty; name modules such as q_proj, v_proj or use 'all-linear'")
         return v
 
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _one_or_more_quantizations(cls, v):
+        return [v] if isinstance(v, str) else v  # a single name stays the common case
+
+    @field_validator("quantization")
+    @classmethod
+    def _distinct_quantizations(cls, v: list[str]):
+        if not v:
+            raise ValueError("list is empty; name at least one, e.g. Q4_K_M")
+        twice = sorted({q for q in v if v.count(q) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once; list each quantization once")
+        return v
+
     @field_validator("base_model", "output", "workdir")
     @classmethod
     def _not_blank(cls, v: str):
@@ -263,6 +285,16 @@ class Config(BaseModel):
     # -- helpers -----------------------------------------------------------------------
     def base_model_is_local(self) -> bool:
         return is_local_path(self.base_model)
+
+    @property
+    def quantizations(self) -> list[str]:
+        """Every quantization to ship, the primary first (also for a copy made with a plain string)."""
+        return [self.quantization] if isinstance(self.quantization, str) else list(self.quantization)
+
+    @property
+    def primary_quantization(self) -> str:
+        """The GGUF the Modelfile points to and `loraship chat` opens by default."""
+        return self.quantizations[0]
 
     def subset(self, fields: tuple[str, ...]) -> dict[str, Any]:
         data = self.model_dump(mode="json")

@@ -12,9 +12,11 @@ from loraship.errors import LorashipError
 
 
 def gguf_file(path: Path) -> Path:
-    """The GGUF to read: the file itself, or the one .gguf inside an artifact folder."""
+    """The GGUF to read: the file itself, or inside an artifact folder the primary GGUF its
+    manifest.json names (an artifact may ship several quantizations and an adapter), else its one .gguf."""
     if path.is_dir():
-        found = sorted(path.glob("*.gguf"))
+        primary = _primary_gguf(path)
+        found = [primary] if primary is not None else sorted(path.glob("*.gguf"))
         if len(found) != 1:
             what = "no .gguf file" if not found else f"{len(found)} .gguf files ({', '.join(p.name for p in found)})"
             raise LorashipError(f"{path}: folder with {what}; pass the .gguf file itself, e.g. "
@@ -28,6 +30,18 @@ def gguf_file(path: Path) -> Path:
         raise LorashipError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with b'GGUF'); pass the "
                             ".gguf file a run shipped, e.g. artifacts/<run>/model-Q4_K_M.gguf")
     return path
+
+
+def _primary_gguf(folder: Path) -> Path | None:
+    import json
+
+    from loraship.constants import MANIFEST_NAME
+
+    try:
+        name = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8")).get("gguf")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return folder / name if isinstance(name, str) and (folder / name).is_file() else None
 
 
 def _file_type_name(value) -> str:

@@ -469,7 +469,9 @@ def plan_disk_and_inference(model_config: dict, cfg: Config, n_ubatch: int = 512
     P = s.n_params
     merged = 2 * P  # bf16 safetensors
     f16 = 2 * P  # F16 GGUF
-    quant = BITS_PER_WEIGHT[cfg.quantization] / 8 * P
+    # Every quantization takes disk; the primary (the one Ollama and chat open) is what the GPU figures are for.
+    each = {q: BITS_PER_WEIGHT[q] / 8 * P for q in cfg.quantizations}
+    quant, quant_disk = each[cfg.primary_quantization], sum(each.values())
     # llama.cpp KV cache in f16: K and V, every layer, every position.
     kv = 2 * s.L * cfg.target_context * s.kv * 2
     # Compute buffer at n_ubatch 512: fp32 logits for the batch, a few hidden/FFN-wide scratch
@@ -477,13 +479,18 @@ def plan_disk_and_inference(model_config: dict, cfg: Config, n_ubatch: int = 512
     # lands on the 6.7 GiB measured for a Llama-2-7B shape at n_ctx 4096.
     compute = n_ubatch * (4 * s.V + 16 * s.h + 4 * s.f) + n_ubatch * cfg.target_context * s.heads * 4
     ctx = 0.45 * GIB
-    total = quant + kv + compute + ctx
+    runtime = kv + compute + ctx
+    total = quant + runtime
     g = lambda b: round(b / GIB, 2)  # noqa: E731
     return {
-        "disk_gib": {"merge": g(merged), "convert": g(f16), "quantize": g(quant), "total": g(merged + f16 + quant)},
+        "disk_gib": {"merge": g(merged), "convert": g(f16), "quantize": g(quant_disk),
+                     "total": g(merged + f16 + quant_disk)},
         "inference": {"gguf_gib": g(quant), "kv_cache_gib": g(kv), "compute_buffer_gib": g(compute),
                       "cuda_context_gib": g(ctx), "total_gib": g(total),
                       "fits_target": total / GIB <= cfg.target_gpu_memory_gib,
                       "target_gpu_memory_gib": cfg.target_gpu_memory_gib,
-                      "target_context": cfg.target_context, "quantization": cfg.quantization},
+                      "target_context": cfg.target_context, "quantization": cfg.primary_quantization,
+                      "by_quantization": {q: {"gguf_gib": g(b), "total_gib": g(b + runtime),
+                                              "fits_target": (b + runtime) / GIB <= cfg.target_gpu_memory_gib}
+                                          for q, b in each.items()}},
     }

@@ -195,12 +195,11 @@ def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
 
     try:
         model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        weights_gib = plan_disk_and_inference(model_config, config)["inference"]["gguf_gib"]
+        each = plan_disk_and_inference(model_config, config)["inference"]["by_quantization"]
     except (ValueError, KeyError, TypeError):
         return []  # the plan stage reports a config.json it cannot read, with its own message
-    if weights_gib > config.target_gpu_memory_gib:
-        return [f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: the {config.quantization} GGUF's weights alone "
-                f"take about {weights_gib:.2f} GiB; raise target_gpu_memory_gib, choose a smaller quantization, or a "
-                "smaller base model"]
-    return []
+    # Every quantization in the list is verified on the target GPU, so each one's weights must fit.
+    return [f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: the {q} GGUF's weights alone take about "
+            f"{figures['gguf_gib']:.2f} GiB; raise target_gpu_memory_gib, choose a smaller quantization, or a "
+            "smaller base model" for q, figures in each.items() if figures["gguf_gib"] > config.target_gpu_memory_gib]
 

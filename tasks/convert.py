@@ -78,13 +78,13 @@ def adapter_ggufs(config, ctx, progress_key: str | None) -> dict:
     check_base_model(config, base_dir)
     base_bytes = sum(p.stat().st_size for p in weight_files(base_dir))
     check_free_disk(ctx.dir, base_bytes * 1.65, "convert (base model GGUF for adapter_gguf)")  # F16 + quantized
-    base_f16, base_out = ctx.dir / "base-F16.gguf", ctx.dir / base_gguf_name(config.quantization)
+    base_f16, base_out = ctx.dir / "base-F16.gguf", ctx.dir / base_gguf_name(config.primary_quantization)
     try:
         convert(base_dir, base_f16, progress_key=progress_key)
-        quantize(base_f16, base_out, config.quantization, progress_key=progress_key)
+        quantize(base_f16, base_out, config.primary_quantization, progress_key=progress_key)
     finally:
         base_f16.unlink(missing_ok=True)  # a step on the way; the base ships quantized like the merged model
-    base_info = read_gguf_of_type(base_out, config.quantization)
+    base_info = read_gguf_of_type(base_out, config.primary_quantization)
     convert_adapter(ctx.upstream_dir("train") / ADAPTER_DIR, base_dir, ctx.dir / ADAPTER_GGUF, progress_key)
     fields = read_gguf(ctx.dir / ADAPTER_GGUF)
     if fields["fields"].get(Keys.General.TYPE) != "adapter" or fields["fields"].get(Keys.Adapter.TYPE) != "lora":
@@ -160,7 +160,9 @@ def ollama_facts(merged_dir: Path) -> dict:
 def run(config) -> dict:
     # adapter_gguf reads the train stage's adapter (only it, not the checkpoints) and quantizes the base.
     adapter = {"train": (ADAPTER_DIR,)} if config.adapter_gguf else {}
-    ctx = open_stage(config, STAGE, UPSTREAM + tuple(adapter), FIELDS + (("quantization",) if adapter else ()),
+    # The base ships in the primary quantization only: adding another to the list does not convert again.
+    ctx = open_stage(config, STAGE, UPSTREAM + tuple(adapter), FIELDS,
+                     extra_inputs={"adapter_base_quantization": config.primary_quantization} if adapter else None,
                      consumes=adapter)
     if ctx.done:
         return ctx.done

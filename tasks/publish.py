@@ -1,6 +1,7 @@
 """Publish: the artifact folder at `output/<run_name>/` (local or any fsspec URL).
 
-Holds the quantized GGUF, an Ollama Modelfile beside it, the adapter, every stage's manifest,
+Holds the quantized GGUF (one per quantization listed; the first, the primary, is the one the
+Modelfile and the card's llama-server command use), an Ollama Modelfile beside it, the adapter, every stage's manifest,
 plan.json, verify.json and a model card (huggingface_hub's ModelCard: YAML front matter, how to
 run it with llama-server and Ollama, the strategy that really trained, memory and verify figures). Files are uploaded first and manifest.json last, so a destination with a manifest
 is complete; local destinations get each file under a temporary name, then renamed. Every file
@@ -37,13 +38,13 @@ def _gib(value) -> str:
 
 def serve_commands(config, verify: dict) -> dict:
     """The llama-server and Ollama commands for this artifact, at the context verify checked."""
-    gguf = quantized_gguf_name(config.quantization)
+    gguf = quantized_gguf_name(config.primary_quantization)
     memory = verify.get("memory") or {}
     # All layers where verify found the whole model fits the target GPU at target_context (999 is
     # llama.cpp's idiom for "every layer"); otherwise as many as verify found fit.
     layers = 999 if memory.get("fits", True) else memory.get("gpu_layers_at_target_context", 0)
     name = config.run_name.lower()  # Ollama model names are lower case
-    adapter = (f"llama-server -m {base_gguf_name(config.quantization)} --lora {ADAPTER_GGUF} --jinja "
+    adapter = (f"llama-server -m {base_gguf_name(config.primary_quantization)} --lora {ADAPTER_GGUF} --jinja "
                f"-c {config.target_context} -ngl {layers}") if config.adapter_gguf else None
     return {
         "llama_server": f"llama-server -m {gguf} --jinja -c {config.target_context} -ngl {layers}",
@@ -65,8 +66,23 @@ def card_data(config, metadata: dict, adapter: str):
         library_name="gguf",
         license=metadata.get("general.license"),
         pipeline_tag="text-generation",
-        tags=["gguf", config.quantization, "llama.cpp", "ollama", adapter, "loraship"],
+        tags=["gguf", *config.quantizations, "llama.cpp", "ollama", adapter, "loraship"],
     )
+
+
+def quantization_figures(config, verify: dict) -> dict[str, dict]:
+    """Each quantization's verify figures, the primary first. A verify.json written before it had a
+    section per quantization holds the one quantization's figures at its top level."""
+    from loraship.stages.verify import figures
+
+    sections = verify.get("quantizations") or {config.primary_quantization: verify}
+    return {q: figures(sections[q]) for q in config.quantizations if q in sections}
+
+
+def _figure(value, digits: int, percent: bool = False) -> str:
+    if not isinstance(value, (int, float)):
+        return "n/a"
+    return f"{value:.{digits}%}" if percent else f"{value:.{digits}f}"
 
 
 # The train stage's pictures and their captions in the card.
@@ -85,7 +101,14 @@ def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, fac
 
     train = manifests["train"]["metrics"]
     quant = manifests["quantize"]["metrics"]
-    gguf = quantized_gguf_name(config.quantization)
+    gguf = quantized_gguf_name(config.primary_quantization)
+    quant_rows = "\n".join(
+        f"| {q}{' (primary)' if q == config.primary_quantization else ''} | `{quantized_gguf_name(q)}` | "
+        f"{_figure((f['gguf_bytes'] or 0) / 2**20, 1)} MiB | {_figure(f['perplexity_ratio'], 4)} | {_figure(f['kl_mean'], 4)} | "
+        f"{_figure(f['same_top_rate'], 1, percent=True)} | {'pass' if f['passed'] else 'FAIL'} |"
+        for q, f in quantization_figures(config, verify).items())
+    other_ggufs = "".join(f"- `{quantized_gguf_name(q)}`: the same model quantized to {q} (verified the same way)\n"
+                          for q in config.quantizations[1:])
     gates = "\n".join(f"| {name} | {'pass' if g['passed'] else 'FAIL'} | {g['value']} | {g['threshold']} |"
                       for name, g in verify["gates"].items())
     versions = manifests["verify"]["versions"]
@@ -171,6 +194,13 @@ trained, predicted reserved {_gib(train.get('predicted_reserved_gib'))}, {measur
 |---|---|
 {components}
 {picture_lines}
+## Quantizations
+Each made from the same F16 GGUF and verified against the merged HF model on the eval split.
+
+| quantization | file | size | perplexity ratio | KL mean | same top token | verify |
+|---|---|---|---|---|---|---|
+{quant_rows}
+
 ## Verification gates
 | gate | result | value | threshold |
 |---|---|---|---|
@@ -185,7 +215,7 @@ token {agreement['same_top_rate']:.1%}. GPU memory at n_ctx {config.target_conte
 
 ## Files
 - `{gguf}`: the model for llama.cpp / Ollama / LM Studio
-- `{MODELFILE}`: `ollama create` reads it (FROM the GGUF beside it, context, stop tokens{', template' if facts.get('family') else ''})
+{other_ggufs}- `{MODELFILE}`: `ollama create` reads it (FROM the GGUF beside it, context, stop tokens{', template' if facts.get('family') else ''})
 - `adapter/`: the PEFT LoRA adapter (safetensors)
 - `manifests/<stage>.json`: inputs, outputs (sha256), library versions and figures of each stage
 {picture_files}- `plan.json`, `verify.json`, `manifest.json` (this folder's checksums)
@@ -197,8 +227,9 @@ def stage_artifact(config, ctx) -> Path:
     """Assemble the artifact locally inside the stage folder (each file written whole)."""
     root = ctx.dir / "artifact"
     root.mkdir(parents=True)
-    gguf = quantized_gguf_name(config.quantization)
-    _link_or_copy(ctx.upstream_dir("quantize") / gguf, root / gguf)
+    gguf = quantized_gguf_name(config.primary_quantization)
+    for name in map(quantized_gguf_name, config.quantizations):
+        _link_or_copy(ctx.upstream_dir("quantize") / name, root / name)
     shutil.copytree(ctx.upstream_dir("train") / ADAPTER_DIR, root / ADAPTER_DIR)
     (root / "manifests").mkdir()
     for name in STAGES[:-1]:
@@ -208,7 +239,7 @@ def stage_artifact(config, ctx) -> Path:
     for picture in shipped_pictures(ctx.upstream["train"]):
         shutil.copy(ctx.upstream_dir("train") / picture, root / picture)
     if config.adapter_gguf:
-        for name in (ADAPTER_GGUF, base_gguf_name(config.quantization)):
+        for name in (ADAPTER_GGUF, base_gguf_name(config.primary_quantization)):
             _link_or_copy(ctx.upstream_dir("convert") / name, root / name)
     verify = json.loads((root / VERIFY_FILE).read_text(encoding="utf-8"))
     plan = json.loads((root / PLAN_FILE).read_text(encoding="utf-8"))
@@ -345,10 +376,10 @@ CONSUMES = {
 
 @exclusive
 def run(config) -> dict:
-    gguf = quantized_gguf_name(config.quantization)
-    consumes = {**CONSUMES, "quantize": (gguf,)}
+    gguf = quantized_gguf_name(config.primary_quantization)
+    consumes = {**CONSUMES, "quantize": tuple(map(quantized_gguf_name, config.quantizations))}
     if config.adapter_gguf:  # the adapter alone and the base it applies to, beside the merged GGUF
-        consumes["convert"] += (ADAPTER_GGUF, base_gguf_name(config.quantization))
+        consumes["convert"] += (ADAPTER_GGUF, base_gguf_name(config.primary_quantization))
     ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, consumes=consumes)
     destination = destination_of(config)
     cache = DigestCache.of_run(ctx.dir)
@@ -361,12 +392,17 @@ def run(config) -> dict:
     reset_dir(ctx)
     root = stage_artifact(config, ctx)
     files = describe_files(root, cache=cache)
+    verify = json.loads((root / VERIFY_FILE).read_text(encoding="utf-8"))
     published = {
         "run_name": config.run_name,
         "base_model": config.base_model,
-        "quantization": config.quantization,
+        "quantization": config.primary_quantization,
         "gguf": gguf,
-        "verified": json.loads((root / VERIFY_FILE).read_text(encoding="utf-8"))["passed"],
+        "verified": verify["passed"],
+        # Every GGUF shipped, the primary first: its file's checksum beside the figures verify measured for it.
+        "quantizations": {q: {"gguf": quantized_gguf_name(q), "sha256": files[quantized_gguf_name(q)]["sha256"],
+                              "size": files[quantized_gguf_name(q)]["size"], "verify": figures}
+                          for q, figures in quantization_figures(config, verify).items()},
         "files": files,
     }
     atomic_write_json(root / MANIFEST_NAME, published)

@@ -1,7 +1,10 @@
-"""Quantize: F16 GGUF -> Q4_K_M (or Q5_K_M, Q8_0) with llama-cpp-python's llama_model_quantize.
+"""Quantize: F16 GGUF -> Q4_K_M (or Q5_K_M, Q8_0; several in one run) with llama-cpp-python's
+llama_model_quantize.
 
 The binding is the same llama.cpp that verify loads. It runs in a child process with a
-timeout, so a hang or crash in native code cannot wedge the flow.
+timeout, so a hang or crash in native code cannot wedge the flow. Adding a quantization to the
+list re-runs this stage, but a GGUF the last run made from the same F16 GGUF with the same
+llama-cpp-python, still intact, is kept rather than made again.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import sys
 from pathlib import Path
 
 from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, GGUF_KEY_FILE_TYPE, quantized_gguf_name
+from loraship.errors import IntegrityError
 from loraship.gguf_info import read_gguf, read_gguf_of_type
+from loraship.manifest import check_outputs, library_versions, read_manifest
 from loraship.proc import write_with_tool
 from loraship.progress import LlamaCppProgress, artifact_key
 from loraship.resources import cpu_count
@@ -48,28 +53,53 @@ def quantize(src: Path, dst: Path, quantization: str, progress_key: str | None =
     progress.close()
 
 
+def reusable(ctx, quantizations: list[str]) -> list[str]:
+    """Outputs of the last run of this stage that are exactly what this run would make: the same
+    F16 GGUF (by sha256), the same llama-cpp-python, and the file still matching its manifest."""
+    try:
+        last = read_manifest(ctx.dir)
+    except IntegrityError:
+        return []
+    if last is None:
+        return []
+    f16 = ctx.upstream["convert"]["outputs"].get(F16_GGUF, {}).get("sha256")
+    same_input = (last.get("inputs", {}).get("convert", {}).get("outputs", {}).get(F16_GGUF, {}).get("sha256") == f16
+                  and last.get("versions", {}).get("llama-cpp-python") == library_versions().get("llama-cpp-python"))
+    if not same_input:
+        return []
+    names = [q for q in quantizations if quantized_gguf_name(q) in last.get("outputs", {})]
+    return [q for q in names if not check_outputs(last, ctx.dir, only=(quantized_gguf_name(q),))]
+
+
+def describe(out: Path, quantization: str, f16_bytes: int) -> dict:
+    info = read_gguf_of_type(out, quantization)
+    size = out.stat().st_size
+    return {"quantization": quantization, "file_type": info["fields"][GGUF_KEY_FILE_TYPE],
+            "tensor_count": info["tensor_count"], "bytes": size, "compression_vs_f16": round(f16_bytes / size, 3)}
+
+
 @exclusive
 def run(config) -> dict:
     ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
     if ctx.done:
         return ctx.done
-    reset_dir(ctx)
+    quantizations = config.quantizations
+    kept = reusable(ctx, quantizations)
+    reset_dir(ctx, keep=tuple(quantized_gguf_name(q) for q in kept))
     src = ctx.upstream_dir("convert") / F16_GGUF
     read_gguf(src)  # refuses a truncated input with the file's name before any work
-    check_free_disk(ctx.dir, src.stat().st_size * 0.6, f"quantize ({config.quantization})")
-    out = ctx.dir / quantized_gguf_name(config.quantization)
-    quantize(src, out, config.quantization, progress_key=artifact_key(config.run_name, STAGE, "progress"))
-    info = read_gguf_of_type(out, config.quantization)
-    size = out.stat().st_size
-    return ctx.finish(
-        {
-            "quantization": config.quantization,
-            "file_type": info["fields"][GGUF_KEY_FILE_TYPE],
-            "tensor_count": info["tensor_count"],
-            "bytes": size,
-            "compression_vs_f16": round(src.stat().st_size / size, 3),
-        }
-    )
+    todo = [q for q in quantizations if q not in kept]
+    if kept:
+        log.info("quantize: keeping %s, made from the same F16 GGUF by the last run", ", ".join(kept))
+    if todo:
+        check_free_disk(ctx.dir, src.stat().st_size * 0.6 * len(todo), f"quantize ({', '.join(todo)})")
+    for quantization in todo:
+        quantize(src, ctx.dir / quantized_gguf_name(quantization), quantization,
+                 progress_key=artifact_key(config.run_name, STAGE, "progress"))
+    each = {q: {**describe(ctx.dir / quantized_gguf_name(q), q, src.stat().st_size), "reused": q in kept}
+            for q in quantizations}
+    # The primary's figures stay at the top level, where one-quantization runs always had them.
+    return ctx.finish({**each[quantizations[0]], "quantizations": each})
 
 
 if __name__ == "__main__":

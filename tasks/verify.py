@@ -19,6 +19,11 @@ ratio, mean and 99th-percentile KL divergence, same-top-token rate), plus:
 Every gate carries its evidence count and fails with "not enough evidence" below the config's
 minimum, never passing as 0/0.
 
+With several quantizations each GGUF is verified the same way, in its own llama.cpp process;
+verify.json keeps the primary's (the first's) report and gates at its top level, where a
+one-quantization verify.json has them, the others' gates beside them as '<quantization>/<gate>',
+and a section per quantization under "quantizations".
+
 KL divergence from top-k: the reference keeps HF's top-k log-probs per position and lumps the rest
 of the distribution into one tail bucket. By the log-sum inequality, KL over (top-k, tail) is a
 lower bound of the full KL, tight when the top-k mass is close to 1 (reference.json reports it).
@@ -59,17 +64,122 @@ log = logging.getLogger("loraship.verify")
 
 def gate(value, threshold, passed: bool, note: str = "", evidence: int | None = None, minimum: int | None = None,
          minimum_key: str = "") -> dict:
-    """One gate's record. With an evidence count below its minimum the gate fails, whatever the value."""
+    """One gate's record. With an evidence count below its minimum, or of zero, the gate fails
+    whatever the value: nothing seen is never a pass (0/0)."""
     record = {"passed": bool(passed), "value": value, "threshold": threshold}
     if evidence is not None:
         record["evidence"] = evidence
-        if minimum is not None and evidence < minimum:
+        if minimum is not None:
+            record["minimum"] = minimum
+        if evidence < max(minimum or 0, 1):
             record["passed"] = False
-            note = (f"not enough evidence: {evidence} < {minimum} ({minimum_key}); add eval data or golden prompts, "
-                    f"or lower {minimum_key}") + (f"; {note}" if note else "")
+            why = f"{evidence} < {minimum} ({minimum_key}); add eval data or golden prompts, or lower {minimum_key}" \
+                if minimum is not None and evidence < minimum else f"{evidence} seen"
+            note = f"not enough evidence: {why}" + (f"; {note}" if note else "")
     if note:
         record["note"] = note
     return record
+
+
+# -- the gates, one function each -----------------------------------------------------------
+def _rounded(agreement: dict, key: str, digits: int) -> float:
+    return round(agreement.get(key, float("nan")), digits)
+
+
+def _scored(agreement: dict, config) -> dict:
+    return dict(evidence=agreement["scored_tokens"], minimum=config.min_scored_tokens, minimum_key="min_scored_tokens")
+
+
+def _golden_prompts(n: int, config) -> dict:
+    return dict(evidence=n, minimum=config.min_golden_prompts, minimum_key="min_golden_prompts")
+
+
+def file_type_gate(fields: dict, quantization: str) -> dict:
+    want = GGUF_FILE_TYPES[quantization]
+    return gate(fields.get(GGUF_KEY_FILE_TYPE), want, fields.get(GGUF_KEY_FILE_TYPE) == want)
+
+
+def chat_template_gate(fields: dict, reference: dict) -> dict:
+    template, hf_template = fields.get(GGUF_KEY_CHAT_TEMPLATE), reference["tokenizer"]["chat_template"]
+    return gate(bool(template), bool(hf_template), template == hf_template,
+                "identical to the merged model's template" if hf_template else "no chat template on either side (completion data)")
+
+
+def tokenizer_parity_gate(parity: dict) -> dict:
+    return gate(f"{parity['equal']}/{parity['checked']}", "all", parity["equal"] == parity["checked"],
+                "llama.cpp tokenization of eval texts and golden prompts (BOS as served) equals HF's",
+                evidence=parity["checked"], minimum=1, minimum_key="eval texts")
+
+
+def perplexity_ratio_gate(agreement: dict, config) -> dict:
+    return gate(_rounded(agreement, "perplexity_ratio", 4), config.perplexity_ratio_max,
+                agreement["scored_tokens"] and agreement["perplexity_ratio"] <= config.perplexity_ratio_max,
+                **_scored(agreement, config))
+
+
+def kl_mean_gate(agreement: dict, config, top_k: int) -> dict:
+    return gate(_rounded(agreement, "kl_mean", 5), config.kl_mean_max,
+                agreement["scored_tokens"] and agreement["kl_mean"] <= config.kl_mean_max,
+                f"KL(HF || GGUF) over HF's top-{top_k} + tail", **_scored(agreement, config))
+
+
+def kl_p99_gate(agreement: dict, config) -> dict:
+    return gate(_rounded(agreement, "kl_p99", 5), config.kl_p99_max,
+                agreement["scored_tokens"] and agreement["kl_p99"] <= config.kl_p99_max, **_scored(agreement, config))
+
+
+def same_top_gate(agreement: dict, config) -> dict:
+    return gate(_rounded(agreement, "same_top_rate", 4), config.same_top_min,
+                agreement["scored_tokens"] and agreement["same_top_rate"] >= config.same_top_min,
+                **_scored(agreement, config))
+
+
+def golden_match_gate(golden: dict, n: int, config) -> dict:
+    """n: golden prompts the reference answered (golden["matches"] of them matched)."""
+    rate = golden["matches"] / n if n else 0.0
+    return gate(round(rate, 4), config.golden_match_min, n and rate >= config.golden_match_min,
+                "greedy llama.cpp answer == greedy merged-HF answer, token for token", **_golden_prompts(n, config))
+
+
+def golden_decisive_gate(golden: dict, config) -> dict:
+    return gate(f"{golden['agreed']}/{golden['decisive']}", "all", golden["agreed"] == golden["decisive"],
+                f"HF answer teacher-forced; tokens where the merged model leads by >= {config.golden_margin} nats",
+                evidence=golden["decisive"], minimum=config.min_decisive_positions, minimum_key="min_decisive_positions")
+
+
+def golden_format_gate(golden: dict, n: int, config) -> dict:
+    return gate(f"{golden['formatted']}/{n}", "all", golden["formatted"] == n, **_golden_prompts(n, config))
+
+
+def eval_loss_gate(train_metrics: dict) -> dict:
+    before, after = train_metrics.get("eval_loss_before"), train_metrics.get("eval_loss_after")
+    return gate({"before": before, "after": after}, "after < before",
+                before is not None and after is not None and after < before)
+
+
+def fits_target_gpu_gate(memory: dict, gpu_memory: dict, layout, config) -> dict:
+    """memory: memory_plan's; gpu_memory: predicted and measured GiB of the run verify made."""
+    used = gpu_memory["measured_gib"]
+    value = used if used is not None else gpu_memory["predicted_gib"]
+    return gate(
+        round(value, 3), config.target_gpu_memory_gib, memory["fits"] and value <= config.target_gpu_memory_gib,
+        ("measured through NVML (the process that loaded it)" if used is not None else "predicted from the GGUF's tensors")
+        + f", every layer on the GPU at n_ctx {config.target_context}"
+        + ("" if memory["fits"] else f"; does not fit: all layers fit up to n_ctx {memory['largest_context_all_layers']}, "
+           f"{memory['gpu_layers_at_target_context']} of {layout.n_layers} layers at n_ctx {config.target_context}"),
+    )
+
+
+def adapter_kl_mean_gate(agreement: dict, config, note: str) -> dict:
+    return gate(_rounded(agreement, "kl_mean", 5), config.adapter_kl_mean_max,
+                agreement["scored_tokens"] and agreement["kl_mean"] <= config.adapter_kl_mean_max,
+                note + " (KL(merged || base + adapter))", **_scored(agreement, config))
+
+
+def adapter_same_top_gate(agreement: dict, config, note: str) -> dict:
+    return gate(_rounded(agreement, "same_top_rate", 4), config.adapter_same_top_min,
+                agreement["scored_tokens"] and agreement["same_top_rate"] >= config.adapter_same_top_min,
+                note, **_scored(agreement, config))
 
 
 # -- llama.cpp -------------------------------------------------------------------------------
@@ -372,20 +482,9 @@ def measure_apart(ctx, job: dict, entry: str = "measure") -> dict:
     return result
 
 
-@exclusive
-def run(config) -> dict:
-    # adapter_gguf: convert's adapter and base GGUFs are inputs too (only those, not its F16 model).
-    adapter = {"convert": (ADAPTER_GGUF, base_gguf_name(config.quantization))} if config.adapter_gguf else {}
-    ctx = open_stage(config, STAGE, UPSTREAM + tuple(adapter), FIELDS + (ADAPTER_FIELDS if adapter else ()),
-                     consumes=adapter)
-    if ctx.done:
-        return ctx.done
-    reset_dir(ctx)
-    import json
-
-    gguf_path = ctx.upstream_dir("quantize") / quantized_gguf_name(config.quantization)
-    reference = json.loads((ctx.upstream_dir("reference") / REFERENCE_FILE).read_text(encoding="utf-8"))
-    check_lineage(config, reference)
+def verify_quantization(ctx, config, quantization: str, reference: dict, device: str, with_adapter: bool) -> dict:
+    """One quantized GGUF against the reference: its gates and what was measured (a section of verify.json)."""
+    gguf_path = ctx.upstream_dir("quantize") / quantized_gguf_name(quantization)
     # Read in a child: llama.cpp loads this file next (loraship/gguf_info.py says why).
     info = read_gguf_apart(gguf_path)
     fields = info["fields"]
@@ -394,26 +493,13 @@ def run(config) -> dict:
                              "run the convert and quantize stages again")
     layout = im.GGUFLayout(**info["layout"])
     gates: dict[str, dict] = {}
-    report: dict = {"gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size}
+    report: dict = {"quantization": quantization, "gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size}
 
-    want = GGUF_FILE_TYPES[config.quantization]
-    gates["file_type"] = gate(fields.get(GGUF_KEY_FILE_TYPE), want, fields.get(GGUF_KEY_FILE_TYPE) == want)
-    template, hf_template = fields.get(GGUF_KEY_CHAT_TEMPLATE), reference["tokenizer"]["chat_template"]
-    gates["chat_template_in_gguf"] = gate(
-        bool(template), bool(hf_template), template == hf_template,
-        "identical to the merged model's template" if hf_template else "no chat template on either side (completion data)",
-    )
+    gates["file_type"] = file_type_gate(fields, quantization)
+    gates["chat_template_in_gguf"] = chat_template_gate(fields, reference)
 
-    device = pick_device(config)
     memory = memory_plan(layout, config)
     report["memory"] = memory
-    if device == "cuda":
-        total = im.gpu_total_gib()
-        if total is not None and total < config.target_gpu_memory_gib:
-            raise LorashipError(
-                f"this GPU has {total:.1f} GiB, less than target_gpu_memory_gib {config.target_gpu_memory_gib:g} the plan "
-                "was made for; run verify on a GPU at least that large, or lower target_gpu_memory_gib and run again"
-            )
     needed = max([len(r["input_ids"]) for r in reference["eval"]]
                  + [len(r["prompt_ids"]) + config.max_new_tokens + 1 for r in reference["golden"]])
     # On the GPU the context the model must serve; on the CPU (tests) just what the texts need.
@@ -427,96 +513,117 @@ def run(config) -> dict:
         "topk": str(ctx.upstream_dir("reference") / REFERENCE_TOPK_FILE),
         "fields": {k: fields.get(k) for k in (GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_EOS)},
         "max_new_tokens": config.max_new_tokens, "golden_margin": config.golden_margin,
-        "merged_topk_out": str(ctx.dir / MERGED_TOPK_FILE) if adapter else None,
+        "merged_topk_out": str(ctx.dir / MERGED_TOPK_FILE) if with_adapter else None,
     })
     report.update(device=device, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, load_seconds=measured["load_seconds"])
 
     gates["special_tokens"] = measured["special_tokens"]
     parity = measured["tokenizer_parity"]
     report["tokenizer_parity"] = parity
-    gates["tokenizer_parity"] = gate(f"{parity['equal']}/{parity['checked']}", "all", parity["equal"] == parity["checked"],
-                                     "llama.cpp tokenization of eval texts and golden prompts (BOS as served) equals HF's",
-                                     evidence=parity["checked"], minimum=1, minimum_key="eval texts")
+    gates["tokenizer_parity"] = tokenizer_parity_gate(parity)
 
     agreement = measured["eval_agreement"]
     report["eval_agreement"] = agreement
-    scored = agreement["scored_tokens"]
-    enough = dict(evidence=scored, minimum=config.min_scored_tokens, minimum_key="min_scored_tokens")
-    gates["perplexity_ratio"] = gate(round(agreement.get("perplexity_ratio", float("nan")), 4), config.perplexity_ratio_max,
-                                     scored and agreement["perplexity_ratio"] <= config.perplexity_ratio_max, **enough)
-    gates["kl_divergence_mean"] = gate(round(agreement.get("kl_mean", float("nan")), 5), config.kl_mean_max,
-                                       scored and agreement["kl_mean"] <= config.kl_mean_max,
-                                       f"KL(HF || GGUF) over HF's top-{reference['top_k']} + tail", **enough)
-    gates["kl_divergence_p99"] = gate(round(agreement.get("kl_p99", float("nan")), 5), config.kl_p99_max,
-                                      scored and agreement["kl_p99"] <= config.kl_p99_max, **enough)
-    gates["same_top_token"] = gate(round(agreement.get("same_top_rate", float("nan")), 4), config.same_top_min,
-                                   scored and agreement["same_top_rate"] >= config.same_top_min, **enough)
+    gates["perplexity_ratio"] = perplexity_ratio_gate(agreement, config)
+    gates["kl_divergence_mean"] = kl_mean_gate(agreement, config, reference["top_k"])
+    gates["kl_divergence_p99"] = kl_p99_gate(agreement, config)
+    gates["same_top_token"] = same_top_gate(agreement, config)
 
     golden = measured["golden"]
     n = len(reference["golden"])
-    prompts = dict(evidence=n, minimum=config.min_golden_prompts, minimum_key="min_golden_prompts")
-    rate = golden["matches"] / n if n else 0.0
-    gates["golden_match"] = gate(round(rate, 4), config.golden_match_min, n and rate >= config.golden_match_min,
-                                 "greedy llama.cpp answer == greedy merged-HF answer, token for token", **prompts)
-    gates["golden_decisive_agreement"] = gate(
-        f"{golden['agreed']}/{golden['decisive']}", "all", golden["agreed"] == golden["decisive"],
-        f"HF answer teacher-forced; tokens where the merged model leads by >= {config.golden_margin} nats",
-        evidence=golden["decisive"], minimum=config.min_decisive_positions, minimum_key="min_decisive_positions",
-    )
-    gates["golden_format"] = gate(f"{golden['formatted']}/{n}", "all", golden["formatted"] == n, **prompts)
+    gates["golden_match"] = golden_match_gate(golden, n, config)
+    gates["golden_decisive_agreement"] = golden_decisive_gate(golden, config)
+    gates["golden_format"] = golden_format_gate(golden, n, config)
     report["golden_answers"] = golden["answers"]
     with_reference = [a for a in golden["answers"] if "reference" in a]
     if with_reference:
         report["golden_accuracy_vs_reference"] = sum(a["gguf"] == a["reference"] for a in with_reference) / len(with_reference)
     report["builtin_template_engine"] = measured["builtin_template_engine"]
 
-    train_metrics = ctx.upstream["train"]["metrics"]
-    before, after = train_metrics.get("eval_loss_before"), train_metrics.get("eval_loss_after")
-    gates["eval_loss_improved"] = gate({"before": before, "after": after}, "after < before",
-                                       before is not None and after is not None and after < before)
+    gates["eval_loss_improved"] = eval_loss_gate(ctx.upstream["train"]["metrics"])
 
     predicted = memory["predicted"]["total_gib"] if memory["fits"] else im.predict_gpu(
         layout, n_ctx, memory["gpu_layers_at_target_context"])["total_gib"]
-    used = measured["gpu_used_gib"]
-    report["gpu_memory"] = {"predicted_gib": predicted, "measured_gib": used,
+    report["gpu_memory"] = {"predicted_gib": predicted, "measured_gib": measured["gpu_used_gib"],
                             "measured_before_load_gib": measured["gpu_used_before_load_gib"],
                             "target_gpu_gib": config.target_gpu_memory_gib}
-    fits_value = used if used is not None else predicted
-    gates["fits_target_gpu"] = gate(
-        round(fits_value, 3), config.target_gpu_memory_gib, memory["fits"] and fits_value <= config.target_gpu_memory_gib,
-        ("measured through NVML (the process that loaded it)" if used is not None else "predicted from the GGUF's tensors")
-        + f", every layer on the GPU at n_ctx {config.target_context}"
-        + ("" if memory["fits"] else f"; does not fit: all layers fit up to n_ctx {memory['largest_context_all_layers']}, "
-           f"{memory['gpu_layers_at_target_context']} of {layout.n_layers} layers at n_ctx {config.target_context}"),
-    )
-    if adapter:
-        report["adapter_gguf"] = adapter_gates(ctx, config, gates, {
+    gates["fits_target_gpu"] = fits_target_gpu_gate(memory, report["gpu_memory"], layout, config)
+    if with_adapter:
+        report["adapter_gguf"] = adapter_gates(ctx, config, quantization, gates, {
             "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "device": device, "seed": config.seed,
             "reference": str(ctx.upstream_dir("reference") / REFERENCE_FILE)})
     report["prompt_tokens_per_s"] = agreement.get("prompt_tokens_per_s")
     report["gen_tokens_per_s"] = golden["gen_tokens_per_s"]
-    report["verify_seconds"] = round(time.time() - ctx.started, 2)
+    report["golden_match"] = golden["matches"] / n if n else 0.0
+    return {"passed": all(g["passed"] for g in gates.values()), "gates": gates, **report}
+
+
+def all_gates(sections: dict[str, dict]) -> dict[str, dict]:
+    """Every quantization's gates in one mapping: the primary's (first) under their own names, where
+    readers of a one-quantization verify.json find them, the others' as '<quantization>/<gate>'."""
+    primary, *others = sections
+    return {**sections[primary]["gates"],
+            **{f"{q}/{name}": g for q in others for name, g in sections[q]["gates"].items()}}
+
+
+def figures(section: dict) -> dict:
+    """A quantization's verify figures as the manifests and the model card quote them."""
+    agreement = section.get("eval_agreement") or {}
+    return {"passed": section["passed"], "gguf_bytes": section.get("gguf_bytes"),
+            "perplexity_ratio": agreement.get("perplexity_ratio"), "kl_mean": agreement.get("kl_mean"),
+            "kl_p99": agreement.get("kl_p99"), "same_top_rate": agreement.get("same_top_rate"),
+            "golden_match": section.get("golden_match"), "gpu_memory": section.get("gpu_memory")}
+
+
+@exclusive
+def run(config) -> dict:
+    primary = config.primary_quantization
+    # adapter_gguf: convert's adapter and base GGUFs are inputs too (only those, not its F16 model).
+    adapter = {"convert": (ADAPTER_GGUF, base_gguf_name(primary))} if config.adapter_gguf else {}
+    ctx = open_stage(config, STAGE, UPSTREAM + tuple(adapter), FIELDS + (ADAPTER_FIELDS if adapter else ()),
+                     consumes=adapter)
+    if ctx.done:
+        return ctx.done
+    reset_dir(ctx)
+    import json
+
+    reference = json.loads((ctx.upstream_dir("reference") / REFERENCE_FILE).read_text(encoding="utf-8"))
+    check_lineage(config, reference)
+    device = pick_device(config)
+    if device == "cuda":
+        total = im.gpu_total_gib()
+        if total is not None and total < config.target_gpu_memory_gib:
+            raise LorashipError(
+                f"this GPU has {total:.1f} GiB, less than target_gpu_memory_gib {config.target_gpu_memory_gib:g} the plan "
+                "was made for; run verify on a GPU at least that large, or lower target_gpu_memory_gib and run again"
+            )
+    # The adapter's base is quantized like the primary, so the pair is compared with the primary GGUF.
+    sections = {q: verify_quantization(ctx, config, q, reference, device, with_adapter=bool(adapter) and q == primary)
+                for q in config.quantizations}
+    gates = all_gates(sections)
     passed = all(g["passed"] for g in gates.values())
-    verdict = {"passed": passed, "gates": gates, **report}
+    head = sections[primary]
+    verdict = {**head, "passed": passed, "gates": gates, "quantizations": sections,
+               "verify_seconds": round(time.time() - ctx.started, 2)}
     atomic_write_json(ctx.dir / VERIFY_FILE, verdict)
     if not passed:
+        failing = [q for q, section in sections.items() if not section["passed"]]
         failed = "; ".join(f"{k} (value {g['value']}, threshold {g['threshold']}{', ' + g['note'] if 'note' in g else ''})"
                            for k, g in gates.items() if not g["passed"])
-        raise LorashipError(f"verify failed: {failed}; details in {ctx.dir / VERIFY_FILE}")
+        raise LorashipError(f"verify failed for {', '.join(failing)}: {failed}; details in {ctx.dir / VERIFY_FILE}")
     return ctx.finish({"passed": True, "gates": {k: g["passed"] for k, g in gates.items()},
-                       "perplexity_ratio": agreement["perplexity_ratio"], "kl_mean": agreement["kl_mean"],
-                       "same_top_rate": agreement["same_top_rate"], "golden_match": rate,
-                       "gpu_memory": report["gpu_memory"], "prompt_tokens_per_s": report["prompt_tokens_per_s"],
-                       "gen_tokens_per_s": report["gen_tokens_per_s"],
-                       **({"adapter_gguf": {k: report["adapter_gguf"].get(k) for k in ("kl_mean", "same_top_rate",
-                                                                                      "scored_tokens")}}
+                       **{k: v for k, v in figures(head).items() if k not in ("passed", "gguf_bytes", "kl_p99")},
+                       "prompt_tokens_per_s": head["prompt_tokens_per_s"], "gen_tokens_per_s": head["gen_tokens_per_s"],
+                       "quantizations": {q: figures(section) for q, section in sections.items()},
+                       **({"adapter_gguf": {k: head["adapter_gguf"].get(k) for k in ("kl_mean", "same_top_rate",
+                                                                                    "scored_tokens")}}
                           if adapter else {})})
 
 
-def adapter_gates(ctx, config, gates: dict, job: dict) -> dict:
+def adapter_gates(ctx, config, quantization: str, gates: dict, job: dict) -> dict:
     """Run base GGUF + adapter GGUF against the merged GGUF's top-k; add its gates; its report."""
     convert_dir = ctx.upstream_dir("convert")
-    base, lora = convert_dir / base_gguf_name(config.quantization), convert_dir / ADAPTER_GGUF
+    base, lora = convert_dir / base_gguf_name(quantization), convert_dir / ADAPTER_GGUF
     merged_topk = ctx.dir / MERGED_TOPK_FILE
     log.info("loading %s with the adapter %s in a fresh process", base.name, lora.name)
     try:
@@ -525,15 +632,9 @@ def adapter_gates(ctx, config, gates: dict, job: dict) -> dict:
     finally:
         merged_topk.unlink(missing_ok=True)
     agreement = measured["eval_agreement"]
-    scored = agreement["scored_tokens"]
-    enough = dict(evidence=scored, minimum=config.min_scored_tokens, minimum_key="min_scored_tokens")
     note = f"{base.name} + {lora.name} against the merged GGUF, both in llama.cpp, on the eval texts"
-    gates["adapter_kl_divergence_mean"] = gate(
-        round(agreement.get("kl_mean", float("nan")), 5), config.adapter_kl_mean_max,
-        scored and agreement["kl_mean"] <= config.adapter_kl_mean_max, note + " (KL(merged || base + adapter))", **enough)
-    gates["adapter_same_top_token"] = gate(
-        round(agreement.get("same_top_rate", float("nan")), 4), config.adapter_same_top_min,
-        scored and agreement["same_top_rate"] >= config.adapter_same_top_min, note, **enough)
+    gates["adapter_kl_divergence_mean"] = adapter_kl_mean_gate(agreement, config, note)
+    gates["adapter_same_top_token"] = adapter_same_top_gate(agreement, config, note)
     names = {"hf_perplexity": "merged_gguf_perplexity", "gguf_perplexity": "base_plus_adapter_perplexity"}
     return {"base_gguf": str(base), "adapter_gguf": str(lora), "load_seconds": measured["load_seconds"],
             **{names.get(k, k): v for k, v in agreement.items()}}

@@ -69,12 +69,12 @@ def test_adapter_gguf_is_a_lora_of_the_trained_adapter(adapter_run):
     assert names and all(n.endswith((".lora_a", ".lora_b")) for n in names)
     with safe_open(stage_dir(config, "train") / ADAPTER_DIR / "adapter_model.safetensors", "np") as peft:
         assert len(names) == 2 * sum(".lora_A." in key for key in peft.keys())  # every adapted module, A and B
-    base = read_gguf(convert / base_gguf_name(config.quantization))["fields"]
-    assert base[GGUF_KEY_FILE_TYPE] == GGUF_FILE_TYPES[config.quantization]  # quantized like the merged model
+    base = read_gguf(convert / base_gguf_name(config.primary_quantization))["fields"]
+    assert base[GGUF_KEY_FILE_TYPE] == GGUF_FILE_TYPES[config.primary_quantization]  # quantized like the merged model
     assert not (convert / "base-F16.gguf").exists()  # the step on the way is not kept
     metrics = manifests["convert"]["metrics"]["adapter_gguf"]
     assert metrics["adapter_tensor_count"] == len(names)
-    assert {ADAPTER_GGUF, base_gguf_name(config.quantization)} <= set(manifests["convert"]["outputs"])
+    assert {ADAPTER_GGUF, base_gguf_name(config.primary_quantization)} <= set(manifests["convert"]["outputs"])
 
 
 def test_llama_cpp_applies_the_adapter_to_the_base(adapter_run):
@@ -84,8 +84,8 @@ def test_llama_cpp_applies_the_adapter_to_the_base(adapter_run):
 
     config, _ = adapter_run
     convert = stage_dir(config, "convert")
-    base, lora = str(convert / base_gguf_name(config.quantization)), str(convert / ADAPTER_GGUF)
-    merged = str(stage_dir(config, "quantize") / quantized_gguf_name(config.quantization))
+    base, lora = str(convert / base_gguf_name(config.primary_quantization)), str(convert / ADAPTER_GGUF)
+    merged = str(stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization))
     ids = json.loads((stage_dir(config, "reference") / REFERENCE_FILE).read_text())["eval"][0]["input_ids"]
 
     def logits(**kwargs):
@@ -121,7 +121,7 @@ def test_publish_ships_the_adapter_and_its_base(adapter_run):
     config, _ = adapter_run
     run_stages(config, ("publish",))
     root = Path(config.output) / config.run_name
-    base = base_gguf_name(config.quantization)
+    base = base_gguf_name(config.primary_quantization)
     published = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))["files"]
     assert {ADAPTER_GGUF, base}.issubset(published)
     assert read_gguf(root / ADAPTER_GGUF)["fields"]["general.type"] == "adapter"

@@ -210,7 +210,7 @@ def test_gguf_is_named_after_the_run_and_its_base(pipeline_run):
     from gguf import GGUFReader, Keys
 
     config, _ = pipeline_run
-    shipped = Path(config.output) / config.run_name / quantized_gguf_name(config.quantization)
+    shipped = Path(config.output) / config.run_name / quantized_gguf_name(config.primary_quantization)
     fields = GGUFReader(str(shipped)).fields
     value = {key: fields[key].contents() for key in fields if key.startswith("general.")}
     base = Path(config.base_model).name
@@ -225,7 +225,7 @@ def test_published_modelfile_and_card(pipeline_run):
 
     config, manifests = pipeline_run
     root = Path(config.output) / config.run_name
-    gguf = quantized_gguf_name(config.quantization)
+    gguf = quantized_gguf_name(config.primary_quantization)
     modelfile = (root / MODELFILE).read_text(encoding="utf-8").splitlines()
     assert modelfile[0] == f"FROM ./{gguf}" and (root / gguf).is_file()
     assert 'PARAMETER stop "</s>"' in modelfile  # the tiny Llama's EOS, the stop id verify checked
@@ -234,7 +234,7 @@ def test_published_modelfile_and_card(pipeline_run):
     assert not any(line.startswith(("TEMPLATE", "SYSTEM")) for line in modelfile)
 
     card = ModelCard.load(root / MODEL_CARD)
-    assert {"gguf", config.quantization}.issubset(card.data.tags)
+    assert {"gguf", *config.quantizations}.issubset(card.data.tags)
     assert card.data.pipeline_tag == "text-generation" and card.data.library_name == "gguf"
     assert card.data.base_model is None  # a local folder is no Hub id
     assert f"llama-server -m {gguf} --jinja -c {config.target_context} -ngl 999" in card.text

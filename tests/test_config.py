@@ -59,3 +59,47 @@ def test_hub_id_and_local_path_are_told_apart():
     assert not make("Qwen/Qwen2-7B").base_model_is_local()
     assert make("./models/x").base_model_is_local()
     assert make("/abs/path").base_model_is_local()
+
+
+BASE = {"base_model": "m", "datasets": [{"path": "x.jsonl", "type": "chat"}]}
+
+
+@pytest.mark.parametrize("given, listed", [
+    (None, ["Q4_K_M"]),
+    ("Q8_0", ["Q8_0"]),
+    (["Q5_K_M", "Q4_K_M", "Q8_0"], ["Q5_K_M", "Q4_K_M", "Q8_0"]),
+])
+def test_quantization_is_one_name_or_a_list(given, listed):
+    config = parse_config({**BASE, **({"quantization": given} if given else {})})
+    assert config.quantization == config.quantizations == listed
+    assert config.primary_quantization == listed[0]  # the first is the primary, in the order written
+    # The same single quantization written either way is the same config.
+    if isinstance(given, str):
+        assert config.fingerprint() == parse_config({**BASE, "quantization": [given]}).fingerprint()
+
+
+@pytest.mark.parametrize("given, message", [
+    ("Q3_K_XL", "'Q3_K_XL' is not allowed; use 'Q4_K_M', 'Q5_K_M' or 'Q8_0'"),
+    (["Q4_K_M", "IQ2_XXS"], "quantization.1: 'IQ2_XXS' is not allowed; use 'Q4_K_M', 'Q5_K_M' or 'Q8_0'"),
+    ([], "quantization: list is empty"),
+    (["Q8_0", "Q4_K_M", "Q8_0"], "Q8_0 listed more than once"),
+])
+def test_bad_quantization_lists_the_valid_ones(given, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config({**BASE, "quantization": given})
+    assert message in str(e.value)
+
+
+def test_plan_sizes_disk_for_every_quantization_and_the_gpu_for_each():
+    from loraship.memory import plan_disk_and_inference
+
+    shape = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 32, "vocab_size": 32000}
+    one = plan_disk_and_inference(shape, parse_config(BASE))
+    both = plan_disk_and_inference(shape, parse_config({**BASE, "quantization": ["Q4_K_M", "Q8_0"]}))
+    assert both["inference"]["total_gib"] == one["inference"]["total_gib"]  # the primary's, as before
+    assert both["inference"]["quantization"] == "Q4_K_M"
+    assert set(both["inference"]["by_quantization"]) == {"Q4_K_M", "Q8_0"}
+    q8 = both["inference"]["by_quantization"]["Q8_0"]["gguf_gib"]
+    assert both["disk_gib"]["quantize"] == pytest.approx(one["disk_gib"]["quantize"] + q8, abs=0.02)

@@ -113,11 +113,9 @@ def test_train_on_inputs_changes_exactly_the_prompt_labels(tmp_path, qwen_tokeni
 
 
 def test_train_on_inputs_keys_the_stages_that_use_it():
-    import tasks.plan
-    import tasks.reference
-    import tasks.train
+    from loraship.stages import plan, reference, train
 
-    assert all("train_on_inputs" in m.FIELDS for m in (tasks.plan, tasks.train, tasks.reference))
+    assert all("train_on_inputs" in m.FIELDS for m in (plan, train, reference))
 
 
 # -- cache ------------------------------------------------------------------------------------------

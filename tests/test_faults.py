@@ -178,7 +178,7 @@ def test_manifest_checksum_mismatch_stops_downstream(merged_run):
     manifest_path.write_text(json.dumps(data))
     try:
         with pytest.raises(IntegrityError, match="sha256 does not match"):
-            importlib.import_module("loraship.stages.quantize").run(config.model_copy(update={"quantization": "Q5_K_M"}))
+            importlib.import_module("loraship.stages.quantize").run(config.model_copy(update={"quantization": ["Q5_K_M"]}))
     finally:
         manifest_path.write_text(original)
 

@@ -28,7 +28,7 @@ def test_every_stage_wrote_a_manifest_with_checksums(pipeline_run):
 def test_published_artifact(pipeline_run):
     config, _ = pipeline_run
     root = Path(config.output) / config.run_name
-    gguf = root / quantized_gguf_name(config.quantization)
+    gguf = root / quantized_gguf_name(config.primary_quantization)
     assert read_gguf(gguf)["fields"]["general.file_type"] == GGUF_FILE_TYPES["Q4_K_M"] == 15
     assert (root / "adapter" / "adapter_model.safetensors").is_file()
     published = json.loads((root / MANIFEST_NAME).read_text())
@@ -116,7 +116,7 @@ def test_resume_after_one_output_is_deleted(pipeline_run):
     """Delete the quantized GGUF: only quantize reruns. Its output is bit-identical, so verify
     and publish, keyed on content hashes rather than timestamps, stay skipped."""
     config, first = pipeline_run
-    (stage_dir(config, "quantize") / quantized_gguf_name(config.quantization)).unlink()
+    (stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization)).unlink()
     again = {stage: importlib.import_module(f"loraship.stages.{stage}").run(config) for stage in STAGES}
     ran = {stage for stage, m in again.items() if not m.get("_skipped")}
     assert ran == {"quantize"}
@@ -126,7 +126,7 @@ def test_resume_after_one_output_is_deleted(pipeline_run):
 def test_changed_upstream_output_reruns_downstream(pipeline_run):
     """A different quantization re-plans (cheap) and requantizes; training and merge are untouched."""
     config, _ = pipeline_run
-    q8 = config.model_copy(update={"quantization": "Q8_0", "run_name": config.run_name})
+    q8 = config.model_copy(update={"quantization": ["Q8_0"], "run_name": config.run_name})
     again = {stage: importlib.import_module(f"loraship.stages.{stage}").run(q8) for stage in STAGES}
     ran = {stage for stage, m in again.items() if not m.get("_skipped")}
     assert ran == {"plan", "quantize", "verify", "publish"}
@@ -145,7 +145,7 @@ def test_corrupt_upstream_output_is_refused(pipeline_run):
     try:
         f16.write_bytes(original[: len(original) // 2])
         with pytest.raises(IntegrityError, match="model-F16.gguf"):
-            importlib.import_module("loraship.stages.quantize").run(config.model_copy(update={"quantization": "Q8_0"}))
+            importlib.import_module("loraship.stages.quantize").run(config.model_copy(update={"quantization": ["Q8_0"]}))
     finally:
         f16.write_bytes(original)
 

@@ -292,7 +292,7 @@ def test_train_stage_writes_its_pictures_as_manifest_outputs(tiny_model, tmp_pat
     from transformers import AutoModelForCausalLM
 
     from loraship.progress import Progress
-    from tasks.reference import greedy_answers, log as reference_log, score_eval
+    from loraship.stages.reference import greedy_answers, log as reference_log, score_eval
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     texts = [{"input_ids": [1, 5, 6, 7, 8], "positions": [0, 1, 2, 3]}, {"input_ids": [1, 9, 10], "positions": [1]}]

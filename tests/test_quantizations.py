@@ -1,0 +1,79 @@
+"""Several quantizations in one run (`quantization: [Q4_K_M, Q8_0]`), on the tiny model's pipeline run."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from loraship.config import parse_config
+from loraship.constants import GGUF_FILE_TYPES, MANIFEST_NAME, MODEL_CARD, MODELFILE, STAGES, VERIFY_FILE, quantized_gguf_name
+from loraship.gguf_info import read_gguf
+from loraship.gguf_tools import gguf_file
+from loraship.manifest import sha256_file
+from loraship.stage import stage_dir
+
+
+def run_all(config) -> dict:
+    return {stage: importlib.import_module(f"loraship.stages.{stage}").run(config) for stage in STAGES}
+
+
+def test_two_quantizations_are_made_verified_and_shipped(pipeline_run):
+    config, first = pipeline_run
+    assert config.quantizations == ["Q4_K_M"]
+    both = parse_config({**config.model_dump(mode="json"), "quantization": ["Q4_K_M", "Q8_0"]})
+    try:
+        again = run_all(both)
+        ran = {stage for stage, m in again.items() if not m.get("_skipped")}
+        assert ran == {"plan", "quantize", "verify", "publish"}  # training, merge, convert untouched
+
+        # The Q4_K_M GGUF the fixture made is kept, not made again; Q8_0 is new.
+        made = again["quantize"]["metrics"]["quantizations"]
+        assert made["Q4_K_M"]["reused"] and not made["Q8_0"]["reused"]
+        q4 = quantized_gguf_name("Q4_K_M")
+        assert again["quantize"]["outputs"][q4] == first["quantize"]["outputs"][q4]
+        for q in both.quantizations:
+            gguf = stage_dir(both, "quantize") / quantized_gguf_name(q)
+            assert read_gguf(gguf)["fields"]["general.file_type"] == GGUF_FILE_TYPES[q]
+
+        verify = json.loads((stage_dir(both, "verify") / VERIFY_FILE).read_text(encoding="utf-8"))
+        assert verify["passed"] and set(verify["quantizations"]) == {"Q4_K_M", "Q8_0"}
+        assert verify["quantization"] == "Q4_K_M" and verify["gates"]["perplexity_ratio"] == \
+            verify["quantizations"]["Q4_K_M"]["gates"]["perplexity_ratio"]  # the primary's gates keep their names
+        assert verify["gates"]["Q8_0/same_top_token"]["evidence"] >= both.min_scored_tokens
+        assert verify["quantizations"]["Q8_0"]["gates"]["file_type"]["value"] == GGUF_FILE_TYPES["Q8_0"]
+
+        root = Path(both.output) / both.run_name
+        published = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))
+        assert published["gguf"] == q4 and list(published["quantizations"]) == ["Q4_K_M", "Q8_0"]
+        for q, shipped in published["quantizations"].items():
+            assert sha256_file(root / shipped["gguf"]) == shipped["sha256"] == published["files"][shipped["gguf"]]["sha256"]
+            assert shipped["verify"]["passed"] and shipped["verify"]["kl_mean"] is not None
+        assert (root / MODELFILE).read_text(encoding="utf-8").startswith(f"FROM ./{q4}\n")  # the primary
+        card = (root / MODEL_CARD).read_text(encoding="utf-8")
+        assert f"| Q4_K_M (primary) | `{q4}` |" in card and f"| Q8_0 | `{quantized_gguf_name('Q8_0')}` |" in card
+        assert f"llama-server -m {q4} --jinja" in card
+        assert gguf_file(root).name == q4  # what `loraship chat ARTIFACT` opens
+    finally:
+        # Back to the fixture's one quantization: its GGUF is kept again, and Q8_0 leaves the artifact.
+        back = run_all(config)
+        assert back["quantize"]["metrics"]["quantizations"]["Q4_K_M"]["reused"]
+        assert not (Path(config.output) / config.run_name / quantized_gguf_name("Q8_0")).exists()
+
+
+def test_a_failing_quantization_is_named(pipeline_run, monkeypatch):
+    """verify fails when any quantization fails, and says which."""
+    import pytest
+
+    from loraship.errors import LorashipError
+
+    config, _ = pipeline_run
+    strict = parse_config({**config.model_dump(mode="json"), "quantization": ["Q8_0", "Q4_K_M"],
+                           "kl_mean_max": 1e-9})
+    try:
+        for stage in ("plan", "quantize"):
+            importlib.import_module(f"loraship.stages.{stage}").run(strict)
+        with pytest.raises(LorashipError, match=r"verify failed for Q8_0, Q4_K_M: .*Q4_K_M/kl_divergence_mean"):
+            importlib.import_module("loraship.stages.verify").run(strict)
+    finally:
+        run_all(config)

@@ -1,0 +1,61 @@
+"""verify's gates one by one, on figures made up here (no model, no llama.cpp)."""
+
+from __future__ import annotations
+
+import math
+
+from loraship.config import Config
+from loraship.stages.verify import (
+    eval_loss_gate, file_type_gate, golden_decisive_gate, golden_match_gate, kl_mean_gate, perplexity_ratio_gate,
+    same_top_gate, tokenizer_parity_gate,
+)
+
+CONFIG = Config.model_construct(**{name: f.default for name, f in Config.model_fields.items()})
+
+
+def agreement(scored: int, **figures) -> dict:
+    return {"scored_tokens": scored, **figures}
+
+
+def test_perplexity_ratio_passes_fails_and_needs_evidence():
+    ok = perplexity_ratio_gate(agreement(200, perplexity_ratio=1.01), CONFIG)
+    assert ok == {"passed": True, "value": 1.01, "threshold": CONFIG.perplexity_ratio_max, "evidence": 200,
+                  "minimum": CONFIG.min_scored_tokens}
+    assert not perplexity_ratio_gate(agreement(200, perplexity_ratio=1.5), CONFIG)["passed"]
+    few = perplexity_ratio_gate(agreement(10, perplexity_ratio=1.0), CONFIG)
+    assert not few["passed"] and few["note"].startswith("not enough evidence: 10 < 64 (min_scored_tokens)")
+    none = perplexity_ratio_gate(agreement(0), CONFIG)  # eval_agreement saw no position: no figures at all
+    assert not none["passed"] and math.isnan(none["value"]) and none["evidence"] == 0
+
+
+def test_kl_and_same_top():
+    assert kl_mean_gate(agreement(100, kl_mean=0.01), CONFIG, 64)["passed"]
+    assert not kl_mean_gate(agreement(100, kl_mean=0.5), CONFIG, 64)["passed"]
+    assert same_top_gate(agreement(100, same_top_rate=0.9), CONFIG)["passed"]
+    assert not same_top_gate(agreement(100, same_top_rate=0.5), CONFIG)["passed"]
+    assert not same_top_gate(agreement(0), CONFIG)["passed"]
+
+
+def test_zero_evidence_never_passes_as_0_of_0():
+    # agreed == decisive == 0 and equal == checked == 0 would read as "all"; the evidence count says otherwise.
+    decisive = golden_decisive_gate({"agreed": 0, "decisive": 0}, CONFIG)
+    assert decisive["value"] == "0/0" and not decisive["passed"] and "not enough evidence" in decisive["note"]
+    parity = tokenizer_parity_gate({"equal": 0, "checked": 0})
+    assert not parity["passed"] and parity["evidence"] == 0
+    assert not golden_match_gate({"matches": 0}, 0, CONFIG)["passed"]
+    # The same gate with a minimum of 1 and one position seen passes.
+    one = golden_decisive_gate({"agreed": 1, "decisive": 1}, CONFIG.model_copy(update={"min_decisive_positions": 1}))
+    assert one["passed"] and one["evidence"] == 1 and "not enough evidence" not in one["note"]
+
+
+def test_golden_match_rate():
+    assert golden_match_gate({"matches": 4}, 5, CONFIG) | {"note": ""} == {
+        "passed": True, "value": 0.8, "threshold": 0.75, "evidence": 5, "minimum": 4, "note": ""}
+    assert not golden_match_gate({"matches": 3}, 5, CONFIG)["passed"]
+
+
+def test_gates_without_evidence_counts():
+    assert file_type_gate({"general.file_type": 15}, "Q4_K_M") == {"passed": True, "value": 15, "threshold": 15}
+    assert not file_type_gate({"general.file_type": 7}, "Q4_K_M")["passed"]
+    assert eval_loss_gate({"eval_loss_before": 2.0, "eval_loss_after": 1.5})["passed"]
+    assert not eval_loss_gate({"eval_loss_before": 2.0, "eval_loss_after": None})["passed"]
