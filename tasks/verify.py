@@ -441,12 +441,8 @@ def measure_adapter(job: dict) -> dict:
     return {"load_seconds": load_seconds, "eval_agreement": agreement}
 
 
-# The child's script. sentencepiece is kept out: gguf imports it when installed, and with its
-# extension loaded before llama.cpp's CUDA libraries, the model load segfaulted on the H200 (in
-# print_info, right after n_layer_all; bench/results/verify_gpu_attempt.json). verify never needs it.
 _MEASURE = """
 import importlib, json, logging, sys
-sys.modules["sentencepiece"] = None
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 module = importlib.import_module(sys.argv[1])
 job = json.loads(open(sys.argv[2], encoding="utf-8").read())

@@ -59,24 +59,3 @@ def test_gates_without_evidence_counts():
     assert not file_type_gate({"general.file_type": 7}, "Q4_K_M")["passed"]
     assert eval_loss_gate({"eval_loss_before": 2.0, "eval_loss_after": 1.5})["passed"]
     assert not eval_loss_gate({"eval_loss_before": 2.0, "eval_loss_after": None})["passed"]
-
-
-def test_measure_child_keeps_sentencepiece_out(tmp_path):
-    """verify's llama.cpp child runs without sentencepiece even though gguf imports it when present:
-    loaded before llama.cpp's CUDA libraries it made the model load segfault on the H200."""
-    import json
-    import subprocess
-    import sys
-
-    from loraship.stages.verify import _MEASURE
-
-    (tmp_path / "probe_module.py").write_text(
-        "import sys\nimport gguf\n"
-        "def probe(job):\n"
-        "    return {'sentencepiece': sys.modules.get('sentencepiece') is not None, 'gguf_keys': bool(gguf.Keys.General.NAME)}\n")
-    job, result = tmp_path / "job.json", tmp_path / "result.json"
-    job.write_text("{}")
-    done = subprocess.run([sys.executable, "-c", _MEASURE, "probe_module", str(job), str(result), "probe"],
-                          cwd=tmp_path, capture_output=True, text=True, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
-    assert done.returncode == 0, done.stderr
-    assert json.loads(result.read_text()) == {"sentencepiece": False, "gguf_keys": True}
