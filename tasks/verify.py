@@ -378,24 +378,13 @@ def memory_plan(layout, config) -> dict:
     return plan
 
 
-def measure(job: dict) -> dict:
-    """Everything that needs the GGUF loaded in llama.cpp, in the process that loads it.
-
-    The model is loaded first, before any large array is allocated: in a process that had read the
-    reference's arrays or memory-mapped the GGUF, llama.cpp's CUDA load segfaulted on the H200
-    (bench/verify_gpu.py) while the same load as a process's first work did not.
-    """
+def measure(job: dict, llm, load_seconds: float) -> dict:
+    """Everything that needs the GGUF loaded in llama.cpp, in the process that loaded it (_MEASURE)."""
     import json
     from types import SimpleNamespace
 
-    from llama_cpp import Llama
-
     cuda = job["device"] == "cuda"
-    before = im.gpu_used_by_this_process_gib() if cuda else None
-    started = time.perf_counter()
-    llm = Llama(model_path=job["gguf"], n_ctx=job["n_ctx"], n_gpu_layers=job["n_gpu_layers"], logits_all=True,
-                verbose=os.environ.get("LORASHIP_LLAMA_VERBOSE") == "1", seed=job["seed"], n_threads=cpu_count())
-    out = {"load_seconds": round(time.perf_counter() - started, 2), "gpu_used_before_load_gib": before}
+    out = {"load_seconds": round(load_seconds, 2), "gpu_used_before_load_gib": None}
     import numpy as np
 
     reference = json.loads(Path(job["reference"]).read_text(encoding="utf-8"))
@@ -418,19 +407,13 @@ def measure(job: dict) -> dict:
     return out
 
 
-def measure_adapter(job: dict) -> dict:
+def measure_adapter(job: dict, llm, load_seconds: float) -> dict:
     """Base GGUF + adapter GGUF loaded as llama.cpp serves them (llama-server --lora; scale 1, so
     llama.cpp's own alpha / rank), scored on the eval texts against the merged GGUF's top-k that
-    measure() wrote. Loads first, in its own process, for the reason measure() does."""
+    measure() wrote; loaded by _MEASURE like measure()'s model."""
     import json
 
-    from llama_cpp import Llama
-
-    started = time.perf_counter()
-    llm = Llama(model_path=job["gguf"], lora_path=job["lora"], lora_scale=1.0, n_ctx=job["n_ctx"],
-                n_gpu_layers=job["n_gpu_layers"], logits_all=True, seed=job["seed"], n_threads=cpu_count(),
-                verbose=os.environ.get("LORASHIP_LLAMA_VERBOSE") == "1")
-    load_seconds = round(time.perf_counter() - started, 2)
+    load_seconds = round(load_seconds, 2)
     import numpy as np
 
     reference = json.loads(Path(job["reference"]).read_text(encoding="utf-8"))
@@ -441,12 +424,20 @@ def measure_adapter(job: dict) -> dict:
     return {"load_seconds": load_seconds, "eval_agreement": agreement}
 
 
+# The child loads the GGUF with nothing but the standard library and llama_cpp imported, then imports
+# this module: on the H200, a CUDA load after `import loraship.stages.verify` segfaulted in every
+# try, while a plain load never did (bench/results/verify_gpu_bisect.json).
 _MEASURE = """
-import importlib, json, logging, sys
+import json, sys, time
+job = json.loads(open(sys.argv[2], encoding="utf-8").read())
+from llama_cpp import Llama
+started = time.perf_counter()
+llm = Llama(**job["llama"])
+load_seconds = time.perf_counter() - started
+import importlib, logging
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 module = importlib.import_module(sys.argv[1])
-job = json.loads(open(sys.argv[2], encoding="utf-8").read())
-result = getattr(module, sys.argv[4])(job)
+result = getattr(module, sys.argv[4])(job, llm, load_seconds)
 open(sys.argv[3], "w", encoding="utf-8").write(json.dumps(result, default=float))
 """
 
@@ -460,7 +451,12 @@ def measure_apart(ctx, job: dict, entry: str = "measure") -> dict:
     from loraship.proc import run_child
 
     job_file, result_file = ctx.dir / ".measure-job.json", ctx.dir / ".measure-result.json"
-    job_file.write_text(json.dumps(job), encoding="utf-8")
+    # llama.cpp's arguments, decided here: the child loads before it imports anything of loraship.
+    llama = {"model_path": job["gguf"], "n_ctx": job["n_ctx"], "n_gpu_layers": job["n_gpu_layers"], "logits_all": True,
+             "seed": job["seed"], "n_threads": cpu_count(), "verbose": os.environ.get("LORASHIP_LLAMA_VERBOSE") == "1"}
+    if job.get("lora"):
+        llama.update(lora_path=job["lora"], lora_scale=1.0)
+    job_file.write_text(json.dumps({**job, "llama": llama}), encoding="utf-8")
     result_file.unlink(missing_ok=True)
     module = __spec__.name if __spec__ is not None else __name__  # loraship.stages.verify, also under python -m
     keep = {k: os.environ[k] for k in ("LORASHIP_LLAMA_VERBOSE", "PYTHONUNBUFFERED") if k in os.environ}
