@@ -384,7 +384,7 @@ def measure(job: dict, llm, load_seconds: float) -> dict:
     from types import SimpleNamespace
 
     cuda = job["device"] == "cuda"
-    out = {"load_seconds": round(load_seconds, 2), "gpu_used_before_load_gib": None}
+    out = {"load_seconds": round(load_seconds, 2)}
     import numpy as np
 
     reference = json.loads(Path(job["reference"]).read_text(encoding="utf-8"))
@@ -541,7 +541,6 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
     predicted = memory["predicted"]["total_gib"] if memory["fits"] else im.predict_gpu(
         layout, n_ctx, memory["gpu_layers_at_target_context"])["total_gib"]
     report["gpu_memory"] = {"predicted_gib": predicted, "measured_gib": measured["gpu_used_gib"],
-                            "measured_before_load_gib": measured["gpu_used_before_load_gib"],
                             "target_gpu_gib": config.target_gpu_memory_gib}
     gates["fits_target_gpu"] = fits_target_gpu_gate(memory, report["gpu_memory"], layout, config)
     if with_adapter:
