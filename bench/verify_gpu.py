@@ -180,6 +180,7 @@ def main() -> None:
     })
     # Each stage in its own process, as in its container: torch's CUDA libraries and llama.cpp's in
     # one process crashed verify here (a segfault at load).
+    args.root.mkdir(parents=True, exist_ok=True)  # --base-dir elsewhere leaves it uncreated
     config_file = args.root / "config.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     # verify loads llama.cpp verbosely (its buffer sizes are parsed below) under faulthandler; its whole
