@@ -47,6 +47,8 @@ def build_random_model(shape: str, tokenizer_dir: Path, out: Path, layers: int |
     config = AutoConfig.from_pretrained(REPO / "examples" / "models" / shape)
     if layers:
         config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):  # transformers checks one entry per block
+            config.layer_types = config.layer_types[:layers]
     config.bos_token_id, config.eos_token_id = 151643, 151645
     torch.manual_seed(0)
     with torch.device("cuda"):

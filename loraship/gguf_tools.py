@@ -228,7 +228,7 @@ def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]
         fits = predicted["total_gib"] <= gpu_gib
         if not fits:
             detail += (f"; does not fit {gpu_gib:g} GiB: {im.layers_that_fit(layout, context, gpu_gib)} of "
-                       f"{layout.n_layers} layers do at this context, all layers up to context "
+                       f"{im.all_layers(layout)} layers (llama.cpp's -ngl) do at this context, all layers up to context "
                        f"{im.largest_context(layout, gpu_gib)}")
         check(f"fits {gpu_gib:g} GiB", fits, detail)
     return checks

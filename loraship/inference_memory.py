@@ -1,16 +1,20 @@
 """GPU memory of a GGUF under llama.cpp: predicted from the file itself, measured through NVML.
 
-Prediction (all layers or the first N on the GPU, f16 KV cache, n_ubatch 512, no flash attention,
-which is llama-cpp-python's default):
+Prediction (llama.cpp's n_gpu_layers, f16 KV cache, n_ubatch 512, no flash attention, which is
+llama-cpp-python's default). llama.cpp counts n_layers + 1 layers: the output layer is one of them
+and the first to go to the GPU; n_gpu_layers = k puts the output layer and the last k - 1 blocks
+there ("offloaded 8/9 layers" for an 8-block model at -ngl 8).
 - weights: the exact bytes of every tensor the GPU holds. llama.cpp keeps the input embedding
   (token_embd) on the CPU; with tied embeddings the output projection reuses it, and that copy
   does go to the GPU.
-- KV cache: K and V, f16, every offloaded layer, every position: 2 x n_ctx x n_embd_kv x 2 bytes.
+- KV cache: K and V, f16, every offloaded block, every position: 2 x n_ctx x n_embd_kv x 2 bytes.
 - compute buffer: the largest of the graph's working sets, which the allocator reuses: attention
-  scores (n_ubatch x n_ctx x heads, fp32) next to the FFN activations, or the logits of a batch
-  (n_ubatch x vocab, fp32).
+  scores (n_ubatch x n_ctx x heads, fp32) next to the FFN and residual activations, or the logits
+  of a batch (n_ubatch x vocab, fp32). Both match llama.cpp's "CUDA0 compute buffer size" within
+  2% on Qwen2-7B and -14B widths at n_ctx 1024-8192, all or some layers offloaded.
 - the CUDA context and cuBLAS workspace (CUDA_OVERHEAD_GIB), which no llama.cpp log shows.
-bench/verify_gpu.py measures the total on the GPU (bench/results/verify_gpu.json).
+bench/verify_gpu.py measures the total on the GPU (bench/results/verify_gpu.json, and
+bench/results/verify_gpu_partial_offload.json for partial offload).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from pathlib import Path
 GIB = 2**30
 N_UBATCH = 512
 # CUDA context + cuBLAS handles/workspace of one process, as NVML sees it beyond llama.cpp's own
-# buffers; measured on the H200 by bench/verify_gpu.py.
-CUDA_OVERHEAD_GIB = 0.55
+# buffers: 0.682-0.689 GiB in all eight loads measured on the H200 (llama-cpp-python 0.3.36,
+# bench/results/verify_gpu*.json).
+CUDA_OVERHEAD_GIB = 0.69
 
 
 @dataclass(frozen=True)
@@ -84,15 +89,28 @@ def read_layout(path: Path) -> GGUFLayout:
     )
 
 
+def compute_buffer_bytes(n_ctx: int, n_head: int, n_embd: int, n_ff: int, n_vocab: int) -> int:
+    """llama.cpp's CUDA compute buffer at n_ubatch 512: attention scores next to the FFN and residual
+    activations, or a batch's logits, whichever is larger (the allocator reuses one for the other)."""
+    attention = N_UBATCH * n_ctx * n_head * 4 + N_UBATCH * (n_ff + 3 * n_embd) * 4
+    logits = N_UBATCH * n_vocab * 4 + N_UBATCH * n_embd * 4
+    return max(attention, logits)
+
+
+def all_layers(layout: GGUFLayout) -> int:
+    """llama.cpp's n_gpu_layers for everything on the GPU: every block and the output layer."""
+    return layout.n_layers + 1
+
+
 def predict_gpu(layout: GGUFLayout, n_ctx: int, n_gpu_layers: int | None = None) -> dict:
-    """GiB per component with the last n_gpu_layers blocks (all by default) and the output on the GPU."""
-    layers = layout.n_layers if n_gpu_layers is None else max(0, min(n_gpu_layers, layout.n_layers))
-    offloaded = layout.layer_bytes[layout.n_layers - layers:] if layers else []
-    weights = sum(offloaded) + (layout.output_bytes if layers == layout.n_layers else 0)
-    kv = 2 * layers * n_ctx * layout.n_embd_kv * 2
-    attention = N_UBATCH * n_ctx * layout.n_head * 4 + N_UBATCH * (4 * layout.n_embd + 3 * layout.n_ff) * 4
-    logits = N_UBATCH * layout.n_vocab * 4 + N_UBATCH * layout.n_embd * 4
-    compute = max(attention, logits) if layers else 0
+    """GiB per component at llama.cpp's n_gpu_layers (all by default): the output layer, then the
+    last n_gpu_layers - 1 blocks."""
+    layers = all_layers(layout) if n_gpu_layers is None or n_gpu_layers < 0 else min(n_gpu_layers, all_layers(layout))
+    blocks = max(0, layers - 1)
+    offloaded = layout.layer_bytes[layout.n_layers - blocks:] if blocks else []
+    weights = sum(offloaded) + (layout.output_bytes if layers else 0)
+    kv = 2 * blocks * n_ctx * layout.n_embd_kv * 2
+    compute = compute_buffer_bytes(n_ctx, layout.n_head, layout.n_embd, layout.n_ff, layout.n_vocab) if layers else 0
     parts = {"weights_gib": weights / GIB, "kv_cache_gib": kv / GIB, "compute_buffer_gib": compute / GIB,
              "cuda_overhead_gib": CUDA_OVERHEAD_GIB}
     parts = {k: round(v, 3) for k, v in parts.items()}
@@ -102,9 +120,12 @@ def predict_gpu(layout: GGUFLayout, n_ctx: int, n_gpu_layers: int | None = None)
 
 
 def layers_that_fit(layout: GGUFLayout, n_ctx: int, budget_gib: float) -> int:
-    """Most blocks that fit the budget at n_ctx (0 when not even one does)."""
+    """Largest llama.cpp n_gpu_layers that fits the budget at n_ctx (0 when not even the output
+    layer does)."""
     fit = 0
-    for layers in range(1, layout.n_layers + 1):
+    # From 2: with the output layer alone on the GPU llama.cpp's compute buffer grows by about a
+    # third (measured: 408 MiB, not 304), which this model does not predict.
+    for layers in range(2, all_layers(layout) + 1):
         if predict_gpu(layout, n_ctx, layers)["total_gib"] <= budget_gib:
             fit = layers
     return fit

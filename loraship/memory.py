@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from loraship.config import Config
 from loraship.constants import BITS_PER_WEIGHT
+from loraship import inference_memory as im
 from loraship.errors import LorashipError
 
 GIB = 2**30
@@ -463,7 +464,7 @@ def replan_after_oom(plan: dict, model_config: dict, cfg: Config, measured: dict
 # ---------------------------------------------------------------------------------------------
 # Disk and inference
 # ---------------------------------------------------------------------------------------------
-def plan_disk_and_inference(model_config: dict, cfg: Config, n_ubatch: int = 512) -> dict:
+def plan_disk_and_inference(model_config: dict, cfg: Config) -> dict:
     """Disk for merge/convert/quantize and GPU memory of the shipped GGUF under llama.cpp."""
     s = parse_model_config(model_config)
     P = s.n_params
@@ -474,11 +475,11 @@ def plan_disk_and_inference(model_config: dict, cfg: Config, n_ubatch: int = 512
     quant, quant_disk = each[cfg.primary_quantization], sum(each.values())
     # llama.cpp KV cache in f16: K and V, every layer, every position.
     kv = 2 * s.L * cfg.target_context * s.kv * 2
-    # Compute buffer at n_ubatch 512: fp32 logits for the batch, a few hidden/FFN-wide scratch
-    # tensors, and attention scores over the context (no flash attention); with the CUDA context this
-    # lands on the 6.7 GiB measured for a Llama-2-7B shape at n_ctx 4096.
-    compute = n_ubatch * (4 * s.V + 16 * s.h + 4 * s.f) + n_ubatch * cfg.target_context * s.heads * 4
-    ctx = 0.45 * GIB
+    # The compute buffer and CUDA context as verify predicts them from the GGUF (loraship/inference_memory.py),
+    # here from the model config; the weights are the whole GGUF (the input embedding, which llama.cpp
+    # keeps on the CPU, included: a margin at plan time).
+    compute = im.compute_buffer_bytes(cfg.target_context, s.heads, s.h, s.f, s.V)
+    ctx = im.CUDA_OVERHEAD_GIB * GIB
     runtime = kv + compute + ctx
     total = quant + runtime
     g = lambda b: round(b / GIB, 2)  # noqa: E731

@@ -166,7 +166,8 @@ def fits_target_gpu_gate(memory: dict, gpu_memory: dict, layout, config) -> dict
         ("measured through NVML (the process that loaded it)" if used is not None else "predicted from the GGUF's tensors")
         + f", every layer on the GPU at n_ctx {config.target_context}"
         + ("" if memory["fits"] else f"; does not fit: all layers fit up to n_ctx {memory['largest_context_all_layers']}, "
-           f"{memory['gpu_layers_at_target_context']} of {layout.n_layers} layers at n_ctx {config.target_context}"),
+           f"{memory['gpu_layers_at_target_context']} of {im.all_layers(layout)} layers (llama.cpp's -ngl, the output layer "
+           f"included) at n_ctx {config.target_context}"),
     )
 
 
@@ -191,6 +192,16 @@ def pick_device(config) -> str:
         raise LorashipError("device: cuda was asked for, but this llama-cpp-python has no GPU offload or no GPU is "
                             "visible; install the CUDA build of llama-cpp-python or use device: auto")
     return "cuda" if gpu and config.device != "cpu" else "cpu"
+
+
+def check_gpu_size(config, device: str) -> None:
+    """The measured memory gate means something only on a GPU at least as large as the target."""
+    total = im.gpu_total_gib() if device == "cuda" else None
+    if total is not None and total < config.target_gpu_memory_gib:
+        raise LorashipError(
+            f"this GPU has {total:.1f} GiB, less than target_gpu_memory_gib {config.target_gpu_memory_gib:g} the plan "
+            "was made for; run verify on a GPU at least that large, or lower target_gpu_memory_gib and run again"
+        )
 
 
 def vocab_of(llm):
@@ -369,7 +380,7 @@ def memory_plan(layout, config) -> dict:
         if layers == 0 and im.largest_context(layout, config.target_gpu_memory_gib) == 0:
             one = im.predict_gpu(layout, config.target_context, 1)
             raise LorashipError(
-                f"the GGUF does not fit target_gpu_memory_gib {config.target_gpu_memory_gib:g} even with one layer on the "
+                f"the GGUF does not fit target_gpu_memory_gib {config.target_gpu_memory_gib:g} even with one layer (the output layer) on the "
                 f"GPU (about {one['total_gib']:.2f} GiB at n_ctx {config.target_context}); choose a smaller "
                 "quantization, a smaller base model, or a larger target GPU"
             )
@@ -425,8 +436,9 @@ def measure_adapter(job: dict, llm, load_seconds: float) -> dict:
 
 
 # The child loads the GGUF with nothing but the standard library and llama_cpp imported, then imports
-# this module: on the H200, a CUDA load after `import loraship.stages.verify` segfaulted in every
-# try, while a plain load never did (bench/results/verify_gpu_bisect.json).
+# this module: on the H200 a CUDA load after `import numpy` segfaults (in llama.cpp's print_info),
+# and this module imports numpy; llama_cpp loads its CUDA libraries before it imports numpy, and that
+# order works (bench/results/verify_gpu_bisect.json, then the 7B and 14B rows of verify_gpu.json).
 _MEASURE = """
 import json, sys, time
 job = json.loads(open(sys.argv[2], encoding="utf-8").read())
@@ -585,13 +597,7 @@ def run(config) -> dict:
     reference = json.loads((ctx.upstream_dir("reference") / REFERENCE_FILE).read_text(encoding="utf-8"))
     check_lineage(config, reference)
     device = pick_device(config)
-    if device == "cuda":
-        total = im.gpu_total_gib()
-        if total is not None and total < config.target_gpu_memory_gib:
-            raise LorashipError(
-                f"this GPU has {total:.1f} GiB, less than target_gpu_memory_gib {config.target_gpu_memory_gib:g} the plan "
-                "was made for; run verify on a GPU at least that large, or lower target_gpu_memory_gib and run again"
-            )
+    check_gpu_size(config, device)
     # The adapter's base is quantized like the primary, so the pair is compared with the primary GGUF.
     sections = {q: verify_quantization(ctx, config, q, reference, device, with_adapter=bool(adapter) and q == primary)
                 for q in config.quantizations}
