@@ -94,11 +94,13 @@ class Prefetcher:
             self._prefetch(i - 1 if self.backward else i + 1, device)
         self.used.add(module)
         copies, done = self.held.get(i, ({}, None))
-        copy = copies.pop(module, None)
+        copy = copies.pop(module, None)  # let go of it: from here autograd alone keeps it alive
         if not copies:
-            self.held.pop(i, None)  # drop the reference: from here autograd alone decides its lifetime
-        weight = self.transfer.now(module._loraship_cpu_weight, device) if copy is None \
-            else self.transfer.ready(copy, done)
+            self.held.pop(i, None)
+        if copy is None:  # not prefetched (a guess that missed): copy it now, on the compute stream
+            weight = self.transfer.now(module._loraship_cpu_weight, device)
+        else:
+            weight = self.transfer.ready(copy, done)
         if (not self.backward and i == len(self.layers) - 1 and len(self.used) == len(self.layers[i])
                 and self.recompute_follows()):
             self._prefetch(i, device)  # backward starts with this layer's recompute
