@@ -36,32 +36,39 @@ class Transfer:
         return cpu_weight.to(device, non_blocking=True)
 
     def start(self, cpu_weights, device):
-        """Begin copying; returns (copies, done). The copies must pass through `ready` before use."""
+        """Begin copying; returns (copies, done). Each copy then goes through `ready` or `drop`."""
         import torch
 
         if device.type != "cuda":
             return [w.to(device) for w in cpu_weights], None
         if device not in self.streams:
             self.streams[device] = torch.cuda.Stream(device)
-        side = self.streams[device]
-        with torch.cuda.stream(side):  # the copies are also allocated from the side stream's pool
-            copies = [w.to(device, non_blocking=True) for w in cpu_weights]  # async: the source is pinned
+        side, compute = self.streams[device], torch.cuda.current_stream(device)
+        # Allocated on the compute stream, like the copies before prefetch: its blocks come back in
+        # stream order, so the memory of a layer that compute is done with serves the next prefetch,
+        # however far the CPU runs ahead (side-stream blocks would need record_stream, whose events
+        # hold memory back until the GPU catches up: more than two layers' worth).
+        copies = [torch.empty_like(w, device=device) for w in cpu_weights]
+        side.wait_stream(compute)  # those blocks may still be read by compute work already queued
+        with torch.cuda.stream(side):
+            for copy, w in zip(copies, cpu_weights):
+                copy.copy_(w, non_blocking=True)  # async: the source is pinned
             done = torch.cuda.Event()
             done.record(side)
         return copies, done
 
     def ready(self, copy, done):
         """Make a prefetched copy safe to use on the current (compute) stream."""
-        if done is None:
-            return copy
-        import torch
+        if done is not None:
+            import torch
 
-        stream = torch.cuda.current_stream(copy.device)
-        stream.wait_event(done)  # compute must not read a half-copied weight
-        # The block belongs to the side stream: without this the allocator could hand it out again
-        # when our reference drops, while kernels queued on the compute stream still read it.
-        copy.record_stream(stream)
+            done.wait(torch.cuda.current_stream(copy.device))  # compute must not read a half-copied weight
         return copy
+
+    def drop(self, copies, done):
+        """Prefetched copies never used: order their write before compute reuses the memory."""
+        for copy in copies[:1]:  # one event covers the whole layer
+            self.ready(copy, done)
 
 
 class Prefetcher:
@@ -82,7 +89,8 @@ class Prefetcher:
 
     def step(self, device):
         """A new forward pass: drop what the previous one copied and never used; copy the first layer."""
-        self.held.clear()
+        for k in list(self.held):
+            self._drop(k)
         self.current, self.backward, self.used = None, False, set()
         self._prefetch(0, device)
 
@@ -109,11 +117,15 @@ class Prefetcher:
     def _prefetch(self, j, device):
         # Only the current layer's copies may stay: anything else is a guess that did not come true.
         for k in [k for k in self.held if k != self.current]:
-            del self.held[k]
+            self._drop(k)
         if 0 <= j < len(self.layers) and j not in self.held:
             modules = self.layers[j]
             copies, done = self.transfer.start([m._loraship_cpu_weight for m in modules], device)
             self.held[j] = (dict(zip(modules, copies)), done)
+
+    def _drop(self, k):
+        copies, done = self.held.pop(k)
+        self.transfer.drop(list(copies.values()), done)
 
 
 def _streaming_forward(module, prefetcher, i):

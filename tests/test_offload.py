@@ -70,7 +70,7 @@ class RecordingTransfer:
 
     def __init__(self):
         self.layer_of = {}  # id(cpu weight) -> decoder layer index, filled in by the test
-        self.prefetched, self.fallbacks, self.copies, self.peak = [], 0, [], 0
+        self.prefetched, self.fallbacks, self.dropped, self.copies, self.peak = [], 0, 0, [], 0
 
     def _watch(self, cpu_weight, copy):
         self.copies.append((self.layer_of.get(id(cpu_weight)), weakref.ref(copy)))
@@ -95,6 +95,9 @@ class RecordingTransfer:
 
     def ready(self, copy, done):
         return copy
+
+    def drop(self, copies, done):
+        self.dropped += 1
 
 
 def _generated_model(checkpointing=True):
@@ -165,7 +168,7 @@ def test_unconsumed_prefetch_is_dropped_at_the_next_step():
     assert transfer.alive() == {3}
     with torch.no_grad():  # e.g. an eval step; no recompute follows, so nothing is left behind
         model(input_ids=IDS)
-    assert transfer.alive() == set()
+    assert transfer.alive() == set() and transfer.dropped == 1
     assert transfer.prefetched == [2, 3, 3, 2, 3]
     assert transfer.peak <= 2
 
