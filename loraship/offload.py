@@ -5,6 +5,17 @@ The last N decoder layers keep their frozen Linear weights in pinned CPU memory;
 matmul, and autograd frees the copy once backward no longer needs it. LoRA weights, norms,
 embeddings and every other layer stay on the GPU.
 
+Overlap: the copies are prefetched. When an offloaded layer starts, its weights were already
+copied on a side CUDA stream, and the copy of the layer that runs next starts, so the PCIe
+transfer runs while the current layer computes. Forward visits the offloaded layers in ascending
+order; non-reentrant gradient checkpointing recomputes them in descending order during backward,
+so the prefetch follows that direction there (the last layer's recompute comes first, so it is
+copied again as soon as forward is done with it). At most two layers' copies are waiting at once,
+the current one and the next: loraship/memory.py budgets exactly two layers on the GPU. A prefetch
+is only a head start: a weight that was not prefetched is copied on the spot, on the compute
+stream, as before, so a wrong guess costs time, never correctness. The speed-up is not measured
+yet: no GPU run since this change; the offload rows of bench/train_bench.py will measure it.
+
 Why not accelerate's device_map={"...": "cpu"}: its offload hooks leave the weights on the meta
 device, PEFT then creates the layers' LoRA weights there too, and training fails (seen on the
 H200: "CUDA error: an illegal memory access", bench/results/gpu_train_stage.json).
@@ -13,33 +24,152 @@ H200: "CUDA error: an illegal memory access", bench/results/gpu_train_stage.json
 from __future__ import annotations
 
 
-def _streaming_forward(module, cpu_weight):
+class Transfer:
+    """Copies weights to the device. On CUDA prefetches go on a side stream; elsewhere (CPU tests)
+    a copy is the tensor itself, so the scheduling logic runs unchanged without a GPU."""
+
+    def __init__(self):
+        self.streams = {}
+
+    def now(self, cpu_weight, device):
+        # On the current stream: ordered with the compute that uses it, no event needed.
+        return cpu_weight.to(device, non_blocking=True)
+
+    def start(self, cpu_weights, device):
+        """Begin copying; returns (copies, done). Each copy then goes through `ready` or `drop`."""
+        import torch
+
+        if device.type != "cuda":
+            return [w.to(device) for w in cpu_weights], None
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        side, compute = self.streams[device], torch.cuda.current_stream(device)
+        # Allocated on the compute stream, like the copies before prefetch: its blocks come back in
+        # stream order, so the memory of a layer that compute is done with serves the next prefetch,
+        # however far the CPU runs ahead (side-stream blocks would need record_stream, whose events
+        # hold memory back until the GPU catches up: more than two layers' worth).
+        copies = [torch.empty_like(w, device=device) for w in cpu_weights]
+        side.wait_stream(compute)  # those blocks may still be read by compute work already queued
+        with torch.cuda.stream(side):
+            for copy, w in zip(copies, cpu_weights):
+                copy.copy_(w, non_blocking=True)  # async: the source is pinned
+            done = torch.cuda.Event()
+            done.record(side)
+        return copies, done
+
+    def ready(self, copy, done):
+        """Make a prefetched copy safe to use on the current (compute) stream."""
+        if done is not None:
+            import torch
+
+            done.wait(torch.cuda.current_stream(copy.device))  # compute must not read a half-copied weight
+        return copy
+
+    def drop(self, copies, done):
+        """Prefetched copies never used: order their write before compute reuses the memory."""
+        for copy in copies[:1]:  # one event covers the whole layer
+            self.ready(copy, done)
+
+
+class Prefetcher:
+    """Decides which offloaded layer to copy next and holds the copies until their matmul runs.
+
+    `layers[i]` are the streaming Linear modules of the i-th offloaded layer, in model order. A layer
+    pass (its forward, or its recompute) starts when one of its modules asks for a weight and either
+    another layer asked last or this module was already served in the current pass. A pass at or
+    below the previous one in the same step is a recompute: backward is walking down.
+    """
+
+    def __init__(self, layers, recompute_follows, transfer=None):
+        self.layers = layers
+        self.recompute_follows = recompute_follows  # () -> bool: will backward recompute these layers?
+        self.transfer = transfer or Transfer()
+        self.held = {}  # layer -> ({module: copy}, done): copied, not used yet
+        self.current, self.backward, self.used = None, False, set()
+
+    def step(self, device):
+        """A new forward pass: drop what the previous one copied and never used; copy the first layer."""
+        for k in list(self.held):
+            self._drop(k)
+        self.current, self.backward, self.used = None, False, set()
+        self._prefetch(0, device)
+
+    def weight(self, i, module, device):
+        """The weight of `module` (in offloaded layer i) on `device`, ready for the current stream."""
+        if i != self.current or module in self.used:
+            self.backward = self.current is not None and i <= self.current
+            self.current, self.used = i, set()
+            self._prefetch(i - 1 if self.backward else i + 1, device)
+        self.used.add(module)
+        copies, done = self.held.get(i, ({}, None))
+        copy = copies.pop(module, None)  # let go of it: from here autograd alone keeps it alive
+        if not copies:
+            self.held.pop(i, None)
+        if copy is None:  # not prefetched (a guess that missed): copy it now, on the compute stream
+            weight = self.transfer.now(module._loraship_cpu_weight, device)
+        else:
+            weight = self.transfer.ready(copy, done)
+        if (not self.backward and i == len(self.layers) - 1 and len(self.used) == len(self.layers[i])
+                and self.recompute_follows()):
+            self._prefetch(i, device)  # backward starts with this layer's recompute
+        return weight
+
+    def _prefetch(self, j, device):
+        # Only the current layer's copies may stay: anything else is a guess that did not come true.
+        for k in [k for k in self.held if k != self.current]:
+            self._drop(k)
+        if 0 <= j < len(self.layers) and j not in self.held:
+            modules = self.layers[j]
+            copies, done = self.transfer.start([m._loraship_cpu_weight for m in modules], device)
+            self.held[j] = (dict(zip(modules, copies)), done)
+
+    def _drop(self, k):
+        copies, done = self.held.pop(k)
+        self.transfer.drop(list(copies.values()), done)
+
+
+def _streaming_forward(module, prefetcher, i):
     import torch.nn.functional as F
 
     def forward(x):
         # A fresh GPU tensor per call: autograd keeps it alive exactly as long as backward needs it.
-        weight = cpu_weight.to(x.device, non_blocking=True)
-        return F.linear(x, weight, module.bias)
+        return F.linear(x, prefetcher.weight(i, module, x.device), module.bias)
 
     return forward
 
 
-def offload_frozen_layers(model, n_layers: int) -> int:
+def offload_frozen_layers(model, n_layers: int, transfer: Transfer | None = None) -> int:
     """Move the frozen Linear weights of the last n decoder layers to pinned CPU memory.
 
     Call on the PEFT model while it is still on the CPU, before `model.to("cuda")`.
-    Returns the number of bytes kept off the GPU.
+    Returns the number of bytes kept off the GPU. `transfer` replaces the copy mechanism (tests).
     """
     import torch
 
-    layers = model.get_base_model().model.layers
-    kept = 0
-    for layer in list(layers)[len(layers) - n_layers:]:
-        for module in layer.modules():
-            if type(module) is torch.nn.Linear and not module.weight.requires_grad:
-                cpu_weight = module.weight.data.pin_memory() if torch.cuda.is_available() else module.weight.data
-                kept += cpu_weight.numel() * cpu_weight.element_size()
-                module._loraship_cpu_weight = cpu_weight  # a plain attribute: .to("cuda") leaves it alone
-                module.weight = torch.nn.Parameter(torch.empty(0, dtype=cpu_weight.dtype), requires_grad=False)
-                module.forward = _streaming_forward(module, cpu_weight)
+    stack = model.get_base_model().model
+    decoder_layers = list(stack.layers)[len(stack.layers) - n_layers:] if n_layers > 0 else []
+    kept, streamed = 0, []
+    for layer in decoder_layers:
+        modules = [m for m in layer.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad]
+        for module in modules:
+            cpu_weight = module.weight.data.pin_memory() if torch.cuda.is_available() else module.weight.data
+            kept += cpu_weight.numel() * cpu_weight.element_size()
+            module._loraship_cpu_weight = cpu_weight  # a plain attribute: .to("cuda") leaves it alone
+            module.weight = torch.nn.Parameter(torch.empty(0, dtype=cpu_weight.dtype), requires_grad=False)
+        streamed.append(modules)
+    if not any(streamed):
+        return kept
+
+    def recompute_follows():
+        # The conditions under which transformers' GradientCheckpointingLayer checkpoints a layer.
+        layer = decoder_layers[-1]
+        return getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
+
+    prefetcher = Prefetcher(streamed, recompute_follows, transfer)
+    for i, modules in enumerate(streamed):
+        for module in modules:
+            module.forward = _streaming_forward(module, prefetcher, i)
+    first = next(m for modules in streamed for m in modules)
+    # The decoder stack runs once per forward pass (only the layers inside it are recomputed).
+    stack.register_forward_pre_hook(lambda mod, args: prefetcher.step(first.weight.device))
     return kept

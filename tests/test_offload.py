@@ -1,7 +1,11 @@
-"""CPU offload of frozen weights changes where weights live, never what the model computes."""
+"""CPU offload of frozen weights changes where weights live, never what the model computes;
+the prefetch copies the layer that runs next (forward: up, checkpoint recompute: down)."""
 
 from __future__ import annotations
 
+import weakref
+
+import pytest
 import torch
 
 
@@ -26,7 +30,8 @@ def _loss_and_grads(model, ids):
     return loss.item(), grads
 
 
-def test_offloaded_layers_train_identically(tiny_model):
+@pytest.mark.parametrize("n_layers", [1, 2])  # the tiny model has 2 layers: 2 offloads layer 0 too
+def test_offloaded_layers_train_identically(tiny_model, n_layers):
     from loraship.offload import offload_frozen_layers
 
     ids = torch.tensor([[1, 3, 40, 41, 42, 43, 4, 50, 51, 2]])
@@ -43,13 +48,154 @@ def test_offloaded_layers_train_identically(tiny_model):
     with torch.no_grad():
         for n, p in offloaded.named_parameters():
             p.copy_(state[n])
-    kept = offload_frozen_layers(offloaded, 1)
+    kept = offload_frozen_layers(offloaded, n_layers)
     assert kept > 0
     last = offloaded.get_base_model().model.layers[-1]
     frozen = [m for m in last.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad]
     assert frozen and all(m.weight.numel() == 0 and hasattr(m, "_loraship_cpu_weight") for m in frozen)
-    loss, grads = _loss_and_grads(offloaded, ids)
-    assert loss == torch.tensor(loss_ref).item() or abs(loss - loss_ref) < 1e-6
-    assert grads.keys() == grads_ref.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-5, atol=1e-7)
+    for _ in range(2):  # a second step: the prefetch state from the first must not leak into it
+        loss, grads = _loss_and_grads(offloaded, ids)
+        assert loss == torch.tensor(loss_ref).item() or abs(loss - loss_ref) < 1e-6
+        assert grads.keys() == grads_ref.keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# The prefetch schedule, observed through a Transfer that copies by clone() and keeps a log
+# ---------------------------------------------------------------------------------------------
+class RecordingTransfer:
+    """Stands in for the CUDA copies: clones (so each copy is a distinct tensor whose lifetime can be
+    watched), logs which decoder layer each prefetch is for, counts on-the-spot copies."""
+
+    def __init__(self):
+        self.layer_of = {}  # id(cpu weight) -> decoder layer index, filled in by the test
+        self.prefetched, self.fallbacks, self.dropped, self.copies, self.peak = [], 0, 0, [], 0
+
+    def _watch(self, cpu_weight, copy):
+        self.copies.append((self.layer_of.get(id(cpu_weight)), weakref.ref(copy)))
+        self.peak = max(self.peak, len(self.alive()))
+
+    def alive(self):
+        """Decoder layers with a copy still referenced by anyone (prefetcher or autograd)."""
+        return {layer for layer, ref in self.copies if ref() is not None}
+
+    def now(self, cpu_weight, device):
+        self.fallbacks += 1
+        copy = cpu_weight.clone()
+        self._watch(cpu_weight, copy)
+        return copy
+
+    def start(self, cpu_weights, device):
+        self.prefetched.append(self.layer_of[id(cpu_weights[0])])
+        copies = [w.clone() for w in cpu_weights]
+        for w, c in zip(cpu_weights, copies):
+            self._watch(w, c)
+        return copies, None
+
+    def ready(self, copy, done):
+        return copy
+
+    def drop(self, copies, done):
+        self.dropped += 1
+
+
+def _generated_model(checkpointing=True):
+    """A 4-layer Llama built from a config: enough layers to see the schedule walk up and down."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    base = LlamaForCausalLM(config)
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.enable_input_require_grads()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    model.train()
+    return model
+
+
+def _offload_recording(model, n_layers):
+    from loraship.offload import offload_frozen_layers
+
+    transfer = RecordingTransfer()
+    offload_frozen_layers(model, n_layers, transfer=transfer)
+    layers = model.get_base_model().model.layers
+    transfer.layer_of = {id(m._loraship_cpu_weight): i for i, layer in enumerate(layers)
+                         for m in layer.modules() if hasattr(m, "_loraship_cpu_weight")}
+    return transfer
+
+
+IDS = torch.tensor([[5, 9, 17, 33, 65, 100, 3, 7, 11, 13, 2, 1]])
+
+
+def test_prefetch_walks_up_in_forward_and_down_in_the_recompute():
+    reference = _generated_model()
+    loss_ref, grads_ref = _loss_and_grads(reference, IDS)
+    model = _generated_model()  # same seed: same weights
+    transfer = _offload_recording(model, 3)  # layers 1, 2, 3 offloaded; layer 0 resident
+    for _ in range(2):
+        transfer.prefetched.clear()
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=IDS, labels=IDS).loss
+        # Step start copies the first offloaded layer; layer i copies i + 1; the last layer, once forward
+        # is done with it, is copied again for its recompute, the first thing backward does.
+        assert transfer.prefetched == [1, 2, 3, 3]
+        transfer.prefetched.clear()
+        loss.backward()
+        # Backward recomputes 3, 2, 1: recomputing i copies i - 1 (layer 0 is resident: nothing).
+        assert transfer.prefetched == [2, 1]
+        # Every weight was prefetched: no copy on the spot.
+        assert transfer.fallbacks == 0
+        # Current + next: never more than two layers' copies alive, whoever holds them.
+        assert transfer.peak <= 2
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert abs(loss.item() - loss_ref) < 1e-6 and grads.keys() == grads_ref.keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-5, atol=1e-7)
+
+
+def test_unconsumed_prefetch_is_dropped_at_the_next_step():
+    model = _generated_model()
+    transfer = _offload_recording(model, 2)
+    model(input_ids=IDS, labels=IDS)  # a training forward with no backward: layer 3's recompute copy waits
+    assert transfer.alive() == {3}
+    with torch.no_grad():  # e.g. an eval step; no recompute follows, so nothing is left behind
+        model(input_ids=IDS)
+    assert transfer.alive() == set() and transfer.dropped == 1
+    assert transfer.prefetched == [2, 3, 3, 2, 3]
+    assert transfer.peak <= 2
+
+
+def test_without_checkpointing_nothing_is_copied_for_a_recompute():
+    model = _generated_model(checkpointing=False)
+    transfer = _offload_recording(model, 2)
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    assert transfer.prefetched == [2, 3] and transfer.fallbacks == 0
+
+
+def test_a_wrong_guess_costs_a_copy_never_a_wrong_weight():
+    from loraship.offload import Prefetcher
+
+    class Module:  # what the prefetcher needs of a Linear: its CPU weight, hashable by identity
+        def __init__(self, value):
+            self._loraship_cpu_weight = torch.full((2, 2), value)
+
+    # Three layers of two modules each, visited in an order no model produces.
+    layers = [[Module(float(10 * i + k)) for k in range(2)] for i in range(3)]
+    transfer = RecordingTransfer()
+    transfer.layer_of = {id(m._loraship_cpu_weight): i for i, ms in enumerate(layers) for m in ms}
+    prefetcher = Prefetcher(layers, recompute_follows=lambda: True, transfer=transfer)
+    cpu = torch.device("cpu")
+    prefetcher.step(cpu)
+    for i, k in [(0, 0), (2, 1), (2, 0), (0, 1), (1, 0), (1, 0), (2, 0), (2, 1), (2, 0)]:
+        module = layers[i][k]
+        assert torch.equal(prefetcher.weight(i, module, cpu), module._loraship_cpu_weight)
+        assert len(prefetcher.held) <= 2
+    assert transfer.fallbacks > 0  # the jumps were not prefetched; they were copied on the spot
