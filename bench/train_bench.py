@@ -3,6 +3,10 @@
     python bench/train_bench.py --tokenizer .loraship/models/tiny-llama --out bench/results/train_bench.json
     python bench/train_bench.py --tokenizer .loraship/models/tiny-llama --out /tmp/smoke.json --smoke   # CPU check
 
+On the lent H200: `bash bench/train_kit/make.sh` here builds .whl-train/ (the wheels its python lacks: Unsloth, bitsandbytes,
+liger-kernel, ...; 41 MiB), then one device call with carry [".whl-train"] runs `bash .whl-train/call.sh` (detached, rows
+in order of importance, JSON after every row; later calls collect): bench/train_kit/README.txt.
+
 Every (case, trainer) pair runs in its own process (a fresh allocator; Liger's and Unsloth's patches
 reach model classes and cannot leak into the next row), under a 32 GiB cap on the GPU
 (torch.cuda.set_per_process_memory_fraction, as bench/memory_matrix.py does). All trainers train the same examples in
