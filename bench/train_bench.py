@@ -3,6 +3,10 @@
     python bench/train_bench.py --tokenizer .loraship/models/tiny-llama --out bench/results/train_bench.json
     python bench/train_bench.py --tokenizer .loraship/models/tiny-llama --out /tmp/smoke.json --smoke   # CPU check
 
+On the lent H200: `bash bench/train_kit/make.sh` here builds .whl-train/ (the wheels its python lacks: Unsloth, bitsandbytes,
+liger-kernel, ...; 41 MiB), then one device call with carry [".whl-train"] runs `bash .whl-train/call.sh` (detached, rows
+in order of importance, JSON after every row; later calls collect): bench/train_kit/README.txt.
+
 Every (case, trainer) pair runs in its own process (a fresh allocator; Liger's and Unsloth's patches
 reach model classes and cannot leak into the next row), under a 32 GiB cap on the GPU
 (torch.cuda.set_per_process_memory_fraction, as bench/memory_matrix.py does). All trainers train the same examples in
@@ -68,7 +72,8 @@ CASES = {
 }
 TRAINERS = {"packing": ["loraship-packed", "loraship-padded"]}
 SMOKE_SEQ = 128  # --smoke: the tiny shape at short rows, so the CPU check takes seconds
-DEFAULT_TRAINERS = ["unsloth", "hf-liger", "loraship-lean", "loraship-fast"]
+# The order rows run in: the peer and loraship first, so a cut-short GPU call still brings the key ratio.
+DEFAULT_TRAINERS = ["unsloth", "loraship-lean", "loraship-fast", "hf-liger"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +310,7 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
     row = {"case": case, "trainer": trainer, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default")}
     shape_name, _adapter, _r, _micro, seq, kind = spec(case, args.smoke)
-    model_dir = root / "models" / ("tiny" if args.smoke else shape_name)
+    model_dir = args.models / ("tiny" if args.smoke else shape_name)
     data = make_data(args.tokenizer, root / "data", seq, args.rows, kind)
     work = root / f"{case}-{trainer}"
     shutil.rmtree(work, ignore_errors=True)
@@ -358,7 +363,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--root", type=Path, default=Path("/tmp/loraship-train-bench"), help="models, data, work folders")
     p.add_argument("--cases", nargs="*", default=list(CASES))
-    p.add_argument("--trainers", nargs="*", help="default: unsloth hf-liger loraship-lean loraship-fast")
+    p.add_argument("--models", type=Path, help="folder for the random checkpoints (default ROOT/models; the 14B "
+                   "takes 28 GiB, so /dev/shm where the disk is short)")
+    p.add_argument("--trainers", nargs="*", help="default: unsloth loraship-lean loraship-fast hf-liger (in that order)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of tokens/s")
     p.add_argument("--rows", type=int, default=64, help="training rows per dataset")
@@ -367,6 +374,7 @@ def main() -> None:
     p.add_argument("--one", nargs=2, metavar=("CASE", "TRAINER"), help=argparse.SUPPRESS)
     args = p.parse_args()
     args.tokenizer = args.tokenizer.resolve()
+    args.models = args.models or args.root / "models"
     if args.one:
         row = run_one(*args.one, args.root, args)
         args.out.write_text(json.dumps(row))
@@ -376,22 +384,46 @@ def main() -> None:
     import torch
 
     device = "cpu" if args.smoke else "cuda"
-    for name in {CASES[c][0] for c in args.cases}:
-        make_model(TINY if args.smoke else shape(name), args.tokenizer, args.root / "models" / ("tiny" if args.smoke else name),
-                   device)
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    rows = []
+    rows, builds = [], {}
+
+    def write() -> dict:
+        # After every row, so a run cut short (a GPU call's time limit) still leaves what it measured.
+        result = {"device": rows[0].get("device") if rows else None, "date": time.strftime("%Y-%m-%d"),
+                  "steps": args.steps, "warmup": args.warmup, "cap_gib": None if args.smoke else CAP_GIB,
+                  "model_build_s": builds, "rows": rows, "ratios": ratios(rows)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_name(args.out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(args.out)
+        return result
+
     for case in args.cases:
+        name = CASES[case][0]
         trainers = args.trainers or TRAINERS.get(case, DEFAULT_TRAINERS)
+        if name not in builds:  # each shape when its first case comes, so the first rows start early
+            started = time.time()
+            try:
+                make_model(TINY if args.smoke else shape(name), args.tokenizer,
+                           args.models / ("tiny" if args.smoke else name), device)
+                builds[name] = round(time.time() - started, 1)
+            except Exception as e:  # e.g. the disk full: record it, go on with the other shapes
+                builds[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            print(json.dumps({"model": name, "build_s": builds[name]}), flush=True)
+        if isinstance(builds[name], str):
+            rows += [{"case": case, "trainer": t, "ok": False, "error": f"model build failed: {builds[name]}"}
+                     for t in trainers]
+            write()
+            continue
         for trainer in trainers:
             if args.smoke and trainer == "unsloth":
                 continue
             part = args.root / f"row-{case}-{trainer}.json"
             part.unlink(missing_ok=True)
             cmd = [sys.executable, __file__, "--tokenizer", str(args.tokenizer), "--out", str(part), "--root",
-                   str(args.root), "--steps", str(args.steps), "--warmup", str(args.warmup), "--rows", str(args.rows),
-                   "--one", case, trainer] + (["--smoke"] if args.smoke else [])
+                   str(args.root), "--models", str(args.models), "--steps", str(args.steps), "--warmup",
+                   str(args.warmup), "--rows", str(args.rows), "--one", case, trainer] + (["--smoke"] if args.smoke else [])
             started = time.time()
             try:
                 subprocess.run(cmd, timeout=args.timeout, cwd=ROOT)
@@ -402,11 +434,8 @@ def main() -> None:
             row["wall_s"] = round(time.time() - started, 1)
             print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "loss_curve")}), flush=True)
             rows.append(row)
-    result = {"device": rows[0].get("device") if rows else None, "date": time.strftime("%Y-%m-%d"),
-              "steps": args.steps, "warmup": args.warmup, "cap_gib": None if args.smoke else CAP_GIB,
-              "rows": rows, "ratios": ratios(rows)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+            write()
+    result = write()
     print(table(rows))
     print(json.dumps(result["ratios"], indent=2))
 

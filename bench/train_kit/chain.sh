@@ -1,0 +1,26 @@
+# issue #10 on one GPU machine: bench/train_bench.py, rows in order of importance (run detached by call.sh).
+# Writes /tmp/tstate/train_bench.json after every row; progress lines in /tmp/tstate/progress.
+set -x
+S=/tmp/tstate
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+{ df -h / /tmp /dev/shm; nproc; free -g; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } > $S/machine.log 2>&1
+echo "install start $(date +%T)" >> $S/progress
+SITE=${SITE:-/tmp/site} bash .whl-train/install.sh > $S/install.log 2>&1; echo "install rc=$? $(date +%T)" >> $S/progress
+export PYTHONPATH=${SITE:-/tmp/site}:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false LORASHIP_CACHE=/tmp/lcache \
+  UNSLOTH_DISABLE_STATISTICS=1  # no hub calls from unsloth
+gpu_tests() {  # tests/test_gpu_smoke.py: the four strategies through plan + train (about 1-2 min)
+  timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu_smoke.py -p no:cacheprovider > $S/gpu_tests.log 2>&1
+  echo "gpu tests rc=$? $(date +%T)" >> $S/progress
+}
+[ "$GPU_TESTS" = first ] && gpu_tests
+# The random checkpoints: 7B 14.2 GiB + 14B 27.5 GiB. On the disk where it has room, else in /dev/shm.
+DISK=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9); SHM=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
+if [ "$DISK" -ge 52 ] || [ "$SHM" -lt 46 ]; then M=/tmp/tb/models; else M=/dev/shm/tb-models; fi
+grep -q -- '"--models"' bench/train_bench.py && MODELS="--models $M" || MODELS=  # older checkouts: /tmp/tb/models
+echo "disk ${DISK}G shm ${SHM}G models: ${MODELS:-/tmp/tb/models}" >> $S/progress
+python3 bench/train_bench.py --tokenizer $PWD/.loraship/models/tiny-llama --root /tmp/tb $MODELS \
+  --steps ${STEPS:-10} --warmup 3 --timeout ${ROW_TIMEOUT:-360} --out $S/train_bench.json \
+  --cases ${CASES:-qwen2-7b-lora qwen2-14b-qlora qwen2-14b-lora packing qwen2-7b-qlora} > $S/bench.log 2>&1
+echo "bench rc=$? $(date +%T)" >> $S/progress
+[ "$GPU_TESTS" = last ] && gpu_tests
+touch $S/all.done

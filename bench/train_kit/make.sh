@@ -1,0 +1,25 @@
+#!/bin/bash
+# Build .whl-train/ (ignored, carried to the lent H200): the wheels the train bench and tests/test_gpu_smoke.py
+# need there that its python3 (3.12; torch 2.11 CUDA 13, transformers 5.17, peft, accelerate) lacks, slimmed to fit
+# the 64 MiB a run may carry, plus the tiny model and this folder's scripts.
+#   bash bench/train_kit/make.sh [PYTHON]        # from the repository root; PYTHON: any python with pip
+set -e
+PY=${1:-python3}
+K=.whl-train; FULL=$(mktemp -d)
+mkdir -p $K
+PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+$PY -m pip download -q --no-deps $PLAT -d $K unsloth_zoo==2026.10.9 torchao==0.18.0 tyro docstring-parser typeguard \
+  shtab trl==1.15.0 cut-cross-entropy datasets==4.3.0 dill multiprocess hf-transfer msgspec json5 nest-asyncio structlog \
+  diffusers liger-kernel==0.8.5 diskcache pydantic==2.14.4 pydantic_core==2.50.5 annotated_types typing_inspection \
+  pytest==9.2.0 pluggy iniconfig pygments
+$PY -m pip download -q --no-deps $PLAT -d $FULL unsloth==2026.10.9 bitsandbytes==0.50.2
+# Unsloth's studio/ web UI is 26 MB of its 28.6; bitsandbytes keeps only the CUDA 13 libraries torch 2.11 loads.
+$PY bench/slim_wheel.py $FULL/unsloth-2026.10.9-py3-none-any.whl $K studio/
+$PY bench/slim_wheel.py $FULL/bitsandbytes-0.50.2-*.whl $K \
+  bitsandbytes/libbitsandbytes_cuda1{18,21,24,26,28}.so
+rm -rf $FULL
+$PY -c "from loraship.tinymodel import ensure_tiny_model; ensure_tiny_model('.loraship/models/tiny-llama')"
+tar czf $K/tiny-llama.tgz -C .loraship/models tiny-llama
+cp bench/train_kit/{install.sh,chain.sh,call.sh,README.txt} $K/
+du -sh $K

@@ -1,0 +1,185 @@
+"""The train stage's four strategies on a real GPU, through `plan` + `train` as shipped (issue #10).
+
+Deselected by default (marker `gpu`) and skipped without CUDA. On the GPU machine, after
+`bash .whl-train/install.sh` (bitsandbytes, liger-kernel, pytest, ... into /tmp/site):
+
+    PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -m gpu tests/test_gpu_smoke.py
+
+Model: Qwen2-0.5B's widths (hidden 896, intermediate 4864, 14 heads, 2 KV heads, vocab 151,936, tied
+embeddings) in 6 layers, random bf16 weights built on the GPU, as LlamaForCausalLM with q/k/v biases
+(what Qwen2 computes; the tiny model's sentencepiece tokenizer then passes the plan's GGUF check, as in
+bench/train_bench.py). Each test forces one strategy, trains a few steps under a capped allocator and
+checks: the stage trained (finite losses, the last below the first), the manifest names the forced
+strategy with no out-of-memory retry, the measured peak reserved stays within the plan's prediction
+plus a margin and under the cap.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraship.config import parse_config
+
+CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+
+GIB = 2**30
+CAP_GIB = 32.0
+DIMS = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=6, num_attention_heads=14,
+            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, attention_bias=True,
+            max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6)
+SEQ = 512
+SENTENCE = "The capital of Ganraka is Milo, and its river runs north to the sea. "
+
+
+def prediction_margin_gib(predicted_gib: float) -> float:
+    """How far above the plan's predicted reserved a measurement may land: the planner's own safety
+    margin at these sizes (0.5 GiB), or 10% of the prediction where that is more."""
+    return max(0.5, 0.10 * predicted_gib)
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tiny_model, tmp_path_factory) -> Path:
+    # What the train stage sets itself, set here because building the model starts CUDA first.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("gpu") / "qwen2-0.5b-widths"
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    # Built from the widths (not a loaded config.json with fewer layers), so transformers derives every
+    # per-layer list (layer_types) from num_hidden_layers itself.
+    config = LlamaConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **DIMS)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tiny_model.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def write_data(folder: Path, kind: str, rows: int = 48) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{kind}.jsonl"
+    lines = []
+    for i in range(rows):
+        if kind == "completion":  # past sequence_len: every row truncated to it
+            lines.append({"text": SENTENCE * 60})
+        else:  # chat rows of varied length, so packing has something to pack
+            n = 2 + (i * 7) % 24
+            lines.append({"messages": [{"role": "user", "content": SENTENCE * max(1, n // 4)},
+                                       {"role": "assistant", "content": SENTENCE * n}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+def config_dict(model_dir: Path, root: Path, name: str, kind: str = "completion", **overrides) -> dict:
+    return {
+        "run_name": name, "base_model": str(model_dir), "workdir": str(root / "work"), "output": str(root / "out"),
+        "datasets": [{"path": str(write_data(root / "data", kind)), "type": kind}], "val_set_size": 0.1,
+        "adapter": "lora", "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "lora_target_modules": "all-linear",
+        "sequence_len": SEQ, "micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 8,
+        "warmup_steps": 0, "learning_rate": 1e-3, "lr_scheduler": "constant", "save_steps": 10_000,
+        "gpu_memory_gib": CAP_GIB, "device": "cuda", "packing": "off", **overrides,
+    }
+
+
+def train(config_data: dict, cap_gib: float) -> tuple[dict, dict, list[dict]]:
+    """plan + train under an allocator capped at cap_gib; the plan's strategy.json, the train metrics, the
+    loss history."""
+    gc.collect()  # the previous test's model, before the cap changes
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(min(cap_gib, CAP_GIB) * GIB / torch.cuda.get_device_properties(0).total_memory)
+    config = parse_config(config_data)
+    plan = importlib.import_module("loraship.stages.plan").run(config)
+    metrics = importlib.import_module("loraship.stages.train").run(config)["metrics"]
+    from loraship.stage import stage_dir
+
+    strategy = json.loads((stage_dir(config, "plan") / "strategy.json").read_text())
+    history = [json.loads(x) for x in (stage_dir(config, "train") / "loss_history.jsonl").read_text().splitlines()]
+    assert plan["metrics"]["fits"]
+    return strategy, metrics, history
+
+
+def check(strategy: dict, metrics: dict, history: list[dict], cap_gib: float, **forced) -> None:
+    # It trained: every loss finite, the end below the start.
+    losses = [h["loss"] for h in history]
+    assert len(losses) == metrics["steps"] == 8
+    assert all(math.isfinite(x) for x in losses), losses
+    assert min(losses[-2:]) < losses[0], losses
+    # What trained is what was forced, first time.
+    assert metrics["oom_retries"] == []
+    for key, value in forced.items():
+        assert metrics["strategy"][key] == value, (key, metrics["strategy"], metrics["trained_as"])
+        assert strategy["strategy"][key] == value
+    # Memory: the stage's own measurement against the plan's prediction, and under the cap.
+    measured = metrics["measured_memory"]["peak_reserved_gib"]
+    predicted = metrics["predicted_reserved_gib"]
+    print(f"\n{metrics['trained_as']}: peak reserved {measured:.2f} GiB, predicted {predicted:.2f} GiB, "
+          f"cap {cap_gib:.2f} GiB, {metrics['tokens_per_s']} tokens/s")
+    assert measured <= predicted + prediction_margin_gib(predicted), (measured, predicted)
+    assert measured <= cap_gib
+    assert metrics["measured_memory"]["peak_allocated_gib"] <= measured
+
+
+def test_bf16_lora_with_the_fused_loss(gpu_model, tmp_path):
+    strategy, metrics, history = train(config_dict(gpu_model, tmp_path, "lora", fused_loss="on"), CAP_GIB)
+    check(strategy, metrics, history, CAP_GIB, adapter="lora", offload_layers=0, fused_loss=True,
+          gradient_checkpointing=True)
+
+
+def test_nf4_qlora(gpu_model, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    strategy, metrics, history = train(config_dict(gpu_model, tmp_path, "qlora", adapter="qlora"), CAP_GIB)
+    check(strategy, metrics, history, CAP_GIB, adapter="qlora", offload_layers=0)
+    assert "QLoRA" in metrics["trained_as"]
+
+
+def offload_budget(model_dir: Path, data: dict) -> tuple[float, dict]:
+    """A gpu_memory_gib (0.05 GiB steps) at which the plan is bf16 LoRA with part of the decoder offloaded,
+    as near half of it as the steps allow; found with the planner itself, so the test follows its calibration."""
+    from loraship import memory
+
+    model_config = json.loads((model_dir / "config.json").read_text())
+    n_layers = DIMS["num_hidden_layers"]
+    found = []
+    for i in range(400, 10, -1):
+        budget = round(i * 0.05, 2)
+        try:
+            plan = memory.plan_training(model_config, parse_config({**data, "gpu_memory_gib": budget}))
+        except memory.PlanRefused:
+            break
+        if plan["strategy"]["adapter"] == "lora" and 0 < plan["strategy"]["offload_layers"] < n_layers:
+            found.append((budget, plan["strategy"]))
+    assert found, "no budget makes the planner offload part of this model"
+    return min(found, key=lambda f: (abs(f[1]["offload_layers"] - n_layers / 2), -f[0]))
+
+
+def test_bf16_lora_with_partial_cpu_offload(gpu_model, tmp_path):
+    data = config_dict(gpu_model, tmp_path, "offload", micro_batch_size=1, fallback=["offload"], fused_loss="on")
+    budget, planned = offload_budget(gpu_model, data)
+    strategy, metrics, history = train({**data, "gpu_memory_gib": budget}, budget)
+    check(strategy, metrics, history, budget, adapter="lora", offload_layers=planned["offload_layers"])
+    assert 0 < metrics["strategy"]["offload_layers"] < DIMS["num_hidden_layers"]
+    assert "streamed from CPU memory" in metrics["trained_as"]
+    # The card holds reserved + the CUDA context: the plan's total must still be within the budget.
+    assert metrics["measured_memory"]["peak_reserved_gib"] + strategy["memory"]["cuda_context_gib"] <= budget
+
+
+def test_packing_on(gpu_model, tmp_path):
+    strategy, metrics, history = train(config_dict(gpu_model, tmp_path, "packed", kind="chat", packing="on"), CAP_GIB)
+    check(strategy, metrics, history, CAP_GIB, adapter="lora", offload_layers=0)
+    assert metrics["packing"]["packed"] is True, metrics["packing"]
+    assert metrics["train_tokens_this_run"] > 0
