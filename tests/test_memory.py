@@ -185,8 +185,9 @@ def test_plan_shape_and_components():
 
 @pytest.mark.parametrize("mc,kw", [(QWEN2_7B, dict(sequence_len=4096, micro_batch_size=4, gradient_accumulation_steps=2)),
                                    (QWEN2_14B, dict(sequence_len=8192)), (QWEN2_05B, dict())])
-def test_replan_gets_strictly_smaller_or_none(mc, kw):
-    c = cfg(**kw)
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_replan_gets_strictly_smaller_or_none(mc, kw, ckpt):
+    c = cfg(**kw, gradient_checkpointing=ckpt)
     plan = memory.plan_training(mc, c)
     seen = 0
     while plan is not None and seen < 400:
