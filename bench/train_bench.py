@@ -22,8 +22,8 @@ Trainers:
 - hf-liger: transformers + PEFT with every Liger kernel for the architecture
   (apply_liger_kernel_to_llama before loading), non-reentrant gradient checkpointing.
 - loraship-lean: `loraship.stages.plan` + `loraship.stages.train` as shipped (checkpointing on, fused loss auto).
-- loraship-fast: the same with gradient_checkpointing: false; the planner turns it back on where the
-  32 GiB budget needs it.
+- loraship-fast: the same with gradient_checkpointing: false; the planner checkpoints only as many of
+  the first decoder layers as the 32 GiB budget needs (strategy checkpointed_layers).
 - loraship-packed / loraship-padded (case `packing`): packing: on / off on variable-length chat rows.
 
 Timing: a global optimizer step hook synchronises and stamps each step; tokens/s is non-pad tokens of

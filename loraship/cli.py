@@ -224,6 +224,14 @@ def plan(
         out.print(render_plan(training, footprint))
 
 
+def _checkpointing_words(strategy: dict, n_layers: int | None) -> str:
+    """'checkpointing 9 of 28 layers'; plans made before checkpointed_layers existed say on or off."""
+    k = strategy.get("checkpointed_layers")
+    if k is None:
+        return f"checkpointing {'on' if strategy['gradient_checkpointing'] else 'off'}"
+    return f"checkpointing {k}{f' of {n_layers}' if n_layers else ''} layers"
+
+
 def render_plan(plan: dict, disk: dict):
     """A rich renderable for `loraship plan CONFIG`."""
     from rich.console import Group
@@ -236,7 +244,7 @@ def render_plan(plan: dict, disk: dict):
         f"[bold]Training plan[/]: {st['adapter']}"
         + (f" + {st['offload_layers']} layers offloaded" if st["offload_layers"] else "")
         + f", micro-batch {st['micro_batch_size']} x {st['gradient_accumulation_steps']} accumulation, "
-        f"fused loss {'on' if st['fused_loss'] else 'off'}, checkpointing {'on' if st['gradient_checkpointing'] else 'off'}"
+        f"fused loss {'on' if st['fused_loss'] else 'off'}, {_checkpointing_words(st, plan.get('decoder_layers'))}"
         f"\n{mem['predicted_total_gib']:.1f} GiB predicted of {plan['budget_gib']:g} GiB "
         f"(safety margin {plan['safety_margin_gib']:.1f} GiB): {verdict}\n{plan['reason']}")
     t = Table(title="Peak training memory (GiB)", show_footer=False)
@@ -249,11 +257,12 @@ def render_plan(plan: dict, disk: dict):
     t.add_row("[bold]card must hold (reserved + context)", f"[bold]{mem['predicted_total_gib']:.2f}")
     t.add_row("weights-only estimate, for comparison", f"{mem['weights_only_estimate_gib']:.2f}")
     a = Table(title="Alternatives")
-    for c in ("adapter", "offload", "micro x GA", "fused", "ckpt", "GiB", "fits"):
+    for c in ("adapter", "offload", "micro x GA", "fused", "ckpt layers", "GiB", "fits"):
         a.add_column(c)
     for r in plan["alternatives"]:
         a.add_row(r["adapter"], str(r["offload_layers"]), f"{r['micro_batch_size']} x {r['gradient_accumulation_steps']}",
-                  str(r["fused_loss"]), str(r["gradient_checkpointing"]), f"{r['predicted_total_gib']:.1f}",
+                  str(r["fused_loss"]), str(r.get("checkpointed_layers", r["gradient_checkpointing"])),
+                  f"{r['predicted_total_gib']:.1f}",
                   "yes" if r["fits"] else "no")
     inf = disk["inference"]
     d = Table(title="Disk and inference (GiB)")

@@ -106,7 +106,9 @@ class Config(BaseModel):
     num_epochs: float = Field(1.0, gt=0.0, le=1000, description="Passes over the training split (ignored when max_steps is set).")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides num_epochs.")
     seed: int = Field(42, description="Seed for data order, LoRA init and dropout.")
-    gradient_checkpointing: bool = Field(True, description="Recompute activations per decoder layer in backward.")
+    gradient_checkpointing: bool = Field(
+        True, description="true: recompute every decoder layer's activations in backward (least memory). false: "
+        "checkpoint only as many of the first layers as gpu_memory_gib needs (fastest that fits).")
     fused_loss: Literal["auto", "on", "off"] = Field(
         "auto", description="Liger fused linear cross-entropy: 'auto' uses it on CUDA when liger-kernel is installed."
     )

@@ -141,11 +141,33 @@ def fused_loss_available(cfg: Config, device: str = "cuda") -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def strategy_from_config(cfg: Config) -> dict:
-    return {"adapter": cfg.adapter, "offload_layers": 0, "micro_batch_size": cfg.micro_batch_size,
-            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-            "fused_loss": fused_loss_available(cfg, "cpu" if cfg.device == "cpu" else "cuda"),
-            "gradient_checkpointing": cfg.gradient_checkpointing}
+def strategy_from_config(cfg: Config, n_layers: int | None = None) -> dict:
+    """The configuration as written. `checkpointed_layers` needs the layer count: without it the key is
+    left out and checkpointed_layers() reads `gradient_checkpointing` as all layers or none."""
+    out = {"adapter": cfg.adapter, "offload_layers": 0, "micro_batch_size": cfg.micro_batch_size,
+           "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+           "fused_loss": fused_loss_available(cfg, "cpu" if cfg.device == "cpu" else "cuda"),
+           "gradient_checkpointing": cfg.gradient_checkpointing}
+    if n_layers is not None:
+        out["checkpointed_layers"] = n_layers if cfg.gradient_checkpointing else 0
+    return out
+
+
+def checkpointed_layers(strategy: dict, n_layers: int) -> int:
+    """How many decoder layers (the first ones) recompute their activations in backward.
+
+    `gradient_checkpointing` stays in the strategy as "any layer checkpointed"; a strategy without
+    `checkpointed_layers` (plans written before it existed) means all layers or none.
+    """
+    k = strategy.get("checkpointed_layers")
+    if k is None:
+        return n_layers if strategy["gradient_checkpointing"] else 0
+    return max(0, min(int(k), n_layers))
+
+
+def with_checkpointing(strategy: dict, k: int) -> dict:
+    """`strategy` with the first k decoder layers checkpointed (both keys kept consistent)."""
+    return {**strategy, "gradient_checkpointing": k > 0, "checkpointed_layers": k}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,12 +209,19 @@ def estimate(model_config: dict, cfg: Config, strategy: dict) -> dict:
     layer_saved = CAL["layer"] * T * per_tok
     layer_bwd = CAL["layer_backward"] * layer_saved
     dequant = max(i * o for i, o in lin.values()) * 2 if qlora else 0  # bnb dequantizes one matrix at a time
-    if strategy["gradient_checkpointing"]:
-        kept = CAL["keep"] * T * 2 * s.h * s.L
-        layer_peak = layer_saved + layer_bwd
-    else:
-        kept = s.L * layer_saved
-        layer_peak = layer_bwd
+    # The first k layers are checkpointed (tasks/train.py): each keeps only its bf16 input; the other L - k
+    # keep all their saved activations until their own backward. Backward runs from the last layer down,
+    # so the non-checkpointed layers are done (their activations freed) before the first recompute starts.
+    # Hence the transient on top of `kept` is one layer's recompute + backward only when every layer is
+    # checkpointed (k = L); with k < L the worst layer transient is the plain backward of layer L-1, with
+    # all of `kept` still held (a later recompute holds at most k keeps + one layer, which is less: at
+    # least one layer's saved activations were freed before it). k = 0 and k = L are exactly the two
+    # modes the CAL constants were fitted on (bench/results/memory_matrix.json); 0 < k < L is not measured.
+    k = checkpointed_layers(strategy, s.L)
+    kept_ckpt = CAL["keep"] * T * 2 * s.h * k
+    kept_full = (s.L - k) * layer_saved
+    kept = kept_ckpt + kept_full
+    layer_peak = layer_saved + layer_bwd if k == s.L else layer_bwd
     if strategy["fused_loss"]:
         loss = CAL["fused_loss"] * T * 2 * s.h
     else:
@@ -200,12 +229,20 @@ def estimate(model_config: dict, cfg: Config, strategy: dict) -> dict:
     static = weights + lora_w + lora_g + opt
     act_peak = max(loss, layer_peak + dequant)
     allocated = static + kept + act_peak
-    reserve = CAL["reserve_loss"] * loss + CAL["reserve_layer"] * (layer_peak + dequant) + CAL["reserve_fixed_gib"] * GIB
+    # Fragmentation follows the largest one-layer transient that happens at all: a recompute's whenever k > 0.
+    layer_transient = (layer_saved + layer_bwd if k else layer_bwd) + dequant
+    reserve = CAL["reserve_loss"] * loss + CAL["reserve_layer"] * layer_transient + CAL["reserve_fixed_gib"] * GIB
     reserved = allocated + reserve
     ctx = CAL["cuda_context_gib"] * GIB
+    if k == 0:
+        acts = {"saved_activations_all_layers": kept_full}
+    elif k == s.L:
+        acts = {"checkpointed_activations": kept_ckpt}
+    else:
+        acts = {"checkpointed_activations": kept_ckpt, "saved_activations_other_layers": kept_full}
     comps = {
         "frozen_weights": weights, "lora_weights": lora_w, "lora_gradients": lora_g, "optimizer_state": opt,
-        "checkpointed_activations" if strategy["gradient_checkpointing"] else "saved_activations_all_layers": kept,
+        **acts,
         "one_layer_recompute_and_backward": layer_peak + dequant,
         "logits_and_cross_entropy": loss,
         "allocator_reserve": reserve, "cuda_context": ctx,
@@ -224,6 +261,7 @@ def estimate(model_config: dict, cfg: Config, strategy: dict) -> dict:
         "weights_only_estimate_gib": (s.L * layer_lin_bytes + rest_bytes) / GIB,
         "fits": total / GIB <= budget - margin,
         "lora_params": lora_params,
+        "checkpointed_layers": k,
     }
 
 
@@ -241,29 +279,42 @@ def _divisors_desc(n: int, at_most: int) -> list[int]:
 def _ladder(model_config: dict, cfg: Config, fallback: list[str] | None = None) -> list[tuple[dict, str]]:
     """Candidate strategies in order of preference (least change to the user's run first).
 
-    After the configuration itself: gradient checkpointing, then smaller micro-batches at the same
+    After the configuration itself: more checkpointed layers, then smaller micro-batches at the same
     effective batch. For `adapter: lora` then what `fallback` allows, in its order: 'offload' keeps
     bf16 and streams some layers' frozen weights from CPU memory, 'qlora' changes the base's
     precision to NF4. QLoRA is never combined with offload (train.load_model refuses it).
+
+    Checkpointing never changes the result, only speed (one more forward of each checkpointed layer).
+    `gradient_checkpointing: true` (lean) checkpoints all L layers on every rung, as before;
+    `gradient_checkpointing: false` (fast) tries k = 0, 1, ..., L checkpointed layers on each rung, so
+    the first rung that fits has the fewest checkpointed layers that fit its micro-batch and adapter.
     """
     fallback = cfg.fallback if fallback is None else fallback
     s = parse_model_config(model_config)
-    user = strategy_from_config(cfg)
+    user = strategy_from_config(cfg, s.L)
     eff = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    budget = f"{cfg.gpu_memory_gib:g} GiB"
+    ks = [s.L] if cfg.gradient_checkpointing else list(range(s.L + 1))
     out: list[tuple[dict, str]] = [(user, "as configured")]
-
-    ckpt = True  # every fallback keeps checkpointing on: it never changes the result, only speed
-    if not user["gradient_checkpointing"]:
-        out.append(({**user, "gradient_checkpointing": True}, "gradient checkpointing turned on"))
+    for k in ks:
+        if k != user["checkpointed_layers"]:
+            out.append((with_checkpointing(user, k), f"checkpointing {k} of {s.L} layers to fit {budget}"))
     fused = user["fused_loss"]
     mbs = _divisors_desc(eff, cfg.micro_batch_size)
 
-    def step(adapter, mb, n_off, why):
-        return ({"adapter": adapter, "offload_layers": n_off, "micro_batch_size": mb,
-                 "gradient_accumulation_steps": eff // mb, "fused_loss": fused, "gradient_checkpointing": ckpt}, why)
+    def ckpt_words(k):
+        if cfg.gradient_checkpointing:
+            return ""  # lean mode: all layers, as the user asked; nothing to explain
+        return f", checkpointing {k} of {s.L} layers to fit {budget}" if k else ", no layer checkpointed"
+
+    def step(adapter, mb, n_off, k, why):
+        return (with_checkpointing({"adapter": adapter, "offload_layers": n_off, "micro_batch_size": mb,
+                                    "gradient_accumulation_steps": eff // mb, "fused_loss": fused}, k), why)
 
     for mb in mbs[1:]:
-        out.append(step(user["adapter"], mb, 0, f"micro-batch {mb} x {eff // mb} accumulation keeps the effective batch {eff}"))
+        for k in ks:
+            out.append(step(user["adapter"], mb, 0, k, f"micro-batch {mb} x {eff // mb} accumulation keeps the effective "
+                                                       f"batch {eff}{ckpt_words(k)}"))
     if user["adapter"] != "lora":
         return out
     for kind in dict.fromkeys(fallback):
@@ -271,13 +322,17 @@ def _ladder(model_config: dict, cfg: Config, fallback: list[str] | None = None) 
             # Every micro-batch streams the offloaded weights again (forward and recompute), so the cost per
             # optimizer step is n x eff / mb: the least n / mb first, then the fewest layers.
             pairs = sorted(((n, mb) for mb in mbs for n in range(1, s.L + 1)), key=lambda p: (p[0] / p[1], p[0]))
+            # Offload keeps every layer checkpointed: loraship/offload.py streams the last n layers' weights
+            # per matmul, and autograd keeps each streamed copy until backward unless the layer is
+            # recomputed; the estimate's two resident offloaded layers assume that.
             for n, mb in pairs:
-                out.append(step("lora", mb, n, f"bf16 LoRA, micro-batch {mb} x {eff // mb}, with {n} of {s.L} decoder "
+                out.append(step("lora", mb, n, s.L, f"bf16 LoRA, micro-batch {mb} x {eff // mb}, with {n} of {s.L} decoder "
                                                "layers' frozen weights streamed from CPU memory (fallback: offload keeps bf16)"))
         elif kind == "qlora":
             for mb in mbs:
-                out.append(step("qlora", mb, 0, f"QLoRA (NF4 double-quant base), micro-batch {mb} x {eff // mb} "
-                                                "(fallback: qlora allows this precision change)"))
+                for k in ks:
+                    out.append(step("qlora", mb, 0, k, f"QLoRA (NF4 double-quant base), micro-batch {mb} x {eff // mb}"
+                                                       f"{ckpt_words(k)} (fallback: qlora allows this precision change)"))
     return out
 
 
@@ -287,24 +342,30 @@ def _rung(strategy: dict, user: dict) -> str:
         return "offload"
     if strategy["adapter"] != user["adapter"]:
         return "qlora"
-    return "micro-batch" if strategy["micro_batch_size"] != user["micro_batch_size"] else "as configured"
+    if strategy["micro_batch_size"] != user["micro_batch_size"]:
+        return "micro-batch"
+    return "checkpointing" if strategy.get("checkpointed_layers") != user.get("checkpointed_layers") else "as configured"
 
 
 def _describe(strategy: dict) -> str:
     off = f" with {strategy['offload_layers']} layers offloaded" if strategy["offload_layers"] else ""
+    k = strategy.get("checkpointed_layers")
+    ckpt = (f"{k} layers checkpointed" if k is not None
+            else f"checkpointing {'on' if strategy['gradient_checkpointing'] else 'off'}")
     return (f"{strategy['adapter']}{off}, micro-batch {strategy['micro_batch_size']} x "
-            f"{strategy['gradient_accumulation_steps']}, fused loss {'on' if strategy['fused_loss'] else 'off'}")
+            f"{strategy['gradient_accumulation_steps']}, fused loss {'on' if strategy['fused_loss'] else 'off'}, {ckpt}")
 
 
-def _why_not(tried: list[tuple[dict, str, dict]], cfg: Config) -> str:
+def _why_not(tried: list[tuple[dict, str, dict]], cfg: Config, n_layers: int) -> str:
     """One clause per kind of rung tried without fitting: the least memory that kind reached."""
-    user = strategy_from_config(cfg)
+    user = strategy_from_config(cfg, n_layers)
     best: dict[str, tuple[dict, dict]] = {}
     for strat, _why, est in tried:
         kind = _rung(strat, user)
         if kind not in best or est["predicted_total_gib"] < best[kind][1]["predicted_total_gib"]:
             best[kind] = (strat, est)
-    words = {"as configured": "as configured", "micro-batch": "the smallest micro-batch",
+    words = {"as configured": "as configured", "checkpointing": "checkpointing more layers",
+             "micro-batch": "the smallest micro-batch",
              "offload": "bf16 LoRA with offload", "qlora": "QLoRA"}
     parts = [f"{words[k]} ({_describe(st)}) needs {est['predicted_total_gib']:.1f} GiB"
              + (f" (peak at {est['peak_phase']})" if k == "as configured" else "")
@@ -323,6 +384,7 @@ def _card_needed_gib(total_gib: float) -> float:
 
 def _refusal(model_config: dict, cfg: Config, tried: list[tuple[dict, str, dict]]) -> str:
     budget, margin = cfg.gpu_memory_gib, safety_margin_gib(cfg.gpu_memory_gib)
+    n_layers = parse_model_config(model_config).L
     smallest = min(tried, key=lambda t: t[2]["predicted_total_gib"])
     need = smallest[2]["predicted_total_gib"]
     fixes = []
@@ -331,7 +393,7 @@ def _refusal(model_config: dict, cfg: Config, tried: list[tuple[dict, str, dict]
             if kind in cfg.fallback:
                 continue
             fit = next((st for st, _w in _ladder(model_config, cfg, fallback=[kind])
-                        if _rung(st, strategy_from_config(cfg)) == kind and estimate(model_config, cfg, st)["fits"]), None)
+                        if _rung(st, strategy_from_config(cfg, n_layers)) == kind and estimate(model_config, cfg, st)["fits"]), None)
             if fit:
                 fixes.append(f"set fallback: [{kind}] ({_describe(fit)} fits)")
     if cfg.fused_loss == "auto" and not strategy_from_config(cfg)["fused_loss"]:
@@ -339,7 +401,7 @@ def _refusal(model_config: dict, cfg: Config, tried: list[tuple[dict, str, dict]
     fixes.append(f"lower sequence_len (now {cfg.sequence_len}) or lora_r (now {cfg.lora_r})")
     fixes.append(f"train on a card with at least {math.ceil(_card_needed_gib(need))} GiB (gpu_memory_gib)")
     return (f"nothing fits gpu_memory_gib {budget:g} GiB ({budget - margin:.1f} GiB after the {margin:.1f} GiB safety "
-            f"margin): {_why_not(tried, cfg)}. The smallest plan tried ({_describe(smallest[0])}) needs {need:.1f} GiB, "
+            f"margin): {_why_not(tried, cfg, n_layers)}. The smallest plan tried ({_describe(smallest[0])}) needs {need:.1f} GiB, "
             f"{need - (budget - margin):.1f} GiB too much. Fix: " + "; or ".join(fixes) + ".")
 
 
@@ -349,7 +411,8 @@ def _row(strategy: dict, est: dict) -> dict:
 
 def _plan(model_config: dict, cfg: Config, strategy: dict, est: dict, reason: str, alternatives: list[dict]) -> dict:
     return {
-        "strategy": strategy, "fits": est["fits"], "budget_gib": cfg.gpu_memory_gib,
+        "strategy": strategy, "decoder_layers": parse_model_config(model_config).L,
+        "fits": est["fits"], "budget_gib": cfg.gpu_memory_gib,
         "safety_margin_gib": round(safety_margin_gib(cfg.gpu_memory_gib), 2), "fallback": list(cfg.fallback),
         "reason": reason,
         "memory": {
@@ -375,11 +438,12 @@ def plan_training(model_config: dict, cfg: Config) -> dict:
     GPU budget does not bind and the smallest candidate is returned, marked as not fitting.
     """
     tried = []
+    n_layers = parse_model_config(model_config).L
     for strat, why in _ladder(model_config, cfg):
         est = estimate(model_config, cfg, strat)
         if est["fits"]:
             if tried:
-                why = f"{_why_not(tried, cfg)}; so: {why}"
+                why = f"{_why_not(tried, cfg, n_layers)}; so: {why}"
             else:
                 why = f"as configured fits: {est['predicted_total_gib']:.1f} GiB of {cfg.gpu_memory_gib:g} GiB"
             return _plan(model_config, cfg, strat, est, why, _alternatives(model_config, cfg, strat))
@@ -392,14 +456,20 @@ def plan_training(model_config: dict, cfg: Config) -> dict:
 
 
 def _alternatives(model_config: dict, cfg: Config, chosen: dict) -> list[dict]:
-    user = strategy_from_config(cfg)
+    L = parse_model_config(model_config).L
+    user = strategy_from_config(cfg, L)
     cands = [user, {**user, "fused_loss": not user["fused_loss"]} if cfg.fused_loss == "auto" else None,
              {**user, "adapter": "qlora"}, {**user, "adapter": "lora"}]
+    # The fewest checkpointed layers that fit as configured: what gradient_checkpointing: false would
+    # run, the speed a lean config leaves unused.
+    fewest = next((c for c in (with_checkpointing(user, k) for k in range(L + 1))
+                   if estimate(model_config, cfg, c)["fits"]), None)
+    cands.append(fewest)
     eff = cfg.micro_batch_size * cfg.gradient_accumulation_steps
-    cands.append({**user, "micro_batch_size": 1, "gradient_accumulation_steps": eff, "gradient_checkpointing": True})
+    cands.append(with_checkpointing({**user, "micro_batch_size": 1, "gradient_accumulation_steps": eff}, L))
     # The least offload that fits bf16 LoRA at the configured micro-batch (quality of bf16, speed of PCIe).
-    for n in range(1, parse_model_config(model_config).L + 1):
-        c = {**user, "adapter": "lora", "offload_layers": n, "gradient_checkpointing": True}
+    for n in range(1, L + 1):
+        c = with_checkpointing({**user, "adapter": "lora", "offload_layers": n}, L)
         if estimate(model_config, cfg, c)["fits"]:
             cands.append(c)
             break

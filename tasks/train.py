@@ -58,6 +58,34 @@ def pick_device(config) -> str:
     return "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
 
 
+def decoder_layers(model) -> list:
+    """The decoder layers in order: transformers' GradientCheckpointingLayer instances (one per layer of
+    Llama, Qwen2 and Mistral), whose own `gradient_checkpointing` flag decides whether it recomputes."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def checkpoint_first_layers(model, k: int | None) -> None:
+    """After gradient_checkpointing_enable() (which flags every layer): keep the flag on the first k only.
+
+    Why the first: their activations would live longest (from the start of the forward to the end of the
+    backward), and backward reaches them last, after the later, un-checkpointed layers freed theirs, so a
+    recompute never adds to those. loraship/memory.py's estimate assumes exactly this order. k None
+    (a plan from before `checkpointed_layers`) means every layer, as before.
+    """
+    layers = decoder_layers(model)
+    if not layers:
+        if k is not None and k < (getattr(model.config, "num_hidden_layers", None) or 0):
+            log.warning("train: this architecture has no per-layer checkpointing flags; every layer is checkpointed, "
+                        "not the first %d", k)
+        return
+    if k is None or k >= len(layers):
+        return
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i < k
+
+
 def load_model(model_dir: Path, config, strategy: dict, device: str):
     import torch
     from peft import LoraConfig, get_peft_model
@@ -87,6 +115,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         # checkpointing: inputs that require grad so the frozen embedding output carries a graph.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
+        checkpoint_first_layers(model, strategy.get("checkpointed_layers"))
     model.config.use_cache = False
     lora = LoraConfig(
         r=config.lora_r,
@@ -417,11 +446,13 @@ def describe_strategy(strategy: dict, n_layers: int | None) -> str:
     """What really trained, in words, for the manifest and the model card."""
     base = "QLoRA (NF4 base)" if strategy["adapter"] == "qlora" else "bf16 LoRA"
     of = f" of {n_layers}" if n_layers else ""
+    k = strategy.get("checkpointed_layers")
+    ckpt = f"{k}{of} layers" if k is not None else ("on" if strategy["gradient_checkpointing"] else "off")
     off = f", {strategy['offload_layers']}{of} decoder layers' frozen weights streamed from CPU memory" \
         if strategy.get("offload_layers") else ""
     return (f"{base}{off}, micro-batch {strategy['micro_batch_size']} x {strategy['gradient_accumulation_steps']} "
             f"accumulation, {'fused' if strategy['fused_loss'] else 'HF'} loss, "
-            f"gradient checkpointing {'on' if strategy['gradient_checkpointing'] else 'off'}")
+            f"gradient checkpointing {ckpt}")
 
 
 def draw_figures(config, folder: Path, result: dict, predicted: dict, device: str, trained_as: str) -> list[str]:

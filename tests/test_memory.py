@@ -157,7 +157,7 @@ def test_fused_loss_auto_means_liger_importable_on_cuda(monkeypatch, setting, de
 def test_small_model_fits_as_asked():
     c = cfg(sequence_len=2048, micro_batch_size=2, gradient_accumulation_steps=4)
     plan = memory.plan_training(QWEN2_05B, c)
-    assert plan["fits"] and plan["strategy"] == memory.strategy_from_config(c)
+    assert plan["fits"] and plan["strategy"] == memory.strategy_from_config(c, n_layers=24)
     assert plan["reason"].startswith("as configured fits")
 
 
@@ -185,8 +185,9 @@ def test_plan_shape_and_components():
 
 @pytest.mark.parametrize("mc,kw", [(QWEN2_7B, dict(sequence_len=4096, micro_batch_size=4, gradient_accumulation_steps=2)),
                                    (QWEN2_14B, dict(sequence_len=8192)), (QWEN2_05B, dict())])
-def test_replan_gets_strictly_smaller_or_none(mc, kw):
-    c = cfg(**kw)
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_replan_gets_strictly_smaller_or_none(mc, kw, ckpt):
+    c = cfg(**kw, gradient_checkpointing=ckpt)
     plan = memory.plan_training(mc, c)
     seen = 0
     while plan is not None and seen < 400:
@@ -249,3 +250,72 @@ def test_constants_still_match_the_gpu_measurements():
         assert not (est["fits"] and row["oom_under_32gib_cap"]), row["config"]
     assert len(errs) >= 16
     assert statistics.median(errs) <= 0.05 and max(errs) <= 0.10
+
+
+# --- selective gradient checkpointing ----------------------------------------------------------------
+# gradient_checkpointing: false (fast) checkpoints as few of the first layers as the budget needs.
+FAST_7B = dict(sequence_len=8192, micro_batch_size=2, gradient_accumulation_steps=4, fused_loss="on",
+               lora_target_modules="all-linear", gradient_checkpointing=False)
+
+
+def test_fast_mode_checkpoints_the_fewest_layers_that_fit_and_more_as_the_budget_shrinks():
+    L = memory.parse_model_config(QWEN2_7B).L
+    ks = []
+    for budget in (200, 120, 80, 64, 48, 40, 36, 32):
+        c = cfg(**FAST_7B, gpu_memory_gib=budget)
+        plan = memory.plan_training(QWEN2_7B, c)
+        st = plan["strategy"]
+        k = st["checkpointed_layers"]
+        assert plan["fits"] and (st["micro_batch_size"], st["adapter"], st["offload_layers"]) == (2, "lora", 0)
+        assert st["gradient_checkpointing"] is (k > 0)  # the old key still means "any layer checkpointed"
+        if k:  # one layer fewer does not fit: k is the smallest
+            assert not memory.estimate(QWEN2_7B, c, memory.with_checkpointing(st, k - 1))["fits"]
+            assert f"checkpointing {k} of {L} layers to fit {budget} GiB" in plan["reason"]
+        ks.append(k)
+    assert ks == sorted(ks) and ks[0] == 0 and any(0 < k < L for k in ks) and len(set(ks)) > 3
+
+
+def test_checkpointing_more_layers_predicts_less_memory_and_the_ends_are_the_fitted_modes():
+    c = cfg(**FAST_7B)
+    L = memory.parse_model_config(QWEN2_7B).L
+    user = memory.strategy_from_config(c, L)
+    totals = [memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, k))["predicted_total_gib"] for k in range(L + 1)]
+    assert all(a > b for a, b in zip(totals, totals[1:]))
+    # k = 0 and k = L are the all-or-nothing modes the constants were fitted on, unchanged.
+    for k, on in ((0, False), (L, True)):
+        legacy = {key: v for key, v in user.items() if key != "checkpointed_layers"} | {"gradient_checkpointing": on}
+        assert memory.estimate(QWEN2_7B, c, legacy) == memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, k))
+
+
+def test_lean_mode_checkpoints_every_layer_on_every_rung():
+    c = cfg(**{**FAST_7B, "gradient_checkpointing": True}, gpu_memory_gib=80)
+    L = memory.parse_model_config(QWEN2_7B).L
+    plan = memory.plan_training(QWEN2_7B, c)
+    assert plan["strategy"]["checkpointed_layers"] == L and plan["reason"].startswith("as configured fits")
+    assert all(st["checkpointed_layers"] == 48 and st["gradient_checkpointing"] for st, _ in memory._ladder(QWEN2_14B, c))
+    # The alternatives show what the fast mode would checkpoint instead.
+    assert any(0 < a["checkpointed_layers"] < L and a["fits"] for a in plan["alternatives"])
+
+
+def test_fast_mode_falls_back_only_when_every_layer_checkpointed_does_not_fit():
+    c = cfg(**LORA_14B, fused_loss="on", gradient_checkpointing=False)
+    plan = memory.plan_training(QWEN2_14B_EXAMPLE, c)
+    st = plan["strategy"]
+    # As in the lean test above: bf16 LoRA does not fit, so offload, which keeps every layer checkpointed.
+    assert 0 < st["offload_layers"] and st["checkpointed_layers"] == 48
+    assert "checkpointing more layers" in plan["reason"] and "48 layers checkpointed" in plan["reason"]
+    for strat, _ in memory._ladder(QWEN2_14B_EXAMPLE, c):
+        if strat["offload_layers"]:
+            assert strat["checkpointed_layers"] == 48
+
+
+def test_render_plan_names_the_checkpointed_layers():
+    from rich.console import Console
+
+    from loraship.cli import render_plan
+
+    c = cfg(**FAST_7B, gpu_memory_gib=32)
+    plan = memory.plan_training(QWEN2_7B, c)
+    con = Console(record=True, width=200)
+    con.print(render_plan(plan, memory.plan_disk_and_inference(QWEN2_7B, c)))
+    assert f"checkpointing {plan['strategy']['checkpointed_layers']} of 28 layers" in con.export_text()

@@ -61,6 +61,8 @@ def test_one_epoch_trains_every_token(tiny_model, tmp_path):
     assert metrics["steps"] == -(-metrics["train_examples"] // 15)
     assert metrics["train_tokens_this_run"] == metrics["train_tokens"]
     assert metrics["packing"] == {"packed": False, "why": "packing: off"}
+    # The demo config keeps gradient_checkpointing: true, the lean mode: both layers of the tiny model.
+    assert metrics["strategy"]["checkpointed_layers"] == 2 and "gradient checkpointing 2 of 2 layers" in metrics["trained_as"]
 
 
 # --- packing ------------------------------------------------------------------------------------
@@ -129,6 +131,90 @@ def test_packing_on_refuses_an_attention_that_cannot_separate_examples(tiny_mode
     assert not packed and "flash_attention_2" in why
     with pytest.raises(train.LorashipError, match="packing: on, but attention implementation 'flash_attention_2'"):
         train.use_packing(config.model_copy(update={"packing": "on"}), model)
+
+
+# --- selective gradient checkpointing -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def four_layers(tiny_model, tmp_path_factory):
+    """The tiny model with four decoder layers (seeded), so that 'the first k' has a middle."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.from_pretrained(tiny_model)
+    conf.num_hidden_layers = 4
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("four-layers")
+    AutoModelForCausalLM.from_config(conf).save_pretrained(folder)
+    return folder
+
+
+def _loss_and_lora_grads(model_dir, config, strategy, offload_layers=0):
+    import loraship.stages.train as train
+
+    torch.manual_seed(0)  # the same LoRA A initialisation for every k
+    model = train.load_model(model_dir, config, strategy, "cpu")
+    if offload_layers:  # what load_model does on a GPU; on the CPU the stream is a no-op copy
+        from loraship.offload import offload_frozen_layers
+
+        offload_frozen_layers(model, offload_layers)
+    with torch.no_grad():  # LoRA B starts at zero; give it values so gradients reach every LoRA matrix
+        gen = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    # Calls of each layer's MLP, which runs inside the layer's checkpointed forward: twice where it recomputes.
+    # A pre-hook: the recompute stops early once it has rebuilt the last saved tensor (torch's non-reentrant
+    # checkpoint), inside the MLP, so a hook after the MLP's forward would not see it.
+    layers = train.decoder_layers(model)
+    runs = [0] * len(layers)
+    for i, layer in enumerate(layers):
+        layer.mlp.register_forward_pre_hook(lambda *_a, i=i: runs.__setitem__(i, runs[i] + 1))
+    ids = torch.tensor([[1, 3, 40, 41, 42, 43, 4, 50, 51, 2, 60, 61], [1, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 2]])
+    torch.manual_seed(2)  # the same dropout masks: a recompute replays the RNG state of its forward
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    flags = [layer.gradient_checkpointing for layer in layers]
+    assert runs == [2 if f else 1 for f in flags]  # the flags are what really recomputes
+    return loss.item(), grads, flags
+
+
+@pytest.mark.parametrize("adapter", ["lora", "qlora"])
+def test_checkpointing_some_layers_trains_identically_and_as_planned(four_layers, tmp_path, adapter):
+    from loraship import memory
+
+    base = parse_config(demo_config_dict(four_layers, tmp_path, adapter=adapter, gradient_checkpointing=False,
+                                         lora_dropout=0.1, fused_loss="off"))
+    mc = json.loads((four_layers / "config.json").read_text())
+    user = memory.strategy_from_config(base, 4)
+    # A budget that holds 2 checkpointed layers but not 1: the fast mode must plan exactly 2 of 4.
+    need = memory.estimate(mc, base, memory.with_checkpointing(user, 2))["predicted_total_gib"]
+    config = base.model_copy(update={"gpu_memory_gib": need + memory.SAFETY_MARGIN_MIN_GIB + 0.002})
+    plan = memory.plan_training(mc, config)
+    assert plan["strategy"]["checkpointed_layers"] == 2 and plan["strategy"]["gradient_checkpointing"]
+
+    loss, grads, flags = _loss_and_lora_grads(four_layers, config, plan["strategy"])
+    assert flags == [True, True, False, False]  # the first k layers, as the plan says
+    assert len(grads) == 4 * 7 * 2 and all(g.abs().sum() > 0 for g in grads.values())
+    for k, expected_flags in ((0, None), (4, [True] * 4)):
+        other_loss, other_grads, other_flags = _loss_and_lora_grads(four_layers, config, memory.with_checkpointing(user, k))
+        if expected_flags:
+            assert other_flags == expected_flags
+        assert other_loss == pytest.approx(loss, rel=1e-6)
+        for name, g in grads.items():
+            torch.testing.assert_close(other_grads[name], g, rtol=1e-5, atol=1e-7, msg=f"{name} at k={k}")
+
+
+def test_checkpointing_some_layers_with_offloaded_layers_trains_identically(four_layers, tmp_path):
+    from loraship import memory
+
+    config = parse_config(demo_config_dict(four_layers, tmp_path, gradient_checkpointing=False, fused_loss="off"))
+    user = memory.strategy_from_config(config, 4)
+    loss, grads, flags = _loss_and_lora_grads(four_layers, config, memory.with_checkpointing(user, 1), offload_layers=2)
+    ref_loss, ref_grads, _ = _loss_and_lora_grads(four_layers, config, memory.with_checkpointing(user, 4))
+    assert flags == [True, False, False, False]
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 # --- resume ---------------------------------------------------------------------------------------
