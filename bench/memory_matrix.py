@@ -573,6 +573,301 @@ def _markdown(out: dict) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# Through the train stage (issue #10, item 5): what `loraship.stages.train` itself does.
+# ---------------------------------------------------------------------------------------------
+STAGE_GPU_MEMORY_GIB = 1024.0  # generous: the planner keeps every configuration as written
+STAGE_RAW = "memory_matrix_stage_raw.json"
+
+
+def _train_bench():
+    """bench/train_bench.py's helpers (random checkpoint on disk, long completion rows), by import."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_bench
+
+    return train_bench
+
+
+def stage_dims(shape: str) -> dict:
+    """SHAPES[shape] as LlamaForCausalLM dims (Qwen2: attention_bias=True, as bench/train_bench.py builds it;
+    Mistral-7B without a sliding window is Llama with head_dim), so the tiny Llama's tokenizer passes the plan."""
+    d = dict(SHAPES[shape])
+    arch = d.pop("model_type")
+    d.pop("sliding_window", None)
+    return d | {"attention_bias": arch == "qwen2"}
+
+
+def stage_config(spec: dict, model_dir: Path, data: Path, work: Path, steps: int, device: str) -> dict:
+    """A loraship config that forces the spec's strategy: generous gpu_memory_gib, fallback [], packing off."""
+    r = spec["lora_r"]
+    return {
+        "run_name": "matrix", "base_model": str(model_dir), "workdir": str(work / "work"), "output": str(work / "out"),
+        "datasets": [{"path": str(data), "type": "completion"}],
+        # (steps + 1) x micro rows: `steps` full micro-batches to train, one for the eval before training.
+        "val_set_size": 1.0 / (steps + 1), "adapter": spec["adapter"], "lora_r": r, "lora_alpha": 2 * r,
+        "lora_dropout": 0.05, "lora_target_modules": QVO if spec["targets"] == "qvo" else "all-linear",
+        "sequence_len": spec["sequence_len"], "micro_batch_size": spec["micro_batch_size"],
+        "gradient_accumulation_steps": 1, "gradient_checkpointing": spec["gradient_checkpointing"],
+        "fused_loss": "on" if spec["fused_loss"] else "off", "gpu_memory_gib": STAGE_GPU_MEMORY_GIB,
+        "fallback": [], "packing": "off", "max_steps": steps, "warmup_steps": 0, "save_steps": 10_000,
+        "device": device,
+    }
+
+
+def _same_strategy(got: dict, want: dict, device: str) -> bool:
+    keys = ["adapter", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
+            "checkpointed_layers", "offload_layers"] + (["fused_loss"] if device == "cuda" else [])
+    return all(got.get(k) == want.get(k) for k in keys)
+
+
+def run_stage_one(spec: dict, cap_gib: float | None, device: str, models: Path, root: Path, tokenizer: Path,
+                  steps: int) -> dict:
+    """One configuration through loraship.stages.plan + loraship.stages.train, in this (fresh) process."""
+    if device == "cuda":
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # what the train stage sets
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import shutil
+
+    import torch
+
+    rec: dict = {"config": config_name(spec), "spec": spec, "cap_gib": cap_gib, "through": "train-stage",
+                 "steps": steps, "device": device}
+    cuda = device == "cuda"
+    if cuda and cap_gib:
+        torch.cuda.set_per_process_memory_fraction(cap_gib * GIB / torch.cuda.get_device_properties(0).total_memory)
+    from loraship import memory
+    from loraship.config import parse_config
+    from loraship.errors import LorashipError
+    from loraship.stages import plan as plan_stage
+    from loraship.stages import train as train_stage
+
+    tb = _train_bench()
+    micro = spec["micro_batch_size"]
+    n_rows = (steps + 1) * micro
+    data = tb.make_data(tokenizer, root / "data" / f"rows{n_rows}", spec["sequence_len"], n_rows, "long")
+    work = root / "work" / f"{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    model_dir = models / spec["shape"]
+    config = parse_config(stage_config(spec, model_dir, data, work, steps, device))
+    forced = memory.strategy_from_config(config, SHAPES[spec["shape"]]["num_hidden_layers"])
+    rec["forced_strategy"] = forced
+    # Every peak the train stage reads, in order: in a successful attempt the eval before training's
+    # (model load included) comes first, training's last. The manifest keeps only the eval's reserved.
+    peaks: list[dict] = []
+    original = train_stage.peak_memory
+
+    def recording(dev):
+        out = original(dev)
+        peaks.append(dict(out))
+        return out
+
+    train_stage.peak_memory = recording
+    phase = "plan"
+    try:
+        t0 = time.time()
+        plan_stage.run(config)
+        plan = json.loads((Path(config.workdir) / config.run_name / "plan" / "plan.json").read_text())
+        pm = plan["memory"]
+        rec.update(plan_strategy=plan["strategy"], predicted_reserved_gib=pm.get("predicted_reserved_gib"),
+                   predicted_allocated_gib=pm.get("predicted_allocated_gib"),
+                   predicted_total_gib=pm.get("predicted_total_gib"), plan_fits=plan.get("fits"),
+                   plan_reason=plan.get("reason"))
+        phase = "train"
+        metrics = train_stage.run(config)["metrics"]
+        rec["wall_stage_s"] = round(time.time() - t0, 1)
+        mem = metrics.get("measured_memory") or {}
+        rec.update(strategy=metrics["strategy"], trained_as=metrics["trained_as"],
+                   strategy_as_forced=_same_strategy(metrics["strategy"], forced, device),
+                   oom_retries=len(metrics["oom_retries"]), oom_retry_details=metrics["oom_retries"],
+                   stage_predicted_reserved_gib=metrics.get("predicted_reserved_gib"),
+                   stage_predicted_allocated_gib=metrics.get("predicted_allocated_gib"),
+                   cuda_allocator=metrics.get("cuda_allocator"), step_s=metrics.get("seconds"),
+                   tokens_per_s=metrics.get("tokens_per_s"), loss_first=metrics.get("first_loss"),
+                   loss_last=metrics.get("last_loss"), train_examples=metrics.get("train_examples"),
+                   eval_examples=metrics.get("eval_examples"), truncated_examples=metrics.get("truncated_examples"))
+        if mem:
+            rec.update(train_peak_reserved_gib=mem.get("peak_reserved_gib"),
+                       train_peak_allocated_gib=mem.get("peak_allocated_gib"),
+                       eval_peak_reserved_gib=mem.get("eval_peak_reserved_gib"),
+                       weights_allocated_gib=mem.get("allocated_after_load_gib"))
+            if len(peaks) >= 2 and peaks[-2].get("peak_reserved_gib") == mem.get("eval_peak_reserved_gib"):
+                rec["eval_peak_allocated_gib"] = peaks[-2].get("peak_allocated_gib")
+            pairs = [("train_peak_reserved_gib", "eval_peak_reserved_gib"),
+                     ("train_peak_allocated_gib", "eval_peak_allocated_gib")]
+            for name, (a, b) in zip(("peak_reserved_gib", "peak_allocated_gib"), pairs):
+                vals = [rec[k] for k in (a, b) if rec.get(k) is not None]
+                if vals:
+                    rec[name] = max(vals)  # the row's peak: the eval before training included
+            rec["peak_phase"] = "eval before training" if (rec.get("eval_peak_reserved_gib") or 0) > \
+                (rec.get("train_peak_reserved_gib") or 0) else "training"
+        if cuda:
+            rec["reserved_now_gib"] = torch.cuda.memory_reserved() / GIB
+            rec["num_alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            rec["context_gib"] = _context_gib(torch.cuda.memory_reserved())
+        rec["oom"] = bool(rec["oom_retries"])
+    except (LorashipError, torch.OutOfMemoryError) as e:
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of GPU memory" in str(e)
+        if not oom:
+            raise
+        rec.update(oom=True, oom_phase=phase, error=str(e).splitlines()[0][:300])
+    finally:
+        train_stage.peak_memory = original
+    return rec
+
+
+def _build_shape(shape: str, models: Path, tokenizer: Path, device: str) -> float:
+    """The random bf16 checkpoint (safetensors + the tiny Llama's tokenizer) for `shape`, in a fresh process."""
+    if (models / shape / "config.json").is_file():
+        return 0.0
+    t0 = time.time()
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import memory_matrix as m; from pathlib import Path; "
+            f"m._train_bench().make_model(m.stage_dims({shape!r}), Path({str(tokenizer)!r}), "
+            f"Path({str(models / shape)!r}), {device!r})")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    return round(time.time() - t0, 1)
+
+
+def measure_stage(out: Path, jobs: list[tuple[int, dict]], always_cap: bool, models: Path, root: Path,
+                  tokenizer: Path, steps: int, device: str, row_timeout: float, deadline_s: float,
+                  prune_models: bool) -> Path:
+    """Every (index, spec) through plan + train, one fresh process each, shape by shape (each checkpoint built
+    once, then deleted with --prune-models when the shape's runs are done); rows saved after each run."""
+    out.mkdir(parents=True, exist_ok=True)
+    raw_path = out / STAGE_RAW
+    rows: list[dict] = json.loads(raw_path.read_text())["rows"] if raw_path.exists() else []
+    done = {(r["index"], r["cap_gib"]) for r in rows}
+    builds: dict[str, float | str] = {}
+
+    def save():
+        tmp = raw_path.with_name(raw_path.name + ".tmp")
+        tmp.write_text(json.dumps({"gpu": _gpu_name() if device == "cuda" else "cpu", "through": "train-stage",
+                                   "steps": steps, "model_build_s": builds, "rows": rows}, indent=1))
+        tmp.replace(raw_path)
+
+    start = time.time()
+    shapes = list(dict.fromkeys(spec["shape"] for _, spec in jobs))
+    for shape in shapes:
+        todo = [(i, s, None) for i, s in jobs if s["shape"] == shape and (i, None) not in done]
+        todo += [(i, s, CAP_GIB) for i, s in jobs if s["shape"] == shape and always_cap and (i, CAP_GIB) not in done]
+        if not todo:
+            continue
+        if time.time() - start > deadline_s:
+            print(f"deadline: not started {[(i, c) for i, _, c in todo]}", flush=True)
+            continue
+        try:
+            builds[shape] = _build_shape(shape, models, tokenizer, device)
+        except Exception as e:  # e.g. the disk full: record it, go on with the other shapes
+            builds[shape] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows += [{"index": i, "config": config_name(s), "spec": s, "cap_gib": c, "through": "train-stage",
+                      "failed": True, "error": f"model build failed: {builds[shape]}"} for i, s, c in todo]
+            save()
+            continue
+        print(json.dumps({"model": shape, "build_s": builds[shape]}), flush=True)
+        while todo:
+            i, spec, cap = todo.pop(0)
+            if time.time() - start > deadline_s:
+                print(f"deadline: #{i} cap={cap} not started", flush=True)
+                continue
+            log_path = root / f"stage_{i}_{cap}.log"
+            root.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, __file__, "one-stage", json.dumps(spec), "--device", device, "--models", str(models),
+                   "--root", str(root), "--tokenizer", str(tokenizer), "--steps", str(steps)]
+            cmd += ["--cap", str(cap)] if cap else []
+            t0 = time.time()
+            with open(log_path, "w") as logf:  # a file, not a pipe: a chatty child never blocks
+                try:
+                    subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=row_timeout, cwd=ROOT,
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                except subprocess.TimeoutExpired:
+                    pass
+            log = log_path.read_text(errors="replace")
+            line = [ln for ln in log.splitlines() if ln.startswith('{"config"')]
+            rec = json.loads(line[-1]) if line else {"config": config_name(spec), "spec": spec, "cap_gib": cap,
+                                                     "through": "train-stage", "failed": True, "error": log[-1500:]}
+            rec.update(index=i, wall_s=round(time.time() - t0, 1))
+            rows.append(rec)
+            save()
+            print(f"[{time.time() - start:5.0f}s] #{i} cap={cap} oom={rec.get('oom')} "
+                  f"res={rec.get('peak_reserved_gib')} alloc={rec.get('peak_allocated_gib')} "
+                  f"pred={rec.get('predicted_reserved_gib')} phase={rec.get('peak_phase')} "
+                  f"forced={rec.get('strategy_as_forced')} {rec['config']} {rec.get('error', '')[:300]}", flush=True)
+            # Near or over 32 GiB: also run under the cap, unless the uncapped peak allocated alone exceeds it.
+            if cap is None and not always_cap and device == "cuda" and not rec.get("failed") and not rec.get("oom"):
+                if (rec.get("peak_reserved_gib") or 0) > CAP_GIB - 4 and (rec.get("peak_allocated_gib") or 0) <= CAP_GIB:
+                    todo.append((i, spec, CAP_GIB))
+        if prune_models:
+            import shutil
+
+            shutil.rmtree(models / shape, ignore_errors=True)
+    save()
+    return raw_path
+
+
+def analyze_stage(raw_path: Path, results: Path) -> dict:
+    """Score the planner against train-stage rows (no refit): |error| of peak reserved, eval before training included.
+
+    The prediction scored is the one the plan stage made for the run (in the row); the error against the
+    current constants (predict(spec)) and against the training peak alone are reported beside it."""
+    raw = json.loads(raw_path.read_text())
+    by_index: dict[int, dict] = {}
+    for r in raw["rows"]:
+        by_index.setdefault(r["index"], {})["capped" if r.get("cap_gib") else "uncapped"] = r
+    rows = []
+    for i in sorted(by_index):
+        slot = by_index[i]
+        un = slot.get("uncapped") if slot.get("uncapped") and not slot["uncapped"].get("oom") else slot.get("capped")
+        if not un or un.get("failed") or un.get("oom") or not un.get("peak_reserved_gib") \
+                or un.get("predicted_reserved_gib") is None:
+            continue
+        meas, pred = un["peak_reserved_gib"], un["predicted_reserved_gib"]
+        now = predict(un["spec"])["predicted_reserved_gib"]
+        train_only = un.get("train_peak_reserved_gib")
+        capped = slot.get("capped")
+        rows.append({
+            "index": i, "config": un["config"], "spec": un["spec"], "used_for_fit": is_fit_row(i),
+            "cap_gib": un.get("cap_gib"), "strategy_as_forced": un.get("strategy_as_forced"),
+            "predicted_reserved_gib": round(pred, 2), "measured_reserved_gib": round(meas, 2),
+            "predicted_allocated_gib": un.get("predicted_allocated_gib"),
+            "measured_allocated_gib": un.get("peak_allocated_gib"),
+            "train_peak_reserved_gib": train_only, "eval_peak_reserved_gib": un.get("eval_peak_reserved_gib"),
+            "peak_phase": un.get("peak_phase"),
+            "reserved_error_pct": round(100 * (pred - meas) / meas, 1),
+            "reserved_error_current_constants_pct": round(100 * (now - meas) / meas, 1),
+            "reserved_error_training_only_pct": round(100 * (pred - train_only) / train_only, 1) if train_only else None,
+            "oom_under_32gib_cap": None if capped is None else bool(capped.get("oom")),
+        })
+
+    def summary(sel, key="reserved_error_pct"):
+        errs = [abs(r[key]) for r in sel if r.get(key) is not None]
+        if not errs:
+            return {"rows": 0}
+        return {"rows": len(errs), "median_abs_error_pct": round(statistics.median(errs), 1),
+                "worst_abs_error_pct": round(max(errs), 1),
+                "worst_config": max(sel, key=lambda r: abs(r.get(key) or 0))["config"]}
+
+    held = [r for r in rows if not r["used_for_fit"]]
+    out = {
+        "gpu": raw.get("gpu"), "through": "train-stage", "steps": raw.get("steps"),
+        "method": "loraship.stages.plan + loraship.stages.train as shipped, one fresh process per row; measured "
+                  "peak = max(eval before training (model load included), training); constants not refitted",
+        "held_out": summary(held), "held_out_current_constants": summary(held, "reserved_error_current_constants_pct"),
+        "held_out_training_only": summary(held, "reserved_error_training_only_pct"),
+        "fit_rows": summary([r for r in rows if r["used_for_fit"]]), "all": summary(rows),
+        "not_as_forced": [r["config"] for r in rows if r["strategy_as_forced"] is False],
+        "rows": rows,
+    }
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def _stage_jobs(only: list[int] | None) -> list[tuple[int, dict]]:
+    return [(i, MATRIX[i]) for i in (only if only is not None else range(len(MATRIX)))]
+
+
+SMOKE_STAGE = _c("tiny", "lora", 8, "qvo", 64, 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -588,8 +883,31 @@ def main() -> None:
     o.add_argument("--cap", type=float, default=None)
     o.add_argument("--device", default="cuda")
     sub.add_parser("smoke")
+    tiny_tok = ROOT / ".loraship" / "models" / "tiny-llama"
+    for name in ("measure-stage", "smoke-stage"):
+        st = sub.add_parser(name, help="through loraship.stages.plan + train" + (" (CPU, tiny)" if "smoke" in name else ""))
+        st.add_argument("--out", type=Path, required=name == "measure-stage", default=Path("/tmp/memory_matrix_smoke"))
+        st.add_argument("--root", type=Path, default=None, help="data, work folders and logs (default OUT/stage)")
+        st.add_argument("--models", type=Path, default=None, help="random checkpoints (default ROOT/models)")
+        st.add_argument("--tokenizer", type=Path, default=tiny_tok, help="the tiny Llama (its sentencepiece tokenizer)")
+        st.add_argument("--steps", type=int, default=3 if name == "measure-stage" else 2)
+        st.add_argument("--only", type=lambda s: [int(x) for x in s.split(",")], default=None)
+        st.add_argument("--always-cap", action="store_true")
+        st.add_argument("--row-timeout", type=float, default=900)
+        st.add_argument("--deadline-s", type=float, default=1e9, help="start no run after this many seconds")
+        st.add_argument("--prune-models", action="store_true", help="delete each shape's checkpoint after its runs")
+    os_ = sub.add_parser("one-stage")
+    os_.add_argument("spec")
+    os_.add_argument("--cap", type=float, default=None)
+    os_.add_argument("--device", default="cuda")
+    os_.add_argument("--models", type=Path, required=True)
+    os_.add_argument("--root", type=Path, required=True)
+    os_.add_argument("--tokenizer", type=Path, required=True)
+    os_.add_argument("--steps", type=int, default=3)
     a = sub.add_parser("analyze")
     a.add_argument("raw", type=Path)
+    a.add_argument("--results", type=Path, default=None, help="train-stage raw files only (default "
+                   "bench/results/memory_matrix_stage.json)")
     f = sub.add_parser("fit")
     f.add_argument("raw", type=Path)
     args = ap.parse_args()
@@ -597,12 +915,34 @@ def main() -> None:
         measure(args.out, args.deadline_s, args.parallel, args.gpu_gib, args.only, args.always_cap)
     elif args.cmd == "one":
         print(json.dumps(run_one(json.loads(args.spec), args.cap, args.device)), flush=True)
+    elif args.cmd in ("measure-stage", "smoke-stage"):
+        sys.path.insert(0, str(ROOT))
+        smoke = args.cmd == "smoke-stage"
+        root = (args.root or args.out / "stage").resolve()
+        models = (args.models or root / "models").resolve()
+        jobs = [(0, SMOKE_STAGE)] if smoke else _stage_jobs(args.only)
+        raw = measure_stage(args.out.resolve(), jobs, args.always_cap, models, root, args.tokenizer.resolve(),
+                            args.steps, "cpu" if smoke else "cuda", args.row_timeout, args.deadline_s,
+                            args.prune_models)
+        print(raw)
+    elif args.cmd == "one-stage":
+        sys.path.insert(0, str(ROOT))
+        rec = run_stage_one(json.loads(args.spec), args.cap, args.device, args.models, args.root, args.tokenizer,
+                            args.steps)
+        print(json.dumps(rec), flush=True)
     elif args.cmd == "smoke":
         for spec in (_c("tiny", "qlora", 8, "qvo", 64, 2), _c("tiny", "lora", 8, "all-linear", 64, 1, ckpt=False)):
             print(json.dumps(run_one(spec, None, "cpu")))
     elif args.cmd == "fit":
         sys.path.insert(0, str(ROOT))
         fit(args.raw)
+    elif json.loads(args.raw.read_text()).get("through") == "train-stage":
+        sys.path.insert(0, str(ROOT))
+        out = analyze_stage(args.raw, args.results or ROOT / "bench/results/memory_matrix_stage.json")
+        for k in ("held_out", "held_out_current_constants", "held_out_training_only", "fit_rows", "all"):
+            print(k, out[k])
+        if out["not_as_forced"]:
+            print("not trained as forced:", out["not_as_forced"])
     else:
         sys.path.insert(0, str(ROOT))
         out = analyze(args.raw, ROOT / "bench/results/memory_matrix.json", ROOT / "bench/memory_matrix.md")

@@ -1,0 +1,56 @@
+"""bench/memory_matrix.py's train-stage mode on the CPU: a row comes out of plan + train, analyze scores rows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "memory_matrix.py"
+
+
+def test_smoke_stage_row_through_the_train_stage(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "smoke-stage", "--out", str(out), "--tokenizer", str(tiny_model)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    raw = json.loads((out / "memory_matrix_stage_raw.json").read_text())
+    assert raw["through"] == "train-stage"
+    (row,) = raw["rows"]
+    assert not row.get("failed"), row.get("error")
+    assert row["through"] == "train-stage" and row["oom"] is False and row["oom_retries"] == 0
+    assert row["strategy_as_forced"] is True
+    forced = row["forced_strategy"]
+    assert forced["adapter"] == "lora" and forced["micro_batch_size"] == 2 and forced["checkpointed_layers"] == 2
+    assert row["strategy"]["adapter"] == forced["adapter"]
+    assert row["strategy"]["micro_batch_size"] == forced["micro_batch_size"]
+    assert row["predicted_reserved_gib"] > 0  # the planner's prediction for the run
+    assert row["train_examples"] == 4 and row["eval_examples"] == 2  # steps x micro to train, one micro to eval
+    assert row["truncated_examples"] == 6  # every row longer than sequence_len: every sequence full length
+
+
+def test_analyze_scores_train_stage_rows(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import memory_matrix as mm
+
+    def row(index, pred, train, ev, cap=None, **kw):
+        return {"index": index, "config": mm.config_name(mm.MATRIX[index]), "spec": mm.MATRIX[index], "cap_gib": cap,
+                "through": "train-stage", "predicted_reserved_gib": pred, "train_peak_reserved_gib": train,
+                "eval_peak_reserved_gib": ev, "peak_reserved_gib": max(train, ev), "peak_allocated_gib": train - 1,
+                "strategy_as_forced": True, "oom": False, **kw}
+
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"through": "train-stage", "rows": [
+        row(0, 20.0, 20.0, 10.0),             # fit row: not in held_out
+        row(1, 20.0, 20.0, 25.0),             # held out; the eval peak is the row's peak: -20%
+        row(3, 11.0, 10.0, 5.0),              # held out: +10%
+        {"index": 5, "config": "x", "spec": mm.MATRIX[5], "cap_gib": None, "failed": True, "error": "died"},
+    ]}))
+    out = mm.analyze_stage(raw, tmp_path / "scored.json")
+    assert out["held_out"] == {"rows": 2, "median_abs_error_pct": 15.0, "worst_abs_error_pct": 20.0,
+                               "worst_config": mm.config_name(mm.MATRIX[1])}
+    assert out["held_out_training_only"]["worst_abs_error_pct"] == 10.0
+    assert out["fit_rows"]["rows"] == 1 and out["all"]["rows"] == 3
+    assert json.loads((tmp_path / "scored.json").read_text())["through"] == "train-stage"
