@@ -1,8 +1,10 @@
 """Measure LoRA/QLoRA training memory on a real GPU and compare it with loraship.memory's plan.
 
-Three modes:
+Modes:
   python3 bench/memory_matrix.py measure --out DIR      # on the GPU: every config in a fresh process
   python3 bench/memory_matrix.py smoke                   # on CPU: one tiny config, checks the script runs
+  python3 bench/memory_matrix.py measure-stage --out DIR --only 1,3,...   # on the GPU, through the train stage
+  python3 bench/memory_matrix.py smoke-stage --out DIR   # on CPU: the tiny shape, 2 steps, through the train stage
   python bench/memory_matrix.py analyze RAW.json         # on a laptop: add predictions, fit/eval split,
                                                          # write bench/results/memory_matrix.json + .md
 
@@ -13,6 +15,13 @@ called (eval mode silently skips checkpointing); use_cache is off; 2 warm-up ste
 appears at step 1), then peak stats are reset and one step is measured. Each config runs uncapped
 first (its natural peak, so errors can be computed even where a 32 GiB card would fail); configs
 whose peak comes near 32 GiB run again under set_per_process_memory_fraction(32 GiB / total).
+
+measure-stage measures what the train stage itself does (issue #10, item 5): per shape, a random bf16 checkpoint on
+disk (as LlamaForCausalLM, Qwen2 shapes with attention_bias=True; the tiny Llama's tokenizer), then per config a fresh
+process runs loraship.stages.plan.run + loraship.stages.train.run on a config that forces the strategy (generous
+gpu_memory_gib, fallback [], packing off, completion rows longer than sequence_len). The row's peak is the max of the
+eval before training (model load included) and training, from the train manifest; its prediction is the plan's.
+Raw rows carry "through": "train-stage"; `analyze` on such a file scores them (no refit). GPU: bench/train_kit/matrix_call.sh.
 """
 
 from __future__ import annotations
