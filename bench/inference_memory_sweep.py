@@ -40,16 +40,10 @@ print("RESULT " + json.dumps({"measured_gib": gpu_used_by_this_process_gib(), "e
                               "prompt_tokens_per_s": round(len(tokens) / seconds, 1)}), flush=True)
 """
 
-QUANTIZE = r"""
-import sys, llama_cpp
-params = llama_cpp.llama_model_quantize_default_params()
-params.ftype = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
-"""
-
-
 def build_gguf(args) -> Path:
     from verify_gpu import build_random_model
+
+    from loraship.stages.quantize import quantize
 
     base, f16, q4 = args.work / "base", args.work / "model-F16.gguf", args.work / "model-Q4_K_M.gguf"
     if q4.is_file():
@@ -58,7 +52,7 @@ def build_gguf(args) -> Path:
     converter = Path(os.environ["LORASHIP_LLAMA_CPP_DIR"]) / "convert_hf_to_gguf.py"
     subprocess.run([sys.executable, str(converter), str(base), "--outfile", str(f16), "--outtype", "f16"],
                    check=True, capture_output=True)
-    subprocess.run([sys.executable, "-c", QUANTIZE, str(f16), str(q4)], check=True, capture_output=True)
+    quantize(f16, q4, "Q4_K_M")  # the quantize stage's own llama_model_quantize run
     return q4
 
 

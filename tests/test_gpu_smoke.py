@@ -21,7 +21,7 @@ import importlib
 import json
 import math
 import os
-import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,21 +51,11 @@ def prediction_margin_gib(predicted_gib: float) -> float:
 def gpu_model(tiny_model, tmp_path_factory) -> Path:
     # What the train stage sets itself, set here because building the model starts CUDA first.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from train_bench import make_model
 
-    out = tmp_path_factory.mktemp("gpu") / "qwen2-0.5b-widths"
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    # Built from the widths (not a loaded config.json with fewer layers), so transformers derives every
-    # per-layer list (layer_types) from num_hidden_layers itself.
-    config = LlamaConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **DIMS)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
-    for f in tiny_model.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, out / f.name)
-    del model
+    out = make_model(DIMS, tiny_model, tmp_path_factory.mktemp("gpu") / "qwen2-0.5b-widths", "cuda")
     torch.cuda.empty_cache()
     return out
 
