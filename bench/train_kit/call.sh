@@ -3,10 +3,14 @@
 S=/tmp/tstate; mkdir -p $S
 if [ ! -f $S/started ]; then touch $S/started; setsid nohup bash .whl-train/chain.sh > $S/chain.log 2>&1 < /dev/null & fi
 end=$(( $(date +%s) + ${W:-560} ))
-while [ $(date +%s) -lt $end ] && [ ! -f $S/all.done ]; do sleep 5; done
-cp $S/*.json $S/*.log $S/progress $OUT/ 2>/dev/null
-cp /tmp/tb/row-*.json $OUT/ 2>/dev/null
-cat $S/progress $S/machine.log; tail -25 $S/install.log
+collect() {  # also while waiting, so a call cut short by the device budget still brings what exists
+  cp $S/*.json $S/*.log $S/progress $OUT/ 2>/dev/null
+  cp /tmp/tb/row-*.json $OUT/ 2>/dev/null
+  mkdir -p $OUT/matrix; cp /tmp/mstate/matrix/*.json /tmp/mstate/*.log /tmp/mstate/progress $OUT/matrix/ 2>/dev/null
+}
+while [ $(date +%s) -lt $end ] && [ ! -f $S/all.done ]; do sleep 5; [ $(( $(date +%s) % 30 )) -lt 5 ] && collect; done
+collect
+cat $S/progress /tmp/mstate/progress $S/machine.log 2>/dev/null; tail -25 $S/install.log
 grep -E '^\{"(case|model)"' $S/bench.log | cut -c1-400
 tail -c 1500 $S/chain.log; echo "== bench.log"; tail -c 2500 $S/bench.log
 [ -f $S/gpu_tests.log ] && tail -c 2000 $S/gpu_tests.log

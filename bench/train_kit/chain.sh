@@ -23,4 +23,6 @@ python3 bench/train_bench.py --tokenizer $PWD/.loraship/models/tiny-llama --root
   --cases ${CASES:-qwen2-7b-lora qwen2-14b-qlora qwen2-14b-lora packing qwen2-7b-qlora} > $S/bench.log 2>&1
 echo "bench rc=$? $(date +%T)" >> $S/progress
 [ "$GPU_TESTS" = last ] && gpu_tests
+# MATRIX=1: then the memory matrix through plan + train on the same machine (bench/train_kit/matrix_call.sh).
+if [ -n "$MATRIX" ]; then rm -rf /tmp/tb/models /dev/shm/tb-models; bash bench/train_kit/matrix_call.sh chain; echo "matrix done $(date +%T)" >> $S/progress; fi
 touch $S/all.done
