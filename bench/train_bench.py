@@ -69,8 +69,9 @@ CASES = {
     "qwen2-14b-qlora": ("qwen2-14b", "qlora", 64, 2, 4096, "long"),
     "qwen2-14b-lora": ("qwen2-14b", "lora", 64, 2, 4096, "long"),  # bf16 asked, 32 GiB budget
     "packing": ("qwen2-7b", "lora", 64, 2, 2048, "chat"),  # chat rows of 64-2048 tokens
+    "qwen2-14b-lora-8k": ("qwen2-14b", "lora", 64, 1, 8192, "long"),  # target 3: still fits at 1 x 8192
 }
-TRAINERS = {"packing": ["loraship-packed", "loraship-padded"]}
+TRAINERS = {"packing": ["loraship-packed", "loraship-padded"], "qwen2-14b-lora-8k": ["loraship-lean"]}
 SMOKE_SEQ = 128  # --smoke: the tiny shape at short rows, so the CPU check takes seconds
 # The order rows run in: the peer and loraship first, so a cut-short GPU call still brings the key ratio.
 DEFAULT_TRAINERS = ["unsloth", "loraship-lean", "loraship-fast", "hf-liger"]
@@ -348,6 +349,52 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def targets(rows: list[dict]) -> list[dict]:
+    """Issue #10's targets, each met (True), missed (False) or not measured (None: a row is missing or failed)."""
+    by = {(r["case"], r["trainer"]): r for r in rows if r.get("ok")}
+
+    def ratio(case, trainer, key, base="unsloth"):
+        a, b = by.get((case, trainer), {}).get(key), by.get((case, base), {}).get(key)
+        return round(a / b, 3) if a and b else None
+
+    def check(target, figures, *conditions):
+        met = None if any(v is None for v in figures.values()) else all(conditions)
+        return {"target": target, "met": met, **figures}
+
+    out = []
+    for case in ("qwen2-7b-lora", "qwen2-7b-qlora", "qwen2-14b-qlora"):
+        mem, speed = ratio(case, "loraship-lean", "reserved_gib"), ratio(case, "loraship-lean", "tokens_per_s")
+        out.append(check(f"{case}: lean reserved <= 1.0x Unsloth at tokens/s >= 1.0x",
+                         {"case": case, "reserved_ratio": mem, "tokens_per_s_ratio": speed},
+                         mem is not None and mem <= 1.0, speed is not None and speed >= 1.0))
+    fast = by.get(("qwen2-7b-lora", "loraship-fast"), {})
+    speed = ratio("qwen2-7b-lora", "loraship-fast", "tokens_per_s")
+    out.append(check("qwen2-7b-lora: fast tokens/s >= 1.15x Unsloth within 32 GiB",
+                     {"case": "qwen2-7b-lora", "tokens_per_s_ratio": speed, "fits_32gib": fast.get("fits_32gib")},
+                     speed is not None and speed >= 1.15, fast.get("fits_32gib") is True))
+    lean = by.get(("qwen2-14b-lora", "loraship-lean"), {})
+    speed = ratio("qwen2-14b-lora", "loraship-lean", "tokens_per_s")
+    trained = lean.get("strategy")
+    out.append(check("qwen2-14b-lora: bf16 (offload if needed) with >= 2 GiB of 32 spare at >= 0.9x Unsloth",
+                     {"case": "qwen2-14b-lora", "strategy": trained, "reserved_gib": lean.get("reserved_gib"),
+                      "tokens_per_s_ratio": speed},
+                     bool(trained) and "QLoRA" not in trained, (lean.get("reserved_gib") or 99) <= CAP_GIB - 2,
+                     speed is not None and speed >= 0.9))
+    long = by.get(("qwen2-14b-lora-8k", "loraship-lean"), {})
+    out.append(check("qwen2-14b-lora: bf16 still fits at 1 x 8192",
+                     {"case": "qwen2-14b-lora-8k", "strategy": long.get("strategy"),
+                      "fits_32gib": long.get("fits_32gib")},
+                     "QLoRA" not in (long.get("strategy") or "QLoRA"), long.get("fits_32gib") is True))
+    speed = ratio("packing", "loraship-packed", "tokens_per_s", base="loraship-padded")
+    a, b = (by.get(("packing", t), {}).get("loss_curve") for t in ("loraship-packed", "loraship-padded"))
+    # bf16 noise: the same tokens in the same steps, summed in another order.
+    loss_diff = round(max(abs(x / y - 1) for x, y in zip(a, b)), 4) if a and b else None
+    out.append(check("packing: non-pad tokens/s >= 1.5x padded, loss curve equal within noise (<= 2%)",
+                     {"case": "packing", "tokens_per_s_ratio": speed, "max_loss_rel_diff": loss_diff},
+                     speed is not None and speed >= 1.5, loss_diff is not None and loss_diff <= 0.02))
+    return out
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| case | trainer | reserved GiB | allocated GiB | tokens/s | fits 32 GiB | strategy |", "|---|---|---|---|---|---|---|"]
     f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
@@ -390,7 +437,7 @@ def main() -> None:
         # After every row, so a run cut short (a GPU call's time limit) still leaves what it measured.
         result = {"device": rows[0].get("device") if rows else None, "date": time.strftime("%Y-%m-%d"),
                   "steps": args.steps, "warmup": args.warmup, "cap_gib": None if args.smoke else CAP_GIB,
-                  "model_build_s": builds, "rows": rows, "ratios": ratios(rows)}
+                  "model_build_s": builds, "rows": rows, "ratios": ratios(rows), "targets": targets(rows)}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_name(args.out.name + ".tmp")
         tmp.write_text(json.dumps(result, indent=2))
@@ -438,6 +485,8 @@ def main() -> None:
     result = write()
     print(table(rows))
     print(json.dumps(result["ratios"], indent=2))
+    for t in result["targets"]:
+        print({True: "MET     ", False: "MISSED  ", None: "NOT RUN "}[t["met"]], json.dumps(t))
 
 
 if __name__ == "__main__":

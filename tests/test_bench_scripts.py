@@ -54,3 +54,29 @@ def test_analyze_scores_train_stage_rows(tmp_path, monkeypatch):
     assert out["held_out_training_only"]["worst_abs_error_pct"] == 10.0
     assert out["fit_rows"]["rows"] == 1 and out["all"]["rows"] == 3
     assert json.loads((tmp_path / "scored.json").read_text())["through"] == "train-stage"
+
+
+def test_train_bench_targets_are_met_missed_or_not_run():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_bench as tb
+
+    def row(case, trainer, reserved, speed, strategy="bf16 LoRA", **kw):
+        return {"case": case, "trainer": trainer, "ok": True, "reserved_gib": reserved, "tokens_per_s": speed,
+                "fits_32gib": True, "strategy": strategy, **kw}
+
+    rows = [row("qwen2-7b-lora", "unsloth", 16.8, 11589), row("qwen2-7b-lora", "loraship-lean", 16.0, 11700),
+            row("qwen2-7b-lora", "loraship-fast", 30.0, 12000),
+            row("qwen2-14b-lora", "unsloth", 30.9, 5678),
+            row("qwen2-14b-lora", "loraship-lean", 26.4, 5200, strategy="bf16 LoRA, 17 of 48 layers offloaded"),
+            row("qwen2-14b-lora-8k", "loraship-lean", 25.0, 4000, strategy="QLoRA (NF4), micro-batch 1"),
+            row("packing", "loraship-packed", 20.0, 9000, loss_curve=[2.0, 1.5]),
+            row("packing", "loraship-padded", 20.0, 5000, loss_curve=[2.0, 1.51]),
+            {"case": "qwen2-14b-qlora", "trainer": "loraship-lean", "ok": False, "error": "died"}]
+    got = {t["target"].split(":")[0] + ("/fast" if "fast" in t["target"] else "") + ("/8k" if "8192" in t["target"] else ""): t
+           for t in tb.targets(rows)}
+    assert got["qwen2-7b-lora"]["met"] is True and got["qwen2-7b-lora"]["reserved_ratio"] == round(16.0 / 16.8, 3)
+    assert got["qwen2-7b-lora/fast"]["met"] is False  # 1.035x, not 1.15x
+    assert got["qwen2-14b-qlora"]["met"] is None and got["qwen2-7b-qlora"]["met"] is None  # no rows: not run, not passed
+    assert got["qwen2-14b-lora"]["met"] is True  # bf16, 5.6 GiB spare, 0.916x
+    assert got["qwen2-14b-lora/8k"]["met"] is False  # fell back to QLoRA
+    assert got["packing"]["met"] is True and got["packing"]["tokens_per_s_ratio"] == 1.8
