@@ -382,11 +382,11 @@ def _cfg_for(spec: dict):
                   fused_loss="on" if spec["fused_loss"] else "off", gpu_memory_gib=CAP_GIB)
 
 
-def predict(spec: dict) -> dict:
+def predict(spec: dict, program: str = "harness") -> dict:
     from loraship import memory
 
     mc = dict(SHAPES[spec["shape"]])
-    return memory.estimate(mc, _cfg_for(spec), memory.strategy_from_config(_cfg_for(spec)))
+    return memory.estimate(mc, _cfg_for(spec), memory.strategy_from_config(_cfg_for(spec)), program)
 
 
 def is_fit_row(index: int) -> bool:
@@ -829,7 +829,7 @@ def analyze_stage(raw_path: Path, results: Path) -> dict:
                 or un.get("predicted_reserved_gib") is None:
             continue
         meas, pred = un["peak_reserved_gib"], un["predicted_reserved_gib"]
-        now = predict(un["spec"])["predicted_reserved_gib"]
+        now = predict(un["spec"], "train-stage")["predicted_reserved_gib"]
         train_only = un.get("train_peak_reserved_gib")
         capped = slot.get("capped")
         rows.append({

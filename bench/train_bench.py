@@ -176,6 +176,7 @@ def loraship_config(case: str, trainer: str, model_dir: Path, data: Path, root: 
         "val_set_size": 0.02, "adapter": adapter, "lora_r": r, "lora_alpha": 2 * r, "lora_dropout": 0.0,
         "lora_target_modules": QVO, "sequence_len": seq, "micro_batch_size": micro, "gradient_accumulation_steps": 1,
         "max_steps": steps, "warmup_steps": 0, "save_steps": 10_000, "gpu_memory_gib": CAP_GIB, "device": device,
+        "target_gpu_memory_gib": 16,  # the 14B's Q4_K_M alone is 8.3 GiB: above the default 8 GiB inference target
         "gradient_checkpointing": trainer != "loraship-fast",
         "packing": {"loraship-packed": "on", "loraship-padded": "off"}.get(trainer, "auto"),
     }
@@ -218,7 +219,8 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
             "fits_32gib": not metrics["oom_retries"] if device == "cuda" else None,
             "strategy": metrics["trained_as"], "strategy_reason": metrics["strategy_reason"],
             "packing": metrics["packing"], "oom_retries": metrics["oom_retries"],
-            "predicted_reserved_gib": metrics["predicted_reserved_gib"], "loss_curve": [h["loss"] for h in history]}
+            "predicted_reserved_gib": metrics["predicted_reserved_gib"], "strategy_detail": st,
+            "loss_curve": [h["loss"] for h in history]}
 
 
 def run_peer(case, trainer, model_dir, data, root, args, device) -> dict:
@@ -395,6 +397,51 @@ def targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def trained_strategy(case: str, row: dict) -> dict:
+    """The strategy a loraship row trained with: its strategy_detail, or read back from the words of older rows."""
+    import re
+
+    from loraship import memory
+    from loraship.config import parse_config
+
+    if row.get("strategy_detail"):
+        return row["strategy_detail"]
+    words = row["strategy"]
+    cfg = parse_config(loraship_config(case, row["trainer"], Path("m"), Path("d.jsonl"), Path("r"), 10, "cuda"))
+    k = int(re.search(r"checkpointing (\d+) of", words).group(1))
+    off = re.search(r"(\d+) of \d+ decoder layers", words)
+    return dict(memory.strategy_from_config(cfg), adapter="qlora" if words.startswith("QLoRA") else "lora",
+                checkpointed_layers=k, gradient_checkpointing=k > 0, offload_layers=int(off.group(1)) if off else 0,
+                micro_batch_size=int(re.search(r"micro-batch (\d+)", words).group(1)),
+                gradient_accumulation_steps=int(re.search(r"micro-batch \d+ x (\d+)", words).group(1)),
+                fused_loss=words.find("fused loss") >= 0)
+
+
+def planner_scores(rows: list[dict]) -> dict:
+    """The current planner (loraship/memory.py) against each loraship row's measured peak reserved, at the strategy
+    that row trained with: issue #10's item 5 on rows measured through the train stage itself."""
+    import statistics
+
+    from loraship import memory
+    from loraship.config import parse_config
+
+    out = []
+    for r in rows:
+        if not (r.get("ok") and r["trainer"].startswith("loraship") and r.get("reserved_gib")):
+            continue
+        shape_name = CASES[r["case"]][0]
+        mc = json.loads((ROOT / "examples" / "models" / shape_name / "config.json").read_text())
+        cfg = parse_config(loraship_config(r["case"], r["trainer"], Path("m"), Path("d.jsonl"), Path("r"), 10, "cuda"))
+        est = memory.estimate(mc, cfg, trained_strategy(r["case"], r))
+        pred = est["predicted_reserved_gib"]
+        out.append({"case": r["case"], "trainer": r["trainer"], "measured_reserved_gib": round(r["reserved_gib"], 2),
+                    "predicted_in_run_gib": r.get("predicted_reserved_gib"), "predicted_now_gib": round(pred, 2),
+                    "error_now": round(pred / r["reserved_gib"] - 1, 4)})
+    errs = [abs(x["error_now"]) for x in out]
+    return {"rows": out, "median_abs_error": round(statistics.median(errs), 4) if errs else None,
+            "worst_abs_error": round(max(errs), 4) if errs else None, "n": len(out)}
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| case | trainer | reserved GiB | allocated GiB | tokens/s | fits 32 GiB | strategy |", "|---|---|---|---|---|---|---|"]
     f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
@@ -413,13 +460,22 @@ def main() -> None:
     p.add_argument("--models", type=Path, help="folder for the random checkpoints (default ROOT/models; the 14B "
                    "takes 28 GiB, so /dev/shm where the disk is short)")
     p.add_argument("--trainers", nargs="*", help="default: unsloth loraship-lean loraship-fast hf-liger (in that order)")
+    p.add_argument("--skip", nargs="*", default=[], help="trainers left out (e.g. hf-liger when device time is short)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of tokens/s")
     p.add_argument("--rows", type=int, default=64, help="training rows per dataset")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per (case, trainer)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shape, loraship and HF only: checks the script")
     p.add_argument("--one", nargs=2, metavar=("CASE", "TRAINER"), help=argparse.SUPPRESS)
+    p.add_argument("--rescore", action="store_true", help="only rewrite --out's targets and planner scores (the "
+                   "planner as it is now, at each row's trained strategy), no training")
     args = p.parse_args()
+    if args.rescore:
+        result = json.loads(args.out.read_text())
+        result.update(ratios=ratios(result["rows"]), targets=targets(result["rows"]), planner=planner_scores(result["rows"]))
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({k: result["planner"][k] for k in ("n", "median_abs_error", "worst_abs_error")}))
+        return
     args.tokenizer = args.tokenizer.resolve()
     args.models = args.models or args.root / "models"
     if args.one:
@@ -437,7 +493,8 @@ def main() -> None:
         # After every row, so a run cut short (a GPU call's time limit) still leaves what it measured.
         result = {"device": rows[0].get("device") if rows else None, "date": time.strftime("%Y-%m-%d"),
                   "steps": args.steps, "warmup": args.warmup, "cap_gib": None if args.smoke else CAP_GIB,
-                  "model_build_s": builds, "rows": rows, "ratios": ratios(rows), "targets": targets(rows)}
+                  "model_build_s": builds, "rows": rows, "ratios": ratios(rows), "targets": targets(rows),
+                  "planner": planner_scores(rows) if not args.smoke else None}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_name(args.out.name + ".tmp")
         tmp.write_text(json.dumps(result, indent=2))
@@ -464,7 +521,7 @@ def main() -> None:
             write()
             continue
         for trainer in trainers:
-            if args.smoke and trainer == "unsloth":
+            if args.smoke and trainer == "unsloth" or trainer in args.skip:
                 continue
             part = args.root / f"row-{case}-{trainer}.json"
             part.unlink(missing_ok=True)

@@ -80,3 +80,20 @@ def test_train_bench_targets_are_met_missed_or_not_run():
     assert got["qwen2-14b-lora"]["met"] is True  # bf16, 5.6 GiB spare, 0.916x
     assert got["qwen2-14b-lora/8k"]["met"] is False  # fell back to QLoRA
     assert got["packing"]["met"] is True and got["packing"]["tokens_per_s_ratio"] == 1.8
+
+
+def test_planner_scores_read_the_trained_strategy_back_from_its_words():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import train_bench as tb
+
+    words = ("bf16 LoRA, 17 of 48 decoder layers' frozen weights streamed from CPU memory, micro-batch 2 x 1 "
+             "accumulation, fused loss, gradient checkpointing 48 of 48 layers")
+    st = tb.trained_strategy("qwen2-14b-lora", {"trainer": "loraship-lean", "strategy": words})
+    assert (st["adapter"], st["offload_layers"], st["checkpointed_layers"], st["micro_batch_size"]) == ("lora", 17, 48, 2)
+    assert st["fused_loss"] is True
+    row = {"case": "qwen2-14b-lora", "trainer": "loraship-lean", "ok": True, "strategy": words, "reserved_gib": 26.43}
+    scores = tb.planner_scores([row, {**row, "trainer": "unsloth"}, {**row, "ok": False}])
+    assert scores["n"] == 1  # peers and failed rows are not the planner's to score
+    (one,) = scores["rows"]
+    assert one["predicted_now_gib"] > 20 and scores["worst_abs_error"] == abs(one["error_now"])
+    assert tb.planner_scores([])["median_abs_error"] is None  # nothing measured: no score, not a perfect one

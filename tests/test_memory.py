@@ -245,7 +245,7 @@ def test_constants_still_match_the_gpu_measurements():
                 lora_target_modules=["q_proj", "v_proj", "o_proj"] if sp["targets"] == "qvo" else "all-linear",
                 sequence_len=sp["sequence_len"], micro_batch_size=sp["micro_batch_size"],
                 gradient_checkpointing=sp["gradient_checkpointing"], fused_loss="on" if sp["fused_loss"] else "off")
-        est = memory.estimate(shapes[sp["shape"]], c, memory.strategy_from_config(c))
+        est = memory.estimate(shapes[sp["shape"]], c, memory.strategy_from_config(c), program="harness")
         errs.append(abs(est["predicted_reserved_gib"] / row["measured_reserved_gib"] - 1))
         assert not (est["fits"] and row["oom_under_32gib_cap"]), row["config"]
     assert len(errs) >= 16
@@ -319,3 +319,30 @@ def test_render_plan_names_the_checkpointed_layers():
     con = Console(record=True, width=200)
     con.print(render_plan(plan, memory.plan_disk_and_inference(QWEN2_7B, c)))
     assert f"checkpointing {plan['strategy']['checkpointed_layers']} of 28 layers" in con.export_text()
+
+
+def test_the_train_stage_keeps_less_per_layer_than_the_harness_with_liger_kernels():
+    # With the fused loss tasks/train.py applies every Liger kernel: RMSNorm keeps bf16 input, SwiGLU no silu output.
+    c = cfg(**FAST_7B)
+    st = memory.with_checkpointing(memory.strategy_from_config(c), 0)
+    stage, harness = (memory.estimate(QWEN2_7B, c, st, program=p) for p in ("train-stage", "harness"))
+    s = memory.parse_model_config(QWEN2_7B)
+    T = c.micro_batch_size * c.sequence_len
+    saved = stage["components_gib"]["saved_activations_all_layers"], harness["components_gib"]["saved_activations_all_layers"]
+    assert abs((saved[1] - saved[0]) * 2**30 - s.L * T * (4 * s.h + 2 * s.f) * memory.CAL["layer"]) < 2**20
+    assert stage["components_gib"]["allocator_reserve"] == memory.CAL["reserve_expandable_gib"]
+    hf = cfg(**{**FAST_7B, "fused_loss": "off"})  # no Liger, no difference in kept activations
+    st_hf = memory.with_checkpointing(memory.strategy_from_config(hf), 0)
+    assert memory.estimate(QWEN2_7B, hf, st_hf)["components_gib"]["saved_activations_all_layers"] == \
+        memory.estimate(QWEN2_7B, hf, st_hf, program="harness")["components_gib"]["saved_activations_all_layers"]
+
+
+def test_streamed_layer_copies_count_at_a_layer_peak_not_at_the_fused_loss():
+    c = cfg(**LORA_14B, fused_loss="on")
+    st = {**memory.strategy_from_config(c), "offload_layers": 16}
+    est = memory.estimate(QWEN2_14B_EXAMPLE, c, st)
+    s = memory.parse_model_config(QWEN2_14B_EXAMPLE)
+    assert est["components_gib"]["streamed_layer_copies"] == round(2 * s.layer_linear_params * 2 / 2**30, 3)
+    resident = memory.estimate(QWEN2_14B_EXAMPLE, c, {**st, "offload_layers": 0})
+    drop = resident["components_gib"]["frozen_weights"] - est["components_gib"]["frozen_weights"]
+    assert abs(drop - 16 * s.layer_linear_params * 2 / 2**30) < 1e-2

@@ -6,13 +6,20 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 { df -h / /tmp /dev/shm; nproc; free -g; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } > $S/machine.log 2>&1
 echo "install start $(date +%T)" >> $S/progress
 SITE=${SITE:-/tmp/site} bash .whl-train/install.sh > $S/install.log 2>&1; echo "install rc=$? $(date +%T)" >> $S/progress
-export PYTHONPATH=${SITE:-/tmp/site}:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false LORASHIP_CACHE=/tmp/lcache \
+export PYTHONPATH=${SITE:-/tmp/site}:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false LORASHIP_CACHE=/tmp/lcache LORASHIP_LLAMA_CPP_DIR=$PWD/.whl-train/llama.cpp-conv \
   UNSLOTH_DISABLE_STATISTICS=1  # no hub calls from unsloth
+# Preflight, seconds: what the stages import and the converter the plan checks with. A failure ends the chain
+# at once, so a broken kit costs one short call, not a device budget of failed rows.
+if ! python3 -c "import gguf, liger_kernel, loraship.stages.plan, loraship.stages.train
+from loraship.llamacpp import converter_dir; print('preflight ok', converter_dir(fetch=False))" >> $S/progress 2>&1; then
+  echo "preflight failed $(date +%T)" >> $S/progress; touch $S/all.done; exit 1
+fi
 gpu_tests() {  # tests/test_gpu_smoke.py: the four strategies through plan + train (about 1-2 min)
   timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu_smoke.py -p no:cacheprovider > $S/gpu_tests.log 2>&1
-  echo "gpu tests rc=$? $(date +%T)" >> $S/progress
+  local rc=$?; echo "gpu tests rc=$rc $(date +%T)" >> $S/progress; return $rc
 }
-[ "$GPU_TESTS" = first ] && gpu_tests
+# First: the smoke tests gate the bench (a failure there would fail every row the same way).
+if [ "$GPU_TESTS" = first ] && ! gpu_tests; then touch $S/all.done; exit 1; fi
 # The random checkpoints: 7B 14.2 GiB + 14B 27.5 GiB. On the disk where it has room, else in /dev/shm.
 DISK=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9); SHM=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
 if [ "$DISK" -ge 52 ] || [ "$SHM" -lt 46 ]; then M=/tmp/tb/models; else M=/dev/shm/tb-models; fi
@@ -20,7 +27,7 @@ grep -q -- '"--models"' bench/train_bench.py && MODELS="--models $M" || MODELS= 
 echo "disk ${DISK}G shm ${SHM}G models: ${MODELS:-/tmp/tb/models}" >> $S/progress
 python3 bench/train_bench.py --tokenizer $PWD/.loraship/models/tiny-llama --root /tmp/tb $MODELS \
   --steps ${STEPS:-10} --warmup 3 --timeout ${ROW_TIMEOUT:-360} --out $S/train_bench.json \
-  --cases ${CASES:-qwen2-7b-lora qwen2-14b-qlora qwen2-14b-lora packing qwen2-7b-qlora} > $S/bench.log 2>&1
+  ${SKIP:+--skip $SKIP} --cases ${CASES:-qwen2-7b-lora qwen2-14b-qlora qwen2-14b-lora packing qwen2-7b-qlora} > $S/bench.log 2>&1
 echo "bench rc=$? $(date +%T)" >> $S/progress
 [ "$GPU_TESTS" = last ] && gpu_tests
 # MATRIX=1: then the memory matrix through plan + train on the same machine (bench/train_kit/matrix_call.sh).

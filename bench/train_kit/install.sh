@@ -12,7 +12,7 @@ PYTHONPATH=$SITE:$PWD python3 - <<'PY'
 import importlib.metadata as md
 for name in ["torch", "transformers", "peft", "accelerate", "triton", "unsloth", "unsloth_zoo", "torchao", "trl",
              "cut_cross_entropy", "datasets", "diffusers", "bitsandbytes", "liger_kernel", "tyro", "pydantic",
-             "pydantic_core", "diskcache", "pytest"]:
+             "pydantic_core", "diskcache", "pytest", "gguf"]:
     try:
         dist = md.distribution(name)
         print(f"{name:18} {dist.version:14} {dist.locate_file('')}")

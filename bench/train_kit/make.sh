@@ -12,7 +12,7 @@ PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 $PY -m pip download -q --no-deps $PLAT -d $K unsloth_zoo==2026.10.9 torchao==0.18.0 tyro docstring-parser typeguard \
   shtab trl==1.15.0 cut-cross-entropy datasets==4.3.0 dill multiprocess hf-transfer msgspec json5 nest-asyncio structlog \
   diffusers liger-kernel==0.8.5 diskcache pydantic==2.14.4 pydantic_core==2.50.5 annotated_types typing_inspection \
-  pytest==9.2.0 pluggy iniconfig pygments
+  pytest==9.2.0 pluggy iniconfig pygments "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 $PY -m pip download -q --no-deps $PLAT -d $FULL unsloth==2026.10.9 bitsandbytes==0.50.2
 # Unsloth's studio/ web UI is 26 MB of its 28.6; bitsandbytes keeps only the CUDA 13 libraries torch 2.11 loads.
 $PY bench/slim_wheel.py $FULL/unsloth-2026.10.9-py3-none-any.whl $K studio/
@@ -21,5 +21,9 @@ $PY bench/slim_wheel.py $FULL/bitsandbytes-0.50.2-*.whl $K \
 rm -rf $FULL
 $PY -c "from loraship.tinymodel import ensure_tiny_model; ensure_tiny_model('.loraship/models/tiny-llama')"
 tar czf $K/tiny-llama.tgz -C .loraship/models tiny-llama
+# The llama.cpp converter the plan stage checks convertibility with (the machine has no PyPI to fetch it from):
+# chain.sh points LORASHIP_LLAMA_CPP_DIR here.
+rm -rf $K/llama.cpp-conv; cp -r "$($PY -c 'from loraship.llamacpp import converter_dir; print(converter_dir())')" $K/llama.cpp-conv
+find $K/llama.cpp-conv -name __pycache__ -prune -exec rm -rf {} +
 cp bench/train_kit/{install.sh,chain.sh,call.sh,README.txt} $K/
 du -sh $K

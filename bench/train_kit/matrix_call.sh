@@ -15,7 +15,7 @@ if [ "$1" = chain ]; then
   echo "install start $(date +%T)" >> $S/progress
   SITE=${SITE:-/tmp/site} bash .whl-train/install.sh > $S/install.log 2>&1; echo "install rc=$? $(date +%T)" >> $S/progress
   export PYTHONPATH=${SITE:-/tmp/site}:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
-    LORASHIP_CACHE=/tmp/lcache
+    LORASHIP_CACHE=/tmp/lcache LORASHIP_LLAMA_CPP_DIR=$PWD/.whl-train/llama.cpp-conv
   # One shape's checkpoint at a time (the 14B is 27.5 GiB): on the disk where it has room, else in /dev/shm.
   DISK=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9)
   if [ "$DISK" -ge 36 ]; then M=/tmp/mm/models; else M=/dev/shm/mm-models; fi
