@@ -21,7 +21,8 @@ Trainers:
 - unsloth: FastLanguageModel, use_gradient_checkpointing="unsloth", its own fused loss.
 - hf-liger: transformers + PEFT with every Liger kernel for the architecture
   (apply_liger_kernel_to_llama before loading), non-reentrant gradient checkpointing.
-- loraship-lean: `loraship.stages.plan` + `loraship.stages.train` as shipped (checkpointing on, fused loss auto).
+- loraship-lean: `loraship.stages.plan` + `loraship.stages.train` as shipped (checkpointing on, fused loss auto,
+  offload_activations: on, i.e. every checkpointed layer's input in pinned CPU memory: loraship/activation_offload.py).
 - loraship-fast: the same with gradient_checkpointing: false; the planner checkpoints only as many of
   the first decoder layers as the 32 GiB budget needs (strategy checkpointed_layers).
 - loraship-packed / loraship-padded (case `packing`): packing: on / off on variable-length chat rows.
@@ -178,6 +179,9 @@ def loraship_config(case: str, trainer: str, model_dir: Path, data: Path, root: 
         "max_steps": steps, "warmup_steps": 0, "save_steps": 10_000, "gpu_memory_gib": CAP_GIB, "device": device,
         "target_gpu_memory_gib": 16,  # the 14B's Q4_K_M alone is 8.3 GiB: above the default 8 GiB inference target
         "gradient_checkpointing": trainer != "loraship-fast",
+        # lean: the least GPU memory, so checkpointed activations always wait in CPU memory (as Unsloth's do);
+        # the others only where that is what makes the plan fit.
+        "offload_activations": "on" if trainer == "loraship-lean" else "auto",
         "packing": {"loraship-packed": "on", "loraship-padded": "off"}.get(trainer, "auto"),
     }
 
@@ -414,7 +418,8 @@ def trained_strategy(case: str, row: dict) -> dict:
                 checkpointed_layers=k, gradient_checkpointing=k > 0, offload_layers=int(off.group(1)) if off else 0,
                 micro_batch_size=int(re.search(r"micro-batch (\d+)", words).group(1)),
                 gradient_accumulation_steps=int(re.search(r"micro-batch \d+ x (\d+)", words).group(1)),
-                fused_loss=words.find("fused loss") >= 0)
+                fused_loss=words.find("fused loss") >= 0,
+                offload_activations="checkpointed activations in CPU memory" in words)
 
 
 def planner_scores(rows: list[dict]) -> dict:

@@ -112,6 +112,11 @@ class Config(BaseModel):
     fused_loss: Literal["auto", "on", "off"] = Field(
         "auto", description="Liger fused linear cross-entropy: 'auto' uses it on CUDA when liger-kernel is installed."
     )
+    offload_activations: Literal["auto", "on", "off"] = Field(
+        "auto", description="Checkpointed layers' inputs kept in pinned CPU memory instead of on the GPU (copied out "
+        "in forward, prefetched back for backward): 'auto' when that is what makes the plan fit gpu_memory_gib, "
+        "'on' always (the least GPU memory), 'off' never.",
+    )
     fallback: list[Literal["offload", "qlora"]] = Field(
         default_factory=lambda: ["offload", "qlora"],
         description="What the planner may change, in this order, when `adapter: lora` does not fit gpu_memory_gib "

@@ -151,7 +151,8 @@ def strategy_from_config(cfg: Config, n_layers: int | None = None) -> dict:
     out = {"adapter": cfg.adapter, "offload_layers": 0, "micro_batch_size": cfg.micro_batch_size,
            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
            "fused_loss": fused_loss_available(cfg, "cpu" if cfg.device == "cpu" else "cuda"),
-           "gradient_checkpointing": cfg.gradient_checkpointing}
+           "gradient_checkpointing": cfg.gradient_checkpointing,
+           "offload_activations": cfg.offload_activations == "on" and cfg.gradient_checkpointing}
     if n_layers is not None:
         out["checkpointed_layers"] = n_layers if cfg.gradient_checkpointing else 0
     return out
@@ -234,6 +235,13 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     # modes the CAL constants were fitted on (bench/results/memory_matrix.json); 0 < k < L is not measured.
     k = checkpointed_layers(strategy, s.L)
     kept_ckpt = CAL["keep"] * T * 2 * s.h * k
+    # Checkpointed inputs in pinned CPU memory (loraship/activation_offload.py): on the GPU at most two at a
+    # time (the layer computing and the one prefetched or still being copied out).
+    offloaded_acts = bool(strategy.get("offload_activations")) and k > 0
+    host_acts = 0
+    if offloaded_acts:
+        host_acts = T * 2 * s.h * k
+        kept_ckpt = CAL["keep"] * T * 2 * s.h * min(k, 2)
     kept_full = (s.L - k) * layer_saved
     kept = kept_ckpt + kept_full
     layer_peak = layer_saved + layer_bwd if k == s.L else layer_bwd
@@ -279,6 +287,7 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
         # What a weights-only calculator (accelerate estimate-memory style) says: all frozen weights, nothing else.
         "weights_only_estimate_gib": (s.L * layer_lin_bytes + rest_bytes) / GIB,
         "fits": total / GIB <= budget - margin,
+        "activations_in_cpu_memory_gib": round(host_acts / GIB, 3),
         "lora_params": lora_params,
         "checkpointed_layers": k,
     }
@@ -317,7 +326,16 @@ def _ladder(model_config: dict, cfg: Config, fallback: list[str] | None = None) 
     out: list[tuple[dict, str]] = [(user, "as configured")]
     for k in ks:
         if k != user["checkpointed_layers"]:
-            out.append((with_checkpointing(user, k), f"checkpointing {k} of {s.L} layers to fit {budget}"))
+            out.append((with_checkpointing({**user, "offload_activations": cfg.offload_activations == "on" and k > 0}, k),
+                        f"checkpointing {k} of {s.L} layers to fit {budget}"))
+    # offload_activations: auto, once every layer is checkpointed: their inputs to CPU memory before any change to
+    # the batch or the base; from there on every rung keeps them there.
+    acts = user["offload_activations"]
+    if cfg.offload_activations == "auto":
+        out.append(({**with_checkpointing(user, s.L), "offload_activations": True},
+                    f"checkpointed activations kept in CPU memory to fit {budget}"))
+        acts = True
+        ks = [s.L]
     fused = user["fused_loss"]
     mbs = _divisors_desc(eff, cfg.micro_batch_size)
 
@@ -328,7 +346,8 @@ def _ladder(model_config: dict, cfg: Config, fallback: list[str] | None = None) 
 
     def step(adapter, mb, n_off, k, why):
         return (with_checkpointing({"adapter": adapter, "offload_layers": n_off, "micro_batch_size": mb,
-                                    "gradient_accumulation_steps": eff // mb, "fused_loss": fused}, k), why)
+                                    "gradient_accumulation_steps": eff // mb, "fused_loss": fused,
+                                    "offload_activations": acts and k > 0}, k), why)
 
     for mb in mbs[1:]:
         for k in ks:
@@ -371,8 +390,9 @@ def _describe(strategy: dict) -> str:
     k = strategy.get("checkpointed_layers")
     ckpt = (f"{k} layers checkpointed" if k is not None
             else f"checkpointing {'on' if strategy['gradient_checkpointing'] else 'off'}")
+    acts = ", checkpointed activations in CPU memory" if strategy.get("offload_activations") else ""
     return (f"{strategy['adapter']}{off}, micro-batch {strategy['micro_batch_size']} x "
-            f"{strategy['gradient_accumulation_steps']}, fused loss {'on' if strategy['fused_loss'] else 'off'}, {ckpt}")
+            f"{strategy['gradient_accumulation_steps']}, fused loss {'on' if strategy['fused_loss'] else 'off'}, {ckpt}{acts}")
 
 
 def _why_not(tried: list[tuple[dict, str, dict]], cfg: Config, n_layers: int) -> str:

@@ -44,7 +44,8 @@ FIELDS = (
     "adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "sequence_len", "truncation",
     "micro_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler", "warmup_steps",
     "weight_decay", "num_epochs", "max_steps", "seed", "gradient_checkpointing", "fused_loss", "datasets",
-    "eval_datasets", "val_set_size", "device", "packing", "fallback", "chat_template", "train_on_inputs",
+    "eval_datasets", "val_set_size", "device", "packing", "fallback", "offload_activations", "chat_template",
+    "train_on_inputs",
 )
 REPLANNED_FILE = "replanned.json"  # in the checkpoints folder: kept, like the checkpoints, for a rerun
 log = logging.getLogger("loraship.train")
@@ -116,6 +117,13 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
         checkpoint_first_layers(model, strategy.get("checkpointed_layers"))
+        if strategy.get("offload_activations"):
+            from loraship.activation_offload import offload_checkpointed_activations
+
+            layers = decoder_layers(model)
+            k = memory.checkpointed_layers(strategy, len(layers))
+            offload_checkpointed_activations(layers, k)
+            log.info("train: the inputs of %d checkpointed layers kept in pinned CPU memory", k)
     model.config.use_cache = False
     lora = LoraConfig(
         r=config.lora_r,
@@ -450,9 +458,10 @@ def describe_strategy(strategy: dict, n_layers: int | None) -> str:
     ckpt = f"{k}{of} layers" if k is not None else ("on" if strategy["gradient_checkpointing"] else "off")
     off = f", {strategy['offload_layers']}{of} decoder layers' frozen weights streamed from CPU memory" \
         if strategy.get("offload_layers") else ""
+    acts = ", checkpointed activations in CPU memory" if strategy.get("offload_activations") else ""
     return (f"{base}{off}, micro-batch {strategy['micro_batch_size']} x {strategy['gradient_accumulation_steps']} "
             f"accumulation, {'fused' if strategy['fused_loss'] else 'HF'} loss, "
-            f"gradient checkpointing {ckpt}")
+            f"gradient checkpointing {ckpt}{acts}")
 
 
 def draw_figures(config, folder: Path, result: dict, predicted: dict, device: str, trained_as: str) -> list[str]:

@@ -346,3 +346,36 @@ def test_streamed_layer_copies_count_at_a_layer_peak_not_at_the_fused_loss():
     resident = memory.estimate(QWEN2_14B_EXAMPLE, c, {**st, "offload_layers": 0})
     drop = resident["components_gib"]["frozen_weights"] - est["components_gib"]["frozen_weights"]
     assert abs(drop - 16 * s.layer_linear_params * 2 / 2**30) < 1e-2
+
+
+# --- checkpointed activations in CPU memory ---------------------------------------------------------------------
+LEAN_7B = dict(adapter="lora", lora_r=64, lora_alpha=128, lora_target_modules=["q_proj", "v_proj", "o_proj"],
+               sequence_len=4096, micro_batch_size=2, gradient_accumulation_steps=4, fused_loss="on")
+
+
+def test_offloaded_activations_leave_two_layers_inputs_on_the_gpu():
+    s = memory.parse_model_config(QWEN2_7B)
+    T = 2 * 4096
+    on, off = (memory.estimate(QWEN2_7B, cfg(**LEAN_7B, offload_activations=v),
+                               memory.strategy_from_config(cfg(**LEAN_7B, offload_activations=v), s.L)) for v in ("on", "off"))
+    assert on["components_gib"]["checkpointed_activations"] == round(memory.CAL["keep"] * T * 2 * s.h * 2 / 2**30, 3)
+    assert on["activations_in_cpu_memory_gib"] == round(T * 2 * s.h * s.L / 2**30, 3)
+    assert off["activations_in_cpu_memory_gib"] == 0
+    saved = off["predicted_reserved_gib"] - on["predicted_reserved_gib"]
+    assert saved == pytest.approx(memory.CAL["keep"] * T * 2 * s.h * (s.L - 2) / 2**30, rel=1e-6)
+
+
+def test_auto_offloads_activations_before_shrinking_the_batch_and_off_never_does():
+    c = cfg(**LEAN_7B)
+    s = memory.parse_model_config(QWEN2_7B)
+    user = memory.strategy_from_config(c, s.L)
+    assert user["offload_activations"] is False  # auto: only when it is what makes the plan fit
+    with_acts = memory.estimate(QWEN2_7B, c, {**user, "offload_activations": True})["predicted_total_gib"]
+    budget = memory._card_needed_gib(with_acts) + 0.01  # fits with activations in CPU memory, not without
+    assert not memory.estimate(QWEN2_7B, cfg(**LEAN_7B, gpu_memory_gib=budget), user)["fits"]
+    plan = memory.plan_training(QWEN2_7B, cfg(**LEAN_7B, gpu_memory_gib=budget))
+    st = plan["strategy"]
+    assert st["offload_activations"] and st["micro_batch_size"] == 2 and st["offload_layers"] == 0
+    assert "activations kept in CPU memory" in plan["reason"]
+    refused = memory.plan_training(QWEN2_7B, cfg(**LEAN_7B, gpu_memory_gib=budget, offload_activations="off"))
+    assert not refused["strategy"].get("offload_activations") and refused["strategy"]["micro_batch_size"] == 1

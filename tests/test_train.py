@@ -217,6 +217,40 @@ def test_checkpointing_some_layers_with_offloaded_layers_trains_identically(four
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("adapter,offload_layers", [("lora", 0), ("qlora", 0), ("lora", 2)])
+def test_checkpointed_activations_in_cpu_memory_train_identically(four_layers, tmp_path, adapter, offload_layers,
+                                                                  monkeypatch):
+    # loraship/activation_offload.py recomputes each layer in its own backward, under its forward's RNG state:
+    # with dropout the same loss and LoRA gradients as torch's checkpointing, alone or with streamed weights.
+    from loraship import activation_offload, memory
+
+    loaded = []
+    real_load = activation_offload.ActivationOffload.load
+    monkeypatch.setattr(activation_offload.ActivationOffload, "load",
+                        lambda self, i: loaded.append(i) or real_load(self, i))
+
+    config = parse_config(demo_config_dict(four_layers, tmp_path, adapter=adapter, lora_dropout=0.1, fused_loss="off",
+                                           offload_activations="on"))
+    user = memory.strategy_from_config(config, 4)
+    assert user["offload_activations"] is True and user["checkpointed_layers"] == 4
+    loss, grads, flags = _loss_and_lora_grads(four_layers, config, user, offload_layers=offload_layers)
+    ref_loss, ref_grads, _ = _loss_and_lora_grads(four_layers, config, {**user, "offload_activations": False},
+                                                  offload_layers=offload_layers)
+    assert flags == [True] * 4
+    assert loaded == [3, 2, 1, 0]  # each layer's input came back once, last layer first; none in the reference run
+    assert len(grads) == 4 * 7 * 2 and all(g.abs().sum() > 0 for g in grads.values())
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_activation_offload_refuses_inputs_without_grad(four_layers, tmp_path):
+    from loraship.activation_offload import ActivationOffload
+
+    with pytest.raises(RuntimeError, match="enable_input_require_grads"):
+        ActivationOffload().for_layer(0)(lambda x: x * 2, torch.ones(2))
+
+
 # --- resume ---------------------------------------------------------------------------------------
 class Killed(Exception):
     pass
