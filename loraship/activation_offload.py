@@ -60,11 +60,13 @@ class ActivationOffload:
         return self.stream
 
     def _buffer(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        # Flat and only ever grown: rows change length from step to step, and pinning memory costs far more
+        # than the copy itself, so a step reuses the largest buffer so far through a view of its shape.
         buf = self.buffers.get(index)
-        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-            buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        if buf is None or buf.numel() < x.numel() or buf.dtype != x.dtype:
+            buf = torch.empty(x.numel(), dtype=x.dtype, pin_memory=True)
             self.buffers[index] = buf
-        return buf
+        return buf[: x.numel()].view(x.shape)
 
     def save(self, index: int, x: torch.Tensor) -> _Saved:
         saved = _Saved(index, x)

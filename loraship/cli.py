@@ -245,7 +245,8 @@ def render_plan(plan: dict, disk: dict):
         + (f" + {st['offload_layers']} layers offloaded" if st["offload_layers"] else "")
         + f", micro-batch {st['micro_batch_size']} x {st['gradient_accumulation_steps']} accumulation, "
         f"fused loss {'on' if st['fused_loss'] else 'off'}, {_checkpointing_words(st, plan.get('decoder_layers'))}"
-        f"\n{mem['predicted_total_gib']:.1f} GiB predicted of {plan['budget_gib']:g} GiB "
+        + (", checkpointed activations in CPU memory" if st.get("offload_activations") else "")
+        +         f"\n{mem['predicted_total_gib']:.1f} GiB predicted of {plan['budget_gib']:g} GiB "
         f"(safety margin {plan['safety_margin_gib']:.1f} GiB): {verdict}\n{plan['reason']}")
     t = Table(title="Peak training memory (GiB)", show_footer=False)
     t.add_column("component")
@@ -256,12 +257,16 @@ def render_plan(plan: dict, disk: dict):
     t.add_row("[bold]reserved (peak)", f"[bold]{mem['predicted_reserved_gib']:.2f}")
     t.add_row("[bold]card must hold (reserved + context)", f"[bold]{mem['predicted_total_gib']:.2f}")
     t.add_row("weights-only estimate, for comparison", f"{mem['weights_only_estimate_gib']:.2f}")
+    if mem.get("activations_in_cpu_memory_gib"):
+        t.add_row("checkpointed activations in pinned CPU memory (not on the GPU)",
+                  f"{mem['activations_in_cpu_memory_gib']:.2f}")
     a = Table(title="Alternatives")
     for c in ("adapter", "offload", "micro x GA", "fused", "ckpt layers", "GiB", "fits"):
         a.add_column(c)
     for r in plan["alternatives"]:
         a.add_row(r["adapter"], str(r["offload_layers"]), f"{r['micro_batch_size']} x {r['gradient_accumulation_steps']}",
-                  str(r["fused_loss"]), str(r.get("checkpointed_layers", r["gradient_checkpointing"])),
+                  str(r["fused_loss"]), str(r.get("checkpointed_layers", r["gradient_checkpointing"]))
+                  + (" (in CPU memory)" if r.get("offload_activations") else ""),
                   f"{r['predicted_total_gib']:.1f}",
                   "yes" if r["fits"] else "no")
     inf = disk["inference"]

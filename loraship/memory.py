@@ -382,6 +382,8 @@ def _rung(strategy: dict, user: dict) -> str:
         return "qlora"
     if strategy["micro_batch_size"] != user["micro_batch_size"]:
         return "micro-batch"
+    if bool(strategy.get("offload_activations")) != bool(user.get("offload_activations")):
+        return "activations"
     return "checkpointing" if strategy.get("checkpointed_layers") != user.get("checkpointed_layers") else "as configured"
 
 
@@ -404,7 +406,7 @@ def _why_not(tried: list[tuple[dict, str, dict]], cfg: Config, n_layers: int) ->
         if kind not in best or est["predicted_total_gib"] < best[kind][1]["predicted_total_gib"]:
             best[kind] = (strat, est)
     words = {"as configured": "as configured", "checkpointing": "checkpointing more layers",
-             "micro-batch": "the smallest micro-batch",
+             "activations": "checkpointed activations in CPU memory", "micro-batch": "the smallest micro-batch",
              "offload": "bf16 LoRA with offload", "qlora": "QLoRA"}
     parts = [f"{words[k]} ({_describe(st)}) needs {est['predicted_total_gib']:.1f} GiB"
              + (f" (peak at {est['peak_phase']})" if k == "as configured" else "")
@@ -435,6 +437,12 @@ def _refusal(model_config: dict, cfg: Config, tried: list[tuple[dict, str, dict]
                         if _rung(st, strategy_from_config(cfg, n_layers)) == kind and estimate(model_config, cfg, st)["fits"]), None)
             if fit:
                 fixes.append(f"set fallback: [{kind}] ({_describe(fit)} fits)")
+    if cfg.offload_activations == "off":
+        auto = cfg.model_copy(update={"offload_activations": "auto"})
+        fit = next((st for st, _w in _ladder(model_config, auto)
+                    if st.get("offload_activations") and estimate(model_config, auto, st)["fits"]), None)
+        if fit:
+            fixes.append(f"set offload_activations: auto ({_describe(fit)} fits)")
     if cfg.fused_loss == "auto" and not strategy_from_config(cfg)["fused_loss"]:
         fixes.append("install liger-kernel (pip install 'loraship[train]') so fused_loss: auto uses the fused loss")
     fixes.append(f"lower sequence_len (now {cfg.sequence_len}) or lora_r (now {cfg.lora_r})")
@@ -461,6 +469,7 @@ def _plan(model_config: dict, cfg: Config, strategy: dict, est: dict, reason: st
             "cuda_context_gib": round(est["cuda_context_gib"], 2),
             "predicted_total_gib": round(est["predicted_total_gib"], 2),
             "weights_only_estimate_gib": round(est["weights_only_estimate_gib"], 2),
+            "activations_in_cpu_memory_gib": est["activations_in_cpu_memory_gib"],
         },
         "alternatives": alternatives,
     }
@@ -504,6 +513,7 @@ def _alternatives(model_config: dict, cfg: Config, chosen: dict) -> list[dict]:
     fewest = next((c for c in (with_checkpointing(user, k) for k in range(L + 1))
                    if estimate(model_config, cfg, c)["fits"]), None)
     cands.append(fewest)
+    cands.append({**with_checkpointing(user, L), "offload_activations": True})  # Unsloth's way: inputs in CPU memory
     eff = cfg.micro_batch_size * cfg.gradient_accumulation_steps
     cands.append(with_checkpointing({**user, "micro_batch_size": 1, "gradient_accumulation_steps": eff}, L))
     # The least offload that fits bf16 LoRA at the configured micro-batch (quality of bf16, speed of PCIe).

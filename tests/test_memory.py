@@ -379,3 +379,14 @@ def test_auto_offloads_activations_before_shrinking_the_batch_and_off_never_does
     assert "activations kept in CPU memory" in plan["reason"]
     refused = memory.plan_training(QWEN2_7B, cfg(**LEAN_7B, gpu_memory_gib=budget, offload_activations="off"))
     assert not refused["strategy"].get("offload_activations") and refused["strategy"]["micro_batch_size"] == 1
+
+
+def test_a_refusal_with_activations_barred_names_offload_activations_as_the_fix():
+    # micro-batch 1 x 1 and fallback []: nothing but checkpointed activations in CPU memory could make it fit.
+    single = dict(LEAN_7B, micro_batch_size=1, gradient_accumulation_steps=1, fallback=[])
+    user = memory.strategy_from_config(cfg(**single), memory.parse_model_config(QWEN2_7B).L)
+    with_acts = memory.estimate(QWEN2_7B, cfg(**single), {**user, "offload_activations": True})["predicted_total_gib"]
+    budget = memory._card_needed_gib(with_acts) + 0.01
+    with pytest.raises(memory.PlanRefused, match="set offload_activations: auto"):
+        memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget, offload_activations="off"))
+    assert memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget))["strategy"]["offload_activations"]
