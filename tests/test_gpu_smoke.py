@@ -1,4 +1,4 @@
-"""The train stage's four strategies on a real GPU, through `plan` + `train` as shipped (issue #10).
+"""The train stage's strategies on a real GPU, through `plan` + `train` as shipped (issue #10).
 
 Deselected by default (marker `gpu`) and skipped without CUDA. On the GPU machine, after
 `bash .whl-train/install.sh` (bitsandbytes, liger-kernel, pytest, ... into /tmp/site):
@@ -173,3 +173,17 @@ def test_packing_on(gpu_model, tmp_path):
     check(strategy, metrics, history, CAP_GIB, adapter="lora", offload_layers=0)
     assert metrics["packing"]["packed"] is True, metrics["packing"]
     assert metrics["train_tokens_this_run"] > 0
+
+
+def test_checkpointed_activations_in_cpu_memory(gpu_model, tmp_path):
+    # loraship/activation_offload.py on CUDA streams: the same losses as torch's checkpointing, step for step.
+    common = dict(fused_loss="on", lora_dropout=0.1)
+    strategy, metrics, history = train(config_dict(gpu_model, tmp_path / "on", "acts", offload_activations="on",
+                                                   **common), CAP_GIB)
+    check(strategy, metrics, history, CAP_GIB, adapter="lora", offload_layers=0, offload_activations=True)
+    assert "checkpointed activations in CPU memory" in metrics["trained_as"]
+    _, plain, plain_history = train(config_dict(gpu_model, tmp_path / "off", "plain", offload_activations="off",
+                                                **common), CAP_GIB)
+    assert not plain["strategy"].get("offload_activations")
+    for a, b in zip(history, plain_history, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), (a, b)

@@ -244,6 +244,18 @@ def test_checkpointed_activations_in_cpu_memory_train_identically(four_layers, t
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_the_train_stage_records_activations_in_cpu_memory_and_trains_the_same(tiny_model, tmp_path):
+    common = dict(max_steps=3, lora_dropout=0.1, micro_batch_size=4, gradient_accumulation_steps=1, warmup_steps=0)
+    on = parse_config(demo_config_dict(tiny_model, tmp_path / "on", run_name="on", offload_activations="on", **common))
+    off = parse_config(demo_config_dict(tiny_model, tmp_path / "off", run_name="off", offload_activations="off", **common))
+    metrics = run_stages(on, ["plan", "train"])["train"]["metrics"]
+    assert metrics["strategy"]["offload_activations"] is True
+    assert metrics["trained_as"].endswith("checkpointed activations in CPU memory")
+    run_stages(off, ["plan", "train"])
+    for x, y in zip(curve(on), curve(off), strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-7), (x, y)
+
+
 def test_activation_offload_refuses_inputs_without_grad(four_layers, tmp_path):
     from loraship.activation_offload import ActivationOffload
 
