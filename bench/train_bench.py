@@ -137,13 +137,17 @@ def make_data(tokenizer_dir: Path, folder: Path, seq: int, rows: int, kind: str,
 # One (case, trainer) in this process
 # ---------------------------------------------------------------------------------------------
 class StepClock:
-    """Stamps every optimizer step (synchronised), through torch's global step hook."""
+    """Stamps every optimizer step (synchronised), through torch's global step hook. With `profile_from`,
+    torch.profiler records the two steps after that one, so a row can say where its time goes."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, profile_from: int | None = None):
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.times: list[float] = []
         self.device = device
+        self.profile_from = profile_from
+        self.profiler = None
+        self.profile: list[dict] | None = None
         self.handle = register_optimizer_step_post_hook(self._stamp)
 
     def _stamp(self, *_):
@@ -152,6 +156,19 @@ class StepClock:
         if self.device == "cuda":
             torch.cuda.synchronize()
         self.times.append(time.perf_counter())
+        if self.profile_from is None:
+            return
+        if len(self.times) == self.profile_from:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+            self.profiler = profile(activities=acts)
+            self.profiler.__enter__()
+        elif len(self.times) == self.profile_from + 2 and self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            self.profile = top_ops(self.profiler, self.device)
+            self.profiler = None
+
 
     def tokens_per_s(self, tokens_per_step: list[int], warmup: int) -> float | None:
         # Step i is timed from the stamp of step i-1; the first `warmup` steps are left out.
@@ -162,6 +179,17 @@ class StepClock:
         if not seconds:
             return None
         return round(sum(tokens_per_step[i] for i in timed) / seconds, 1)
+
+
+def top_ops(profiler, device: str, n: int = 25) -> list[dict]:
+    """The operators and kernels that took the most time over the profiled steps (device time on CUDA)."""
+    key = "device_time_total" if device == "cuda" else "cpu_time_total"
+    rows = []
+    for e in profiler.key_averages():
+        rows.append({"name": e.key[:120], "calls": e.count, "cpu_ms": round(e.cpu_time_total / 1e3, 2),
+                     "device_ms": round(getattr(e, "device_time_total", 0) / 1e3, 2)})
+    rows.sort(key=lambda r: -(r["device_ms"] if key == "device_time_total" else r["cpu_ms"]))
+    return rows[:n]
 
 
 def spec(case: str, smoke: bool) -> tuple:
@@ -208,7 +236,7 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
     from transformers import AutoTokenizer
 
     config = parse_config(loraship_config(case, trainer, model_dir, data, root, args.steps, device))
-    clock = StepClock(device)
+    clock = StepClock(device, args.warmup if args.profile else None)
     plan_stage.run(config)
     metrics = train_stage.run(config)["metrics"]
     train, _ = load_splits(config, AutoTokenizer.from_pretrained(model_dir))
@@ -224,6 +252,8 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
             "strategy": metrics["trained_as"], "strategy_reason": metrics["strategy_reason"],
             "packing": metrics["packing"], "oom_retries": metrics["oom_retries"],
             "predicted_reserved_gib": metrics["predicted_reserved_gib"], "strategy_detail": st,
+            "step_s": [round(b - a, 4) for a, b in zip(clock.times, clock.times[1:])], "profile": clock.profile,
+            "profiled": bool(args.profile),  # then tokens/s includes the profiler's overhead on two steps
             "loss_curve": [h["loss"] for h in history]}
 
 
@@ -466,6 +496,8 @@ def main() -> None:
                    "takes 28 GiB, so /dev/shm where the disk is short)")
     p.add_argument("--trainers", nargs="*", help="default: unsloth loraship-lean loraship-fast hf-liger (in that order)")
     p.add_argument("--skip", nargs="*", default=[], help="trainers left out (e.g. hf-liger when device time is short)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler over two steps after the warm-up: each "
+                   "loraship row gets its top operators and kernels (where packed steps lose their time)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of tokens/s")
     p.add_argument("--rows", type=int, default=64, help="training rows per dataset")
@@ -532,7 +564,8 @@ def main() -> None:
             part.unlink(missing_ok=True)
             cmd = [sys.executable, __file__, "--tokenizer", str(args.tokenizer), "--out", str(part), "--root",
                    str(args.root), "--models", str(args.models), "--steps", str(args.steps), "--warmup",
-                   str(args.warmup), "--rows", str(args.rows), "--one", case, trainer] + (["--smoke"] if args.smoke else [])
+                   str(args.warmup), "--rows", str(args.rows), "--one", case, trainer] + (["--smoke"] if args.smoke else []) \
+                + (["--profile"] if args.profile else [])
             started = time.time()
             try:
                 subprocess.run(cmd, timeout=args.timeout, cwd=ROOT)
@@ -541,7 +574,7 @@ def main() -> None:
             row = json.loads(part.read_text()) if part.exists() else {
                 "case": case, "trainer": trainer, "ok": False, "error": "process died or timed out"}
             row["wall_s"] = round(time.time() - started, 1)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "loss_curve")}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "loss_curve", "profile", "step_s")}), flush=True)
             rows.append(row)
             write()
     result = write()
