@@ -366,14 +366,15 @@ def test_offloaded_activations_leave_two_layers_inputs_on_the_gpu():
 
 
 def test_auto_offloads_activations_before_shrinking_the_batch_and_off_never_does():
-    c = cfg(**LEAN_7B)
+    assert cfg(**LEAN_7B).offload_activations == "off"  # the default until the CUDA path is measured
+    c = cfg(**LEAN_7B, offload_activations="auto")
     s = memory.parse_model_config(QWEN2_7B)
     user = memory.strategy_from_config(c, s.L)
     assert user["offload_activations"] is False  # auto: only when it is what makes the plan fit
     with_acts = memory.estimate(QWEN2_7B, c, {**user, "offload_activations": True})["predicted_total_gib"]
     budget = memory._card_needed_gib(with_acts) + 0.01  # fits with activations in CPU memory, not without
     assert not memory.estimate(QWEN2_7B, cfg(**LEAN_7B, gpu_memory_gib=budget), user)["fits"]
-    plan = memory.plan_training(QWEN2_7B, cfg(**LEAN_7B, gpu_memory_gib=budget))
+    plan = memory.plan_training(QWEN2_7B, cfg(**LEAN_7B, gpu_memory_gib=budget, offload_activations="auto"))
     st = plan["strategy"]
     assert st["offload_activations"] and st["micro_batch_size"] == 2 and st["offload_layers"] == 0
     assert "activations kept in CPU memory" in plan["reason"]
@@ -389,4 +390,5 @@ def test_a_refusal_with_activations_barred_names_offload_activations_as_the_fix(
     budget = memory._card_needed_gib(with_acts) + 0.01
     with pytest.raises(memory.PlanRefused, match="set offload_activations: auto"):
         memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget, offload_activations="off"))
-    assert memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget))["strategy"]["offload_activations"]
+    assert memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget, offload_activations="auto"))[
+        "strategy"]["offload_activations"]
