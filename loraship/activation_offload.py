@@ -7,8 +7,9 @@ checkpointing function transformers calls for each flagged layer (`_gradient_che
 called as fn(partial(forward, **kwargs), hidden_states)):
 
 - forward: the layer runs without autograd (as reentrant checkpointing does); its input is copied
-  to a pinned CPU buffer on a side CUDA stream, so the copy overlaps the next layers' compute, and
-  the GPU input is released once that copy is done (record_stream).
+  to a pinned CPU buffer on a side CUDA stream, so the copy overlaps the next layer's compute. Two
+  layers on, the compute stream waits for that copy's event (done by then) and the GPU input is let
+  go, so its memory returns in stream order; the last two layers' inputs stay on the GPU for backward.
 - backward (last layer first): the input comes back to the GPU, the layer is recomputed with autograd
   under the RNG state of its forward (same dropout masks), and its backward runs. Entering layer i's
   backward starts copying layer i-1's input back on the side stream, so it is on the GPU by the time
@@ -24,12 +25,13 @@ import torch
 
 
 class _Saved:
-    __slots__ = ("index", "cpu", "shape", "dtype", "device", "done", "gpu", "ready")
+    __slots__ = ("index", "cpu", "shape", "dtype", "device", "done", "source", "gpu", "ready")
 
     def __init__(self, index: int, x: torch.Tensor):
         self.index, self.shape, self.dtype, self.device = index, x.shape, x.dtype, x.device
         self.cpu = None
         self.done = None  # event: the copy to CPU finished
+        self.source = None  # the GPU input itself, held until its copy is known to be done
         self.gpu = None  # prefetched copy back
         self.ready = None  # event: the prefetched copy arrived
 
@@ -41,6 +43,7 @@ class ActivationOffload:
         self.saved: dict[int, _Saved] = {}
         self.buffers: dict[int, torch.Tensor] = {}
         self.stream = None
+        self.last_saved = -1
         self.prefetched = 0  # layers whose input was back on the GPU before their backward
         self.synchronous = 0  # layers copied back on demand
 
@@ -68,7 +71,20 @@ class ActivationOffload:
             self.buffers[index] = buf
         return buf[: x.numel()].view(x.shape)
 
+    def _release(self, saved: _Saved) -> None:
+        # The compute stream waits for the copy out (long done by now: it ran beside the layer after), then the
+        # input's memory returns to the allocator in compute-stream order. Unlike record_stream, this holds no
+        # block back however far the CPU runs ahead of the GPU.
+        if saved.source is not None:
+            torch.cuda.current_stream(saved.device).wait_event(saved.done)
+            saved.source = None
+
     def save(self, index: int, x: torch.Tensor) -> _Saved:
+        if index <= self.last_saved:  # a new forward pass: what is left of the last one is stale
+            for old in self.saved.values():
+                self._release(old)
+            self.saved.clear()
+        self.last_saved = index
         saved = _Saved(index, x)
         self.saved[index] = saved
         if x.device.type != "cuda":
@@ -81,14 +97,17 @@ class ActivationOffload:
             buf.copy_(x.detach(), non_blocking=True)
             saved.done = torch.cuda.Event()
             saved.done.record(side)
-        x.record_stream(side)  # the allocator keeps x's memory until the copy has read it
-        saved.cpu = buf
+        saved.cpu, saved.source = buf, x.detach()
+        # Two layers back, the copy had a whole layer's compute to finish in: let that input go.
+        before = self.saved.get(index - 2)
+        if before is not None:
+            self._release(before)
         return saved
 
     def prefetch(self, index: int) -> None:
         saved = self.saved.get(index)
-        if saved is None or saved.gpu is not None or saved.device.type != "cuda":
-            return
+        if saved is None or saved.gpu is not None or saved.source is not None or saved.device.type != "cuda":
+            return  # unknown, already coming, still on the GPU (the last layers of forward), or no GPU at all
         side = self._side()
         compute = torch.cuda.current_stream(saved.device)
         # Allocated on the compute stream, which is where it is used and freed; the side stream first waits for
@@ -105,6 +124,9 @@ class ActivationOffload:
         saved = self.saved.pop(index)
         if saved.device.type != "cuda":
             return saved.cpu
+        if saved.source is not None:  # one of the last layers of forward: never left the GPU
+            x, saved.source = saved.source, None
+            return x
         if saved.gpu is None:
             self.synchronous += 1
             torch.cuda.current_stream(saved.device).wait_event(saved.done)
