@@ -27,7 +27,7 @@ grep -q -- '"--models"' bench/train_bench.py && MODELS="--models $M" || MODELS= 
 echo "disk ${DISK}G shm ${SHM}G models: ${MODELS:-/tmp/tb/models}" >> $S/progress
 python3 bench/train_bench.py --tokenizer $PWD/.loraship/models/tiny-llama --root /tmp/tb $MODELS \
   --steps ${STEPS:-10} --warmup 3 --timeout ${ROW_TIMEOUT:-360} --out $S/train_bench.json \
-  ${SKIP:+--skip $SKIP} ${PROFILE:+--profile} --cases ${CASES:-qwen2-7b-lora qwen2-14b-qlora qwen2-14b-lora packing qwen2-7b-qlora} > $S/bench.log 2>&1
+  ${SKIP:+--skip $SKIP} ${PROFILE:+--profile} --cases ${CASES:-qwen2-7b-lora qwen2-14b-lora qwen2-14b-qlora packing qwen2-14b-lora-8k qwen2-7b-qlora} > $S/bench.log 2>&1
 echo "bench rc=$? $(date +%T)" >> $S/progress
 [ "$GPU_TESTS" = last ] && gpu_tests
 # MATRIX=1: then the memory matrix through plan + train on the same machine (bench/train_kit/matrix_call.sh).
