@@ -330,7 +330,7 @@ def _ladder(model_config: dict, cfg: Config, fallback: list[str] | None = None) 
                         f"checkpointing {k} of {s.L} layers to fit {budget}"))
     # offload_activations: auto, once every layer is checkpointed: their inputs to CPU memory before any change to
     # the batch or the base; from there on every rung keeps them there.
-    acts = user["offload_activations"]
+    acts = cfg.offload_activations == "on"  # step() applies it to rungs that checkpoint any layer
     if cfg.offload_activations == "auto":
         out.append(({**with_checkpointing(user, s.L), "offload_activations": True},
                     f"checkpointed activations kept in CPU memory to fit {budget}"))

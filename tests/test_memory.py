@@ -392,3 +392,10 @@ def test_a_refusal_with_activations_barred_names_offload_activations_as_the_fix(
         memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget, offload_activations="off"))
     assert memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget, offload_activations="auto"))[
         "strategy"]["offload_activations"]
+
+
+def test_offload_activations_on_applies_to_every_rung_that_checkpoints():
+    # fast mode (no checkpointing asked) with `on`: whatever the ladder checkpoints waits in CPU memory.
+    c = cfg(**{**LEAN_7B, "gradient_checkpointing": False}, offload_activations="on")
+    for strategy, _why in memory._ladder(QWEN2_7B, c):
+        assert bool(strategy.get("offload_activations")) == (memory.checkpointed_layers(strategy, 28) > 0), strategy
