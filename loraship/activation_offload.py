@@ -44,8 +44,11 @@ class ActivationOffload:
         self.buffers: dict[int, torch.Tensor] = {}
         self.stream = None
         self.last_saved = -1
-        self.prefetched = 0  # layers whose input was back on the GPU before their backward
-        self.synchronous = 0  # layers copied back on demand
+        # Backward's inputs by where they came from (the scheduling runs on the CPU too, where a copy is the
+        # tensor itself, so tests can check it): still resident, prefetched in time, or copied on demand.
+        self.resident = 0
+        self.prefetched = 0
+        self.synchronous = 0
 
     def for_layer(self, index: int):
         def checkpoint(fn, hidden_states, *args):
@@ -76,7 +79,8 @@ class ActivationOffload:
         # input's memory returns to the allocator in compute-stream order. Unlike record_stream, this holds no
         # block back however far the CPU runs ahead of the GPU.
         if saved.source is not None:
-            torch.cuda.current_stream(saved.device).wait_event(saved.done)
+            if saved.done is not None:
+                torch.cuda.current_stream(saved.device).wait_event(saved.done)
             saved.source = None
 
     def save(self, index: int, x: torch.Tensor) -> _Saved:
@@ -87,17 +91,18 @@ class ActivationOffload:
         self.last_saved = index
         saved = _Saved(index, x)
         self.saved[index] = saved
-        if x.device.type != "cuda":
-            saved.cpu = x.detach()  # nothing to move off a CPU device; the mechanics stay the same
-            return saved
-        side = self._side()
-        buf = self._buffer(index, x)
-        side.wait_stream(torch.cuda.current_stream(x.device))  # x is complete before it is copied
-        with torch.cuda.stream(side):
-            buf.copy_(x.detach(), non_blocking=True)
-            saved.done = torch.cuda.Event()
-            saved.done.record(side)
-        saved.cpu, saved.source = buf, x.detach()
+        if x.device.type == "cuda":
+            side = self._side()
+            buf = self._buffer(index, x)
+            side.wait_stream(torch.cuda.current_stream(x.device))  # x is complete before it is copied
+            with torch.cuda.stream(side):
+                buf.copy_(x.detach(), non_blocking=True)
+                saved.done = torch.cuda.Event()
+                saved.done.record(side)
+            saved.cpu = buf
+        else:
+            saved.cpu = x.detach()  # nothing to move off a CPU device; the bookkeeping stays the same
+        saved.source = x.detach()
         # Two layers back, the copy had a whole layer's compute to finish in: let that input go.
         before = self.saved.get(index - 2)
         if before is not None:
@@ -106,8 +111,11 @@ class ActivationOffload:
 
     def prefetch(self, index: int) -> None:
         saved = self.saved.get(index)
-        if saved is None or saved.gpu is not None or saved.source is not None or saved.device.type != "cuda":
-            return  # unknown, already coming, still on the GPU (the last layers of forward), or no GPU at all
+        if saved is None or saved.gpu is not None or saved.source is not None:
+            return  # unknown, already coming, or still on the GPU (the last layers of forward)
+        if saved.device.type != "cuda":
+            saved.gpu = saved.cpu
+            return
         side = self._side()
         compute = torch.cuda.current_stream(saved.device)
         # Allocated on the compute stream, which is where it is used and freed; the side stream first waits for
@@ -122,17 +130,20 @@ class ActivationOffload:
 
     def load(self, index: int) -> torch.Tensor:
         saved = self.saved.pop(index)
-        if saved.device.type != "cuda":
-            return saved.cpu
+        cuda = saved.device.type == "cuda"
         if saved.source is not None:  # one of the last layers of forward: never left the GPU
+            self.resident += 1
             x, saved.source = saved.source, None
             return x
         if saved.gpu is None:
             self.synchronous += 1
+            if not cuda:
+                return saved.cpu
             torch.cuda.current_stream(saved.device).wait_event(saved.done)
             return saved.cpu.to(saved.device, non_blocking=True)
         self.prefetched += 1
-        torch.cuda.current_stream(saved.device).wait_event(saved.ready)
+        if cuda:
+            torch.cuda.current_stream(saved.device).wait_event(saved.ready)
         return saved.gpu
 
 

@@ -122,7 +122,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
 
             layers = decoder_layers(model)
             k = memory.checkpointed_layers(strategy, len(layers))
-            offload_checkpointed_activations(layers, k)
+            model._loraship_activation_offload = offload_checkpointed_activations(layers, k)
             log.info("train: the inputs of %d checkpointed layers kept in pinned CPU memory", k)
     model.config.use_cache = False
     lora = LoraConfig(

@@ -147,7 +147,7 @@ def four_layers(tiny_model, tmp_path_factory):
     return folder
 
 
-def _loss_and_lora_grads(model_dir, config, strategy, offload_layers=0):
+def _loss_and_lora_grads(model_dir, config, strategy, offload_layers=0, seen=None):
     import loraship.stages.train as train
 
     torch.manual_seed(0)  # the same LoRA A initialisation for every k
@@ -174,6 +174,8 @@ def _loss_and_lora_grads(model_dir, config, strategy, offload_layers=0):
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     flags = [layer.gradient_checkpointing for layer in layers]
+    if seen is not None:
+        seen.append(getattr(model.get_base_model(), "_loraship_activation_offload", None))
     assert runs == [2 if f else 1 for f in flags]  # the flags are what really recomputes
     return loss.item(), grads, flags
 
@@ -233,11 +235,17 @@ def test_checkpointed_activations_in_cpu_memory_train_identically(four_layers, t
                                            offload_activations="on"))
     user = memory.strategy_from_config(config, 4)
     assert user["offload_activations"] is True and user["checkpointed_layers"] == 4
-    loss, grads, flags = _loss_and_lora_grads(four_layers, config, user, offload_layers=offload_layers)
+    seen = []
+    loss, grads, flags = _loss_and_lora_grads(four_layers, config, user, offload_layers=offload_layers, seen=seen)
     ref_loss, ref_grads, _ = _loss_and_lora_grads(four_layers, config, {**user, "offload_activations": False},
-                                                  offload_layers=offload_layers)
+                                                  offload_layers=offload_layers, seen=seen)
     assert flags == [True] * 4
     assert loaded == [3, 2, 1, 0]  # each layer's input came back once, last layer first; none in the reference run
+    offload, none = seen
+    assert none is None
+    # The last two layers' inputs never left the GPU; layer 2's backward prefetched layer 1's, layer 1's layer 0's.
+    assert (offload.resident, offload.prefetched, offload.synchronous) == (2, 2, 0)
+    assert all(s.source is None for s in offload.saved.values()) and not offload.saved
     assert len(grads) == 4 * 7 * 2 and all(g.abs().sum() > 0 for g in grads.values())
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for name, g in ref_grads.items():
