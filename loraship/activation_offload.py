@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import torch
 
+from loraship.offload import Transfer
+
 
 class _Saved:
-    __slots__ = ("index", "cpu", "shape", "dtype", "device", "done", "source", "gpu", "ready")
+    __slots__ = ("device", "cpu", "done", "source", "gpu", "ready")
 
-    def __init__(self, index: int, x: torch.Tensor):
-        self.index, self.shape, self.dtype, self.device = index, x.shape, x.dtype, x.device
+    def __init__(self, x: torch.Tensor):
+        self.device = x.device
         self.cpu = None
         self.done = None  # event: the copy to CPU finished
         self.source = None  # the GPU input itself, held until its copy is known to be done
@@ -37,15 +39,19 @@ class _Saved:
 
 
 class ActivationOffload:
-    """One per model: the checkpointing function of each checkpointed layer (`for_layer(i)`)."""
+    """One per model: the checkpointing function of each checkpointed layer (`for_layer(i)`).
+
+    Copies back to the GPU go through loraship/offload.py's Transfer, as the streamed weights do: its side
+    stream, allocation on the compute stream, and events (on the CPU a copy is the tensor itself).
+    """
 
     def __init__(self):
+        self.transfer = Transfer()
         self.saved: dict[int, _Saved] = {}
         self.buffers: dict[int, torch.Tensor] = {}
-        self.stream = None
         self.last_saved = -1
-        # Backward's inputs by where they came from (the scheduling runs on the CPU too, where a copy is the
-        # tensor itself, so tests can check it): still resident, prefetched in time, or copied on demand.
+        # Backward's inputs by where they came from (the scheduling runs on the CPU too, so tests can check
+        # it): still resident, prefetched in time, or copied on demand.
         self.resident = 0
         self.prefetched = 0
         self.synchronous = 0
@@ -60,11 +66,6 @@ class ActivationOffload:
 
         return checkpoint
 
-    def _side(self):
-        if self.stream is None:
-            self.stream = torch.cuda.Stream()
-        return self.stream
-
     def _buffer(self, index: int, x: torch.Tensor) -> torch.Tensor:
         # Flat and only ever grown: rows change length from step to step, and pinning memory costs far more
         # than the copy itself, so a step reuses the largest buffer so far through a view of its shape.
@@ -77,7 +78,8 @@ class ActivationOffload:
     def _release(self, saved: _Saved) -> None:
         # The compute stream waits for the copy out (long done by now: it ran beside the layer after), then the
         # input's memory returns to the allocator in compute-stream order. Unlike record_stream, this holds no
-        # block back however far the CPU runs ahead of the GPU.
+        # block back however far the CPU runs ahead of the GPU. It also orders every later copy back (queued
+        # after compute work, by Transfer) behind the copy out.
         if saved.source is not None:
             if saved.done is not None:
                 torch.cuda.current_stream(saved.device).wait_event(saved.done)
@@ -89,10 +91,10 @@ class ActivationOffload:
                 self._release(old)
             self.saved.clear()
         self.last_saved = index
-        saved = _Saved(index, x)
+        saved = _Saved(x)
         self.saved[index] = saved
         if x.device.type == "cuda":
-            side = self._side()
+            side = self.transfer.side(x.device)
             buf = self._buffer(index, x)
             side.wait_stream(torch.cuda.current_stream(x.device))  # x is complete before it is copied
             with torch.cuda.stream(side):
@@ -113,38 +115,19 @@ class ActivationOffload:
         saved = self.saved.get(index)
         if saved is None or saved.gpu is not None or saved.source is not None:
             return  # unknown, already coming, or still on the GPU (the last layers of forward)
-        if saved.device.type != "cuda":
-            saved.gpu = saved.cpu
-            return
-        side = self._side()
-        compute = torch.cuda.current_stream(saved.device)
-        # Allocated on the compute stream, which is where it is used and freed; the side stream first waits for
-        # all work queued so far, so it never writes into memory that queued work still reads.
-        saved.gpu = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
-        side.wait_stream(compute)
-        with torch.cuda.stream(side):
-            side.wait_event(saved.done)
-            saved.gpu.copy_(saved.cpu, non_blocking=True)
-            saved.ready = torch.cuda.Event()
-            saved.ready.record(side)
+        (saved.gpu,), saved.ready = self.transfer.start([saved.cpu], saved.device)
 
     def load(self, index: int) -> torch.Tensor:
         saved = self.saved.pop(index)
-        cuda = saved.device.type == "cuda"
         if saved.source is not None:  # one of the last layers of forward: never left the GPU
             self.resident += 1
             x, saved.source = saved.source, None
             return x
-        if saved.gpu is None:
+        if saved.gpu is None:  # released, so compute already waited for the copy out
             self.synchronous += 1
-            if not cuda:
-                return saved.cpu
-            torch.cuda.current_stream(saved.device).wait_event(saved.done)
-            return saved.cpu.to(saved.device, non_blocking=True)
+            return self.transfer.now(saved.cpu, saved.device)
         self.prefetched += 1
-        if cuda:
-            torch.cuda.current_stream(saved.device).wait_event(saved.ready)
-        return saved.gpu
+        return self.transfer.ready(saved.gpu, saved.ready)
 
 
 class _OffloadedLayer(torch.autograd.Function):

@@ -35,15 +35,21 @@ class Transfer:
         # On the current stream: ordered with the compute that uses it, no event needed.
         return cpu_weight.to(device, non_blocking=True)
 
+    def side(self, device):
+        """The side stream of `device` (one per device, created on first use)."""
+        import torch
+
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
+
     def start(self, cpu_weights, device):
         """Begin copying; returns (copies, done). Each copy then goes through `ready` or `drop`."""
         import torch
 
         if device.type != "cuda":
             return [w.to(device) for w in cpu_weights], None
-        if device not in self.streams:
-            self.streams[device] = torch.cuda.Stream(device)
-        side, compute = self.streams[device], torch.cuda.current_stream(device)
+        side, compute = self.side(device), torch.cuda.current_stream(device)
         # Allocated on the compute stream, like the copies before prefetch: its blocks come back in
         # stream order, so the memory of a layer that compute is done with serves the next prefetch,
         # however far the CPU runs ahead (side-stream blocks would need record_stream, whose events
