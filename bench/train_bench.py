@@ -169,7 +169,6 @@ class StepClock:
             self.profile = top_ops(self.profiler, self.device)
             self.profiler = None
 
-
     def tokens_per_s(self, tokens_per_step: list[int], warmup: int) -> float | None:
         # Step i is timed from the stamp of step i-1; the first `warmup` steps are left out.
         timed = range(warmup, min(len(self.times), len(tokens_per_step)))
@@ -183,12 +182,9 @@ class StepClock:
 
 def top_ops(profiler, device: str, n: int = 25) -> list[dict]:
     """The operators and kernels that took the most time over the profiled steps (device time on CUDA)."""
-    key = "device_time_total" if device == "cuda" else "cpu_time_total"
-    rows = []
-    for e in profiler.key_averages():
-        rows.append({"name": e.key[:120], "calls": e.count, "cpu_ms": round(e.cpu_time_total / 1e3, 2),
-                     "device_ms": round(getattr(e, "device_time_total", 0) / 1e3, 2)})
-    rows.sort(key=lambda r: -(r["device_ms"] if key == "device_time_total" else r["cpu_ms"]))
+    rows = [{"name": e.key[:120], "calls": e.count, "cpu_ms": round(e.cpu_time_total / 1e3, 2),
+             "device_ms": round(getattr(e, "device_time_total", 0) / 1e3, 2)} for e in profiler.key_averages()]
+    rows.sort(key=lambda r: -r["device_ms" if device == "cuda" else "cpu_ms"])
     return rows[:n]
 
 
@@ -365,6 +361,11 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Parent: every pair in its own process, then the table
 # ---------------------------------------------------------------------------------------------
+def max_loss_rel_diff(curve: list[float], base: list[float]) -> float:
+    """The largest step-by-step relative difference between two loss curves."""
+    return max(abs(a / b - 1) for a, b in zip(curve, base))
+
+
 def ratios(rows: list[dict]) -> list[dict]:
     """Each loraship row against Unsloth (packing: packed against padded) in the same run."""
     out = []
@@ -380,7 +381,7 @@ def ratios(rows: list[dict]) -> list[dict]:
             if r.get("reserved_gib") and base.get("reserved_gib"):
                 item["reserved_ratio"] = round(r["reserved_gib"] / base["reserved_gib"], 3)
             if case == "packing" and r.get("loss_curve") and base.get("loss_curve"):
-                item["max_loss_rel_diff"] = max(abs(a / b - 1) for a, b in zip(r["loss_curve"], base["loss_curve"]))
+                item["max_loss_rel_diff"] = max_loss_rel_diff(r["loss_curve"], base["loss_curve"])
             out.append(item)
     return out
 
@@ -424,24 +425,29 @@ def targets(rows: list[dict]) -> list[dict]:
     speed = ratio("packing", "loraship-packed", "tokens_per_s", base="loraship-padded")
     a, b = (by.get(("packing", t), {}).get("loss_curve") for t in ("loraship-packed", "loraship-padded"))
     # bf16 noise: the same tokens in the same steps, summed in another order.
-    loss_diff = round(max(abs(x / y - 1) for x, y in zip(a, b)), 4) if a and b else None
+    loss_diff = round(max_loss_rel_diff(a, b), 4) if a and b else None
     out.append(check("packing: non-pad tokens/s >= 1.5x padded, loss curve equal within noise (<= 2%)",
                      {"case": "packing", "tokens_per_s_ratio": speed, "max_loss_rel_diff": loss_diff},
                      speed is not None and speed >= 1.5, loss_diff is not None and loss_diff <= 0.02))
     return out
 
 
-def trained_strategy(case: str, row: dict) -> dict:
+def bench_config(row: dict):
+    """The loraship Config a row's case and trainer ran with (paths are placeholders: planning reads none)."""
+    from loraship.config import parse_config
+
+    return parse_config(loraship_config(row["case"], row["trainer"], Path("m"), Path("d.jsonl"), Path("r"), 10, "cuda"))
+
+
+def trained_strategy(row: dict, cfg) -> dict:
     """The strategy a loraship row trained with: its strategy_detail, or read back from the words of older rows."""
     import re
 
     from loraship import memory
-    from loraship.config import parse_config
 
     if row.get("strategy_detail"):
         return row["strategy_detail"]
     words = row["strategy"]
-    cfg = parse_config(loraship_config(case, row["trainer"], Path("m"), Path("d.jsonl"), Path("r"), 10, "cuda"))
     k = int(re.search(r"checkpointing (\d+) of", words).group(1))
     off = re.search(r"(\d+) of \d+ decoder layers", words)
     return dict(memory.strategy_from_config(cfg), adapter="qlora" if words.startswith("QLoRA") else "lora",
@@ -449,7 +455,7 @@ def trained_strategy(case: str, row: dict) -> dict:
                 micro_batch_size=int(re.search(r"micro-batch (\d+)", words).group(1)),
                 gradient_accumulation_steps=int(re.search(r"micro-batch \d+ x (\d+)", words).group(1)),
                 fused_loss=words.find("fused loss") >= 0,
-                offload_activations="checkpointed activations in CPU memory" in words)
+                offload_activations=memory.ACTIVATIONS_IN_CPU in words)
 
 
 def planner_scores(rows: list[dict]) -> dict:
@@ -458,7 +464,6 @@ def planner_scores(rows: list[dict]) -> dict:
     import statistics
 
     from loraship import memory
-    from loraship.config import parse_config
 
     out = []
     for r in rows:
@@ -466,8 +471,8 @@ def planner_scores(rows: list[dict]) -> dict:
             continue
         shape_name = CASES[r["case"]][0]
         mc = json.loads((ROOT / "examples" / "models" / shape_name / "config.json").read_text())
-        cfg = parse_config(loraship_config(r["case"], r["trainer"], Path("m"), Path("d.jsonl"), Path("r"), 10, "cuda"))
-        est = memory.estimate(mc, cfg, trained_strategy(r["case"], r))
+        cfg = bench_config(r)
+        est = memory.estimate(mc, cfg, trained_strategy(r, cfg))
         pred = est["predicted_reserved_gib"]
         out.append({"case": r["case"], "trainer": r["trainer"], "measured_reserved_gib": round(r["reserved_gib"], 2),
                     "predicted_in_run_gib": r.get("predicted_reserved_gib"), "predicted_now_gib": round(pred, 2),

@@ -238,6 +238,8 @@ def render_plan(plan: dict, disk: dict):
     from rich.table import Table
     from rich.text import Text
 
+    from loraship.memory import ACTIVATIONS_IN_CPU
+
     st, mem = plan["strategy"], plan["memory"]
     verdict = "[green]fits[/]" if plan["fits"] else "[red]does not fit[/]"
     head = Text.from_markup(
@@ -245,8 +247,8 @@ def render_plan(plan: dict, disk: dict):
         + (f" + {st['offload_layers']} layers offloaded" if st["offload_layers"] else "")
         + f", micro-batch {st['micro_batch_size']} x {st['gradient_accumulation_steps']} accumulation, "
         f"fused loss {'on' if st['fused_loss'] else 'off'}, {_checkpointing_words(st, plan.get('decoder_layers'))}"
-        + (", checkpointed activations in CPU memory" if st.get("offload_activations") else "")
-        +         f"\n{mem['predicted_total_gib']:.1f} GiB predicted of {plan['budget_gib']:g} GiB "
+        + (f", {ACTIVATIONS_IN_CPU}" if st.get("offload_activations") else "")
+        + f"\n{mem['predicted_total_gib']:.1f} GiB predicted of {plan['budget_gib']:g} GiB "
         f"(safety margin {plan['safety_margin_gib']:.1f} GiB): {verdict}\n{plan['reason']}")
     t = Table(title="Peak training memory (GiB)", show_footer=False)
     t.add_column("component")

@@ -55,6 +55,9 @@ CAL = {
 SAFETY_MARGIN_FRACTION = 0.08
 SAFETY_MARGIN_MIN_GIB = 0.5
 
+# How plans, manifests and model cards name offload_activations (bench/train_bench.py reads it back from them).
+ACTIVATIONS_IN_CPU = "checkpointed activations in CPU memory"
+
 QVO = ("q_proj", "v_proj", "o_proj")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -392,7 +395,7 @@ def _describe(strategy: dict) -> str:
     k = strategy.get("checkpointed_layers")
     ckpt = (f"{k} layers checkpointed" if k is not None
             else f"checkpointing {'on' if strategy['gradient_checkpointing'] else 'off'}")
-    acts = ", checkpointed activations in CPU memory" if strategy.get("offload_activations") else ""
+    acts = f", {ACTIVATIONS_IN_CPU}" if strategy.get("offload_activations") else ""
     return (f"{strategy['adapter']}{off}, micro-batch {strategy['micro_batch_size']} x "
             f"{strategy['gradient_accumulation_steps']}, fused loss {'on' if strategy['fused_loss'] else 'off'}, {ckpt}{acts}")
 
@@ -406,7 +409,7 @@ def _why_not(tried: list[tuple[dict, str, dict]], cfg: Config, n_layers: int) ->
         if kind not in best or est["predicted_total_gib"] < best[kind][1]["predicted_total_gib"]:
             best[kind] = (strat, est)
     words = {"as configured": "as configured", "checkpointing": "checkpointing more layers",
-             "activations": "checkpointed activations in CPU memory", "micro-batch": "the smallest micro-batch",
+             "activations": ACTIVATIONS_IN_CPU, "micro-batch": "the smallest micro-batch",
              "offload": "bf16 LoRA with offload", "qlora": "QLoRA"}
     parts = [f"{words[k]} ({_describe(st)}) needs {est['predicted_total_gib']:.1f} GiB"
              + (f" (peak at {est['peak_phase']})" if k == "as configured" else "")

@@ -458,7 +458,7 @@ def describe_strategy(strategy: dict, n_layers: int | None) -> str:
     ckpt = f"{k}{of} layers" if k is not None else ("on" if strategy["gradient_checkpointing"] else "off")
     off = f", {strategy['offload_layers']}{of} decoder layers' frozen weights streamed from CPU memory" \
         if strategy.get("offload_layers") else ""
-    acts = ", checkpointed activations in CPU memory" if strategy.get("offload_activations") else ""
+    acts = f", {memory.ACTIVATIONS_IN_CPU}" if strategy.get("offload_activations") else ""
     return (f"{base}{off}, micro-batch {strategy['micro_batch_size']} x {strategy['gradient_accumulation_steps']} "
             f"accumulation, {'fused' if strategy['fused_loss'] else 'HF'} loss, "
             f"gradient checkpointing {ckpt}{acts}")

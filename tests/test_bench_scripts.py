@@ -88,7 +88,8 @@ def test_planner_scores_read_the_trained_strategy_back_from_its_words():
 
     words = ("bf16 LoRA, 17 of 48 decoder layers' frozen weights streamed from CPU memory, micro-batch 2 x 1 "
              "accumulation, fused loss, gradient checkpointing 48 of 48 layers")
-    st = tb.trained_strategy("qwen2-14b-lora", {"trainer": "loraship-lean", "strategy": words})
+    old_row = {"case": "qwen2-14b-lora", "trainer": "loraship-lean", "strategy": words}
+    st = tb.trained_strategy(old_row, tb.bench_config(old_row))
     assert (st["adapter"], st["offload_layers"], st["checkpointed_layers"], st["micro_batch_size"]) == ("lora", 17, 48, 2)
     assert st["fused_loss"] is True
     row = {"case": "qwen2-14b-lora", "trainer": "loraship-lean", "ok": True, "strategy": words, "reserved_gib": 26.43}
