@@ -136,6 +136,9 @@ class _OffloadedLayer(torch.autograd.Function):
         ctx.offload, ctx.index, ctx.fn, ctx.args = offload, index, fn, args
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden_states.device) if hidden_states.is_cuda else None
+        # Backward runs outside the forward's autocast region: the recompute re-enters it (as torch's checkpoint does).
+        kind = hidden_states.device.type
+        ctx.autocast = (kind, torch.get_autocast_dtype(kind), torch.is_autocast_enabled(kind))
         offload.save(index, hidden_states)
         with torch.no_grad():
             out = fn(hidden_states, *args)
@@ -150,7 +153,8 @@ class _OffloadedLayer(torch.autograd.Function):
             offload.prefetch(index - 1)  # overlaps this layer's recompute and backward
         x = x.detach().requires_grad_(True)
         devices = [x.device] if x.is_cuda else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        kind, dtype, enabled = ctx.autocast
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), torch.autocast(kind, dtype, enabled):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, x.device)

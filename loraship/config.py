@@ -126,9 +126,11 @@ class Config(BaseModel):
     packing: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Padding-free packing: each optimizer step's examples (the same as unpacked) laid end to end into "
-        "rows of up to sequence_len tokens, micro_batch_size rows per forward pass, position ids restarting per "
-        "example so no example attends to another. 'auto' packs where the attention implementation honours packed "
-        "position ids, else pads (the reason is in the train manifest).",
+        "micro-batches of up to micro_batch_size x sequence_len tokens, position ids restarting per example, each "
+        "example attending to itself only (variable-length attention on CUDA: no padding computed, no mask built). "
+        "'auto' packs where that attention can run (a transformers model with AttentionInterface, no attention "
+        "dropout or sliding window shorter than sequence_len, torch >= 2.10 on CUDA), else pads (the reason is in "
+        "the train manifest).",
     )
     save_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps (resume after a crash).")
     logging_steps: int = Field(1, ge=1, description="Record the loss every N optimizer steps.")

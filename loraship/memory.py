@@ -181,6 +181,36 @@ def with_checkpointing(strategy: dict, k: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The estimate for one strategy
 # ---------------------------------------------------------------------------------------------
+# Which LoRA modules read the same input tensor, and whether a decoder layer keeps that tensor anyway:
+# q, k, v read the attention norm's output; o reads the attention output (kept by attention itself);
+# gate and up read the MLP norm's output; down reads SwiGLU's output.
+LORA_INPUTS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
+               "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_act"}
+KEPT_ANYWAY = {"attn_out"}
+
+
+def lora_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], program: str) -> float:
+    """Bytes per token one decoder layer's LoRA modules keep for backward.
+
+    The harness (fp32 LoRA weights, PEFT casting the input): each module keeps its own fp32 copy of its
+    input (4 B per feature), or with dropout its fp32 dropout output + mask (CAL lora_input_dropout), and
+    lora_A's fp32 output (4r). The train stage (tasks/train.py) runs LoRA under bf16 autocast with input
+    casting off: modules reading the same tensor keep it once (bf16, 2 B), nothing for an input the layer
+    keeps anyway; with dropout each module keeps its bf16 dropout output + mask (3 B: the fitted multiplier
+    scaled from 5 B to 3 B); lora_A's output is bf16 (2r).
+    """
+    lin = s.linears()
+    if program != "train-stage":
+        per_input = CAL["lora_input_dropout"] if cfg.lora_dropout > 0 else 4
+        return sum(per_input * lin[n][0] + 4 * cfg.lora_r for n in targets)
+    if cfg.lora_dropout > 0:
+        inputs = sum(CAL["lora_input_dropout"] * 3 / 5 * lin[n][0] for n in targets)
+    else:
+        shared = {LORA_INPUTS[n]: lin[n][0] for n in targets if LORA_INPUTS[n] not in KEPT_ANYWAY}
+        inputs = sum(2 * features for features in shared.values())
+    return inputs + sum(2 * cfg.lora_r for _ in targets)
+
+
 def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "train-stage") -> dict:
     """Predicted peak memory of one training step under `strategy`, in GiB, by component.
 
@@ -217,14 +247,13 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
 
     # One decoder layer's saved activations per token (bytes), HF Llama/Qwen2 code with SDPA:
     # two RMSNorms keep their fp32 input (4h each); attention keeps rotated q, k, v and its output (bf16);
-    # SwiGLU keeps gate, silu(gate) and up (bf16, 3 x 2f); each LoRA module keeps its fp32-cast input
-    # after dropout (4 B) plus the dropout mask (1 B), and lora_A's output (4r).
-    # With the fused loss the train stage applies every Liger kernel (tasks/train.py): Liger's RMSNorm keeps
-    # its bf16 input (2h, not 4h) and its SwiGLU keeps gate and up only (4f; silu is recomputed in backward).
+    # SwiGLU keeps gate, silu(gate) and up (bf16, 3 x 2f); the LoRA modules keep their inputs
+    # (lora_saved_per_token). With the fused loss the train stage applies every Liger kernel (tasks/train.py):
+    # Liger's RMSNorm keeps its bf16 input (2h, not 4h) and its SwiGLU keeps gate and up only (4f; silu is
+    # recomputed in backward).
     liger = strategy["fused_loss"] and program == "train-stage"
-    lora_in = CAL["lora_input_dropout"] if cfg.lora_dropout > 0 else 4
     norms, swiglu = (4 * s.h, 4 * s.f) if liger else (8 * s.h, 6 * s.f)
-    per_tok = norms + 4 * s.q + 4 * s.kv + swiglu + sum(lora_in * lin[n][0] + 4 * cfg.lora_r for n in targets)
+    per_tok = norms + 4 * s.q + 4 * s.kv + swiglu + lora_saved_per_token(s, cfg, targets, program)
     layer_saved = CAL["layer"] * T * per_tok
     layer_bwd = CAL["layer_backward"] * layer_saved
     dequant = max(i * o for i, o in lin.values()) * 2 if qlora else 0  # bnb dequantizes one matrix at a time

@@ -7,17 +7,11 @@ out-of-memory error resumes on the same data. The last step of an epoch may be s
 are trained, not dropped.
 
 Padded: a micro-batch is micro_batch_size examples, one per row, padded to the longest, with an
-attention mask. Packed (padding-free): a step's examples are laid end to end into rows of up to
-sequence_len tokens (first fit, longest first), position ids restarting at 0 with each example, no
-attention mask; a micro-batch is micro_batch_size such rows, so a step needs fewer forward passes,
-none of them longer than micro_batch_size x sequence_len tokens (the memory plan's T). transformers
-builds a block-causal mask from packed position ids, so no example attends to another
-(transformers/masking_utils.py: find_packed_sequence_indices, used by create_causal_mask when
-attention_mask is None and there is no cache).
-
-Rows are sequence_len long, not micro_batch_size x sequence_len: with SDPA and an explicit mask,
-attention costs the square of the row length whatever the mask hides, so longer rows would cost
-micro_batch_size times the attention of the padded batch they replace.
+attention mask. Packed (padding-free): a step's examples are laid end to end into micro-batches of
+up to micro_batch_size x sequence_len tokens (the memory plan's T; first fit, longest first), each
+one row with position ids restarting at 0 for every example and the examples' boundaries as
+cumulative lengths, which loraship/packed_attention.py reads so that no example attends to another
+and none pays for another's length. A step then needs fewer forward passes and computes no padding.
 """
 
 from __future__ import annotations
@@ -27,28 +21,28 @@ import random
 
 from loraship.data import IGNORE_INDEX
 
-# Attention implementations whose causal mask transformers builds through masking_utils, which
-# honours packed position ids. flash_attention_2/3 read packed position ids only for a batch of one
-# row (modeling_flash_attention_utils._is_packed_sequence), so a packed micro-batch of several rows
-# would let examples in a row attend to each other there: those pad instead.
-PACKING_ATTENTION = ("sdpa", "eager", "flex_attention")
 
-
-def packing_unsupported(model) -> str | None:
+def packing_unsupported(model, sequence_len: int) -> str | None:
     """Why packed rows would be wrong for this model, or None when they are safe."""
     try:
-        from transformers import masking_utils
+        from transformers import AttentionInterface  # noqa: F401
+        from transformers.masking_utils import AttentionMaskInterface  # noqa: F401
     except ImportError:
-        masking_utils = None
-    if masking_utils is None or not hasattr(masking_utils, "find_packed_sequence_indices"):
         import transformers
 
-        return (f"transformers {transformers.__version__} builds no masks from packed position ids "
-                "(masking_utils.find_packed_sequence_indices); upgrade transformers")
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl not in PACKING_ATTENTION:
-        return (f"attention implementation {impl!r} does not separate packed examples in a batch of several rows; "
-                f"packing needs one of {', '.join(PACKING_ATTENTION)}")
+        return (f"transformers {transformers.__version__} cannot take a registered attention function "
+                "(AttentionInterface / AttentionMaskInterface); upgrade transformers")
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
+    cfg = model.config
+    if getattr(cfg, "attention_dropout", 0.0):
+        return f"the model's attention_dropout is {cfg.attention_dropout}; packed attention has none"
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    uses_window = getattr(cfg, "use_sliding_window", True) or "sliding_attention" in layer_types
+    if window and uses_window and window < sequence_len:
+        return (f"its sliding window ({window} tokens) is shorter than sequence_len {sequence_len}; "
+                "packed attention is full causal attention")
     return None
 
 
@@ -79,15 +73,22 @@ def steps_per_epoch(n: int, micro: int, accum: int) -> int:
 
 
 def epoch_steps(lengths: list[int], micro: int, accum: int, seed: int, epoch: int,
-                row_tokens: int | None) -> list[list[list[list[int]]]]:
-    """One epoch as steps -> micro-batches -> rows -> example indices (padded: one example per row)."""
+                budget: int | None) -> list[list[list[list[int]]]]:
+    """One epoch as steps -> micro-batches -> rows -> example indices.
+
+    Padded (budget None): micro-batches of `micro` rows, one example each. Packed: micro-batches of one
+    row each, holding up to `budget` tokens of the step's examples.
+    """
     order = epoch_order(len(lengths), seed, epoch)
     eff = micro * accum
     steps = []
     for start in range(0, len(order), eff):
         chunk = order[start : start + eff]
-        rows = [[i] for i in chunk] if row_tokens is None else pack_rows(chunk, lengths, row_tokens)
-        steps.append([rows[m : m + micro] for m in range(0, len(rows), micro)])
+        if budget is None:
+            rows = [[i] for i in chunk]
+            steps.append([rows[m : m + micro] for m in range(0, len(rows), micro)])
+        else:
+            steps.append([[row] for row in pack_rows(chunk, lengths, budget)])
     return steps
 
 
@@ -107,27 +108,23 @@ def collate_padded(examples: list[dict], pad_id: int):
     return ids, labels, mask
 
 
-def collate_packed(rows: list[list[dict]], pad_id: int):
-    """input_ids, labels, position_ids for rows of whole examples laid end to end.
+def collate_packed(examples: list[dict]) -> dict:
+    """Model inputs for whole examples laid end to end in one row, with their boundaries.
 
-    Each example's positions restart at 0 and its first label is IGNORE_INDEX: the model shifts labels
-    by one, so that label would be predicted from the previous example's last token (alone, an
-    example's first label is never a target, so its loss is unchanged). The padded tail of a short row
-    is a sequence of its own (positions from 0, labels ignored), which no example attends to.
+    input_ids, labels and position_ids are (1, total); cu_seq_lens_q/k (int32, boundaries as cumulative
+    lengths) and max_length_q/k are transformers' keyword arguments for variable-length attention
+    (loraship/packed_attention.py). Each example's positions restart at 0 and its first label is
+    IGNORE_INDEX: the model shifts labels by one, so that label would be predicted from the previous
+    example's last token (alone, an example's first label is never a target, so its loss is unchanged).
     """
     import torch
 
-    width = max(sum(len(e["input_ids"]) for e in row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    positions = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, row in enumerate(rows):
-        at = 0
-        for e in row:
-            n = len(e["input_ids"])
-            ids[r, at : at + n] = torch.tensor(e["input_ids"])
-            labels[r, at + 1 : at + n] = torch.tensor(e["labels"][1:])
-            positions[r, at : at + n] = torch.arange(n)
-            at += n
-        positions[r, at:] = torch.arange(width - at)
-    return ids, labels, positions
+    lengths = [len(e["input_ids"]) for e in examples]
+    ids = torch.tensor([[t for e in examples for t in e["input_ids"]]], dtype=torch.long)
+    labels = torch.tensor([[IGNORE_INDEX if j == 0 else lab for e in examples for j, lab in enumerate(e["labels"])]],
+                          dtype=torch.long)
+    positions = torch.tensor([[j for n in lengths for j in range(n)]], dtype=torch.long)
+    bounds = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    longest = max(lengths)
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "cu_seq_lens_q": bounds,
+            "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}

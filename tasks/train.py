@@ -3,8 +3,8 @@
 A plain loop rather than HF Trainer so that resume is exact: the data order is a seeded
 permutation per epoch (loraship/packing.py), and a checkpoint holds adapter, optimizer, scheduler,
 step and RNG state (CPU, CUDA, Python), so a rerun after kill -9 continues the same loss curve at
-the same data position. Examples are packed padding-free where the attention implementation keeps
-packed examples apart. On CUDA it records measured peak memory next to the plan's prediction; an
+the same data position. Examples are packed padding-free where the model allows it, each attending to
+itself only (loraship/packed_attention.py). On CUDA it records measured peak memory next to the plan's prediction; an
 out-of-memory error releases the failed attempt, re-plans along the plan's own ladder (smaller
 micro-batch, then the config's `fallback`), persists the new plan so a rerun starts from it, and
 retries instead of failing.
@@ -31,6 +31,7 @@ from loraship.data import IGNORE_INDEX, load_splits
 from loraship.errors import LorashipError
 from loraship.manifest import aside_of, atomic_path, atomic_write_json, atomic_write_text, sha256_json
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, torch_load_kwargs
+from loraship import packed_attention
 from loraship.packing import collate_packed, epoch_steps, packing_unsupported, steps_per_epoch
 from loraship.packing import collate_padded as collate  # tasks/merge.py batches its probe with it
 from loraship.progress import Progress, artifact_key
@@ -145,10 +146,31 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False)
+    if device == "cuda":
+        # LoRA's matmuls in bf16 under autocast (see `compute`), its fp32 weights cast instead of the input: the
+        # adapters of q, k and v then keep one bf16 input between them, not an fp32 copy each.
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.cast_input_dtype_enabled = False
     # from_pretrained returns eval mode, where HF silently skips gradient checkpointing
     # (seen on the H200: 67.6 GiB instead of 23.5). Train mode, always.
     model.train()
     return model
+
+
+def compute(device: str):
+    """Where every forward pass runs. On CUDA: torch.autocast in bf16, the mixed precision HF Trainer's bf16 uses:
+    the frozen weights are bf16 already and the LoRA weights stay fp32 masters (AdamW updates them in fp32), but
+    their matmuls run in bf16 on tensor cores, and no fp32 copy of a layer's input is made or kept for backward."""
+    import contextlib
+
+    import torch
+
+    if device == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, device: str,
@@ -166,7 +188,8 @@ def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, device: 
         for batch, i in enumerate(range(0, len(examples), batch_size), start=1):
             ids, labels, mask = (t.to(device) for t in collate(examples[i : i + batch_size], pad_id))
             n = int((labels[:, 1:] != IGNORE_INDEX).sum())
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            with compute(device):
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             total += float(loss) * n
             count += n
             if progress is not None:
@@ -237,28 +260,40 @@ def load_checkpoint(folder: Path, model, optimizer, scheduler) -> tuple[int, lis
     return state["step"], state["history"]
 
 
-def use_packing(config, model) -> tuple[bool, str]:
-    """Whether this run packs examples, and why (recorded in the manifest)."""
+def use_packing(config, model, device: str) -> tuple[bool, str]:
+    """Whether this run packs examples, and why (recorded in the manifest). Packing sets the model's attention
+    to loraship/packed_attention.py."""
     if config.packing == "off":
         return False, "packing: off"
-    why_not = packing_unsupported(model)
+    why_not = packing_unsupported(model, config.sequence_len)
+    kernel = packed_attention.kernel_for(device)
+    if why_not is None and kernel != "varlen" and device == "cuda" and config.packing == "auto":
+        import torch
+
+        # One SDPA call per example is right but slow on a GPU: padding wins there.
+        why_not = (f"torch {torch.__version__} has no variable-length attention (torch.nn.attention.varlen, "
+                   "torch >= 2.10)")
     if why_not is None:
-        return True, f"packing: {config.packing}; attention {model.config._attn_implementation!r} keeps packed examples apart"
+        model.set_attn_implementation(packed_attention.register())
+        return True, (f"packing: {config.packing}; examples laid end to end, each attending to itself only "
+                      f"({kernel} attention)")
     if config.packing == "on":
         raise LorashipError(f"packing: on, but {why_not}; set packing: auto (pads where packing is unsupported) or off")
     return False, f"padded batches: {why_not}"
 
 
-def micro_batch(examples: list[dict], rows: list[list[int]], packed: bool, pad_id: int, device: str) -> tuple[dict, int]:
-    """Model inputs for one micro-batch and its number of real (non-pad) tokens."""
+def micro_batch(examples: list[dict], rows: list[list[int]], packed: bool, pad_id: int, device: str) -> tuple[dict, int, int]:
+    """Model inputs for one micro-batch, its number of real (non-pad) tokens and of target tokens."""
     if packed:
-        ids, labels, positions = collate_packed([[examples[i] for i in row] for row in rows], pad_id)
-        inputs = {"input_ids": ids, "labels": labels, "position_ids": positions}
+        inputs = collate_packed([examples[i] for row in rows for i in row])
     else:
         ids, labels, mask = collate([examples[i] for row in rows for i in row], pad_id)
         inputs = {"input_ids": ids, "labels": labels, "attention_mask": mask}
     tokens = sum(len(examples[i]["input_ids"]) for row in rows for i in row)
-    return {k: v.to(device) for k, v in inputs.items()}, tokens
+    # Counted on the CPU: on the GPU it would wait for the copy (a sync per micro-batch).
+    targets = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
+    on_device = {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in inputs.items()}
+    return on_device, tokens, targets
 
 
 def target_tokens(example: dict) -> int:
@@ -302,7 +337,7 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
     torch.manual_seed(config.seed)
     model = load_model(model_dir, config, strategy, device)
     resident_gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
-    packed, packing_why = use_packing(config, model)
+    packed, packing_why = use_packing(config, model, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     micro, accum = strategy["micro_batch_size"], strategy["gradient_accumulation_steps"]
     examples = train.examples
@@ -332,19 +367,21 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
     while step < total_steps:
         epoch, within = divmod(step, per_epoch)
         if steps[0] != epoch:
-            steps = (epoch, epoch_steps(lengths, micro, accum, config.seed, epoch, config.sequence_len if packed else None))
+            budget = micro * config.sequence_len if packed else None
+            steps = (epoch, epoch_steps(lengths, micro, accum, config.seed, epoch, budget))
         group = steps[1][within]
         # Weight each micro-batch by its share of the step's target tokens, so accumulation equals one
         # big batch; a short last step of an epoch is then a mean over fewer tokens, not a smaller one.
         step_targets = max(1, sum(target_tokens(examples[i]) for rows in group for row in rows for i in row))
         step_loss = 0.0
         for rows in group:
-            inputs, n_tokens = micro_batch(examples, rows, packed, pad_id, device)
-            n = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
-            loss = model(**inputs).loss
+            inputs, n_tokens, n = micro_batch(examples, rows, packed, pad_id, device)
+            with compute(device):
+                loss = model(**inputs).loss
             (loss * n / step_targets).backward()
-            step_loss += float(loss.detach()) * n / step_targets
+            step_loss = step_loss + loss.detach() * n / step_targets  # read once a step: one sync, not one each
             tokens_seen += n_tokens
+        step_loss = float(step_loss)
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         scheduler.step()

@@ -323,18 +323,35 @@ def test_render_plan_names_the_checkpointed_layers():
 
 def test_the_train_stage_keeps_less_per_layer_than_the_harness_with_liger_kernels():
     # With the fused loss tasks/train.py applies every Liger kernel: RMSNorm keeps bf16 input, SwiGLU no silu output.
-    c = cfg(**FAST_7B)
+    # Its LoRA runs under bf16 autocast: each module's input kept as a bf16 dropout output + mask (3 B, not 5 B).
+    c = cfg(**FAST_7B, lora_dropout=0.05)
     st = memory.with_checkpointing(memory.strategy_from_config(c), 0)
     stage, harness = (memory.estimate(QWEN2_7B, c, st, program=p) for p in ("train-stage", "harness"))
     s = memory.parse_model_config(QWEN2_7B)
     T = c.micro_batch_size * c.sequence_len
+    lin = s.linears()
+    lora_saved = sum(memory.CAL["lora_input_dropout"] * 2 / 5 * i + 2 * c.lora_r for i, _ in lin.values())
     saved = stage["components_gib"]["saved_activations_all_layers"], harness["components_gib"]["saved_activations_all_layers"]
-    assert abs((saved[1] - saved[0]) * 2**30 - s.L * T * (4 * s.h + 2 * s.f) * memory.CAL["layer"]) < 2**20
+    assert abs((saved[1] - saved[0]) * 2**30 - s.L * T * (4 * s.h + 2 * s.f + lora_saved) * memory.CAL["layer"]) < 2**20
     assert stage["components_gib"]["allocator_reserve"] == memory.CAL["reserve_expandable_gib"]
-    hf = cfg(**{**FAST_7B, "fused_loss": "off"})  # no Liger, no difference in kept activations
+    hf = cfg(**{**FAST_7B, "fused_loss": "off", "lora_dropout": 0.05})  # no Liger: the LoRA difference only
     st_hf = memory.with_checkpointing(memory.strategy_from_config(hf), 0)
-    assert memory.estimate(QWEN2_7B, hf, st_hf)["components_gib"]["saved_activations_all_layers"] == \
-        memory.estimate(QWEN2_7B, hf, st_hf, program="harness")["components_gib"]["saved_activations_all_layers"]
+    saved_hf = (memory.estimate(QWEN2_7B, hf, st_hf, program=p)["components_gib"]["saved_activations_all_layers"]
+                for p in ("train-stage", "harness"))
+    assert abs((-next(saved_hf) + next(saved_hf)) * 2**30 - s.L * T * lora_saved * memory.CAL["layer"]) < 2**20
+
+
+@pytest.mark.parametrize("targets,expected", [
+    (["q_proj", "v_proj", "o_proj"], lambda s, r: 2 * s.h + 3 * 2 * r),  # q, v share one input; o's is kept anyway
+    ("all-linear", lambda s, r: 2 * s.h + 2 * s.h + 2 * s.f + 7 * 2 * r),  # attention in, MLP in, SwiGLU out
+])
+def test_lora_modules_reading_one_tensor_keep_it_once_under_autocast(targets, expected):
+    c = cfg(lora_target_modules=targets, lora_dropout=0.0, lora_r=64)
+    s = memory.parse_model_config(QWEN2_7B)
+    names = memory.target_names(c)
+    assert memory.lora_saved_per_token(s, c, names, "train-stage") == expected(s, 64)
+    # The harness: an fp32 copy of the input per module, fp32 lora_A output.
+    assert memory.lora_saved_per_token(s, c, names, "harness") == sum(4 * s.linears()[n][0] + 4 * 64 for n in names)
 
 
 def test_streamed_layer_copies_count_at_a_layer_peak_not_at_the_fused_loss():

@@ -28,30 +28,30 @@ def curve(config) -> list[dict]:
 
 
 # --- which examples train in which step ---------------------------------------------------------
-@pytest.mark.parametrize("n,micro,accum,row_tokens", [(97, 5, 3, None), (10, 4, 2, None), (3, 8, 4, None),
-                                                      (97, 2, 3, 64), (40, 4, 1, 30), (41, 1, 8, 45)])
-def test_every_example_trains_exactly_once_per_epoch(n, micro, accum, row_tokens):
+@pytest.mark.parametrize("n,micro,accum,budget", [(97, 5, 3, None), (10, 4, 2, None), (3, 8, 4, None),
+                                                  (97, 2, 3, 64), (40, 4, 1, 120), (41, 1, 8, 45)])
+def test_every_example_trains_exactly_once_per_epoch(n, micro, accum, budget):
     lengths = [1 + (i * 7) % 29 for i in range(n)]
-    steps = epoch_steps(lengths, micro, accum, seed=3, epoch=0, row_tokens=row_tokens)
+    steps = epoch_steps(lengths, micro, accum, seed=3, epoch=0, budget=budget)
     seen = [i for step in steps for rows in step for row in rows for i in row]
     assert sorted(seen) == list(range(n))
     assert len(steps) == steps_per_epoch(n, micro, accum) == -(-n // (micro * accum))  # the short last step too
     for step in steps:
         assert 1 <= len(step) <= accum and all(1 <= len(rows) <= micro for rows in step)
-        if row_tokens:
-            assert all(sum(lengths[i] for i in row) <= row_tokens for rows in step for row in rows)
+        if budget:  # a packed micro-batch is one row within the token budget (>= micro x the longest example)
+            assert all(len(rows) == 1 and sum(lengths[i] for i in rows[0]) <= budget for rows in step)
 
 
 def test_a_step_holds_the_same_examples_packed_or_not_whatever_the_micro_batch():
     """The loss curve packed equals the padded one, and an out-of-memory re-plan (same micro x accumulation)
     resumes on the same examples."""
     lengths = [1 + (i * 11) % 37 for i in range(101)]
-    layouts = [epoch_steps(lengths, micro, 8 // micro, 7, 2, row_tokens)
-               for micro in (4, 1) for row_tokens in (None, 48)]
+    layouts = [epoch_steps(lengths, micro, 8 // micro, 7, 2, budget)
+               for micro in (4, 1) for budget in (None, micro * 48)]
     flat = [[sorted(i for rows in step for row in rows for i in row) for step in steps] for steps in layouts]
     assert all(f == flat[0] for f in flat)
-    packed = layouts[1]
-    assert sum(len(rows) for step in packed for rows in step) < sum(len(rows) for step in layouts[0] for rows in step)
+    forward_passes = [sum(len(step) for step in steps) for steps in layouts]
+    assert forward_passes[1] < forward_passes[0] and forward_passes[3] < forward_passes[2]
 
 
 def test_one_epoch_trains_every_token(tiny_model, tmp_path):
@@ -66,10 +66,15 @@ def test_one_epoch_trains_every_token(tiny_model, tmp_path):
 
 
 # --- packing ------------------------------------------------------------------------------------
-def _tiny(tiny_model):
+def _tiny(tiny_model, packed=False):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    from loraship import packed_attention
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    if packed:
+        model.set_attn_implementation(packed_attention.register())
+    return model
 
 
 def _examples():
@@ -82,55 +87,97 @@ def _examples():
 
 
 def test_packed_logits_equal_each_example_alone(tiny_model):
-    model = _tiny(tiny_model)
+    model = _tiny(tiny_model, packed=True)
     examples = _examples()
-    rows = [examples[:3], examples[3:]]
-    ids, labels, positions = collate_packed(rows, pad_id=0)
+    inputs = collate_packed(examples)
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 9, 14, 27, 28, 35] and inputs["max_length_q"] == 13
+    labels, positions = inputs.pop("labels")[0], inputs["position_ids"][0]
     with torch.no_grad():
-        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        for r, row in enumerate(rows):
-            at = 0
-            for e in row:
-                n = len(e["input_ids"])
-                alone = model(input_ids=torch.tensor([e["input_ids"]]), use_cache=False).logits[0]
-                torch.testing.assert_close(packed[r, at : at + n], alone, rtol=1e-4, atol=1e-4)
-                assert positions[r, at : at + n].tolist() == list(range(n))
-                # no example's first token is predicted from the one before it; its own targets are kept
-                assert labels[r, at].item() == -100 and labels[r, at + 1 : at + n].tolist() == e["labels"][1:]
-                at += n
-            assert (labels[r, at:] == -100).all()  # the padded tail of a short row
+        packed = model(**inputs, use_cache=False).logits[0]
+        at = 0
+        for e in examples:
+            n = len(e["input_ids"])
+            alone = model(input_ids=torch.tensor([e["input_ids"]]), use_cache=False).logits[0]
+            torch.testing.assert_close(packed[at : at + n], alone, rtol=1e-4, atol=1e-4)
+            assert positions[at : at + n].tolist() == list(range(n))
+            # no example's first token is predicted from the one before it; its own targets are kept
+            assert labels[at].item() == -100 and labels[at + 1 : at + n].tolist() == e["labels"][1:]
+            at += n
+    assert at == packed.shape[0]  # no padding at all
 
 
-def test_packed_loss_equals_padded_loss(tiny_model):
-    model = _tiny(tiny_model)
+@pytest.mark.parametrize("model_dir", ["tiny_model", "tiny_qwen"])
+def test_packed_loss_equals_padded_loss(model_dir, request):
+    folder = request.getfixturevalue(model_dir)
+    model = _tiny(folder, packed=True)  # padded batches (eval) through the same attention: SDPA with its mask
     examples = _examples()
     ids, labels, mask = collate_padded(examples, pad_id=0)
-    pids, plabels, positions = collate_packed([examples[:2], examples[2:]], pad_id=0)
-    assert int((labels[:, 1:] != -100).sum()) == int((plabels[:, 1:] != -100).sum())
+    inputs = collate_packed(examples)
+    assert int((labels[:, 1:] != -100).sum()) == int((inputs["labels"][:, 1:] != -100).sum())
     with torch.no_grad():
         padded = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-        packed = model(input_ids=pids, position_ids=positions, labels=plabels, use_cache=False).loss
+        packed = model(**inputs, use_cache=False).loss
     assert packed.item() == pytest.approx(padded.item(), rel=1e-5)
 
 
-def test_packing_is_on_by_default_on_sdpa_and_trains_every_token(tiny_model, tmp_path):
+class _FakeVarlen:
+    """torch's varlen_attn as a given torch version spells it, computed per example (the CPU has no kernel)."""
+
+    def __init__(self, params):
+        self.params, self.calls = frozenset(params), []
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, **options):
+        from loraship.packed_attention import _per_example
+
+        assert set(options) <= self.params and (options.get("window_size") == (-1, 0) or options.get("is_causal"))
+        assert k.shape[1] == q.shape[1] or options.get("enable_gqa")
+        self.calls.append(options)
+        return _per_example(q, k, v, cu_q, options.get("scale", q.shape[-1] ** -0.5), k.shape[1] != q.shape[1])
+
+
+@pytest.mark.parametrize("params", [("window_size", "scale", "enable_gqa"),  # torch 2.13
+                                    ("is_causal",)])  # torch 2.10: no scale, no GQA
+def test_the_varlen_call_matches_sdpa_per_example_across_torch_versions(params):
+    from loraship.packed_attention import _per_example, _varlen
+
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    q, k, v = torch.randn(17, 8, 16), torch.randn(17, 2, 16), torch.randn(17, 2, 16)
+    fake = _FakeVarlen(params)
+    out = _varlen((fake, fake.params), q, k, v, cu, 11, 0.3, groups=4)
+    torch.testing.assert_close(out, _per_example(q, k, v, cu, 0.3, gqa=True))
+    assert len(fake.calls) == 1
+
+
+def test_packing_is_on_by_default_and_trains_every_token(tiny_model, tmp_path):
     config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="packed", **SHORT))
     metrics = run_stages(config, ["plan", "train"])["train"]["metrics"]
-    assert metrics["packing"]["packed"] and "'sdpa'" in metrics["packing"]["why"]
+    assert metrics["packing"]["packed"] and "sdpa-per-example attention" in metrics["packing"]["why"]
     assert metrics["train_tokens_this_run"] == metrics["train_tokens"]
     assert metrics["eval_loss_after"] < metrics["eval_loss_before"]
 
 
-def test_packing_on_refuses_an_attention_that_cannot_separate_examples(tiny_model):
+def test_packing_refuses_what_packed_attention_cannot_do(tiny_model, monkeypatch):
     import loraship.stages.train as train
+    from loraship import packed_attention
 
-    model = _tiny(tiny_model)
-    model.config._attn_implementation = "flash_attention_2"
     config = parse_config(demo_config_dict(tiny_model, tiny_model.parent, packing="auto"))
-    packed, why = train.use_packing(config, model)
-    assert not packed and "flash_attention_2" in why
-    with pytest.raises(train.LorashipError, match="packing: on, but attention implementation 'flash_attention_2'"):
-        train.use_packing(config.model_copy(update={"packing": "on"}), model)
+    model = _tiny(tiny_model)
+    model.config.attention_dropout = 0.1
+    packed, why = train.use_packing(config, model, "cpu")
+    assert not packed and "attention_dropout is 0.1" in why
+    with pytest.raises(train.LorashipError, match="packing: on, but the model's attention_dropout is 0.1"):
+        train.use_packing(config.model_copy(update={"packing": "on"}), model, "cpu")
+    model.config.attention_dropout = 0.0
+    model.config.sliding_window = 16
+    assert "sliding window (16 tokens)" in train.use_packing(config, model, "cpu")[1]
+    model.config.sliding_window = None
+    # A GPU whose torch has no variable-length attention: auto pads, on packs (right, one SDPA call per example).
+    monkeypatch.setattr(packed_attention, "varlen_kernel", lambda: None)
+    packed, why = train.use_packing(config, model, "cuda")
+    assert not packed and "no variable-length attention" in why
+    packed, why = train.use_packing(config.model_copy(update={"packing": "on"}), model, "cuda")
+    assert packed and "sdpa-per-example" in why and model.config._attn_implementation == packed_attention.ATTENTION
 
 
 # --- selective gradient checkpointing -----------------------------------------------------------------
