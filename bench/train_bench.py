@@ -504,7 +504,8 @@ def main() -> None:
     p.add_argument("--models", type=Path, help="folder for the random checkpoints (default ROOT/models; the 14B "
                    "takes 28 GiB, so /dev/shm where the disk is short)")
     p.add_argument("--trainers", nargs="*", help="default: unsloth loraship-lean loraship-fast hf-liger (in that order)")
-    p.add_argument("--skip", nargs="*", default=[], help="trainers left out (e.g. hf-liger when device time is short)")
+    p.add_argument("--skip", nargs="*", default=[],
+                   help="trainers left out, everywhere (hf-liger) or in one case (qwen2-7b-qlora:loraship-fast)")
     p.add_argument("--profile", action="store_true", help="torch.profiler over two steps after the warm-up: each "
                    "loraship row gets its top operators and kernels (where packed steps lose their time)")
     p.add_argument("--steps", type=int, default=10)
@@ -567,7 +568,7 @@ def main() -> None:
             write()
             continue
         for trainer in trainers:
-            if args.smoke and trainer == "unsloth" or trainer in args.skip:
+            if args.smoke and trainer == "unsloth" or trainer in args.skip or f"{case}:{trainer}" in args.skip:
                 continue
             part = args.root / f"row-{case}-{trainer}.json"
             part.unlink(missing_ok=True)
