@@ -618,8 +618,9 @@ def stage_config(spec: dict, model_dir: Path, data: Path, work: Path, steps: int
         "sequence_len": spec["sequence_len"], "micro_batch_size": spec["micro_batch_size"],
         "gradient_accumulation_steps": 1, "gradient_checkpointing": spec["gradient_checkpointing"],
         "fused_loss": "on" if spec["fused_loss"] else "off", "gpu_memory_gib": STAGE_GPU_MEMORY_GIB,
-        "fallback": [], "packing": "off", "max_steps": steps, "warmup_steps": 0, "save_steps": 10_000,
-        "device": device,
+        "fallback": [], "packing": "off", "offload_activations": "off", "max_steps": steps, "warmup_steps": 0,
+        "save_steps": 10_000, "device": device,
+        "target_gpu_memory_gib": 16,  # a 14B's Q4_K_M alone is 8.3 GiB: above the default 8 GiB inference target
     }
 
 

@@ -113,9 +113,10 @@ class Config(BaseModel):
         "auto", description="Liger fused linear cross-entropy: 'auto' uses it on CUDA when liger-kernel is installed."
     )
     offload_activations: Literal["auto", "on", "off"] = Field(
-        "off", description="Checkpointed layers' inputs kept in pinned CPU memory instead of on the GPU (copied out "
-        "in forward, prefetched back for backward): 'auto' when that is what makes the plan fit gpu_memory_gib, "
-        "'on' always (the least GPU memory), 'off' never. Off by default until its CUDA path is measured on a GPU.",
+        "auto", description="Checkpointed layers' inputs kept in pinned CPU memory instead of on the GPU (copied out "
+        "in forward, prefetched back for backward): 'auto' when that is what makes the plan fit gpu_memory_gib (the "
+        "rung before a smaller micro-batch or streamed weights), 'on' always (the least GPU memory; on the H200 it "
+        "cost under 2% of tokens/s), 'off' never.",
     )
     fallback: list[Literal["offload", "qlora"]] = Field(
         default_factory=lambda: ["offload", "qlora"],

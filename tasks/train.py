@@ -146,6 +146,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False)
+        model.loraship_fused_loss = True  # evaluate() asks for it too: Liger skips it in eval mode by default
     if device == "cuda":
         # LoRA's matmuls in bf16 under autocast (see `compute`), its fp32 weights cast instead of the input: the
         # adapters of q, k and v then keep one bf16 input between them, not an fp32 copy each.
@@ -184,12 +185,16 @@ def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, device: 
     model.eval()
     total, count = 0.0, 0
     batches = math.ceil(len(examples) / batch_size)
+    # In eval mode Liger's forward materialises the fp32 logits (T x vocab: 4.6 GiB at 1 x 8192 on a 152k
+    # vocabulary) unless told to skip them: on the H200 that made the eval before training, not training, the
+    # peak, and a 14B plan that fits ran out of memory there (bench/results/train_bench.json, 2026-12-03).
+    options = {"skip_logits": True} if getattr(model, "loraship_fused_loss", False) else {}
     with torch.no_grad():
         for batch, i in enumerate(range(0, len(examples), batch_size), start=1):
             ids, labels, mask = (t.to(device) for t in collate(examples[i : i + batch_size], pad_id))
             n = int((labels[:, 1:] != IGNORE_INDEX).sum())
             with compute(device):
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels, **options).loss
             total += float(loss) * n
             count += n
             if progress is not None:

@@ -440,3 +440,29 @@ def test_allocator_gets_expandable_segments_unless_the_user_set_it(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
     assert "set by the user" in train.configure_cuda_allocator()
     assert train.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"
+
+
+class _RecordingModel(torch.nn.Module):
+    """Stands in for a PEFT model: records each forward's keyword arguments, returns a fixed loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, **kwargs):
+        from types import SimpleNamespace
+
+        self.calls.append(sorted(kwargs))
+        return SimpleNamespace(loss=torch.tensor(2.0))
+
+
+def test_the_eval_asks_liger_for_its_fused_loss_and_keeps_no_logits():
+    import loraship.stages.train as train
+
+    examples = _examples()
+    plain, fused = _RecordingModel(), _RecordingModel()
+    fused.loraship_fused_loss = True  # what load_model sets once Liger's kernels are applied
+    for model in (plain, fused):
+        assert train.evaluate(model, examples, 2, 0, "cpu") == pytest.approx(2.0)
+    assert all("skip_logits" not in call for call in plain.calls)
+    assert len(fused.calls) == 3 and all("skip_logits" in call for call in fused.calls)
