@@ -111,6 +111,13 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     # With offload the model is assembled on the CPU and moved to the GPU after the frozen
     # weights of the offloaded layers were set aside (loraship/offload.py).
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    if strategy["adapter"] == "qlora" and device != "cuda":
+        # bitsandbytes (0.50) repacks an NF4 layer, one way, into an inference-only CPU layout the first time it
+        # runs in eval mode on an AVX512-BF16 CPU; training afterwards goes through that inference kernel, whose
+        # in-place bias add autograd refuses. The eval before training would be that first time.
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
     if strategy["gradient_checkpointing"]:
         # Not prepare_model_for_kbit_training: it upcasts embeddings/norms/lm_head to fp32,
         # which costs more memory than it saves. We take only what it does for

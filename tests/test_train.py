@@ -466,3 +466,12 @@ def test_the_eval_asks_liger_for_its_fused_loss_and_keeps_no_logits():
         assert train.evaluate(model, examples, 2, 0, "cpu") == pytest.approx(2.0)
     assert all("skip_logits" not in call for call in plain.calls)
     assert len(fused.calls) == 3 and all("skip_logits" in call for call in fused.calls)
+
+
+def test_qlora_trains_on_the_cpu_after_the_eval_before_training(tiny_qwen, tmp_path):
+    # bitsandbytes repacks NF4 layers for inference the first time they run in eval mode on an AVX512-BF16 CPU,
+    # after which training a layer with a bias (Qwen2's q, k, v) failed: "a view of a leaf Variable ... in-place".
+    config = parse_config(demo_config_dict(tiny_qwen, tmp_path, run_name="qlora-cpu", adapter="qlora", **SHORT))
+    metrics = run_stages(config, ["plan", "train"])["train"]["metrics"]
+    assert metrics["trained_as"].startswith("QLoRA") and metrics["steps"] > 0
+    assert metrics["eval_loss_after"] < metrics["eval_loss_before"]
