@@ -61,7 +61,7 @@ class ActivationOffload:
             if torch.is_grad_enabled() and not hidden_states.requires_grad:
                 # The layer runs without autograd: only an input that requires grad brings its backward.
                 raise RuntimeError("activation offload needs decoder-layer inputs that require grad; call "
-                                   "model.enable_input_require_grads() after gradient_checkpointing_enable()")
+                                   "model.enable_input_require_grads() after enabling gradient checkpointing")
             return _OffloadedLayer.apply(self, index, fn, hidden_states, *args)
 
         return checkpoint

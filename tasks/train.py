@@ -69,7 +69,7 @@ def decoder_layers(model) -> list:
 
 
 def checkpoint_first_layers(model, k: int | None) -> None:
-    """After gradient_checkpointing_enable() (which flags every layer): keep the flag on the first k only.
+    """After enable_checkpointing() (which flags every layer): keep the flag on the first k only.
 
     Why the first: their activations would live longest (from the start of the forward to the end of the
     backward), and backward reaches them last, after the later, un-checkpointed layers freed theirs, so a
@@ -86,6 +86,16 @@ def checkpoint_first_layers(model, k: int | None) -> None:
         return
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i < k
+
+
+def enable_checkpointing(model) -> None:
+    """Non-reentrant checkpointing flagged on every decoder layer, by the name this transformers gives it
+    (5.24 renamed gradient_checkpointing_enable to activation_checkpointing_enable and deprecated the old one)."""
+    options = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
 def load_model(model_dir: Path, config, strategy: dict, device: str):
@@ -122,7 +132,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         # Not prepare_model_for_kbit_training: it upcasts embeddings/norms/lm_head to fp32,
         # which costs more memory than it saves. We take only what it does for
         # checkpointing: inputs that require grad so the frozen embedding output carries a graph.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         model.enable_input_require_grads()
         checkpoint_first_layers(model, strategy.get("checkpointed_layers"))
         if strategy.get("offload_activations"):
