@@ -21,8 +21,7 @@ import random
 import time
 from pathlib import Path
 
-from loraship import memory
-from loraship import plots
+from loraship import memory, packed_attention, plots
 from loraship.constants import (
     ADAPTER_DIR, CHECKPOINTS_DIR, LOSS_HISTORY_FILE, LOSS_PLOT_FILE, MEMORY_PLOT_FILE, PLAN_FILE, STRATEGY_FILE,
 )
@@ -31,7 +30,6 @@ from loraship.data import IGNORE_INDEX, load_splits
 from loraship.errors import LorashipError
 from loraship.manifest import aside_of, atomic_path, atomic_write_json, atomic_write_text, sha256_json
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, torch_load_kwargs
-from loraship import packed_attention
 from loraship.packing import collate_packed, epoch_steps, packing_unsupported, steps_per_epoch
 from loraship.packing import collate_padded as collate  # tasks/merge.py batches its probe with it
 from loraship.progress import Progress, artifact_key
@@ -165,8 +163,8 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False)
         model.loraship_fused_loss = True  # evaluate() asks for it too: Liger skips it in eval mode by default
     if device == "cuda":
-        # LoRA's matmuls in bf16 under autocast (see `compute`), its fp32 weights cast instead of the input: the
-        # adapters of q, k and v then keep one bf16 input between them, not an fp32 copy each.
+        # LoRA's matmuls in bf16 under autocast (see `compute`), its fp32 weights cast instead of the input: no
+        # fp32 copy of the input per adapter (loraship/memory.py lora_saved_per_token counts what is kept).
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         for module in model.modules():
