@@ -115,8 +115,7 @@ class Config(BaseModel):
     offload_activations: Literal["auto", "on", "off"] = Field(
         "auto", description="Checkpointed layers' inputs kept in pinned CPU memory instead of on the GPU (copied out "
         "in forward, prefetched back for backward): 'auto' when that is what makes the plan fit gpu_memory_gib (the "
-        "rung before a smaller micro-batch or streamed weights), 'on' always (the least GPU memory; on the H200 it "
-        "cost under 2% of tokens/s), 'off' never.",
+        "rung before a smaller micro-batch or streamed weights), 'on' always (the least GPU memory), 'off' never.",
     )
     fallback: list[Literal["offload", "qlora"]] = Field(
         default_factory=lambda: ["offload", "qlora"],

@@ -208,7 +208,7 @@ def lora_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progra
     else:
         shared = {LORA_INPUTS[n]: lin[n][0] for n in targets if LORA_INPUTS[n] not in KEPT_ANYWAY}
         inputs = sum(2 * features for features in shared.values())
-    return inputs + sum(2 * cfg.lora_r for _ in targets)
+    return inputs + 2 * cfg.lora_r * len(targets)
 
 
 def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "train-stage") -> dict:
