@@ -859,7 +859,10 @@ def analyze_stage(raw_path: Path, results: Path) -> dict:
     out = {
         "gpu": raw.get("gpu"), "through": "train-stage", "steps": raw.get("steps"),
         "method": "loraship.stages.plan + loraship.stages.train as shipped, one fresh process per row; measured "
-                  "peak = max(eval before training (model load included), training); constants not refitted",
+                  "peak = max(eval before training (model load included), training); 'held_out' scores the "
+                  "prediction the plan made in the run, "
+                  "'held_out_current_constants' the one loraship/memory.py makes now (its HF-loss reserve fitted by "
+                  "fit-stage on the fit rows alone)",
         "held_out": summary(held), "held_out_current_constants": summary(held, "reserved_error_current_constants_pct"),
         "held_out_training_only": summary(held, "reserved_error_training_only_pct"),
         "fit_rows": summary([r for r in rows if r["used_for_fit"]]), "all": summary(rows),
@@ -869,6 +872,34 @@ def analyze_stage(raw_path: Path, results: Path) -> dict:
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+def fit_stage(raw_path: Path) -> dict:
+    """CAL["reserve_hf_loss_expandable"] from the train-stage fit rows (even rows < 24) that ran HF cross-entropy:
+    the median, over those rows, of what their peak reserved held beyond the predicted allocated and the fixed
+    expandable-segments reserve, as a fraction of the predicted loss transient. Held-out rows play no part."""
+    from loraship import memory
+
+    raw = json.loads(raw_path.read_text())
+    saved = memory.CAL["reserve_hf_loss_expandable"]
+    memory.CAL["reserve_hf_loss_expandable"] = 0.0
+    try:
+        fractions = []
+        for r in raw["rows"]:
+            if r.get("cap_gib") or r.get("failed") or r.get("oom") or not is_fit_row(r["index"]) \
+                    or r["spec"]["fused_loss"] or not r.get("peak_reserved_gib"):
+                continue
+            p = predict(r["spec"], "train-stage")
+            loss = p["components_gib"]["logits_and_cross_entropy"]
+            left = r["peak_reserved_gib"] - p["predicted_reserved_gib"]
+            fractions.append({"index": r["index"], "config": r["config"], "loss_transient_gib": loss,
+                              "reserved_beyond_prediction_gib": round(left, 3), "fraction": round(left / loss, 4)})
+    finally:
+        memory.CAL["reserve_hf_loss_expandable"] = saved
+    if not fractions:
+        raise SystemExit("no train-stage fit row with HF cross-entropy in " + str(raw_path))
+    value = round(statistics.median(f["fraction"] for f in fractions), 3)
+    return {"reserve_hf_loss_expandable": max(0.0, value), "rows": fractions}
 
 
 def _stage_jobs(only: list[int] | None) -> list[tuple[int, dict]]:
@@ -920,6 +951,8 @@ def main() -> None:
                    "bench/results/memory_matrix_stage.json)")
     f = sub.add_parser("fit")
     f.add_argument("raw", type=Path)
+    fs = sub.add_parser("fit-stage", help="the train stage's HF-loss allocator reserve, from its fit rows only")
+    fs.add_argument("raw", type=Path)
     args = ap.parse_args()
     if args.cmd == "measure":
         measure(args.out, args.deadline_s, args.parallel, args.gpu_gib, args.only, args.always_cap)
@@ -943,6 +976,9 @@ def main() -> None:
     elif args.cmd == "smoke":
         for spec in (_c("tiny", "qlora", 8, "qvo", 64, 2), _c("tiny", "lora", 8, "all-linear", 64, 1, ckpt=False)):
             print(json.dumps(run_one(spec, None, "cpu")))
+    elif args.cmd == "fit-stage":
+        sys.path.insert(0, str(ROOT))
+        print(json.dumps(fit_stage(args.raw), indent=1))
     elif args.cmd == "fit":
         sys.path.insert(0, str(ROOT))
         fit(args.raw)

@@ -151,7 +151,7 @@ class StepClock:
         self.device = device
         self.profile_from = profile_from
         self.profiler = None
-        self.profile: list[dict] | None = None
+        self.profile: dict | None = None
         self.handle = register_optimizer_step_post_hook(self._stamp)
 
     def _stamp(self, *_):
@@ -184,12 +184,23 @@ class StepClock:
         return round(sum(tokens_per_step[i] for i in timed) / seconds, 1)
 
 
-def top_ops(profiler, device: str, n: int = 25) -> list[dict]:
-    """The operators and kernels that took the most time over the profiled steps (device time on CUDA)."""
-    rows = [{"name": e.key[:120], "calls": e.count, "cpu_ms": round(e.cpu_time_total / 1e3, 2),
-             "device_ms": round(getattr(e, "device_time_total", 0) / 1e3, 2)} for e in profiler.key_averages()]
-    rows.sort(key=lambda r: -r["device_ms" if device == "cuda" else "cpu_ms"])
-    return rows[:n]
+def top_ops(profiler, device: str, n: int = 40) -> dict:
+    """Where the profiled steps' time went: the operators and, on CUDA, the kernels (memory copies included) that
+    took the most, and the kernels' total, to set against the steps' wall time (step_s): the difference is time
+    the GPU waited for the CPU or for a copy (side streams overlapping make the total an upper bound)."""
+    from torch.autograd import DeviceType
+
+    events = profiler.key_averages()
+
+    def row(e) -> dict:
+        return {"name": e.key[:120], "calls": e.count, "cpu_ms": round(e.cpu_time_total / 1e3, 2),
+                "device_ms": round(getattr(e, "device_time_total", 0) / 1e3, 2)}
+
+    ops = sorted((row(e) for e in events if e.device_type != DeviceType.CUDA),
+                 key=lambda r: -r["device_ms" if device == "cuda" else "cpu_ms"])
+    kernels = sorted((row(e) for e in events if e.device_type == DeviceType.CUDA), key=lambda r: -r["device_ms"])
+    return {"ops": ops[:n], "kernels": kernels[:n], "kernel_ms_total": round(sum(k["device_ms"] for k in kernels), 1),
+            "kernel_launches": sum(k["calls"] for k in kernels)}
 
 
 def spec(case: str, smoke: bool) -> tuple:
@@ -236,7 +247,7 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
     from transformers import AutoTokenizer
 
     config = parse_config(loraship_config(case, trainer, model_dir, data, root, args.steps, device))
-    clock = StepClock(device, args.warmup if args.profile else None)
+    clock = StepClock(device, args.warmup if args.profile is not None else None)
     plan_stage.run(config)
     metrics = train_stage.run(config)["metrics"]
     train, _ = load_splits(config, AutoTokenizer.from_pretrained(model_dir))
@@ -253,7 +264,7 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
             "packing": metrics["packing"], "oom_retries": metrics["oom_retries"],
             "predicted_reserved_gib": metrics["predicted_reserved_gib"], "strategy_detail": st,
             "step_s": [round(b - a, 4) for a, b in zip(clock.times, clock.times[1:])], "profile": clock.profile,
-            "profiled": bool(args.profile),  # then tokens/s includes the profiler's overhead on two steps
+            "profiled": args.profile is not None,  # then tokens/s includes the profiler's overhead on two steps
             "loss_curve": [h["loss"] for h in history]}
 
 
@@ -313,7 +324,7 @@ def run_peer(case, trainer, model_dir, data, root, args, device) -> dict:
     per_epoch = steps_per_epoch(len(examples), micro, 1)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    clock = StepClock(device)
+    clock = StepClock(device, args.warmup if args.profile is not None else None)
     tokens, losses = [], []
     for s in range(args.steps):
         epoch, within = divmod(s, per_epoch)
@@ -327,7 +338,8 @@ def run_peer(case, trainer, model_dir, data, root, args, device) -> dict:
         tokens.append(int(mask.sum()))
         losses.append(round(float(loss.detach()), 6))
     out = {"tokens_per_s": clock.tokens_per_s(tokens, args.warmup), "strategy": strategy, "loss_curve": losses,
-           "reserved_gib": None, "allocated_gib": None, "fits_32gib": None}
+           "reserved_gib": None, "allocated_gib": None, "fits_32gib": None, "profile": clock.profile,
+           "profiled": args.profile is not None, "step_s": [round(b - a, 4) for a, b in zip(clock.times, clock.times[1:])]}
     if device == "cuda":
         out.update(reserved_gib=torch.cuda.max_memory_reserved() / GIB, allocated_gib=torch.cuda.max_memory_allocated() / GIB,
                    fits_32gib=True)
@@ -506,8 +518,9 @@ def main() -> None:
     p.add_argument("--trainers", nargs="*", help="default: unsloth loraship-lean loraship-fast hf-liger (in that order)")
     p.add_argument("--skip", nargs="*", default=[],
                    help="trainers left out, everywhere (hf-liger) or in one case (qwen2-7b-qlora:loraship-fast)")
-    p.add_argument("--profile", action="store_true", help="torch.profiler over two steps after the warm-up: each "
-                   "loraship row gets its top operators and kernels (where packed steps lose their time)")
+    p.add_argument("--profile", nargs="*", metavar="CASE", help="torch.profiler over two steps after the warm-up: "
+                   "each row of the cases named (every case when none is), peers' too, gets its top operators and "
+                   "kernels and their total (where its time goes); its tokens/s then carries the profiler's cost")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of tokens/s")
     p.add_argument("--rows", type=int, default=64, help="training rows per dataset")
@@ -575,7 +588,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--tokenizer", str(args.tokenizer), "--out", str(part), "--root",
                    str(args.root), "--models", str(args.models), "--steps", str(args.steps), "--warmup",
                    str(args.warmup), "--rows", str(args.rows), "--one", case, trainer] + (["--smoke"] if args.smoke else []) \
-                + (["--profile"] if args.profile else [])
+                + (["--profile"] if args.profile is not None and (not args.profile or case in args.profile) else [])
             started = time.time()
             try:
                 subprocess.run(cmd, timeout=args.timeout, cwd=ROOT)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "memory_matrix.py"
 
@@ -54,6 +56,38 @@ def test_analyze_scores_train_stage_rows(tmp_path, monkeypatch):
     assert out["held_out_training_only"]["worst_abs_error_pct"] == 10.0
     assert out["fit_rows"]["rows"] == 1 and out["all"]["rows"] == 3
     assert json.loads((tmp_path / "scored.json").read_text())["through"] == "train-stage"
+
+
+def test_fit_stage_uses_the_hf_loss_fit_rows_only(monkeypatch, tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import memory_matrix as mm
+
+    from loraship import memory
+
+    monkeypatch.setitem(memory.CAL, "reserve_hf_loss_expandable", 0.9)  # the fit sets it aside
+    hf_fit = [i for i in range(mm.FIRST_VALIDATION_INDEX) if mm.is_fit_row(i) and not mm.MATRIX[i]["fused_loss"]][:3]
+    fused_fit = next(i for i in range(mm.FIRST_VALIDATION_INDEX) if mm.is_fit_row(i) and mm.MATRIX[i]["fused_loss"])
+    held_hf = next(i for i in range(mm.FIRST_VALIDATION_INDEX) if not mm.is_fit_row(i) and not mm.MATRIX[i]["fused_loss"])
+    assert len(hf_fit) == 3
+
+    def row(i, fraction, **kw):
+        with monkeypatch.context() as m:
+            m.setitem(memory.CAL, "reserve_hf_loss_expandable", 0.0)
+            p = mm.predict(mm.MATRIX[i], "train-stage")
+        extra = fraction * p["components_gib"]["logits_and_cross_entropy"]
+        return {"index": i, "config": mm.config_name(mm.MATRIX[i]), "spec": mm.MATRIX[i], "cap_gib": None,
+                "peak_reserved_gib": p["predicted_reserved_gib"] + extra, **kw}
+
+    raw = {"rows": [row(hf_fit[0], 0.1), row(hf_fit[1], 0.3), row(hf_fit[2], 0.5),
+                    row(hf_fit[0], 0.0, cap_gib=32.0),   # capped: the allocator reclaims under pressure
+                    row(fused_fit, 2.0), row(held_hf, 2.0),  # fused loss / held out: not fitted on
+                    row(hf_fit[1], 2.0, oom=True)]}
+    path = tmp_path / "raw.json"
+    path.write_text(json.dumps(raw))
+    out = mm.fit_stage(path)
+    assert out["reserve_hf_loss_expandable"] == pytest.approx(0.3, abs=0.002)
+    assert sorted(r["index"] for r in out["rows"]) == sorted(hf_fit)
+    assert memory.CAL["reserve_hf_loss_expandable"] == 0.9  # put back
 
 
 def test_train_bench_targets_are_met_missed_or_not_run():

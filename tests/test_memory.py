@@ -341,6 +341,21 @@ def test_the_train_stage_keeps_less_per_layer_than_the_harness_with_liger_kernel
     assert abs((-next(saved_hf) + next(saved_hf)) * 2**30 - s.L * T * lora_saved * memory.CAL["layer"]) < 2**20
 
 
+def test_the_train_stage_reserves_part_of_the_hf_loss_transient(monkeypatch):
+    # HF cross-entropy's fp32 blocks stay mapped between steps under expandable segments; Liger's fused loss has none.
+    monkeypatch.setitem(memory.CAL, "reserve_hf_loss_expandable", 0.25)
+    hf, fused = (cfg(**{**FAST_7B, "fused_loss": f}) for f in ("off", "on"))
+    est_hf, est_fused = (memory.estimate(QWEN2_7B, c, memory.strategy_from_config(c), program="train-stage")
+                         for c in (hf, fused))
+    loss = est_hf["components_gib"]["logits_and_cross_entropy"]
+    assert est_hf["components_gib"]["allocator_reserve"] == pytest.approx(
+        memory.CAL["reserve_expandable_gib"] + 0.25 * loss, abs=0.01)
+    assert est_fused["components_gib"]["allocator_reserve"] == pytest.approx(memory.CAL["reserve_expandable_gib"], abs=0.01)
+    monkeypatch.setitem(memory.CAL, "reserve_hf_loss_expandable", 0.0)
+    again = memory.estimate(QWEN2_7B, hf, memory.strategy_from_config(hf), program="train-stage")
+    assert est_hf["predicted_reserved_gib"] - again["predicted_reserved_gib"] == pytest.approx(0.25 * loss, abs=0.02)
+
+
 @pytest.mark.parametrize("targets,expected", [
     (["q_proj", "v_proj", "o_proj"], lambda s, r: 2 * s.h + 3 * 2 * r),  # q, v share one input; o's is kept anyway
     ("all-linear", lambda s, r: 2 * s.h + 2 * s.h + 2 * s.f + 7 * 2 * r),  # attention in, MLP in, SwiGLU out

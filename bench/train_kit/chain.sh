@@ -26,11 +26,15 @@ DISK=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9); SHM=$(df -BG --output
 if [ "$DISK" -ge 52 ] || [ "$SHM" -lt 46 ]; then M=/tmp/tb/models; else M=/dev/shm/tb-models; fi
 grep -q -- '"--models"' bench/train_bench.py && MODELS="--models $M" || MODELS=  # older checkouts: /tmp/tb/models
 echo "disk ${DISK}G shm ${SHM}G models: ${MODELS:-/tmp/tb/models}" >> $S/progress
+# PROFILE=1 (or all): every case profiled; PROFILE="case ...": those cases only.
+case "$PROFILE" in "") PROFILE_ARGS= ;; 1|all) PROFILE_ARGS=--profile ;; *) PROFILE_ARGS="--profile $PROFILE" ;; esac
 python3 bench/train_bench.py --tokenizer $PWD/.loraship/models/tiny-llama --root /tmp/tb $MODELS \
   --steps ${STEPS:-10} --warmup 3 --timeout ${ROW_TIMEOUT:-360} --out $S/train_bench.json \
-  ${SKIP:+--skip $SKIP} ${PROFILE:+--profile} --cases ${CASES:-qwen2-7b-lora qwen2-14b-lora qwen2-14b-qlora packing qwen2-14b-lora-8k qwen2-7b-qlora} > $S/bench.log 2>&1
+  ${SKIP:+--skip $SKIP} $PROFILE_ARGS --cases ${CASES:-qwen2-7b-lora qwen2-14b-lora qwen2-14b-qlora packing qwen2-14b-lora-8k qwen2-7b-qlora} > $S/bench.log 2>&1
 echo "bench rc=$? $(date +%T)" >> $S/progress
 [ "$GPU_TESTS" = last ] && gpu_tests
 # MATRIX=1: then the memory matrix through plan + train on the same machine (bench/train_kit/matrix_call.sh).
-if [ -n "$MATRIX" ]; then rm -rf /tmp/tb/models /dev/shm/tb-models; bash bench/train_kit/matrix_call.sh chain; echo "matrix done $(date +%T)" >> $S/progress; fi
+# Its shapes' checkpoints are the bench's where they exist (same dims: bench/memory_matrix.py stage_dims), so the
+# 7B and 14B are not written twice; the matrix deletes each shape once its rows are done.
+if [ -n "$MATRIX" ]; then MODELS_DIR=$M bash bench/train_kit/matrix_call.sh chain; echo "matrix done $(date +%T)" >> $S/progress; fi
 touch $S/all.done

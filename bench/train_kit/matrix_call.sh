@@ -19,6 +19,7 @@ if [ "$1" = chain ]; then
   # One shape's checkpoint at a time (the 14B is 27.5 GiB): on the disk where it has room, else in /dev/shm.
   DISK=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9)
   if [ "$DISK" -ge 36 ]; then M=/tmp/mm/models; else M=/dev/shm/mm-models; fi
+  M=${MODELS_DIR:-$M}  # chain.sh's: the bench's checkpoints, reused
   echo "disk ${DISK}G models: $M $(date +%T)" >> $S/progress
   # Default: held-out rows (odd rows of the first call, then later calls' rows), 7B and 8B shapes first, 14B last.
   python3 bench/memory_matrix.py measure-stage --out $S/matrix --root /tmp/mm --models $M --prune-models \
