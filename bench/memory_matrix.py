@@ -830,7 +830,8 @@ def analyze_stage(raw_path: Path, results: Path) -> dict:
                 or un.get("predicted_reserved_gib") is None:
             continue
         meas, pred = un["peak_reserved_gib"], un["predicted_reserved_gib"]
-        now = predict(un["spec"], "train-stage")["predicted_reserved_gib"]
+        current = predict(un["spec"], "train-stage")
+        now = current["predicted_reserved_gib"]
         train_only = un.get("train_peak_reserved_gib")
         capped = slot.get("capped")
         rows.append({
@@ -845,6 +846,8 @@ def analyze_stage(raw_path: Path, results: Path) -> dict:
             "reserved_error_current_constants_pct": round(100 * (now - meas) / meas, 1),
             "reserved_error_training_only_pct": round(100 * (pred - train_only) / train_only, 1) if train_only else None,
             "oom_under_32gib_cap": None if capped is None else bool(capped.get("oom")),
+            "capped_reserved_gib": None if capped is None or capped.get("oom") else capped.get("peak_reserved_gib"),
+            "fits_32gib_predicted_current_constants": current["fits"],
         })
 
     def summary(sel, key="reserved_error_pct"):
@@ -867,6 +870,10 @@ def analyze_stage(raw_path: Path, results: Path) -> dict:
         "held_out_training_only": summary(held, "reserved_error_training_only_pct"),
         "fit_rows": summary([r for r in rows if r["used_for_fit"]]), "all": summary(rows),
         "not_as_forced": [r["config"] for r in rows if r["strategy_as_forced"] is False],
+        # The planner's promise: nothing it says fits 32 GiB runs out of memory under a 32 GiB cap.
+        "ran_under_32gib_cap": sum(r["oom_under_32gib_cap"] is not None for r in rows),
+        "predicted_to_fit_32gib_but_oom_under_cap": [r["config"] for r in rows if r["oom_under_32gib_cap"]
+                                                     and r["fits_32gib_predicted_current_constants"]],
         "rows": rows,
     }
     results.parent.mkdir(parents=True, exist_ok=True)
@@ -985,7 +992,8 @@ def main() -> None:
     elif json.loads(args.raw.read_text()).get("through") == "train-stage":
         sys.path.insert(0, str(ROOT))
         out = analyze_stage(args.raw, args.results or ROOT / "bench/results/memory_matrix_stage.json")
-        for k in ("held_out", "held_out_current_constants", "held_out_training_only", "fit_rows", "all"):
+        for k in ("held_out", "held_out_current_constants", "held_out_training_only", "fit_rows", "all",
+                  "ran_under_32gib_cap", "predicted_to_fit_32gib_but_oom_under_cap"):
             print(k, out[k])
         if out["not_as_forced"]:
             print("not trained as forced:", out["not_as_forced"])

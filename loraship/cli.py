@@ -257,7 +257,11 @@ def render_plan(plan: dict, disk: dict):
         t.add_row(k.replace("_", " "), f"{v:.2f}")
     t.add_row("[bold]allocated (peak)", f"[bold]{mem['predicted_allocated_gib']:.2f}")
     t.add_row("[bold]reserved (peak)", f"[bold]{mem['predicted_reserved_gib']:.2f}")
-    t.add_row("[bold]card must hold (reserved + context)", f"[bold]{mem['predicted_total_gib']:.2f}")
+    if mem.get("reclaimable_cache_gib"):
+        t.add_row("of reserved, cache handed back under pressure", f"{mem['reclaimable_cache_gib']:.2f}")
+        t.add_row("[bold]card must hold (reserved - that cache + context)", f"[bold]{mem['predicted_total_gib']:.2f}")
+    else:
+        t.add_row("[bold]card must hold (reserved + context)", f"[bold]{mem['predicted_total_gib']:.2f}")
     t.add_row("weights-only estimate, for comparison", f"{mem['weights_only_estimate_gib']:.2f}")
     if mem.get("activations_in_cpu_memory_gib"):
         t.add_row("checkpointed activations in pinned CPU memory (not on the GPU)",
