@@ -296,7 +296,7 @@ def use_packing(config, model, device: str) -> tuple[bool, str]:
     if why_not is None:
         model.set_attn_implementation(packed_attention.register())
         return True, (f"packing: {config.packing}; examples laid end to end, each attending to itself only "
-                      f"({kernel} attention)")
+                      f"({kernel} attention; a micro-batch of one length runs as a plain batch)")
     if config.packing == "on":
         raise LorashipError(f"packing: on, but {why_not}; set packing: auto (pads where packing is unsupported) or off")
     return False, f"padded batches: {why_not}"
@@ -304,12 +304,19 @@ def use_packing(config, model, device: str) -> tuple[bool, str]:
 
 def micro_batch(examples: list[dict], rows: list[list[int]], packed: bool, pad_id: int, device: str) -> tuple[dict, int, int]:
     """Model inputs for one micro-batch, its number of real (non-pad) tokens and of target tokens."""
-    if packed:
-        inputs = collate_packed([examples[i] for row in rows for i in row])
+    batch = [examples[i] for row in rows for i in row]
+    if packed and len({len(e["input_ids"]) for e in batch}) == 1:
+        # Examples of one length (e.g. long rows cut at sequence_len) leave no padding to remove: as a plain batch
+        # with no mask, attention runs SDPA's causal kernel (cuDNN's on Hopper), which on the H200 took 0.56x the
+        # time of variable-length FlashAttention on the same tokens (bench/results/train_bench_profile.json).
+        ids, labels, _mask = collate(batch, pad_id)
+        inputs = {"input_ids": ids, "labels": labels}
+    elif packed:
+        inputs = collate_packed(batch)
     else:
-        ids, labels, mask = collate([examples[i] for row in rows for i in row], pad_id)
+        ids, labels, mask = collate(batch, pad_id)
         inputs = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-    tokens = sum(len(examples[i]["input_ids"]) for row in rows for i in row)
+    tokens = sum(len(e["input_ids"]) for e in batch)
     # Counted on the CPU: on the GPU it would wait for the copy (a sync per micro-batch).
     targets = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
     on_device = {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in inputs.items()}

@@ -120,6 +120,24 @@ def test_packed_loss_equals_padded_loss(model_dir, request):
     assert packed.item() == pytest.approx(padded.item(), rel=1e-5)
 
 
+def test_a_packed_micro_batch_of_one_length_runs_as_a_plain_batch_with_the_same_loss(tiny_model):
+    from tasks.train import micro_batch
+
+    model = _tiny(tiny_model, packed=True)
+    nine, thirteen = _examples()[0], _examples()[2]
+    same = [nine, nine, {k: v[:9] for k, v in thirteen.items()}]  # three examples of 9 tokens
+    plain, tokens, targets = micro_batch(same, [[0, 1], [2]], packed=True, pad_id=0, device="cpu")
+    assert set(plain) == {"input_ids", "labels"} and plain["input_ids"].shape == (3, 9) and tokens == 27
+    packed = collate_packed(same)
+    assert targets == int((packed["labels"][:, 1:] != -100).sum())
+    mixed, _, _ = micro_batch(_examples(), [[0, 1, 2], [3, 4]], packed=True, pad_id=0, device="cpu")
+    assert mixed["input_ids"].shape == (1, 35) and "cu_seq_lens_q" in mixed  # lengths differ: packed
+    with torch.no_grad():
+        as_plain = model(**plain, use_cache=False).loss
+        as_packed = model(**packed, use_cache=False).loss
+    assert as_plain.item() == pytest.approx(as_packed.item(), rel=1e-5)
+
+
 class _FakeVarlen:
     """torch's varlen_attn as a given torch version spells it, computed per example (the CPU has no kernel)."""
 
