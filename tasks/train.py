@@ -307,7 +307,7 @@ def micro_batch(examples: list[dict], rows: list[list[int]], packed: bool, pad_i
     batch = [examples[i] for row in rows for i in row]
     if packed and len({len(e["input_ids"]) for e in batch}) == 1:
         # Examples of one length (e.g. long rows cut at sequence_len) leave no padding to remove: as a plain batch
-        # with no mask, attention runs SDPA's causal kernel (cuDNN's on Hopper), which on the H200 took 0.56x the
+        # with no mask, attention runs SDPA's causal kernel (cuDNN's on Hopper), which on the H200 took 0.54x the
         # time of variable-length FlashAttention on the same tokens (bench/results/train_bench_profile.json).
         ids, labels, _mask = collate(batch, pad_id)
         inputs = {"input_ids": ids, "labels": labels}
