@@ -868,7 +868,9 @@ def analyze_stage(raw_path: Path, results: Path) -> dict:
                   "fit-stage on the fit rows alone)",
         "held_out": summary(held), "held_out_current_constants": summary(held, "reserved_error_current_constants_pct"),
         "held_out_training_only": summary(held, "reserved_error_training_only_pct"),
-        "fit_rows": summary([r for r in rows if r["used_for_fit"]]), "all": summary(rows),
+        "fit_rows": summary([r for r in rows if r["used_for_fit"]]),
+        "fit_rows_current_constants": summary([r for r in rows if r["used_for_fit"]], "reserved_error_current_constants_pct"),
+        "all": summary(rows),
         "not_as_forced": [r["config"] for r in rows if r["strategy_as_forced"] is False],
         # The planner's promise: nothing it says fits 32 GiB runs out of memory under a 32 GiB cap.
         "ran_under_32gib_cap": sum(r["oom_under_32gib_cap"] is not None for r in rows),
@@ -992,7 +994,8 @@ def main() -> None:
     elif json.loads(args.raw.read_text()).get("through") == "train-stage":
         sys.path.insert(0, str(ROOT))
         out = analyze_stage(args.raw, args.results or ROOT / "bench/results/memory_matrix_stage.json")
-        for k in ("held_out", "held_out_current_constants", "held_out_training_only", "fit_rows", "all",
+        for k in ("held_out", "held_out_current_constants", "held_out_training_only", "fit_rows",
+                  "fit_rows_current_constants", "all",
                   "ran_under_32gib_cap", "predicted_to_fit_32gib_but_oom_under_cap"):
             print(k, out[k])
         if out["not_as_forced"]:
