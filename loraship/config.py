@@ -127,7 +127,9 @@ class Config(BaseModel):
         "auto",
         description="Padding-free packing: each optimizer step's examples (the same as unpacked) laid end to end into "
         "micro-batches of up to micro_batch_size x sequence_len tokens, position ids restarting per example, each "
-        "example attending to itself only (variable-length attention on CUDA: no padding computed, no mask built). "
+        "example attending to itself only (variable-length attention on CUDA: no padding computed, no mask built; "
+        "a micro-batch whose examples all have one length, e.g. rows cut at sequence_len, has nothing to unpad and "
+        "runs as a plain batch through SDPA's faster causal kernel). "
         "'auto' packs where that attention can run (a transformers model with AttentionInterface, no attention "
         "dropout or sliding window shorter than sequence_len, torch >= 2.10 on CUDA), else pads (the reason is in "
         "the train manifest).",
