@@ -887,24 +887,18 @@ def fit_stage(raw_path: Path) -> dict:
     """CAL["reserve_hf_loss_expandable"] from the train-stage fit rows (even rows < 24) that ran HF cross-entropy:
     the median, over those rows, of what their peak reserved held beyond the predicted allocated and the fixed
     expandable-segments reserve, as a fraction of the predicted loss transient. Held-out rows play no part."""
-    from loraship import memory
-
     raw = json.loads(raw_path.read_text())
-    saved = memory.CAL["reserve_hf_loss_expandable"]
-    memory.CAL["reserve_hf_loss_expandable"] = 0.0
-    try:
-        fractions = []
-        for r in raw["rows"]:
-            if r.get("cap_gib") or r.get("failed") or r.get("oom") or not is_fit_row(r["index"]) \
-                    or r["spec"]["fused_loss"] or not r.get("peak_reserved_gib"):
-                continue
-            p = predict(r["spec"], "train-stage")
-            loss = p["components_gib"]["logits_and_cross_entropy"]
-            left = r["peak_reserved_gib"] - p["predicted_reserved_gib"]
-            fractions.append({"index": r["index"], "config": r["config"], "loss_transient_gib": loss,
-                              "reserved_beyond_prediction_gib": round(left, 3), "fraction": round(left / loss, 4)})
-    finally:
-        memory.CAL["reserve_hf_loss_expandable"] = saved
+    fractions = []
+    for r in raw["rows"]:
+        if r.get("cap_gib") or r.get("failed") or r.get("oom") or not is_fit_row(r["index"]) \
+                or r["spec"]["fused_loss"] or not r.get("peak_reserved_gib"):
+            continue
+        p = predict(r["spec"], "train-stage")
+        loss = p["components_gib"]["logits_and_cross_entropy"]
+        # the prediction without the term being fitted: reserved less the cache it adds
+        left = r["peak_reserved_gib"] - (p["predicted_reserved_gib"] - p["reclaimable_cache_gib"])
+        fractions.append({"index": r["index"], "config": r["config"], "loss_transient_gib": loss,
+                          "reserved_beyond_prediction_gib": round(left, 3), "fraction": round(left / loss, 4)})
     if not fractions:
         raise SystemExit("no train-stage fit row with HF cross-entropy in " + str(raw_path))
     value = round(statistics.median(f["fraction"] for f in fractions), 3)

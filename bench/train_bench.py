@@ -173,6 +173,12 @@ class StepClock:
             self.profile = top_ops(self.profiler, self.device)
             self.profiler = None
 
+    def timing(self) -> dict:
+        """A row's per-step seconds and, when profiled, where its time went (its tokens/s then carries the
+        profiler's overhead on two steps)."""
+        return {"step_s": [round(b - a, 4) for a, b in zip(self.times, self.times[1:])], "profile": self.profile,
+                "profiled": self.profile_from is not None}
+
     def tokens_per_s(self, tokens_per_step: list[int], warmup: int) -> float | None:
         # Step i is timed from the stamp of step i-1; the first `warmup` steps are left out.
         timed = range(warmup, min(len(self.times), len(tokens_per_step)))
@@ -263,9 +269,7 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
             "strategy": metrics["trained_as"], "strategy_reason": metrics["strategy_reason"],
             "packing": metrics["packing"], "oom_retries": metrics["oom_retries"],
             "predicted_reserved_gib": metrics["predicted_reserved_gib"], "strategy_detail": st,
-            "step_s": [round(b - a, 4) for a, b in zip(clock.times, clock.times[1:])], "profile": clock.profile,
-            "profiled": args.profile is not None,  # then tokens/s includes the profiler's overhead on two steps
-            "loss_curve": [h["loss"] for h in history]}
+            **clock.timing(), "loss_curve": [h["loss"] for h in history]}
 
 
 def run_peer(case, trainer, model_dir, data, root, args, device) -> dict:
@@ -338,8 +342,7 @@ def run_peer(case, trainer, model_dir, data, root, args, device) -> dict:
         tokens.append(int(mask.sum()))
         losses.append(round(float(loss.detach()), 6))
     out = {"tokens_per_s": clock.tokens_per_s(tokens, args.warmup), "strategy": strategy, "loss_curve": losses,
-           "reserved_gib": None, "allocated_gib": None, "fits_32gib": None, "profile": clock.profile,
-           "profiled": args.profile is not None, "step_s": [round(b - a, 4) for a, b in zip(clock.times, clock.times[1:])]}
+           "reserved_gib": None, "allocated_gib": None, "fits_32gib": None, **clock.timing()}
     if device == "cuda":
         out.update(reserved_gib=torch.cuda.max_memory_reserved() / GIB, allocated_gib=torch.cuda.max_memory_allocated() / GIB,
                    fits_32gib=True)
