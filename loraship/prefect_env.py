@@ -20,6 +20,34 @@ def configure_local_prefect(project_root: Path | None = None) -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "loraship")
 
 
+def stop_local_prefect(timeout_s: float = 30) -> None:
+    """Send the logs and events Prefect still holds, then stop its ephemeral API server: what Prefect's own
+    atexit hooks do, for a caller that must do it while its streams are still open. Under pytest the server's
+    atexit hook logged "Stopping temporary server" to the stream pytest had captured and already closed
+    ("--- Logging error --- ... I/O operation on closed file" after the summary). Nothing if Prefect was not
+    imported."""
+    import logging
+    import sys
+
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.server.api.server import SubprocessASGIServer
+
+    # Workers first, as prefect.testing.utilities.prefect_test_harness does: they send to the server.
+    APILogWorker.drain_all(timeout=timeout_s)
+    EventsWorker.drain_all(timeout=timeout_s)
+    # The server logs "Stopping temporary server" at INFO on the "prefect" logger: noise at a process's end.
+    prefect_logger = logging.getLogger("prefect")
+    level = prefect_logger.level
+    prefect_logger.setLevel(logging.WARNING)
+    try:
+        SubprocessASGIServer().stop()  # the ephemeral server is the one under the default (None) key
+    finally:
+        prefect_logger.setLevel(level)
+
+
 def _load_secret(block: str) -> str:
     from prefect.blocks.system import Secret
 

@@ -14,6 +14,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LORASHIP_CACHE", str(REPO / ".loraship" / "cache"))
 
 
+def pytest_sessionfinish(session, exitstatus):
+    # While pytest still holds the streams Prefect's console log handler writes to (it closes them next).
+    from loraship.prefect_env import stop_local_prefect
+
+    stop_local_prefect()
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     from loraship.tinymodel import ensure_tiny_model
