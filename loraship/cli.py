@@ -232,6 +232,41 @@ def _checkpointing_words(strategy: dict, n_layers: int | None) -> str:
     return f"checkpointing {k}{f' of {n_layers}' if n_layers else ''} layers"
 
 
+# The components of the peak (loraship/memory.py estimate): the static terms and the kept activations happen
+# together, plus the larger of two transients: the loss, or one layer's backward with the streamed layer copies.
+_LAYER_TRANSIENT = ("one_layer_recompute_and_backward", "streamed_layer_copies")
+_LOSS_TRANSIENT = ("logits_and_cross_entropy",)
+_SUMMED_BELOW = ("allocator_reserve", "cuda_context")
+
+
+def memory_rows(plan: dict) -> list[tuple[str, float, bool]]:
+    """(label, GiB, added) rows of the plan's memory table, written so that every sum adds up as printed:
+    the components at the peak give allocated; + allocator reserve = reserved; - the cache the allocator
+    hands back under pressure + the CUDA context = what the card must hold; the budget less that is spare.
+    A transient that is not at the peak is listed but not added (added False)."""
+    mem = plan["memory"]
+    phase = mem.get("peak_phase", "cross-entropy")
+    idle = _LAYER_TRANSIENT if phase == "cross-entropy" else _LOSS_TRANSIENT
+    rows = []
+    for k, v in mem["components_gib"].items():
+        if k not in _SUMMED_BELOW:
+            label = k.replace("_", " ") + (f" (not at the peak: {phase} is larger)" if k in idle else "")
+            rows.append((label, v, k not in idle))
+    allocated, reserved = mem["predicted_allocated_gib"], mem["predicted_reserved_gib"]
+    context, total = mem["cuda_context_gib"], mem["predicted_total_gib"]
+    # plan.json carries no reclaimable_cache_gib, but total = reserved - that cache + context (memory.estimate).
+    cache = round(reserved + context - total, 2)
+    rows += [(f"allocated (peak, at {phase})", allocated, True),
+             ("+ allocator reserve", round(reserved - allocated, 2), True),
+             ("= reserved (peak)", reserved, True)]
+    if cache >= 0.01:
+        rows.append(("- of reserved, cache the allocator hands back under pressure", cache, True))
+    rows += [("+ CUDA context", context, True), ("= card must hold", total, True),
+             (f"spare of the {plan['budget_gib']:g} GiB budget (the plan keeps a safety margin of "
+              f"{plan['safety_margin_gib']:.2f})", round(plan["budget_gib"] - total, 2), True)]
+    return rows
+
+
 def render_plan(plan: dict, disk: dict):
     """A rich renderable for `loraship plan CONFIG`."""
     from rich.console import Group
@@ -253,19 +288,14 @@ def render_plan(plan: dict, disk: dict):
     t = Table(title="Peak training memory (GiB)", show_footer=False)
     t.add_column("component")
     t.add_column("GiB", justify="right")
-    for k, v in mem["components_gib"].items():
-        t.add_row(k.replace("_", " "), f"{v:.2f}")
-    t.add_row("[bold]allocated (peak)", f"[bold]{mem['predicted_allocated_gib']:.2f}")
-    t.add_row("[bold]reserved (peak)", f"[bold]{mem['predicted_reserved_gib']:.2f}")
-    if mem.get("reclaimable_cache_gib"):
-        t.add_row("of reserved, cache handed back under pressure", f"{mem['reclaimable_cache_gib']:.2f}")
-        t.add_row("[bold]card must hold (reserved - that cache + context)", f"[bold]{mem['predicted_total_gib']:.2f}")
-    else:
-        t.add_row("[bold]card must hold (reserved + context)", f"[bold]{mem['predicted_total_gib']:.2f}")
-    t.add_row("weights-only estimate, for comparison", f"{mem['weights_only_estimate_gib']:.2f}")
+    for label, value, counted in memory_rows(plan):
+        bold = label.startswith(("allocated", "= ", "spare"))
+        figure = f"{value:.2f}" if counted else f"({value:.2f})"
+        t.add_row(f"[bold]{label}" if bold else label, f"[bold]{figure}" if bold else figure)
+    t.add_row("weights-only estimate, for comparison (not added)", f"({mem['weights_only_estimate_gib']:.2f})")
     if mem.get("activations_in_cpu_memory_gib"):
-        t.add_row("checkpointed activations in pinned CPU memory (not on the GPU)",
-                  f"{mem['activations_in_cpu_memory_gib']:.2f}")
+        t.add_row("checkpointed activations in pinned CPU memory (not on the GPU, not added)",
+                  f"({mem['activations_in_cpu_memory_gib']:.2f})")
     a = Table(title="Alternatives")
     for c in ("adapter", "offload", "micro x GA", "fused", "ckpt layers", "GiB", "fits"):
         a.add_column(c)

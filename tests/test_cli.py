@@ -261,3 +261,48 @@ def test_parse_config_still_refuses_what_the_flow_would(tiny_model, tmp_path):
     with pytest.raises(LorashipError, match="datasets.0.type"):
         _load(path, ["datasets.0.type=parquet"])
     assert parse_config(data).datasets[0].type == "chat"
+
+
+# -- plan ------------------------------------------------------------------------------------------
+def _plan_memory_rows(monkeypatch, *sets: str) -> tuple[str, list[tuple[str, str]]]:
+    """The printed plan and its memory table's (label, figure) rows, as `loraship plan` prints them."""
+    from rich.console import Console
+
+    import loraship.cli
+
+    monkeypatch.setattr(loraship.cli, "out", Console(width=220, soft_wrap=True))  # one line per table row
+    result = invoke("plan", REPO / "configs/qwen2-14b-lora.yaml", "--set", "base_model=examples/models/qwen2-14b",
+                    *[a for s in sets for a in ("--set", s)])
+    assert result.exit_code == 0, result.output
+    table = result.output.split("Peak training memory (GiB)")[1].split("Alternatives")[0]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if len(cells) == 2 and cells[1] and cells[1] != "GiB":
+            rows.append((cells[0], cells[1]))
+    return result.output, rows
+
+
+@pytest.mark.parametrize("sets", [
+    ('fused_loss="off"',),  # the issue's 14B example: HF loss, whose cache counts in reserved but not on the card
+    ('fused_loss="off"', "sequence_len=256"),  # a small loss: one layer's backward is the peak
+    ("adapter=qlora", "fused_loss=auto"),
+])
+def test_plan_prints_figures_that_add_up(monkeypatch, sets):
+    output, rows = _plan_memory_rows(monkeypatch, *sets)
+    labels = [label for label, _ in rows]
+    value = {label.split(" (")[0]: float(figure.strip("()")) for label, figure in rows}
+    components = rows[:next(i for i, label in enumerate(labels) if label.startswith("allocated"))]
+    added = [float(figure) for _, figure in components if not figure.startswith("(")]
+    assert len(added) < len(components)  # one transient is listed but not added: it is not at the peak
+    # Components are rounded to 0.01 as printed; allocated is the sum before rounding.
+    assert sum(added) == pytest.approx(value["allocated"], abs=0.005 * len(added) + 0.005)
+    assert value["allocated"] + value["+ allocator reserve"] == pytest.approx(value["= reserved"], abs=1e-6)
+    cache = value.get("- of reserved, cache the allocator hands back under pressure", 0.0)
+    assert value["= reserved"] - cache + value["+ CUDA context"] == pytest.approx(value["= card must hold"], abs=1e-6)
+    spare = next(v for k, v in value.items() if k.startswith("spare"))
+    assert spare == pytest.approx(32 - value["= card must hold"], abs=1e-6)  # spare counts the CUDA context
+    assert f"{value['= card must hold']:.1f} GiB predicted of 32 GiB" in output
+    if sets == ('fused_loss="off"',):
+        assert cache > 1 and value["= reserved"] > value["= card must hold"]
+    assert "reserved + context" not in output
