@@ -16,7 +16,7 @@ from rich.table import Table
 
 from loraship.constants import GGUF_KEY_CHAT_TEMPLATE, STAGES
 from loraship.errors import LorashipError
-from loraship.gguf_tools import describe_gguf, gguf_file, human_size, load_llama, verify_checks
+from loraship.gguf_tools import describe_gguf, gguf_file, human_size, verify_checks
 from loraship.starter import import_axolotl, model_config_of, starter_config, write_config
 from loraship.stage_table import stage_module
 from loraship.status import short, stage_status
@@ -433,16 +433,22 @@ def chat(
     """Talk to a GGUF through llama.cpp with its own chat template. One message per line; /reset starts
     over, /exit or end of input quits."""
     from loraship.gguf_info import read_gguf_apart
+    from loraship.llama_child import ChatChild
 
     with _user_errors():
         path = gguf_file(artifact)
-        fields = read_gguf_apart(path)["fields"]  # not in this process: llama.cpp loads the file next
+        fields = read_gguf_apart(path)["fields"]
         if not fields.get(GGUF_KEY_CHAT_TEMPLATE):
             raise LorashipError(f"{path}: no chat template in the GGUF (a completion model), so there are no turns to "
                                 "render; train with chat data or set `chat_template:` in the config, then ship again")
         trained = fields.get(f"{fields.get('general.architecture')}.context_length") or 4096
-        llm = load_llama(path, n_ctx=context or min(int(trained), 4096))
-        llm.set_seed(seed)
+        # llama.cpp in a child that loads the GGUF first: this process has imported numpy (loraship/llama_child.py).
+        llm = ChatChild(path, n_ctx=context or min(int(trained), 4096), seed=seed)
+    with llm, _user_errors():
+        _chat_loop(llm, path, system, max_tokens=max_tokens, temperature=temperature, seed=seed)
+
+
+def _chat_loop(llm, path: Path, system: str | None, **sampling) -> None:
     opening = [{"role": "system", "content": system}] if system else []
     history = list(opening)
     err.print(f"chatting with {path.name} (llama.cpp, the GGUF's template); /reset, /exit", highlight=False)
@@ -461,12 +467,9 @@ def chat(
             continue
         history.append({"role": "user", "content": text})
         try:
-            stream = llm.create_chat_completion(messages=history, max_tokens=max_tokens, temperature=temperature,
-                                                seed=seed, stream=True)
             sys.stdout.write("assistant> ")
             answer = []
-            for chunk in stream:
-                piece = chunk["choices"][0]["delta"].get("content") or ""
+            for piece in llm.ask(history, **sampling):
                 answer.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()

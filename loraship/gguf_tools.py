@@ -102,16 +102,6 @@ def human_size(n: int) -> str:
     return str(n)
 
 
-def load_llama(path: Path, n_ctx: int):
-    from llama_cpp import Llama
-
-    try:
-        return Llama(model_path=str(path), n_ctx=n_ctx, n_gpu_layers=0, verbose=False)
-    except (ValueError, RuntimeError) as e:  # llama-cpp-python: "Failed to load model from file"
-        raise LorashipError(f"{path}: llama.cpp cannot load it ({e}); the file is damaged or from a llama.cpp newer "
-                            "than the pinned one; convert it again with `loraship run CONFIG --from convert`") from e
-
-
 def special_text(llm, token: int | None) -> str:
     return llm.detokenize([token], special=True).decode("utf-8", errors="replace") if token is not None and token >= 0 else ""
 
@@ -145,29 +135,18 @@ def builtin_template_prompt(llm, messages: list[dict]) -> str | None:
     return buf.raw[:n].decode("utf-8", errors="replace")
 
 
-def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]:
-    """The checks a GGUF passes with llama.cpp alone (no reference): each {check, passed, detail}."""
+def llama_checks(llm, job: dict) -> None:
+    """In llama_child's child, with the GGUF loaded: the checks that need llama.cpp, sent to the parent."""
     import llama_cpp
 
-    from loraship import inference_memory as im
-    from loraship.gguf_info import read_gguf_apart
+    from loraship.llama_child import send
 
+    fields = job["fields"]
     checks = []
 
     def check(name: str, passed: bool | None, detail: str) -> None:
         checks.append({"check": name, "passed": passed, "detail": detail})
 
-    info = read_gguf_apart(path)  # not in this process: llama.cpp loads the file next
-    fields, layout = info["fields"], im.GGUFLayout(**info["layout"]) if info["layout"] else None
-    file_type = fields.get(Keys.General.FILE_TYPE)
-    check("file type", file_type is not None,
-          f"{_file_type_name(file_type)} (general.file_type {file_type})" if file_type is not None
-          else "general.file_type is missing; convert the model again with the pinned llama.cpp")
-    try:
-        llm = load_llama(path, n_ctx=512)
-    except LorashipError as e:
-        check("loads in llama.cpp", False, str(e))
-        return checks
     check("loads in llama.cpp", True, f"llama-cpp-python {llama_cpp.__version__}: {llm.n_vocab()} tokens, "
           f"{llm._model.n_params():,} parameters")
     vocab = llm._model.vocab
@@ -212,6 +191,33 @@ def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]
                   "renders the same prompt (llama-server works without --jinja)" if builtin == prompt
                   else f"renders {builtin!r}, not the template's prompt: run llama-server with --jinja" if builtin
                   else "does not know the template: run llama-server with --jinja")
+    send({"checks": checks})
+
+
+def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]:
+    """The checks a GGUF passes with llama.cpp alone (no reference): each {check, passed, detail}.
+    llama.cpp runs in a child process that loads the file first (loraship/llama_child.py says why)."""
+    from loraship import inference_memory as im
+    from loraship.gguf_info import read_gguf_apart
+    from loraship.llama_child import run_loaded
+
+    checks = []
+
+    def check(name: str, passed: bool | None, detail: str) -> None:
+        checks.append({"check": name, "passed": passed, "detail": detail})
+
+    info = read_gguf_apart(path)  # not in this process: llama.cpp loads the file next
+    fields, layout = info["fields"], im.GGUFLayout(**info["layout"]) if info["layout"] else None
+    file_type = fields.get(Keys.General.FILE_TYPE)
+    check("file type", file_type is not None,
+          f"{_file_type_name(file_type)} (general.file_type {file_type})" if file_type is not None
+          else "general.file_type is missing; convert the model again with the pinned llama.cpp")
+    try:
+        checks += run_loaded(path, 512, "loraship.gguf_tools:llama_checks", {"fields": fields},
+                             f"llama.cpp checks of {path.name}")["checks"]
+    except LorashipError as e:
+        check("loads in llama.cpp", False, str(e))
+        return checks
     if layout is None:
         check("GPU memory", False, f"cannot predict from the GGUF's metadata ({info['layout_error']})")
         return checks

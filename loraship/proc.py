@@ -1,4 +1,4 @@
-"""Child processes for long native work (convert, quantize)."""
+"""Child processes for long native work (convert, quantize, llama.cpp for the CLI)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,24 @@ def run_child(cmd: list[str], timeout: float, what: str, extra_env: dict[str, st
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def start_child(cmd: list[str], stderr) -> subprocess.Popen:
+    """A long-lived child talked to through its stdin and stdout (text), isolated as run_child's are:
+    its own session, an explicit environment, killed with the process that started it."""
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env=child_env(), start_new_session=True, preexec_fn=_child_setup)
+
+
+def stop_child(proc: subprocess.Popen) -> None:
+    """End a start_child child: it stops when its input ends; whatever is left of its group is killed."""
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+    _kill_group(proc)
+    with contextlib.suppress(OSError):
+        proc.stdout.close()
 
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")

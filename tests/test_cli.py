@@ -85,6 +85,36 @@ def test_chat_answers_each_line_with_the_ggufs_template(tiny_gguf):
     assert result.output.count("assistant> ") == 1  # /exit ends the session
 
 
+def test_chat_and_verify_load_llama_cpp_in_a_child_not_in_the_cli(tiny_gguf):
+    """On the CUDA build a load after `import numpy` segfaulted; the CLI has imported numpy, so llama.cpp runs in
+    a child that loads the GGUF first (loraship/llama_child.py), and the CLI process never imports it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from loraship.cli import app\n"
+        f"app(['verify', {str(tiny_gguf)!r}, '--json'], standalone_mode=False)\n"
+        f"app(['chat', {str(tiny_gguf)!r}, '--temperature', '0', '--max-tokens', '4'], standalone_mode=False)\n"
+        "print('numpy' in sys.modules, 'llama_cpp' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], input="Hello\n/exit\n", capture_output=True, text=True,
+                          cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert '"loads in llama.cpp"' in done.stdout and "assistant> " in done.stdout
+    assert done.stdout.rstrip().endswith("you> True False")  # numpy here, llama.cpp only in the child
+
+
+def test_a_gguf_llama_cpp_cannot_load_is_a_check_that_fails(tiny_gguf, tmp_path):
+    """A GGUF whose header reads but whose tensor data is cut short: the child reports the load failure."""
+    cut = tmp_path / "cut.gguf"
+    data = tiny_gguf.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    result = invoke("verify", cut, "--json")
+    assert result.exit_code in (1, 2), result.output
+    assert "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("verb", ["inspect", "verify", "chat"])
 def test_a_file_that_is_not_a_gguf_is_bad_input(verb, tmp_path):
     fake = tmp_path / "model.gguf"
