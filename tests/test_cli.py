@@ -105,14 +105,20 @@ def test_chat_and_verify_load_llama_cpp_in_a_child_not_in_the_cli(tiny_gguf):
     assert done.stdout.rstrip().endswith("you> True False")  # numpy here, llama.cpp only in the child
 
 
-def test_a_gguf_llama_cpp_cannot_load_is_a_check_that_fails(tiny_gguf, tmp_path):
-    """A GGUF whose header reads but whose tensor data is cut short: the child reports the load failure."""
-    cut = tmp_path / "cut.gguf"
+def test_a_gguf_llama_cpp_cannot_load_is_a_failed_check(tiny_gguf, tmp_path):
+    """A GGUF that reads, but names an architecture llama.cpp does not know: the child's load failure comes back
+    as the failed check (verify) or one error (chat), not a traceback."""
     data = tiny_gguf.read_bytes()
-    cut.write_bytes(data[: len(data) // 2])
-    result = invoke("verify", cut, "--json")
-    assert result.exit_code in (1, 2), result.output
-    assert "Traceback" not in result.output
+    at = data.index(b"llama", data.index(b"general.architecture"))
+    odd = tmp_path / "odd-arch.gguf"
+    odd.write_bytes(data[:at] + b"llamx" + data[at + 5:])
+    result = invoke("verify", odd, "--json")
+    assert result.exit_code == 1, result.output
+    checks = {c["check"]: c for c in json.loads(result.output)["checks"]}
+    assert checks["loads in llama.cpp"]["passed"] is False
+    assert "llama.cpp cannot load it" in checks["loads in llama.cpp"]["detail"]
+    chat = invoke("chat", odd, input="Hello\n")
+    assert chat.exit_code == 2 and "llama.cpp cannot load it" in chat.output and "Traceback" not in chat.output
 
 
 @pytest.mark.parametrize("verb", ["inspect", "verify", "chat"])
