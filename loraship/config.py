@@ -36,7 +36,8 @@ class DatasetSpec(BaseModel):
 
     path: str = Field(
         description="A local .jsonl/.json/.parquet/.csv file, or a Hugging Face Hub dataset: 'hf://datasets/<org>/<name>' "
-        "or '<org>/<name>' (read through the `datasets` library, from its cache when HF_HUB_OFFLINE=1)."
+        "or '<org>/<name>' (read through the `datasets` library, from its cache when HF_HUB_OFFLINE=1), or such a file "
+        "at an fsspec URL (s3://, gs://, az://, ...: its fsspec package must be installed in every stage's image)."
     )
     type: Literal["alpaca", "chat", "sharegpt", "completion"] = Field(
         description="alpaca: instruction/input/output rows; chat: {'messages': [{role, content}]} (OpenAI style) rendered "
@@ -159,7 +160,8 @@ class Config(BaseModel):
         "from the one F16 GGUF, verified and shipped. The first is the primary: the Modelfile and `loraship chat` open it.",
     )
     golden_prompts: str | None = Field(
-        None, description="JSONL of {'messages': [...]} or {'prompt': ...}: greedy answers must agree between HF and llama.cpp."
+        None, description="A local JSONL of {'messages': [...]} or {'prompt': ...}: greedy answers must agree between HF "
+        "and llama.cpp."
     )
     max_new_tokens: int = Field(24, ge=1, le=4096, description="Greedy tokens generated per golden prompt.")
     golden_match_min: float = Field(
@@ -415,8 +417,8 @@ def _resolve_data_paths(data: dict, folder: Path) -> None:
     the current folder keeps working as before."""
 
     def resolve(value):
-        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
-            return value
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute() or "://" in value:
+            return value  # a URL (s3://, hf://datasets/...) is no path beside the config
         beside = folder / value
         return str(beside) if beside.exists() or not Path(value).exists() else value
 

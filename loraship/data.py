@@ -7,7 +7,9 @@ Row types (DatasetSpec.type):
 - completion: {"text"}; loss on every token.
 `train_on_inputs: true` puts the loss on prompt tokens too (Axolotl's meaning).
 Sources: local .jsonl/.json read here; .parquet/.csv and Hugging Face Hub datasets through the
-`datasets` library, imported only for them (JSONL needs nothing beyond the core). `fields` maps
+`datasets` library, imported only for them (JSONL needs nothing beyond the core). A URL (s3://,
+gs://, file://, ...) is read through fsspec; a scheme no installed fsspec implementation serves is
+refused, naming the package to install. `fields` maps
 the type's names onto the file's columns.
 Tokenized rows are cached under LORASHIP_CACHE by a fingerprint of the data, the tokenizer and its
 chat template, the type and the field mapping, so train, merge and reference tokenize each row once.
@@ -118,19 +120,71 @@ def _problems_error(where: str, kind: str, problems: list[str], unit: str) -> Da
     return DataError(f"dataset {where} ({kind}): {len(problems)} bad {unit}(s):\n  " + "\n  ".join(shown) + more)
 
 
-def _json_records(path: Path) -> list[tuple[int, object]]:
+URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(path: str | Path) -> str | None:
+    """'s3' for 's3://bucket/x.jsonl'; None for a local path."""
+    m = URL_SCHEME.match(str(path))
+    return m.group(1).lower() if m else None
+
+
+def filesystem_problem(url: str) -> str | None:
+    """Why no installed fsspec implementation serves this URL's scheme, with the fix; None when one does."""
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    scheme = url_scheme(url)
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as e:  # fsspec knows the scheme, its package is not installed (s3 -> s3fs)
+        package = known_implementations.get(scheme, {}).get("class", "").split(".")[0] or "the package fsspec names"
+        return (f"no installed filesystem serves '{scheme}://' ({e}); pip install {package} into this environment "
+                "(the image of every stage that reads it), or copy the file to a local path")
+    except ValueError:  # fsspec: "Protocol not known"
+        return (f"'{scheme}://' is a URL scheme no fsspec filesystem knows; use a local path, "
+                "hf://datasets/<org>/<name>, or an fsspec URL (s3://, gs://, az://, file://, ...)")
+    return None
+
+
+def _read_bytes(path: str | Path) -> bytes:
+    """The file's bytes: a local path, or a URL through fsspec."""
+    if url_scheme(path) is None:
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"dataset {path}: file not found; check datasets[].path (relative paths start at the "
+                            "config file's folder)")
+        return path.read_bytes()
+    problem = filesystem_problem(str(path))
+    if problem:
+        raise DataError(f"dataset {path}: {problem}")
+    import fsspec
+
+    try:
+        fs, inner = fsspec.core.url_to_fs(str(path))
+        if not fs.isfile(inner):
+            raise DataError(f"dataset {path}: file not found; check datasets[].path and that these credentials can "
+                            "read it")
+        return fs.cat_file(inner)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - each filesystem raises its own types (credentials, network)
+        raise DataError(f"dataset {path}: cannot read it ({type(e).__name__}: {e}); check the URL and the "
+                        "filesystem's credentials") from e
+
+
+def _json_records(raw: bytes, where: str, suffix: str) -> list[tuple[int, object]]:
     """(line number, parsed value) per non-empty line; a .json file holding one array gives its items."""
-    raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise DataError(f"dataset {path} line {line}: not UTF-8 (byte {e.start}); re-encode the file as UTF-8") from e
-    if path.suffix == ".json" and text.lstrip().startswith("["):
+        raise DataError(f"dataset {where} line {line}: not UTF-8 (byte {e.start}); re-encode the file as UTF-8") from e
+    if suffix == ".json" and text.lstrip().startswith("["):
         try:
             items = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DataError(f"dataset {path} line {e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
+            raise DataError(f"dataset {where} line {e.lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
         return list(enumerate(items, start=1))
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
@@ -197,20 +251,20 @@ def _check_rows(records, where: str, kind: str, fields: dict[str, str], unit: st
 
 def read_rows(path: str | Path, kind: str, fields: dict[str, str] | None = None) -> list[dict]:
     """All rows of a JSONL (or JSON array) file, or a DataError listing every bad line (up to 20) with its number."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"dataset {path}: file not found; check datasets[].path (relative paths start at the current folder)")
-    records = _json_records(path)
+    where = str(path) if url_scheme(path) else str(Path(path))
+    records = _json_records(_read_bytes(path), where, Path(where).suffix)
     fields = fields or {}
     if fields and kind in DATASET_FIELDS and records:  # a mapping naming no column is one mistake, not one per line
-        _missing_columns(str(path), kind, fields, sorted({k for _n, r in records if isinstance(r, dict) for k in r}))
-    return _check_rows(records, str(path), kind, fields, "line")
+        _missing_columns(where, kind, fields, sorted({k for _n, r in records if isinstance(r, dict) for k in r}))
+    return _check_rows(records, where, kind, fields, "line")
 
 
 def hub_dataset_id(path: str) -> str | None:
     """'org/name' for a Hub dataset path (hf://datasets/org/name or a bare id that is no local file), else None."""
     if path.startswith("hf://datasets/"):
         return path.removeprefix("hf://datasets/").strip("/")
+    if url_scheme(path):
+        return None  # another URL: a file read through fsspec
     if Path(path).expanduser().exists() or Path(path).suffix.lower() in (*JSON_SUFFIXES, *TABULAR_SUFFIXES):
         return None
     return path if HUB_ID_PATTERN.match(path) and not path.startswith((".", "/", "~")) else None
@@ -231,6 +285,13 @@ def load_table(spec):
     where = spec.path
     datasets = _datasets_module(where)
     try:
+        if repo is None and url_scheme(spec.path):
+            problem = filesystem_problem(spec.path)
+            if problem:
+                raise DataError(f"dataset {where}: {problem}")
+            # datasets reads a URL through fsspec; the Arrow copy goes to loraship's cache as for local files.
+            return datasets.load_dataset(TABULAR_SUFFIXES[Path(spec.path).suffix.lower()], data_files=spec.path,
+                                         split="train", cache_dir=str(cache_root() / "datasets"))
         if repo is None:
             path = Path(spec.path).expanduser()
             if not path.is_file():
@@ -286,6 +347,8 @@ def dataset_identity(spec) -> str:
     from loraship.manifest import sha256_file
 
     repo = hub_dataset_id(spec.path)
+    if repo is None and url_scheme(spec.path):
+        return hashlib.sha256(_read_bytes(spec.path)).hexdigest()
     if repo is None:
         path = Path(spec.path).expanduser()
         if not path.is_file():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loraship.config import Config
 from loraship.errors import ConfigError, LorashipError
-from loraship.safetensors_check import safetensors_problem
+from loraship.safetensors_check import read_header, safetensors_problem
 
 # What `plan` needs; training needs the weights too.
 METADATA_PATTERNS = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "chat_template*", "*.model"]
@@ -38,25 +38,134 @@ def resolve_base_model(config: Config, weights: bool = True) -> Path:
         ) from e
 
 
+# Keys of config.json that the planner, transformers and llama.cpp's converter read as numbers; a list or
+# a string there fails deep inside them (TypeError, AttributeError) instead of with a message.
+CONFIG_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "max_position_embeddings")
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+REPLACE = "replace it with the file from the original checkpoint (its Hugging Face repository)"
+
+
+def _kind(value) -> str:
+    """JSON's name for a parsed value's type: 'a list', 'a string', 'the number 3'."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    return {list: "a list", str: "a string", dict: "an object"}[type(value)]
+
+
+def _token_ids_problem(data: dict, key: str) -> str | None:
+    """A token id key holds an id, a list of ids (eos of chat models), or null."""
+    value = data.get(key)
+    ids = value if isinstance(value, list) else [value]
+    if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return f"'{key}' is {json.dumps(value)[:60]}, not a token id or a list of token ids"
+    return None
+
+
+def _config_json_problems(data: dict) -> list[str]:
+    problems = []
+    archs = data.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and archs and all(isinstance(a, str) and a for a in archs)):
+        problems.append(f"'architectures' is {json.dumps(archs)[:60]}, not a list of model class names "
+                        "such as [\"LlamaForCausalLM\"]")
+    if not isinstance(data.get("model_type"), str) or not data["model_type"]:
+        problems.append("'model_type' is missing or not a name (such as \"llama\"); transformers and the planner "
+                        "pick the architecture by it")
+    text = data.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        problems.append(f"'text_config' is {_kind(text)}, not an object")
+    for where, block in (("", data), ("text_config.", text if isinstance(text, dict) else {})):
+        for key in CONFIG_SIZES:
+            value = block.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                problems.append(f"'{where}{key}' is {json.dumps(value)[:60]}, not a positive whole number")
+    tie = data.get("tie_word_embeddings")
+    if tie is not None and not isinstance(tie, bool):
+        problems.append(f"'tie_word_embeddings' is {json.dumps(tie)[:60]}, not true or false")
+    if data.get("auto_map") is not None and not isinstance(data["auto_map"], dict):
+        problems.append(f"'auto_map' is {_kind(data['auto_map'])}, not an object")
+    problems += filter(None, (_token_ids_problem(data, k) for k in TOKEN_ID_KEYS))
+    return problems
+
+
+def _tokenizer_config_problems(data: dict) -> list[str]:
+    problems = []
+    template = data.get("chat_template")
+    named = isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in template)
+    if template is not None and not isinstance(template, str) and not named:
+        problems.append(f"'chat_template' is {_kind(template)}, not a Jinja template string (or a list of "
+                        "{name, template} objects)")
+    for key in SPECIAL_TOKEN_KEYS:
+        value = data.get(key)
+        if value is not None and not isinstance(value, str) and not (isinstance(value, dict)
+                                                                    and isinstance(value.get("content"), str)):
+            problems.append(f"'{key}' is {_kind(value)}, not a token string (or an object with its 'content')")
+    added = data.get("added_tokens_decoder")
+    if added is not None and not (isinstance(added, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("content"), str) for v in added.values())):
+        problems.append("'added_tokens_decoder' is not an object mapping token ids to {\"content\": ...} objects")
+    return problems
+
+
+def _generation_config_problems(data: dict) -> list[str]:
+    return list(filter(None, (_token_ids_problem(data, k) for k in TOKEN_ID_KEYS)))
+
+
+def _tokenizer_json_problems(data: dict) -> list[str]:
+    model = data.get("model")
+    return [] if model is None or isinstance(model, dict) else [f"'model' is {_kind(model)}, not an object"]
+
+
+# The model folder's JSON files and what each must hold: (name, required, check of its object).
+MODEL_JSON_FILES = (
+    ("config.json", True, _config_json_problems),
+    ("tokenizer_config.json", False, _tokenizer_config_problems),
+    ("generation_config.json", False, _generation_config_problems),
+    ("special_tokens_map.json", False, lambda data: []),
+    ("tokenizer.json", False, _tokenizer_json_problems),
+)
+
+
+def json_file_problems(path: Path, check=lambda data: [], fix: str = REPLACE) -> tuple[dict | None, list[str]]:
+    """The JSON object in `path` and what is wrong with it (not JSON, not an object, keys of the wrong type),
+    each problem naming the file and the fix."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, [f"{path.name} is not valid JSON ({e}); {fix}"]
+    if not isinstance(data, dict):
+        return None, [f"{path.name} holds {_kind(data)}, not a JSON object of settings; {fix}"]
+    return data, [f"{path.name}: {p}; {fix}" for p in check(data)]
+
+
+def model_json_problems(folder: Path) -> list[str]:
+    """Every problem of the model folder's JSON files (config, tokenizer and generation settings), at once."""
+    problems = []
+    for name, required, check in MODEL_JSON_FILES:
+        if not (folder / name).is_file():
+            if required:
+                problems.append(f"no {name}; this does not look like a Hugging Face model folder")
+            continue
+        problems += json_file_problems(folder / name, check)[1]
+    return problems
+
+
 def base_model_problems(config: Config, folder: Path, weights: bool = True) -> list[str]:
     """Everything wrong with a base model folder, listed at once."""
     where = f"base_model {str(folder)!r}"
     if not folder.is_dir():
         return [f"{where}: folder does not exist; point base_model at a folder holding config.json, a tokenizer and *.safetensors"]
-    problems = []
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        problems.append(f"{where}: no config.json; this does not look like a Hugging Face model folder")
-    else:
-        try:
-            model_config = json.loads(config_file.read_text(encoding="utf-8"))
-            if model_config.get("auto_map") and not config.trust_remote_code:
-                problems.append(
-                    f"{where}: config.json asks for custom model code (auto_map); loraship does not run it unless "
-                    "you set trust_remote_code: true"
-                )
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            problems.append(f"{where}: config.json is not valid JSON ({e})")
+    problems = [f"{where}: {p}" for p in model_json_problems(folder)]
+    model_config = json_file_problems(folder / "config.json")[0] if (folder / "config.json").is_file() else None
+    if model_config and model_config.get("auto_map") and not config.trust_remote_code:
+        problems.append(
+            f"{where}: config.json asks for custom model code (auto_map); loraship does not run it unless "
+            "you set trust_remote_code: true"
+        )
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         problems.append(f"{where}: no tokenizer (tokenizer.json or tokenizer.model); copy the tokenizer files into the folder")
     if weights:
@@ -70,7 +179,53 @@ def base_model_problems(config: Config, folder: Path, weights: bool = True) -> l
         elif not safetensors and not pickles:
             problems.append(f"{where}: no weights (*.safetensors)")
         problems += [p for p in map(safetensors_problem, safetensors) if p]
+        if model_config is not None and not problems:
+            problems += embedding_problems(config, folder, model_config)
     return problems
+
+
+# The names transformers gives the input embedding and the output layer in every architecture the planner
+# knows (memory.SUPPORTED: Llama, Qwen2, Mistral); llama.cpp's converter maps them to token_embd and output.
+EMBED_TOKENS, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def embedding_only_as_lm_head(folder: Path) -> bool:
+    """Whether the checkpoint stores its embedding only under lm_head.weight (no model.embed_tokens.weight).
+
+    transformers loads such a tied checkpoint (tying fills the embedding from the output layer), but llama.cpp's
+    converter maps tensors by name: it writes no token_embd.weight, and llama.cpp cannot load that GGUF. Read from
+    the safetensors headers alone."""
+    names: set[str] = set()
+    for shard in weight_files(folder):
+        try:
+            names |= set(read_header(shard)[1]) - {"__metadata__"}
+        except (OSError, ValueError):
+            return False  # safetensors_problem names a header that cannot be read
+    return LM_HEAD in names and EMBED_TOKENS not in names
+
+
+def ties_embeddings(model_config: dict) -> bool:
+    """config.json's tie_word_embeddings; absent means untied, the default of Llama, Qwen2 and Mistral configs."""
+    return model_config.get("tie_word_embeddings") is True
+
+
+def embedding_problems(config: Config, folder: Path, model_config: dict) -> list[str]:
+    """A checkpoint whose embedding is stored only as lm_head.weight: the merge stage writes it under its own name
+    when the two are tied; what it cannot mend is refused here, before any training."""
+    if not embedding_only_as_lm_head(folder):
+        return []
+    where = f"base_model {str(folder)!r}"
+    if not ties_embeddings(model_config):
+        return [f"{where}: the weights have {LM_HEAD} but no {EMBED_TOKENS}, and config.json does not tie the two "
+                "(tie_word_embeddings is not true), so the model would start from a random embedding; use the "
+                "checkpoint's complete weights"]
+    if config.adapter_gguf:
+        return [f"{where}: the tied embedding is stored only as {LM_HEAD} (no {EMBED_TOKENS}); adapter_gguf converts "
+                "this base as it is, and llama.cpp's converter would write a GGUF without token_embd.weight that "
+                "llama.cpp cannot load. Set adapter_gguf: false (the merged model is written with the embedding "
+                "under its own name), or re-save the base with transformers' save_pretrained, which stores it as "
+                f"{EMBED_TOKENS}"]
+    return []
 
 
 def check_base_model(config: Config, folder: Path, weights: bool = True) -> None:

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 from loraship.config import Config
-from loraship.data import read_dataset, read_rows
+from loraship.data import read_dataset, read_rows, url_scheme
 from loraship.errors import ConfigError, LorashipError
 
 
@@ -46,7 +46,11 @@ def dataset_problems(config: Config) -> list[str]:
                 read_dataset(spec)
             except LorashipError as e:
                 problems.append(f"{group}[{i}]: {e}")
-    if config.golden_prompts:
+    if config.golden_prompts and url_scheme(config.golden_prompts):
+        # The reference stage keys its results on the file's sha256, read from the local disk.
+        problems.append(f"golden_prompts {config.golden_prompts!r}: must be a local file, not a URL; copy it beside "
+                        "the config and name that path")
+    elif config.golden_prompts:
         try:
             read_rows(config.golden_prompts, "golden")
         except LorashipError as e:

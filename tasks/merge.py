@@ -34,11 +34,36 @@ TOKENIZER_FILES = ("tokenizer.model", "chat_template.jinja")
 log = logging.getLogger("loraship.merge")
 
 
+def adapter_config(adapter_dir: Path) -> dict:
+    """adapter_config.json of a PEFT LoRA adapter, refused with the file's name unless it holds what merging
+    needs: an object with a positive rank `r` and a number `lora_alpha`."""
+    from loraship.models import json_file_problems
+
+    path = adapter_dir / "adapter_config.json"
+    fix = "run the train stage again (loraship run CONFIG --from train), or restore the adapter folder it wrote"
+    if not path.is_file():
+        raise IntegrityError(f"{path}: not found; the adapter folder has no adapter_config.json; {fix}")
+
+    def check(cfg: dict) -> list[str]:
+        problems = []
+        r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+        if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+            problems.append(f"'r' is {json.dumps(r)}, not a positive whole number (the LoRA rank)")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            problems.append(f"'lora_alpha' is {json.dumps(alpha)}, not a number")
+        return problems
+
+    cfg, problems = json_file_problems(path, check, fix)
+    if problems:
+        raise IntegrityError(f"{adapter_dir}: " + "\n  ".join(problems))
+    return cfg
+
+
 def lora_deltas(adapter_dir: Path) -> tuple[dict, float]:
     """{base weight name: (A, B)} and the scale from a PEFT LoRA adapter folder."""
     from safetensors.torch import load_file
 
-    cfg = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    cfg = adapter_config(adapter_dir)
     if cfg.get("use_dora"):
         raise LorashipError("DoRA adapters cannot be merged shard by shard; train with use_dora off")
     r = cfg["r"]

@@ -106,7 +106,8 @@ def _no_config_json(cfg, root):
 
 
 def _unsupported_architecture(cfg, root):
-    (Path(cfg["base_model"]) / "config.json").write_text(json.dumps({"architectures": ["FrobnicatorForCausalLM"]}))
+    (Path(cfg["base_model"]) / "config.json").write_text(json.dumps(
+        {"architectures": ["FrobnicatorForCausalLM"], "model_type": "frobnicator"}))
 
 
 def _unknown_pre_tokenizer(cfg, root):
@@ -135,7 +136,7 @@ def _chat_bad_role(cfg, root):
 
 def _remote_code(cfg, root):
     (Path(cfg["base_model"]) / "config.json").write_text(json.dumps(
-        {"architectures": ["LlamaForCausalLM"], "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}))
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}))
 
 
 def _warmup_too_long(cfg, root):
@@ -234,6 +235,49 @@ def _golden_file_missing(cfg, root):
 
 def _relative_dataset_missing(cfg, root):
     cfg["datasets"][0]["path"] = "data/nope.jsonl"  # resolved beside the config file, and named so
+
+
+def model_file(name: str, value):
+    """A breaker writing `value` as the model folder's `name` (valid JSON, wrong shape)."""
+    def breaker(cfg, root):
+        (Path(cfg["base_model"]) / name).write_text(json.dumps(value))
+    return breaker
+
+
+def model_file_key(name: str, **changes):
+    """A breaker changing keys of the model folder's `name` (None removes a key); the file is created if absent."""
+    def breaker(cfg, root):
+        path = Path(cfg["base_model"]) / name
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        data.update(changes)
+        path.write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
+    return breaker
+
+
+def _dataset_url(url: str):
+    def breaker(cfg, root):
+        cfg["datasets"][0]["path"] = url
+    return breaker
+
+
+def _golden_prompts_url(cfg, root):
+    cfg["golden_prompts"] = "file://" + str(good_dataset(root))
+
+
+REPLACE = "replace it with the file from the original checkpoint (its Hugging Face repository)"
+
+
+def _embedding_only_as_lm_head(tied: bool, adapter_gguf: bool):
+    """Weights with lm_head.weight and no model.embed_tokens.weight (issue 22)."""
+    def breaker(cfg, root):
+        import numpy as np
+        from safetensors.numpy import save_file
+
+        folder = Path(cfg["base_model"])
+        save_file({"lm_head.weight": np.zeros((4, 2), dtype=np.float32)}, str(folder / "model.safetensors"))
+        model_file_key("config.json", tie_word_embeddings=tied or None)(cfg, root)
+        cfg["adapter_gguf"] = adapter_gguf
+    return breaker
 
 
 def crafted_safetensors(path: Path, offsets: dict[str, list[int]], data_bytes: int) -> None:
@@ -338,6 +382,51 @@ CASES = [
      "no Hugging Face token to publish with; set HF_TOKEN to a token with write access"),
     ("hf:// output while the Hub is switched off", _hf_output_offline, "HF_HUB_OFFLINE is set"),
     ("hf:// output naming a Space", _hf_output_a_space, "a space repository holds an app or code"),
+    # issue 25: model files that are valid JSON of the wrong shape
+    ("config.json that is a list", model_file("config.json", [{"model_type": "llama"}]),
+     f"config.json holds a list, not a JSON object of settings; {REPLACE}"),
+    ("config.json that is a string", model_file("config.json", "llama"),
+     f"config.json holds a string, not a JSON object of settings; {REPLACE}"),
+    ("config.json that is a number", model_file("config.json", 7),
+     f"config.json holds the number 7, not a JSON object of settings; {REPLACE}"),
+    ("config.json without model_type", model_file_key("config.json", model_type=None),
+     "config.json: 'model_type' is missing or not a name"),
+    ("config.json whose architectures is a string", model_file_key("config.json", architectures="LlamaForCausalLM"),
+     "config.json: 'architectures' is \"LlamaForCausalLM\", not a list of model class names"),
+    ("config.json whose hidden_size is text", model_file_key("config.json", hidden_size="4096"),
+     f"config.json: 'hidden_size' is \"4096\", not a positive whole number; {REPLACE}"),
+    ("tokenizer_config.json that is a list", model_file("tokenizer_config.json", []),
+     f"tokenizer_config.json holds a list, not a JSON object of settings; {REPLACE}"),
+    ("tokenizer_config.json that is a string", model_file("tokenizer_config.json", "PreTrainedTokenizerFast"),
+     "tokenizer_config.json holds a string, not a JSON object of settings"),
+    ("tokenizer_config.json that is a number", model_file("tokenizer_config.json", 1),
+     "tokenizer_config.json holds the number 1, not a JSON object of settings"),
+    ("tokenizer_config.json whose chat_template is a number", model_file_key("tokenizer_config.json", chat_template=3),
+     "tokenizer_config.json: 'chat_template' is the number 3, not a Jinja template string"),
+    ("tokenizer_config.json whose eos_token is a list", model_file_key("tokenizer_config.json", eos_token=["</s>"]),
+     "tokenizer_config.json: 'eos_token' is a list, not a token string"),
+    ("generation_config.json that is a list", model_file("generation_config.json", [2]),
+     f"generation_config.json holds a list, not a JSON object of settings; {REPLACE}"),
+    ("generation_config.json that is a string", model_file("generation_config.json", "greedy"),
+     "generation_config.json holds a string, not a JSON object of settings"),
+    ("generation_config.json that is a number", model_file("generation_config.json", 2),
+     "generation_config.json holds the number 2, not a JSON object of settings"),
+    ("generation_config.json whose eos_token_id is text", model_file_key("generation_config.json", eos_token_id="</s>"),
+     "generation_config.json: 'eos_token_id' is \"</s>\", not a token id or a list of token ids"),
+    # issue 25: dataset URLs whose scheme no installed fsspec implementation serves
+    ("dataset URL whose fsspec implementation is missing", _dataset_url("oci://bucket@namespace/train.jsonl"),
+     "no installed filesystem serves 'oci://' (Install ocifs to access OCI Object Storage); pip install ocifs"),
+    ("dataset URL scheme nobody knows", _dataset_url("nosuchstore://bucket/train.jsonl"),
+     "'nosuchstore://' is a URL scheme no fsspec filesystem knows; use a local path"),
+    ("parquet dataset URL whose fsspec implementation is missing", _dataset_url("oci://bucket@namespace/train.parquet"),
+     "no installed filesystem serves 'oci://'"),
+    ("golden prompts at a URL", _golden_prompts_url, "must be a local file, not a URL"),
+    # issue 22: an embedding stored only as lm_head.weight that the merge cannot mend (it renames a tied one)
+    ("embedding only as lm_head, untied", _embedding_only_as_lm_head(tied=False, adapter_gguf=False),
+     "the weights have lm_head.weight but no model.embed_tokens.weight, and config.json does not tie the two"),
+    ("tied embedding only as lm_head, with adapter_gguf", _embedding_only_as_lm_head(tied=True, adapter_gguf=True),
+     "llama.cpp's converter would write a GGUF without token_embd.weight that llama.cpp cannot load. Set "
+     "adapter_gguf: false"),
 ]
 
 
@@ -557,3 +646,30 @@ def test_links_of_a_hub_cache_snapshot_are_accepted_and_others_named(tmp_path):
     os.symlink(write(tmp_path / "hub" / "credentials", "planted"), snapshot / "tokenizer.model")
     [problem] = outside_link_problems(snapshot)
     assert f"tokenizer.model -> {tmp_path / 'hub' / 'credentials'}" in problem
+
+
+@pytest.mark.parametrize("content,expected", [
+    ("[8, 16]", "adapter_config.json holds a list, not a JSON object of settings"),
+    ('"lora"', "adapter_config.json holds a string, not a JSON object of settings"),
+    ("16", "adapter_config.json holds the number 16, not a JSON object of settings"),
+    ('{"lora_alpha": 16}', "adapter_config.json: 'r' is null, not a positive whole number (the LoRA rank)"),
+    ('{"r": 8, "lora_alpha": "16"}', "adapter_config.json: 'lora_alpha' is \"16\", not a number"),
+    (None, "adapter_config.json: not found"),
+], ids=["a list", "a string", "a number", "without r", "lora_alpha as text", "missing"])
+def test_adapter_config_of_the_wrong_shape_is_named_before_merging(tmp_path, content, expected):
+    """merge reads the train stage's adapter_config.json (PEFT's own): each wrong shape is one message naming the
+    file, what is wrong and the fix, not a KeyError or TypeError from inside the merge."""
+    import importlib
+
+    from loraship.errors import IntegrityError
+
+    merge = importlib.import_module("loraship.stages.merge")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    if content is not None:
+        write(adapter / "adapter_config.json", content)
+    with pytest.raises(IntegrityError) as caught:
+        merge.lora_deltas(adapter)
+    message = str(caught.value)
+    assert expected in message and str(adapter) in message, message
+    assert "run the train stage again (loraship run CONFIG --from train)" in message
