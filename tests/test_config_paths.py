@@ -37,3 +37,26 @@ def test_a_path_found_only_from_the_current_folder_still_works(tmp_path, monkeyp
         {"base_model": "org/model", "datasets": [{"path": "data/train.jsonl", "type": "chat"}]}))
     monkeypatch.chdir(tmp_path)
     assert load_config("configs/c.yaml").datasets[0].path == "data/train.jsonl"
+
+
+def test_a_dataset_url_is_kept_as_written_and_read_through_fsspec(tmp_path, monkeypatch):
+    """A URL is no path beside the config; its rows and its identity come through fsspec (file:// here, the same
+    code path as s3:// or gs:// with their packages installed)."""
+    import hashlib
+    import json
+
+    from loraship.data import dataset_identity, read_dataset
+
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    data = tmp_path / "remote" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    (tmp_path / "specs").mkdir()
+    url = f"file://{data}"
+    (tmp_path / "specs" / "run.yaml").write_text(yaml.safe_dump(
+        {"base_model": "org/model", "datasets": [{"path": url, "type": "chat"}]}))
+    monkeypatch.chdir(tmp_path)
+    spec = load_config(tmp_path / "specs" / "run.yaml").datasets[0]
+    assert spec.path == url
+    assert read_dataset(spec) == [row, row]
+    assert dataset_identity(spec) == hashlib.sha256(data.read_bytes()).hexdigest()
