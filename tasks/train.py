@@ -280,6 +280,41 @@ def load_checkpoint(folder: Path, model, optimizer, scheduler) -> tuple[int, lis
     return state["step"], state["history"]
 
 
+def base_precision(strategy: dict) -> str:
+    """The precision of the frozen base weights a strategy trains against: NF4 for QLoRA, bf16 for LoRA
+    (streamed layers included: they are bf16 copies from CPU memory)."""
+    return "NF4" if strategy["adapter"] == "qlora" else "bf16"
+
+
+def set_checkpoints_aside(folder: Path, old: dict, new: dict, attempt: int) -> dict | None:
+    """Move the checkpoints of `old` out of `new`'s way when the two train against different precisions of the
+    base; what was moved, for the manifest (None when there was nothing to move).
+
+    An adapter and its AdamW moments fitted against bf16 weights are not a state of training against their NF4
+    rounding (nor the reverse): resuming would carry on from gradients of a model that is no longer there. So
+    the new strategy starts from step 0. The old checkpoints are kept, under the checkpoints folder (which a
+    rerun of the same inputs keeps), not deleted."""
+    import torch
+
+    found = [p for p in sorted(folder.iterdir()) if p.name == "last" or p.name.startswith(".old-last.")] \
+        if folder.is_dir() else []
+    if not found:
+        return None
+    state = next((p / "trainer_state.pt" for p in found if (p / "trainer_state.pt").is_file()), None)
+    step = torch.load(state, weights_only=True)["step"] if state else None
+    aside = folder / f"set-aside-attempt-{attempt}-{base_precision(old)}"
+    aside.mkdir(parents=True, exist_ok=True)
+    for p in found:
+        # Not under an .old-last name: load_checkpoint takes those for a checkpoint killed mid-replacement.
+        os.replace(p, aside / p.name.removeprefix("."))
+    why = (f"the re-plan changed the base's precision from {base_precision(old)} to {base_precision(new)}: the "
+           f"checkpointed adapter and optimizer state were trained against the {base_precision(old)} weights, so "
+           f"training started again from step 0")
+    log.warning("train: %s; the checkpoints of step %s are kept in %s", why, step, aside)
+    return {"after_attempt": attempt, "from_precision": base_precision(old), "to_precision": base_precision(new),
+            "set_aside_step": step, "set_aside_to": str(aside.relative_to(folder.parent)), "why": why}
+
+
 def use_packing(config, model, device: str) -> tuple[bool, str]:
     """Whether this run packs examples, and why (recorded in the manifest). Packing sets the model's attention
     to loraship/packed_attention.py."""
@@ -570,7 +605,7 @@ def run(config) -> dict:
     train, evaluation = load_splits(config, tokenizer)
     model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
 
-    current_plan, attempts = plan, []
+    current_plan, attempts, restarts = plan, [], []
     strategy = for_device(plan["strategy"], config, device)
     if device == "cuda" and plan["strategy"]["fused_loss"] and not strategy["fused_loss"]:
         # The plan was made where liger-kernel is importable and this machine lacks it: the HF loss
@@ -582,7 +617,7 @@ def run(config) -> dict:
     if replanned.is_file():
         # An earlier run of these exact inputs ran out of memory and re-planned: start where it ended.
         saved = json.loads(replanned.read_text(encoding="utf-8"))
-        current_plan, attempts = saved["plan"], saved["attempts"]
+        current_plan, attempts, restarts = saved["plan"], saved["attempts"], saved.get("restarts", [])
         strategy = for_device(current_plan["strategy"], config, device)
         log.info("train: starting from the strategy re-planned after %d out-of-memory error(s): %s", len(attempts), strategy)
     import_training_stack(strategy, device)
@@ -611,10 +646,15 @@ def run(config) -> dict:
         log.warning("train: out of memory (%s under-predicted); retrying with %s", nxt.get("oom_component"), nxt["strategy"])
         current_plan, strategy = nxt, for_device(nxt["strategy"], config, device)
         plan_reason = nxt["reason"]
-        atomic_write_json(replanned, {"plan": current_plan, "attempts": attempts})
+        # A strategy on the same precision of the base resumes the checkpoints (the same LoRA parameters, trained
+        # against the same weights); one on another precision starts from step 0. Moved before the re-plan is
+        # saved: killed in between, the rerun starts the old strategy again, never the new one on old checkpoints.
+        if base_precision(attempts[-1]["strategy"]) != base_precision(strategy):
+            moved = set_checkpoints_aside(ctx.dir / CHECKPOINTS_DIR, attempts[-1]["strategy"], strategy, len(attempts))
+            restarts += [moved] if moved else []
+        atomic_write_json(replanned, {"plan": current_plan, "attempts": attempts, "restarts": restarts})
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        # Checkpoints from another strategy are still valid adapter states; keep them.
     predicted = current_plan["memory"]
     try:
         n_layers = memory.parse_model_config(model_config).L
@@ -628,6 +668,8 @@ def run(config) -> dict:
         "strategy_reason": plan_reason,
         "cuda_allocator": allocator if device == "cuda" else None,
         "oom_retries": attempts,
+        # Re-plans that changed the base's precision and so trained again from step 0 (set_checkpoints_aside).
+        "restarted_from_step_0": restarts,
         "train_examples": len(train.examples),
         "eval_examples": len(evaluation.examples),
         "train_tokens": train.tokens,

@@ -493,3 +493,57 @@ def test_qlora_trains_on_the_cpu_after_the_eval_before_training(tiny_qwen, tmp_p
     metrics = run_stages(config, ["plan", "train"])["train"]["metrics"]
     assert metrics["trained_as"].startswith("QLoRA") and metrics["steps"] > 0
     assert metrics["eval_loss_after"] < metrics["eval_loss_before"]
+
+
+@pytest.mark.parametrize("next_adapter", ["qlora", "lora"])
+def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_the_old_checkpoints(
+        tiny_qwen, tmp_path, monkeypatch, next_adapter):
+    """Out of memory after the bf16 run checkpointed step 2. A re-plan to NF4 (QLoRA) must not resume the adapter
+    and AdamW state fitted against the bf16 weights: it trains from step 0, with the old checkpoints moved aside
+    and the restart in the manifest. A re-plan that keeps bf16 (a smaller micro-batch) resumes at step 2."""
+    import loraship.stages.train as train
+    from loraship import memory
+
+    config = parse_config(demo_config_dict(tiny_qwen, tmp_path, run_name="precision", max_steps=4, save_steps=2,
+                                           micro_batch_size=8, gradient_accumulation_steps=1, warmup_steps=0))
+    real_save, real_replan = train.save_checkpoint, memory.replan_after_oom
+    attempts = []
+
+    def save_then_run_out_of_memory(folder, model, optimizer, scheduler, step, history):
+        real_save(folder, model, optimizer, scheduler, step, history)
+        if len(attempts) == 0:
+            attempts.append(step)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def replan(plan, model_config, config_, measured):
+        if next_adapter == "lora":
+            return real_replan(plan, model_config, config_, measured)  # a smaller micro-batch, still bf16
+        return {**memory.plan_training(model_config, config_.model_copy(update={"adapter": "qlora"})),
+                "oom_component": "activations"}
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_run_out_of_memory)
+    monkeypatch.setattr(memory, "replan_after_oom", replan)
+    metrics = run_stages(config, ["plan", "train"])["train"]["metrics"]
+    checkpoints = stage_dir(config, "train") / "checkpoints"
+    assert attempts == [2] and len(metrics["oom_retries"]) == 1
+    assert metrics["strategy"]["adapter"] == next_adapter
+    if next_adapter == "lora":
+        assert metrics["resumed_from_step"] == 2
+        assert metrics["restarted_from_step_0"] == []
+        assert not list(checkpoints.glob("set-aside-*"))
+        return
+    assert metrics["resumed_from_step"] == 0
+    [restart] = metrics["restarted_from_step_0"]
+    assert (restart["from_precision"], restart["to_precision"], restart["set_aside_step"]) == ("bf16", "NF4", 2)
+    assert "trained against the bf16 weights" in restart["why"]
+    aside = stage_dir(config, "train") / restart["set_aside_to"]
+    assert aside.parent == checkpoints
+    # The bf16 checkpoint is kept whole; the QLoRA run's own checkpoint took its place.
+    old_state = torch.load(aside / "last" / "trainer_state.pt", weights_only=True)
+    assert old_state["step"] == 2
+    new_state = torch.load(checkpoints / "last" / "trainer_state.pt", weights_only=True)
+    assert new_state["step"] == 2 and not torch.equal(
+        next(iter(old_state["optimizer"]["state"].values()))["exp_avg"],
+        next(iter(new_state["optimizer"]["state"].values()))["exp_avg"])
+    # A rerun of the same inputs is done: the restart stays recorded in its manifest.
+    assert run_stages(config, ["train"])["train"]["metrics"]["restarted_from_step_0"] == [restart]
