@@ -11,7 +11,7 @@ collect() {  # also while waiting, so a call cut short by the device budget stil
 while [ $(date +%s) -lt $end ] && [ ! -f $S/all.done ]; do sleep 5; [ $(( $(date +%s) % 30 )) -lt 5 ] && collect; done
 collect
 cat $S/progress /tmp/mstate/progress $S/machine.log 2>/dev/null; tail -25 $S/install.log
-grep -E '^\{"(case|model)"' $S/bench.log | cut -c1-400
-tail -c 1500 $S/chain.log; echo "== bench.log"; tail -c 2500 $S/bench.log
+grep -hE '^\{"(case|model)"' $S/bench.log $S/bench_retry.log 2>/dev/null | cut -c1-600
+tail -c 1500 $S/chain.log; echo "== bench.log"; tail -c 2500 $S/bench.log; tail -c 1500 $S/bench_retry.log 2>/dev/null
 [ -f $S/gpu_tests.log ] && tail -c 2000 $S/gpu_tests.log
 ls /tmp/tb /tmp/tb/models /dev/shm/tb-models 2>/dev/null; df -h / /dev/shm | tail -2; nvidia-smi --query-gpu=memory.used --format=csv

@@ -1,4 +1,5 @@
-# issue #10 on one GPU machine: bench/train_bench.py, rows in order of importance (run detached by call.sh).
+# issue #24 on one GPU machine: bench/train_bench.py, rows in order of importance (run detached by call.sh); then one
+# more pass over the rows that failed (--resume), so a fix sent by a later call (the tree is synced in place) still runs.
 # Writes /tmp/tstate/train_bench.json after every row; progress lines in /tmp/tstate/progress.
 set -x
 S=/tmp/tstate
@@ -24,14 +25,20 @@ if [ "$GPU_TESTS" = first ] && ! gpu_tests; then touch $S/all.done; exit 1; fi
 # The random checkpoints: 7B 14.2 GiB + 14B 27.5 GiB. On the disk where it has room, else in /dev/shm.
 DISK=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9); SHM=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
 if [ "$DISK" -ge 52 ] || [ "$SHM" -lt 46 ]; then M=/tmp/tb/models; else M=/dev/shm/tb-models; fi
-grep -q -- '"--models"' bench/train_bench.py && MODELS="--models $M" || MODELS=  # older checkouts: /tmp/tb/models
-echo "disk ${DISK}G shm ${SHM}G models: ${MODELS:-/tmp/tb/models}" >> $S/progress
+MODELS="--models $M"
+echo "disk ${DISK}G shm ${SHM}G models: $M commit: ${LORASHIP_COMMIT:-?}" >> $S/progress
 # PROFILE=1 (or all): every case profiled; PROFILE="case ...": those cases only.
 case "$PROFILE" in "") PROFILE_ARGS= ;; 1|all) PROFILE_ARGS=--profile ;; *) PROFILE_ARGS="--profile $PROFILE" ;; esac
-python3 bench/train_bench.py --tokenizer $PWD/.loraship/models/tiny-llama --root /tmp/tb $MODELS \
-  --steps ${STEPS:-10} --warmup 3 --timeout ${ROW_TIMEOUT:-360} --out $S/train_bench.json \
-  ${SKIP:+--skip $SKIP} $PROFILE_ARGS --cases ${CASES:-qwen2-7b-lora qwen2-14b-lora qwen2-14b-qlora packing qwen2-14b-lora-8k qwen2-7b-qlora} > $S/bench.log 2>&1
+bench() {
+  python3 bench/train_bench.py --tokenizer $PWD/.loraship/models/tiny-llama --root /tmp/tb $MODELS \
+    --steps ${STEPS:-10} --warmup 3 --timeout ${ROW_TIMEOUT:-240} --out $S/train_bench.json \
+    ${SKIP:+--skip $SKIP} ${TRAINERS:+--trainers $TRAINERS} $PROFILE_ARGS \
+    --cases ${CASES:-qwen2-7b-lora qwen2-7b-lora-all-linear qwen2-7b-qlora qwen2-14b-qlora qwen2-14b-lora} "$@"
+}
+bench > $S/bench.log 2>&1
 echo "bench rc=$? $(date +%T)" >> $S/progress
+bench --resume > $S/bench_retry.log 2>&1
+echo "retry of failed rows rc=$? $(date +%T)" >> $S/progress
 [ "$GPU_TESTS" = last ] && gpu_tests
 # MATRIX=1: then the memory matrix through plan + train on the same machine (bench/train_kit/matrix_call.sh).
 # Its shapes' checkpoints are the bench's where they exist (same dims: bench/memory_matrix.py stage_dims), so the
