@@ -119,6 +119,9 @@ def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, fac
     predicted = plan["memory"]
     components = "\n".join(f"| {name} | {value:.3f} |" for name, value in predicted["components_gib"].items())
     measured = train.get("measured_memory") or {}
+    speed = f"{train['tokens_per_s']:,.0f} tokens/s, {train.get('tokens_per_s_basis')}" if train.get("tokens_per_s") else "n/a"
+    mfu = f"{train['mfu']:.1%} ({train.get('mfu_basis')})" if train.get("mfu") is not None else \
+        f"n/a ({train.get('mfu_basis') or 'not measured'})"
     measured_line = (
         f"measured on the training GPU: peak reserved {_gib(measured.get('peak_reserved_gib'))}, peak allocated "
         f"{_gib(measured.get('peak_allocated_gib'))}" if measured.get("peak_reserved_gib") is not None
@@ -182,6 +185,7 @@ Stop tokens: {stops}. {template_note}
 - trained as: {train.get('trained_as', 'n/a')}
 - why: {train.get('strategy_reason') or 'n/a'}{retried}
 - steps: {train['steps']}, train examples: {train['train_examples']}, eval examples: {train['eval_examples']}
+- speed: {speed}; model FLOPs utilisation {mfu}
 - eval loss: {train['eval_loss_before']:.4f} (base) -> {train['eval_loss_after']:.4f} (fine-tuned)
 - truncation policy: {train['truncation_policy']} ({train['truncated_examples']} examples truncated)
 

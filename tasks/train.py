@@ -21,7 +21,7 @@ import random
 import time
 from pathlib import Path
 
-from loraship import memory, packed_attention, plots
+from loraship import flops, memory, packed_attention, plots
 from loraship.constants import (
     ADAPTER_DIR, CHECKPOINTS_DIR, LOSS_HISTORY_FILE, LOSS_PLOT_FILE, MEMORY_PLOT_FILE, PLAN_FILE, STRATEGY_FILE,
 )
@@ -393,6 +393,46 @@ def peak_memory(device: str) -> dict:
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
+# Optimizer steps left out of the steady-state rate: the first allocates AdamW's state and runs every kernel's first
+# launch (autotuning, cuBLAS heuristics, lazy CUDA module loads); the second still settles the allocator's segments.
+WARMUP_STEPS = 2
+
+
+def steady_rate(stamps: list[tuple[float, int]], warmup: int = WARMUP_STEPS) -> tuple[float | None, str]:
+    """Tokens per second after the warm-up steps, from (seconds, tokens so far) stamped after each step of this run,
+    and the words that say which steps it covers. None when no step is left after the warm-up."""
+    if len(stamps) <= warmup:
+        return None, f"no steady-state rate: {len(stamps)} step(s) in this run, the first {warmup} are warm-up"
+    (t0, n0), (t1, n1) = stamps[warmup - 1] if warmup else (0.0, 0), stamps[-1]
+    if t1 <= t0:
+        return None, "no steady-state rate: no time elapsed after the warm-up"
+    return round((n1 - n0) / (t1 - t0), 1), (f"steady state: steps {warmup + 1}-{len(stamps)} of this run, the first "
+                                              f"{warmup} (warm-up) left out")
+
+
+def flops_per_token(model_dir: Path, config, lengths: list[int]) -> float | None:
+    """Model FLOPs of one trained token (loraship/flops.py), None for an architecture the planner cannot read."""
+    try:
+        model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        return flops.train_flops_per_token(model_config, config, flops.attention_length(lengths))
+    except (ValueError, KeyError):
+        return None
+
+
+def utilisation(tokens_per_s: float | None, per_token: float | None, device: str) -> dict:
+    """MFU against the card's dense bf16 peak, with the reason where there is none (a CPU, a card not in the table,
+    too few steps, an architecture whose FLOPs are not counted)."""
+    name = None
+    if device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(0)
+    if per_token is None:
+        return {"mfu": None, "mfu_basis": "no FLOP count for this architecture", "flops_per_token": None}
+    value, basis = flops.mfu(tokens_per_s, per_token, name)
+    return {"mfu": value, "mfu_basis": basis, "flops_per_token": round(per_token)}
+
+
 def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokenizer, train, evaluation) -> dict:
     import torch
 
@@ -424,6 +464,9 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     tokens_seen, started = 0, time.perf_counter()
+    stamps: list[tuple[float, int]] = []  # (seconds since start, tokens so far) after each step of this run
+    per_token = flops_per_token(model_dir, config, lengths)
+    peak = flops.bf16_peak_tflops(torch.cuda.get_device_name(0)) if device == "cuda" and per_token else None
     progress = Progress("train", total_steps, log, key=artifact_key(config.run_name, STAGE, "progress"))
     steps: tuple[int, list] = (-1, [])
     while step < total_steps:
@@ -450,13 +493,19 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
         optimizer.zero_grad(set_to_none=True)
         step += 1
         elapsed = time.perf_counter() - started
-        progress.update(step, f"step {step}/{total_steps}, loss {step_loss:.4f}, "
-                              f"{tokens_seen / max(elapsed, 1e-9):,.0f} tokens/s{gpu_memory_text(device)}")
+        stamps.append((elapsed, tokens_seen))
+        rate, _ = steady_rate(stamps)
+        if rate is None:
+            speed = f"{tokens_seen / max(elapsed, 1e-9):,.0f} tokens/s (warm-up)"
+        else:
+            speed = f"{rate:,.0f} tokens/s" + (f", MFU {rate * per_token / 1e12 / peak:.0%}" if peak else "")
+        progress.update(step, f"step {step}/{total_steps}, loss {step_loss:.4f}, {speed}{gpu_memory_text(device)}")
         if step % config.logging_steps == 0 or step == total_steps:
             history.append({"step": step, "epoch": epoch, "loss": round(step_loss, 6), "lr": scheduler.get_last_lr()[0]})
         if step % config.save_steps == 0 and step < total_steps:
             save_checkpoint(checkpoints, model, optimizer, scheduler, step, history)
     seconds = time.perf_counter() - started
+    steady, steady_basis = steady_rate(stamps)
     measured = peak_memory(device)
     eval_after = evaluate(model, evaluation.examples, eval_batch, pad_id, device,
                           Progress("train: eval after", None, log, key=eval_key))
@@ -478,7 +527,11 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
         "last_loss": history[-1]["loss"] if history else None,
         "packing": {"packed": packed, "why": packing_why},
         "train_tokens_this_run": tokens_seen,
-        "tokens_per_s": round(tokens_seen / seconds, 1) if seconds > 0 else None,
+        # Steady state (warm-up steps left out), the rate the run sustains; the whole run's rate next to it.
+        "tokens_per_s": steady,
+        "tokens_per_s_basis": steady_basis,
+        "tokens_per_s_overall": round(tokens_seen / seconds, 1) if seconds > 0 else None,
+        **utilisation(steady, per_token, device),
         "seconds": round(seconds, 2),
         "measured_memory": measured,
     }
