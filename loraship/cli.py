@@ -19,7 +19,7 @@ from loraship.errors import LorashipError
 from loraship.gguf_tools import describe_gguf, gguf_file, human_size, verify_checks
 from loraship.starter import import_axolotl, model_config_of, starter_config, write_config
 from loraship.stage_table import stage_module
-from loraship.status import short, stage_status
+from loraship.status import run_states, short
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode="rich")
 err = Console(stderr=True, soft_wrap=True)
@@ -178,6 +178,8 @@ def run(
     with _user_errors():
         config = _load(config_path, set_)
         stages = select_stages(config, config_path, only, start)
+        if _nothing_to_run(config, stages):
+            return
         if "plan" in stages:
             # Every input problem is reported here, before Prefect or a GPU is involved; with the
             # config's secrets in the environment (a gated hub model needs its token to be checked).
@@ -193,11 +195,36 @@ def run(
         err.print(f"error: run {config.run_name!r} failed: {state.message}", markup=False, highlight=False)
         err.print("Finished stages are kept; fix the problem and run the same command again to resume.")
         raise typer.Exit(1)
+    _finished(config, stages)
+
+
+def _finished(config, stages: list[str]) -> None:
     if "publish" in stages:
         destination = stage_module("publish").destination_of(config)
         out.print(f"[green]shipped[/] {config.run_name} -> {destination}")
     else:
         out.print(f"[green]done[/] {config.run_name}: {', '.join(stages)}")
+
+
+def _nothing_to_run(config, stages: list[str]) -> bool:
+    """Finish the run here when every stage asked for is up to date, as `loraship status` sees it: no
+    Prefect server to start, no torch or transformers to import (bench/results/noop_rerun.json). Publish
+    still runs its skip, which puts back whatever differs at the destination. False: the flow has work to do."""
+    from loraship.stage import WouldRun, skip_only
+
+    states = run_states(config)
+    if any(states[stage]["state"] != "done" for stage in stages):
+        return False
+    if "publish" in stages:
+        try:
+            with skip_only():
+                stage_module("publish").run(config)
+        except (WouldRun, LorashipError):  # the flow runs it, or fails it with its message, as always
+            return False
+    for stage in stages:
+        out.print(f"{stage}: up to date (same inputs, outputs intact), skipped", highlight=False)
+    _finished(config, stages)
+    return True
 
 
 @app.command(epilog=_example("loraship plan configs/demo.yaml",
@@ -334,9 +361,7 @@ def status(
 
     with _user_errors():
         config = _load(config_path, set_)
-        states: dict[str, dict] = {}
-        for stage in STAGES:
-            states[stage] = stage_status(config, stage, states)
+        states = run_states(config)
     if as_json:
         out.print_json(data={"run_name": config.run_name, "run_dir": str(run_dir(config)), "stages": list(states.values())})
         return

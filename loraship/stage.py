@@ -6,6 +6,7 @@ Deliberately a few helper functions, not a base class: each tasks/<stage>.py rea
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import shutil
@@ -30,6 +31,25 @@ def run_dir(config: Config) -> Path:
 
 def stage_dir(config: Config, stage: str) -> Path:
     return run_dir(config) / stage
+
+
+class WouldRun(Exception):
+    """open_stage under skip_only(): the stage is not up to date, so it would do its work."""
+
+
+_SKIP_ONLY = contextvars.ContextVar("loraship_skip_only", default=False)
+
+
+@contextlib.contextmanager
+def skip_only():
+    """Stages called in this block only skip: one that is up to date returns as it does in the flow
+    (publish still puts back what differs at its destination), one that is not raises WouldRun
+    before it touches anything. `loraship run` finishes a run with nothing to do this way, without Prefect."""
+    token = _SKIP_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_ONLY.reset(token)
 
 
 @dataclass
@@ -91,6 +111,8 @@ def open_stage(
     fingerprint = mf.input_fingerprint(stage, subset, keyed)
     folder = stage_dir(config, stage)
     done = mf.up_to_date(folder, fingerprint)
+    if done is None and _SKIP_ONLY.get():
+        raise WouldRun(f"stage {stage} of run {config.run_name!r} is not up to date")
     if done is not None:
         done = {**done, "_skipped": True}
         log.info("stage %s: up to date (same inputs, outputs intact), skipped", stage)

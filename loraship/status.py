@@ -19,12 +19,34 @@ def _extra_inputs(stage: str, config) -> dict | None:
         return stage_module("plan").input_files(config, resolve_base_model(config, weights=False))
     if stage == "reference" and config.golden_prompts:  # as tasks/reference.py keys it
         return {"golden_prompts": sha256_file(config.golden_prompts)}
+    if stage == "convert" and config.adapter_gguf:  # as tasks/convert.py keys it
+        return {"adapter_base_quantization": config.primary_quantization}
     return None
+
+
+def run_states(config) -> dict[str, dict]:
+    """Every stage's stage_status, in pipeline order (each reads its upstream's)."""
+    from loraship.constants import STAGES
+
+    states: dict[str, dict] = {}
+    for stage in STAGES:
+        states[stage] = stage_status(config, stage, states)
+    return states
 
 
 def short(value: Any, width: int = 40) -> str:
     text = json.dumps(value, default=str)
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _fingerprint(stage: str, manifest: dict, current: dict, inputs: dict, ups: dict[str, dict], keyed: dict) -> str:
+    """The input fingerprint open_stage (loraship/stage.py) would compute now for the stage's recorded fields."""
+    from loraship.manifest import input_fingerprint
+
+    subset = {k: (inputs if k == "_inputs" else current.get(k)) for k in manifest.get("config", {})}
+    upstream = {up: {"outputs": {rel: info for rel, info in m.get("outputs", {}).items()
+                                 if up not in keyed or rel in keyed[up]}} for up, m in ups.items()}
+    return input_fingerprint(stage, subset, upstream)
 
 
 def stage_status(config, stage: str, states: dict[str, dict]) -> dict:
@@ -58,17 +80,24 @@ def stage_status(config, stage: str, states: dict[str, dict]) -> dict:
     for name in sorted(set(before) | set(now)):
         if before.get(name) != now.get(name):
             reasons.append(f"{name} " + ("added" if name not in before else "removed" if name not in now else "changed"))
-    keyed = getattr(stage_module(stage), "DEPENDS_ON", {})
+    module = stage_module(stage)
+    reasons += [f"config key {key} is new to this stage" for key in getattr(module, "FIELDS", ()) if key not in recorded]
+    keyed = getattr(module, "DEPENDS_ON", {})
+    ups = {}
     for up, record in manifest.get("inputs", {}).items():
         if states.get(up, {}).get("state") != "done":
             reasons.append(f"upstream {up} is {states.get(up, {}).get('state', 'unknown')}")
             continue
-        up_manifest = read_manifest(stage_dir(config, up)) or {}
+        up_manifest = ups[up] = read_manifest(stage_dir(config, up)) or {}
         files = keyed.get(up)
         was = {k: v for k, v in record.get("outputs", {}).items() if files is None or k in files}
         is_ = {k: v for k, v in up_manifest.get("outputs", {}).items() if files is None or k in files}
         if was != is_:
             reasons.append(f"upstream {up} ran again since")
+    if not reasons and manifest.get("fingerprint") != _fingerprint(stage, manifest, current, now, ups, keyed):
+        # open_stage keys a stage on the manifest schema and the pinned llama.cpp too. `loraship run` skips
+        # Prefect when every stage is done here, so done must mean that the stage would skip itself.
+        reasons.append("loraship keys it differently since it ran (manifest schema or pinned llama.cpp upgraded)")
     if not reasons:
         reasons += check_outputs(manifest, folder)
     finished = manifest.get("timings", {}).get("finished")
