@@ -149,9 +149,72 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], l
         mask = [bool(m) for m in enc["assistant_masks"]]
         if not any(mask):
             raise DataError("the template's {% generation %} blocks marked no assistant tokens in this conversation")
-        return ids, mask
+        return ids, learn_turn_ends(ids, mask, turn_end_id(tokenizer))
     text, spans = assistant_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     mask = [any(start <= s < end for start, end in spans) for s, _e in enc["offset_mapping"]]
     return ids, mask
+
+
+def learn_turn_ends(ids: list[int], mask: list[bool], end_id: int | None) -> list[bool]:
+    """Put the turn-end token right after each learned run inside the loss: a model that never learns
+    to emit it never stops when served (a `{% generation %}` block may close before it)."""
+    if end_id is None:
+        return mask
+    mask = list(mask)
+    for i in range(len(ids) - 1):
+        if mask[i] and not mask[i + 1] and ids[i] != end_id and ids[i + 1] == end_id:
+            mask[i + 1] = True
+    return mask
+
+
+# The assistant text the turn-end probe renders; no template changes it.
+_TURN_PROBE = "loraship-turn-probe"
+
+
+def turn_end(tokenizer) -> dict:
+    """The token that ends an assistant turn, found by rendering one with the template (never guessed):
+    {"id", "text"}. It must be ONE special token, or no runtime stops where training taught it to:
+    a plain-text end marker becomes several ordinary pieces that llama.cpp never treats as an end."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _TURN_PROBE},
+                {"role": "user", "content": "Hi"}]
+    text = render(tokenizer, messages)
+    at = text.find(_TURN_PROBE)
+    if at < 0:
+        raise DataError("the chat template does not render the assistant's message text, so no turn end can be "
+                        "found; use a template that writes message['content'] for assistant turns")
+    after = text[at + len(_TURN_PROBE):].lstrip(" \n")
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    special = set(tokenizer.all_special_ids) | {
+        i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(token, "special", False)}
+    if not ids or ids[0] not in special:
+        pieces = tokenizer.convert_ids_to_tokens(ids[:6])
+        shown = f"the pieces {pieces} ({after[:40]!r})" if ids else "nothing"
+        raise DataError(
+            f"the chat template ends an assistant turn with {shown}, not one special token of the vocabulary, so a "
+            "served model never stops by itself; use a template whose turn end is a special token of this base "
+            f"({', '.join(sorted(NAMED_TEMPLATES))} where the vocabulary has their markers), or end each assistant "
+            "turn with {{ eos_token }}"
+        )
+    return {"id": int(ids[0]), "text": tokenizer.convert_ids_to_tokens(ids[0])}
+
+
+def turn_end_id(tokenizer) -> int | None:
+    """turn_end's id, or None where the tokenizer has no template (completion data ends with EOS)."""
+    template = template_of(tokenizer)
+    if template is None:
+        return None
+    # Cached on the tokenizer per template: every training row asks.
+    cached = getattr(tokenizer, "_loraship_turn_end", None)
+    if cached is None or cached[0] != template:
+        cached = (template, turn_end(tokenizer)["id"])
+        tokenizer._loraship_turn_end = cached
+    return cached[1]
+
+
+def ends_generation_in_llama_cpp(token: dict, eos_id: int | None) -> bool:
+    """Whether llama.cpp stops on this token: its EOS, or a text llama.cpp marks end-of-generation by name."""
+    from loraship.constants import LLAMA_CPP_EOG_TEXTS
+
+    return token["id"] == eos_id or token["text"] in LLAMA_CPP_EOG_TEXTS

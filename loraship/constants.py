@@ -62,3 +62,11 @@ GGUF_KEY_BOS = Keys.Tokenizer.BOS_ID
 GGUF_KEY_EOS = Keys.Tokenizer.EOS_ID
 GGUF_KEY_ADD_BOS = Keys.Tokenizer.ADD_BOS
 GGUF_KEY_PRE = Keys.Tokenizer.PRE
+
+# Token texts llama.cpp treats as end-of-generation by name, besides the GGUF's eos/eot/eom ids
+# (the `special_eog_ids` list in vendor/llama.cpp/src/llama-vocab.cpp of the pinned llama-cpp-python 0.3.36).
+LLAMA_CPP_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+})

@@ -180,6 +180,9 @@ def template_problems(config: Config, model_dir: Path) -> list[str]:
             except LorashipError as e:
                 problems.append(f"{group}[{i}] ({spec.path}, first row): {e}")
                 return problems  # the same template fails every dataset alike: say it once
+    chat_data = any(spec.type != "completion" for spec in (*config.datasets, *config.eval_datasets))
+    if chat_data and not problems:
+        problems += turn_end_problems(tokenizer)
     if not problems:
         try:
             rows = golden_rows(config)[:1]
@@ -207,3 +210,20 @@ def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
             f"{figures['gguf_gib']:.2f} GiB; raise target_gpu_memory_gib, choose a smaller quantization, or a "
             "smaller base model" for q, figures in each.items() if figures["gguf_gib"] > config.target_gpu_memory_gib]
 
+
+
+def turn_end_problems(tokenizer) -> list[str]:
+    """The template's assistant turn must end in one special token that llama.cpp stops on, or the
+    served model runs on past its answer (or stops where HF does not)."""
+    from loraship.chat import ends_generation_in_llama_cpp, turn_end
+
+    try:
+        end = turn_end(tokenizer)
+    except LorashipError as e:
+        return [f"chat template: {e}"]
+    if not ends_generation_in_llama_cpp(end, tokenizer.eos_token_id):
+        return [f"chat template: assistant turns end with {end['text']!r} (id {end['id']}), a special token that "
+                f"llama.cpp does not treat as end-of-generation (only the EOS {tokenizer.eos_token!r} and the markers "
+                "<|im_end|>, <|eot_id|>, <end_of_turn>, <|end|>, ... are), so the served model would not stop there; "
+                "end each assistant turn with {{ eos_token }} or with one of those markers"]
+    return []

@@ -91,6 +91,30 @@ def _has_chat_template(folder: Path) -> bool:
     return False
 
 
+def template_for_base(folder: Path, row_type: str, trust_remote_code: bool = False) -> tuple[str, str]:
+    """A named template whose assistant turns end in a special token of this base's own vocabulary
+    (Llama 3's <|eot_id|>, ChatML's <|im_end|>, Mistral's </s> after [INST]), else one that ends each
+    assistant turn with the base's EOS; never a plain-text marker no runtime stops on. (name, why)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    special = {tokenizer.convert_ids_to_tokens(i) for i in tokenizer.all_special_ids}
+    special |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)}
+    if row_type != "alpaca" and {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"} <= special:
+        return "llama3", "the vocabulary has Llama 3's header tokens and <|eot_id|>"
+    if row_type != "alpaca" and {"<|im_start|>", "<|im_end|>"} <= special:
+        return "chatml", "<|im_start|> and <|im_end|> are special tokens of the vocabulary"
+    if tokenizer.eos_token is None:
+        raise LorashipError(f"base model {folder}: its tokenizer has no EOS and no turn-end special token, so no chat "
+                            "template can end a turn where a runtime stops; set chat_template: to a template ending "
+                            "assistant turns with one of its special tokens, or train on completion rows")
+    if row_type == "alpaca":
+        return "alpaca", f"instruction rows; each response ends with the EOS {tokenizer.eos_token!r}"
+    if {"[INST]", "[/INST]"} <= special or "mistral" in json.loads((folder / "config.json").read_text()).get("model_type", ""):
+        return "mistral", f"Mistral's [INST] turns, each answer ended by the EOS {tokenizer.eos_token!r}"
+    return "alpaca", f"no turn markers among its special tokens; each answer ends with the EOS {tokenizer.eos_token!r}"
+
+
 def starter_config(base_model: str, dataset: Path, out_file: Path, gpu_gib: float | None, force: bool) -> tuple[dict, list[str]]:
     """Config keys for a base model and a dataset, and what was inferred (for the header)."""
     from loraship import memory
@@ -112,8 +136,8 @@ def starter_config(base_model: str, dataset: Path, out_file: Path, gpu_gib: floa
         if _has_chat_template(folder):
             notes.append(f"{base_model}: has a chat template; training and the GGUF use it")
         else:
-            data["chat_template"] = "alpaca" if entry["type"] == "alpaca" else "chatml"
-            notes.append(f"{base_model}: no chat template, so chat_template: {data['chat_template']}")
+            data["chat_template"], why = template_for_base(folder, entry["type"], config.trust_remote_code)
+            notes.append(f"{base_model}: no chat template, so chat_template: {data['chat_template']} ({why})")
     max_positions = model_config.get("max_position_embeddings")
     data["sequence_len"] = min(Config.model_fields["sequence_len"].default, max_positions or 10**9)
     found = gpu_total_gib()

@@ -22,7 +22,10 @@ from loraship.constants import ADAPTER_DIR, MERGED_DIR, PROBE_FILE
 from loraship.data import load_splits
 from loraship.errors import IntegrityError, LorashipError
 from loraship.manifest import atomic_path, atomic_write_json
-from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, weight_files
+from loraship.models import (
+    EMBED_TOKENS, LM_HEAD, check_base_model, embedding_only_as_lm_head, hf_offline_if_local, resolve_base_model,
+    ties_embeddings, weight_files,
+)
 from loraship.preflight import check_free_disk
 from loraship.progress import Progress, artifact_key
 from loraship.stage import exclusive, main, open_stage, reset_dir
@@ -87,6 +90,11 @@ def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: s
 
     dtype = getattr(torch, dtype_name)
     deltas, scale = lora_deltas(adapter_dir)
+    cfg = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    # A tied embedding stored only as lm_head.weight is written under the embedding's own name, the one
+    # transformers' save_pretrained uses for tied weights: llama.cpp's converter maps tensors by name and
+    # would otherwise write a GGUF without token_embd.weight, which llama.cpp cannot load.
+    renamed = {LM_HEAD: EMBED_TOKENS} if ties_embeddings(cfg) and embedding_only_as_lm_head(base_dir) else {}
     remaining = set(deltas)
     shards = weight_files(base_dir)
     sizes = [shard.stat().st_size for shard in shards]
@@ -101,7 +109,7 @@ def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: s
                         a, b = deltas[name]
                         w = w.float() + scale * (b.float() @ a.float())
                         remaining.discard(name)
-                    merged[name] = w.to(dtype) if w.is_floating_point() else w
+                    merged[renamed.get(name, name)] = w.to(dtype) if w.is_floating_point() else w
         except Exception as e:  # safetensors raises its own error types for truncated files
             raise IntegrityError(f"{shard}: cannot read base weights ({e}); the file is truncated or corrupt") from e
         save_file(merged, out_dir / shard.name, metadata={"format": "pt"})
@@ -110,14 +118,16 @@ def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: s
         raise LorashipError(f"adapter weights with no matching base weight: {sorted(remaining)[:5]}; wrong base model?")
     index = base_dir / "model.safetensors.index.json"
     if index.exists():
-        shutil.copy(index, out_dir / index.name)
-    cfg = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+        data = json.loads(index.read_text(encoding="utf-8"))
+        data["weight_map"] = {renamed.get(k, k): v for k, v in data.get("weight_map", {}).items()}
+        (out_dir / index.name).write_text(json.dumps(data, indent=2), encoding="utf-8")
     cfg["torch_dtype"] = dtype_name
     cfg.pop("quantization_config", None)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
     if (base_dir / "generation_config.json").exists():
         shutil.copy(base_dir / "generation_config.json", out_dir)
-    return {"merged_modules": len(deltas), "scale": scale, "shards": len(shards)}
+    return {"merged_modules": len(deltas), "scale": scale, "shards": len(shards),
+            "renamed_tensors": renamed}
 
 
 def copy_tokenizer(base_dir: Path, out_dir: Path, trust_remote_code: bool) -> None:
@@ -147,6 +157,34 @@ def write_chat_template(out_dir: Path, configured: str | None) -> None:
     data["chat_template"] = template
     config_file.write_text(json.dumps(data, indent=2), encoding="utf-8")
     (out_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
+
+
+def stop_at_turn_end(out_dir: Path) -> dict | None:
+    """Put the template's turn-end token into generation_config's eos list, so HF's generate stops
+    where llama.cpp does (ChatML on a base whose EOS is <|endoftext|>: llama.cpp stops at <|im_end|>
+    by name, HF only at what generation_config lists). None without a template."""
+    from transformers import AutoTokenizer
+
+    from loraship.chat import template_of, turn_end
+
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    if template_of(tokenizer) is None:
+        return None
+    end = turn_end(tokenizer)
+    gen_file = out_dir / "generation_config.json"
+    gen = json.loads(gen_file.read_text(encoding="utf-8")) if gen_file.exists() else {}
+    if not gen:
+        model_config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
+        gen = {k: model_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if model_config.get(k) is not None}
+    eos = gen.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    if end["id"] not in eos:
+        eos.append(end["id"])
+    gen["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+    gen_file.write_text(json.dumps(gen, indent=2), encoding="utf-8")
+    return end
 
 
 def ensure_added_tokens_decoder(config_file: Path, tokenizer) -> None:
@@ -272,6 +310,7 @@ def run(config) -> dict:
         info = merge_shards(base_dir, adapter_dir, tmp, progress_key=artifact_key(config.run_name, STAGE, "progress"))
         copy_tokenizer(base_dir, tmp, config.trust_remote_code)
         write_chat_template(tmp, config.chat_template)
+        turn_end = stop_at_turn_end(tmp)
     tokenizer = AutoTokenizer.from_pretrained(ctx.dir / MERGED_DIR)
     _train, evaluation = load_splits(config, tokenizer)
     examples = (evaluation.examples or _train.examples)[:4]
@@ -289,7 +328,7 @@ def run(config) -> dict:
             f"merge check failed: merged vs base+adapter max |diff| {checks['max_abs_diff_merged_vs_adapter']:.3g}, "
             f"adapter effect {checks['max_abs_diff_adapter_vs_base']:.3g} (see {ctx.dir / PROBE_FILE})"
         )
-    return ctx.finish({**info, **checks})
+    return ctx.finish({**info, **checks, "turn_end": turn_end})
 
 
 if __name__ == "__main__":

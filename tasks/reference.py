@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from loraship.chat import render, template_of
+from loraship.chat import render, template_of, turn_end_id
 from loraship.constants import MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE
 from loraship.data import eval_records, golden_rows
 from loraship.errors import LorashipError
@@ -56,6 +56,17 @@ def adds_bos(tokenizer) -> bool:
     with_special = tokenizer(sample)["input_ids"]
     plain = tokenizer(sample, add_special_tokens=False)["input_ids"]
     return tokenizer.bos_token_id is not None and len(with_special) > len(plain) and with_special[0] == tokenizer.bos_token_id
+
+
+def template_markers(tokenizer) -> list[str]:
+    """Special-token texts that must never reach a served answer's content: the template's markers
+    (those its text names), BOS, EOS and the turn end."""
+    template = template_of(tokenizer) or ""
+    special = set(tokenizer.all_special_tokens) | {
+        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)}
+    end = turn_end_id(tokenizer)
+    named = {tokenizer.bos_token, tokenizer.eos_token, tokenizer.convert_ids_to_tokens(end) if end is not None else None}
+    return sorted(t for t in special if t and (t in template or t in named))
 
 
 def golden_records(config, tokenizer) -> list[dict]:
@@ -187,6 +198,9 @@ def run(config) -> dict:
             "adds_bos": adds_bos(tokenizer),
             "bos_id": tokenizer.bos_token_id,
             "stop_ids": stops,
+            # What a chat answer must end with, in HF and llama.cpp alike (None: no template).
+            "turn_end_id": turn_end_id(tokenizer),
+            "markers": template_markers(tokenizer),
             "chat_template": template_of(tokenizer),
         },
         "eval": [{k: r[k] for k in ("kind", "text", "add_bos", "served_ids", "input_ids", "positions")} for r in evaluation],

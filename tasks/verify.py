@@ -10,6 +10,10 @@ ratio, mean and 99th-percentile KL divergence, same-top-token rate), plus:
 - tokenizer parity: llama.cpp tokenizes every eval text and golden prompt as HF did (BOS as served);
 - golden prompts: free-running greedy answers equal HF's (golden_match_min), and with HF's answer
   teacher-forced llama.cpp picks HF's token wherever HF leads by golden_margin nats;
+- chat answers end with the template's turn-end token, greedy in HF and in llama.cpp alike;
+- served: the GGUF behind llama.cpp's OpenAI-compatible server, asked by the `openai` client, stops
+  by itself on every golden chat prompt with the reference's answer, streamed and whole, no template
+  marker in the content (loraship/served.py);
 - eval loss after training below the base model's;
 - GPU memory: predicted from the GGUF's tensors, and on a GPU measured through NVML, within
   target_gpu_memory_gib; where it does not fit, the largest context and the layers that do.
@@ -47,6 +51,7 @@ from loraship.gguf_info import read_gguf_apart
 from loraship.gguf_tools import builtin_template_prompt
 from loraship.manifest import atomic_write_json, read_manifest, sha256_json
 from loraship.resources import cpu_count
+from loraship.served import served_check
 from loraship.stage import exclusive, main, open_stage, reset_dir, stage_dir
 
 STAGE = "verify"
@@ -149,6 +154,39 @@ def golden_decisive_gate(golden: dict, config) -> dict:
 
 def golden_format_gate(golden: dict, n: int, config) -> dict:
     return gate(f"{golden['formatted']}/{n}", "all", golden["formatted"] == n, **_golden_prompts(n, config))
+
+
+def turn_end_gate(golden: dict, reference: dict, config) -> dict:
+    """Every chat answer ends with the template's turn-end token, greedy in HF and in llama.cpp alike:
+    a model that never stops when served, or stops where HF does not, fails here."""
+    end = reference["tokenizer"]["turn_end_id"]
+    chats = [a for a in golden["answers"] if a["kind"] == "chat"]
+    unended = [a for a in chats if not (a["hf_stop"] == end and a["gguf_stop"] == end)]
+    note = ""
+    if unended:
+        first = unended[0]
+        note = (f"{len(unended)} answer(s) did not end with token {end}, e.g. {first['prompt'][:40]!r}: HF stopped with "
+                f"{first['hf_stop']}, llama.cpp with {first['gguf_stop']} (None: cut at max_new_tokens "
+                f"{config.max_new_tokens}; raise it, or train until answers end their turn)")
+    return gate(len(chats) - len(unended), len(chats), not unended, note, **_golden_prompts(len(chats), config))
+
+
+def served_gate(served: dict, config) -> dict:
+    """The GGUF behind llama.cpp's OpenAI-compatible server: every golden chat prompt stops by itself
+    (finish_reason "stop", whole and streamed), says the reference's greedy answer, leaks no template
+    marker, and streams the same text it returns whole."""
+    n = served["requests"]
+    counts = {k: served[k] for k in ("finished_by_stop", "equal_to_reference", "streamed_equal", "without_markers")}
+    bad = [a for a in served["answers"] if not (a["finish_reason"] == a["streamed_finish_reason"] == "stop"
+                                                and a["equal_to_reference"] and a["streamed_equal"]
+                                                and not a["markers_leaked"])]
+    note = ""
+    if bad:
+        a = bad[0]
+        note = (f"{len(bad)} of {n} failed, e.g. {a['prompt'][:40]!r}: served {a['served'][:60]!r} "
+                f"(finish {a['finish_reason']}, streamed {a['streamed_finish_reason']}, markers {a['markers_leaked']}), "
+                f"reference {a['reference'][:60]!r}")
+    return gate(counts, {"each": n}, not bad, note, **_golden_prompts(n, config))
 
 
 def eval_loss_gate(train_metrics: dict) -> dict:
@@ -337,7 +375,8 @@ def golden_agreement(llm, reference: dict, config, stops: set[int]) -> dict:
         ok_format = bool(re.search(record["expect_regex"], text)) if record.get("expect_regex") else True
         formatted += ok_format
         shown = record["messages"][-1]["content"] if record["kind"] == "chat" else record["prompt_text"]
-        answers.append({"prompt": shown, "hf": record["answer_text"], "gguf": text, "match": match,
+        answers.append({"kind": record["kind"], "prompt": shown, "hf": record["answer_text"], "gguf": text, "match": match,
+                        "hf_stop": record.get("stop_id"), "gguf_stop": stop,
                         "format_ok": ok_format, **({"reference": record["reference"]} if "reference" in record else {})})
     return {"answers": answers, "matches": matches, "formatted": formatted, "decisive": decisive, "agreed": agreed,
             "gen_tokens": gen_tokens, "gen_tokens_per_s": round(gen_tokens / gen_seconds, 1) if gen_seconds else None}
@@ -542,11 +581,21 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
     gates["golden_match"] = golden_match_gate(golden, n, config)
     gates["golden_decisive_agreement"] = golden_decisive_gate(golden, config)
     gates["golden_format"] = golden_format_gate(golden, n, config)
+    # Chat answers only: a completion run's prompts are plain text that ends with EOS.
+    if reference["tokenizer"].get("turn_end_id") is not None and any(r["kind"] == "chat" for r in reference["golden"]):
+        gates["golden_ends_turn"] = turn_end_gate(golden, reference, config)
     report["golden_answers"] = golden["answers"]
     with_reference = [a for a in golden["answers"] if "reference" in a]
     if with_reference:
         report["golden_accuracy_vs_reference"] = sum(a["gguf"] == a["reference"] for a in with_reference) / len(with_reference)
     report["builtin_template_engine"] = measured["builtin_template_engine"]
+    chats = [r for r in reference["golden"] if r["kind"] == "chat"]
+    if chats:
+        log.info("serving %s through llama.cpp's OpenAI-compatible server: %d golden chats, whole and streamed",
+                 gguf_path.name, len(chats))
+        report["served"] = served_check(gguf_path, chats, config.max_new_tokens, n_ctx, n_gpu_layers, cpu_count(),
+                                        reference["tokenizer"].get("markers", []), ctx.dir / f"server-{quantization}.log")
+        gates["served"] = served_gate(report["served"], config)
 
     gates["eval_loss_improved"] = eval_loss_gate(ctx.upstream["train"]["metrics"])
 

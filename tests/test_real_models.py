@@ -154,13 +154,15 @@ def test_alpaca_data_without_golden_file_passes_on_qwen(tiny_qwen, tmp_path):
     assert manifests["publish"]["metrics"]
 
 
-def test_config_chat_template_reaches_the_gguf(tiny_model, tmp_path):
-    """A chat_template: from the config is trained with, saved with the adapter, merged and embedded."""
+def test_config_chat_template_reaches_the_gguf(tiny_qwen, tmp_path):
+    """A chat_template: from the config is trained with, saved with the adapter, merged and embedded.
+    (ChatML on Qwen's vocabulary, where <|im_end|> is one special token; on the sentencepiece toy it is
+    refused at plan: tests/test_turn_end.py.)"""
     from loraship.chat import NAMED_TEMPLATES
     from loraship.gguf_info import read_gguf
 
-    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="chatml", chat_template="chatml",
-                                           max_steps=40, golden_match_min=0.5))
+    config = qwen_config(tiny_qwen, tmp_path, run_name="chatml", chat_template="chatml", max_steps=40,
+                         golden_match_min=0.5)
     try:
         run_stages(config, STAGES[:-1])
     except LorashipError as e:  # a 2-layer model may answer differently; the template must still be there

@@ -1,0 +1,137 @@
+"""The served check: the GGUF behind llama.cpp's OpenAI-compatible server, asked by the official client.
+
+Users consume a GGUF through an OpenAI-style server (llama-server, Ollama), not through a Python
+binding, and the threads users open about shipped models are about what happens there: answers that
+never stop, stop early, leak template markers, or differ when streamed. This starts llama-cpp-python's
+server (the pinned llama.cpp, with the GGUF's own chat template) on 127.0.0.1 in its own process,
+sends every golden chat prompt through the `openai` client at temperature 0, once whole and once
+streamed, and stops the server in every case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loraship.errors import LorashipError
+from loraship.proc import _child_setup, _kill_group, child_env
+
+log = logging.getLogger("loraship.served")
+
+START_TIMEOUT_S = 300  # loading a 14B GGUF onto a GPU
+REQUEST_TIMEOUT_S = 600
+PORT_TRIES = 3
+MODEL_ALIAS = "loraship"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ready(port: int) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def start_server(gguf: Path, n_ctx: int, n_gpu_layers: int, threads: int, log_file: Path) -> tuple[subprocess.Popen, int]:
+    """llama-cpp-python's server on a free loopback port; (process, port). A port taken between
+    choosing and binding it (another process, another verify) is retried on a fresh one."""
+    last_tail = ""
+    for _ in range(PORT_TRIES):
+        port = free_port()
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", MODEL_ALIAS,
+               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), "--n_gpu_layers", str(n_gpu_layers),
+               "--n_threads", str(threads), "--verbose", "False"]
+        with open(log_file, "ab") as sink:
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=child_env(),
+                                    start_new_session=True, preexec_fn=_child_setup)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and proc.poll() is None and not _ready(port):
+            time.sleep(0.2)
+        if proc.poll() is None and _ready(port):
+            return proc, port
+        _kill_group(proc)
+        last_tail = "\n".join(log_file.read_text(errors="replace").strip().splitlines()[-6:])
+        if "address already in use" not in last_tail.lower():
+            break
+    raise LorashipError(
+        f"llama.cpp's OpenAI-compatible server did not start on {gguf.name} within {START_TIMEOUT_S} s:\n{last_tail}\n"
+        "Install the server extra of the pinned llama-cpp-python (pip install 'llama-cpp-python[server]'), or see "
+        f"{log_file}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(OSError):
+        proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    _kill_group(proc)
+
+
+def ask(client, messages: list[dict], max_tokens: int, stream: bool) -> dict:
+    """One chat completion at temperature 0: its text, finish reason and prompt token count."""
+    args = dict(model=MODEL_ALIAS, messages=messages, temperature=0, max_tokens=max_tokens, seed=0)
+    if not stream:
+        response = client.chat.completions.create(**args)
+        choice = response.choices[0]
+        return {"content": choice.message.content or "", "finish_reason": choice.finish_reason,
+                "prompt_tokens": response.usage.prompt_tokens if response.usage else None}
+    parts, finish = [], None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if delta is not None and delta.content:
+            parts.append(delta.content)
+        finish = chunk.choices[0].finish_reason or finish
+    return {"content": "".join(parts), "finish_reason": finish}
+
+
+def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int, n_gpu_layers: int, threads: int,
+                 markers: list[str], log_file: Path) -> dict:
+    """Every golden chat prompt through the server, whole and streamed, against the reference's greedy
+    answer. chats: reference golden records of kind chat (messages, answer_text, prompt_ids)."""
+    from openai import OpenAI
+
+    proc, port = start_server(gguf, n_ctx, n_gpu_layers, threads, log_file)
+    answers = []
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="loraship", timeout=REQUEST_TIMEOUT_S,
+                        max_retries=0)
+        for record in chats:
+            whole = ask(client, record["messages"], max_new_tokens, stream=False)
+            streamed = ask(client, record["messages"], max_new_tokens, stream=True)
+            content = whole["content"].strip()
+            answers.append({
+                "prompt": record["messages"][-1]["content"], "reference": record["answer_text"], "served": content,
+                "finish_reason": whole["finish_reason"], "streamed_finish_reason": streamed["finish_reason"],
+                "equal_to_reference": content == record["answer_text"],
+                "streamed_equal": streamed["content"].strip() == content,
+                "markers_leaked": [m for m in markers if m and m in whole["content"] + streamed["content"]],
+                "prompt_tokens": whole["prompt_tokens"], "reference_prompt_tokens": len(record["prompt_ids"]),
+            })
+    finally:
+        stop_server(proc)
+    return {
+        "api": "openai", "server": "llama_cpp.server (llama-cpp-python, the GGUF's chat template)",
+        "requests": len(answers),
+        "finished_by_stop": sum(a["finish_reason"] == "stop" and a["streamed_finish_reason"] == "stop" for a in answers),
+        "equal_to_reference": sum(a["equal_to_reference"] for a in answers),
+        "streamed_equal": sum(a["streamed_equal"] for a in answers),
+        "without_markers": sum(not a["markers_leaked"] for a in answers),
+        "prompt_tokens_equal": sum(a["prompt_tokens"] == a["reference_prompt_tokens"] for a in answers),
+        "answers": answers,
+    }
