@@ -245,10 +245,25 @@ def plan(
             footprint = memory.plan_disk_and_inference(model_config, config)
         except (ValueError, KeyError) as e:  # a config.json the planner cannot read
             raise LorashipError(f"{config.base_model}/config.json: {e}") from e
+    artifact = artifact_place(config)
     if as_json:
-        out.print_json(data={**training, **footprint})
+        out.print_json(data={**training, **footprint, "artifact": artifact})
     else:
         out.print(render_plan(training, footprint))
+        out.print(f"[bold]Artifact[/]: {artifact_words(config)}", highlight=False)
+
+
+def artifact_place(config) -> str:
+    """Where publish will put the artifact: output/run_name, or a Hub repository itself."""
+    return stage_module("publish").destination_of(config)
+
+
+def artifact_words(config) -> str:
+    place = artifact_place(config)
+    if place == config.output.rstrip("/"):
+        return f"{place} (the Hub repository itself)"
+    return (f"{place}/ (the folder named by run_name {config.run_name!r} inside output {config.output!r}; "
+            "output is the folder runs publish under)")
 
 
 def _checkpointing_words(strategy: dict, n_layers: int | None) -> str:
@@ -537,7 +552,10 @@ def init(
                                 "train.jsonl), or --from-axolotl FILE")
         from loraship.config import parse_config
 
-        parse_config(data, source=f"{from_axolotl} (Axolotl)" if from_axolotl else "starter config")  # before writing
+        # Checked before writing; run_name as load_config will default it, from the file's name.
+        config = parse_config({"run_name": output.stem, **data},
+                              source=f"{from_axolotl} (Axolotl)" if from_axolotl else "starter config")
+        notes.append(f"artifact: {artifact_words(config)}")
         output.parent.mkdir(parents=True, exist_ok=True)
         write_config(output, data, notes, ignored, force)
     for note in notes:

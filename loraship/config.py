@@ -235,8 +235,9 @@ class Config(BaseModel):
     workdir: str = Field(".loraship/work", description="Local folder for stage outputs (checkpoints, merged model, F16 GGUF).")
     output: str = Field(
         "artifacts",
-        description="Where publish puts the artifact, under run_name: a local folder or any fsspec URL (s3://...); or a "
-        "Hugging Face Hub repository, hf://<namespace>/<repo>[@<branch>][/<folder>], which holds the artifact itself "
+        description="The folder runs publish under: the artifact lands in <output>/<run_name>/ (`loraship plan` prints "
+        "where), a local folder or any fsspec URL (s3://...); or a Hugging Face Hub repository, "
+        "hf://<namespace>/<repo>[@<branch>][/<folder>], which holds the artifact itself, no run_name folder "
         "(token: HF_TOKEN, e.g. through env_from_secrets).",
     )
 

@@ -343,3 +343,42 @@ def test_plan_prints_figures_that_add_up(monkeypatch, sets):
     if sets == ('fused_loss="off"',):
         assert cache > 1 and value["= reserved"] > value["= card must hold"]
     assert "reserved + context" not in output
+
+
+def test_status_is_done_only_where_the_stage_would_skip_itself(config_file):
+    """`loraship run` skips Prefect when status says every stage is done, so done must agree with open_stage:
+    a manifest keyed another way (another manifest schema or pinned llama.cpp) is stale."""
+    from loraship.manifest import read_manifest
+    from loraship.stage import stage_dir
+    from loraship.stage_table import stage_module
+    from loraship.status import run_states
+
+    config = load_config(config_file)
+    stage_module("plan").run(config)
+    assert run_states(config)["plan"]["state"] == "done"
+    path = stage_dir(config, "plan") / "manifest.json"
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "fingerprint": "0" * 64}))
+    plan = run_states(config)["plan"]
+    assert plan["state"] == "stale" and "pinned llama.cpp" in plan["reasons"][0]
+    assert read_manifest(stage_dir(config, "plan"))["fingerprint"] == "0" * 64
+
+
+# -- where the artifact lands ------------------------------------------------------------------------
+def test_plan_and_init_say_where_the_artifact_lands(config_file, tiny_model, tmp_path):
+    mine = tmp_path / "artifacts" / "my-run"
+    shown = invoke("plan", config_file, "--set", f"output={mine}")
+    assert shown.exit_code == 0, shown.output
+    assert f"Artifact: {mine}/cli/ (the folder named by run_name 'cli' inside output '{mine}'" in " ".join(shown.output.split())
+    as_json = invoke("plan", config_file, "--set", f"output={mine}", "--json")
+    assert json.loads(as_json.output)["artifact"] == f"{mine}/cli"
+    hub = invoke("plan", config_file, "--set", "output=hf://someone/my-model", "--json")
+    assert json.loads(hub.output)["artifact"] == "hf://someone/my-model"  # the repository holds the artifact itself
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps(ROWS["chat"]) + "\n")
+    written = tmp_path / "started.yaml"
+    result = invoke("init", tiny_model, data, "-o", written, "--gpu-gib", "24")
+    assert result.exit_code == 0, result.output
+    run_name = load_config(written).run_name
+    note = f"artifact: artifacts/{run_name}/ (the folder named by run_name {run_name!r} inside output 'artifacts'"
+    assert note in written.read_text() and note in " ".join(result.output.split())
