@@ -72,7 +72,7 @@ def adapter_ggufs(config, ctx, progress_key: str | None) -> dict:
     from gguf import Keys
 
     from loraship.models import check_base_model, resolve_base_model, weight_files
-    from loraship.stages.quantize import quantize
+    from loraship.stages.quantize import check_loads, quantize
 
     base_dir = resolve_base_model(config, weights=True)
     check_base_model(config, base_dir)
@@ -85,6 +85,7 @@ def adapter_ggufs(config, ctx, progress_key: str | None) -> dict:
     finally:
         base_f16.unlink(missing_ok=True)  # a step on the way; the base ships quantized like the merged model
     base_info = read_gguf_of_type(base_out, config.primary_quantization)
+    check_loads(base_out)
     convert_adapter(ctx.upstream_dir("train") / ADAPTER_DIR, base_dir, ctx.dir / ADAPTER_GGUF, progress_key)
     fields = read_gguf(ctx.dir / ADAPTER_GGUF)
     if fields["fields"].get(Keys.General.TYPE) != "adapter" or fields["fields"].get(Keys.Adapter.TYPE) != "lora":
@@ -178,6 +179,9 @@ def run(config) -> dict:
     progress_key = artifact_key(config.run_name, STAGE, "progress")
     convert(merged, out, metadata=ctx.dir / GGUF_METADATA_FILE, progress_key=progress_key)
     info = read_gguf_of_type(out, "F16")
+    from loraship.stages.quantize import check_loads
+
+    check_loads(out)
     extra = {"adapter_gguf": adapter_ggufs(config, ctx, progress_key)} if config.adapter_gguf else {}
     from gguf import Keys
 

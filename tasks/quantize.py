@@ -40,6 +40,44 @@ sys.exit(rc)
 """
 
 
+# llama.cpp loads the GGUF as verify and llama-server will (every tensor the architecture needs, by name and
+# shape, against the file's size), on the CPU and without a context: what it refuses is caught here, where the
+# file was made, not after a reference run at verify. mmap'ed, so a 14B F16 takes no 28 GiB of RAM. The same
+# kind of child as verify's llama.cpp runs: llama_cpp imported first, nothing of loraship.
+_LOAD_CHECK = """
+import sys, llama_cpp
+llama_cpp.llama_backend_init()
+params = llama_cpp.llama_model_default_params()
+params.n_gpu_layers = 0
+model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), params)
+if not model:
+    sys.exit(3)
+llama_cpp.llama_model_free(model)
+"""
+LOAD_CHECK_TIMEOUT_S = 3600
+
+
+def check_loads(path: Path) -> None:
+    """Refuse a GGUF llama.cpp cannot load, naming the file and llama.cpp's own reason."""
+    from loraship.proc import run_child
+
+    # No GPU: a CPU load checks the file, and needs none of the inference card's memory.
+    done = run_child([sys.executable, "-c", _LOAD_CHECK, str(path)], LOAD_CHECK_TIMEOUT_S,
+                     f"llama.cpp's load check of {path.name}", extra_env={"CUDA_VISIBLE_DEVICES": ""})
+    if done.returncode == 0:
+        return
+    how = f"killed by signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+    lines = done.stderr.strip().splitlines()
+    reasons = [line.strip() for line in lines if "error" in line.lower() or "failed" in line.lower()] or lines[-8:]
+    raise IntegrityError(
+        f"{path}: llama.cpp (llama-cpp-python {library_versions().get('llama-cpp-python')}) cannot load it ({how}):\n  "
+        + "\n  ".join(reasons[-6:])
+        + "\nllama-server and Ollama would refuse it too. A missing or misshapen tensor comes from the checkpoint "
+        "(its weights or config.json): fix the base model and run again; otherwise convert again with the pinned "
+        "converter (loraship fetch-converter, then loraship run CONFIG --from convert)"
+    )
+
+
 def quantize(src: Path, dst: Path, quantization: str, progress_key: str | None = None) -> None:
     """progress_key: the Prefect progress artifact's key (loraship/progress.py) inside a flow run."""
     progress = LlamaCppProgress(f"{STAGE} {quantization}", log, key=progress_key)
@@ -96,6 +134,7 @@ def run(config) -> dict:
     for quantization in todo:
         quantize(src, ctx.dir / quantized_gguf_name(quantization), quantization,
                  progress_key=artifact_key(config.run_name, STAGE, "progress"))
+        check_loads(ctx.dir / quantized_gguf_name(quantization))
     each = {q: {**describe(ctx.dir / quantized_gguf_name(q), q, src.stat().st_size), "reused": q in kept}
             for q in quantizations}
     # The primary's figures stay at the top level, where one-quantization runs always had them.

@@ -208,3 +208,73 @@ def test_qlora_trains_on_cpu_and_merges_into_the_bf16_base(tiny_model, tmp_path)
     assert 0 < merge["kl_nf4_training_view_to_merged_bf16"] < 0.1
     merged_config = json.loads((stage_dir(config, "merge") / MERGED_DIR / "config.json").read_text())
     assert merged_config["torch_dtype"] == "bfloat16" and "quantization_config" not in merged_config
+
+
+# --- issue 25 ---------------------------------------------------------------------------------
+def test_a_gguf_llama_cpp_cannot_load_is_named_with_llama_cpps_reason(pipeline_run, tmp_path):
+    from loraship.errors import IntegrityError
+    from tests.test_bad_inputs import tiny_gguf
+
+    quantize = importlib.import_module("loraship.stages.quantize")
+    config, _ = pipeline_run
+    quantize.check_loads(stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization))
+    broken = tiny_gguf(tmp_path / "two-tensors.gguf")  # an F16 "llama" GGUF without the model's hyperparameters
+    with pytest.raises(IntegrityError, match=r"two-tensors.gguf: llama.cpp .* cannot load it \(exit 3\):\n.*llama"):
+        quantize.check_loads(broken)
+
+
+@pytest.fixture(scope="module")
+def lm_head_only(tiny_qwen, tmp_path_factory) -> Path:
+    """The tiny Qwen2 (tied embeddings) saved with its embedding under lm_head.weight only, as some exports do."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("lm-head-only") / "model"
+    shutil.copytree(tiny_qwen, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is True
+    return folder
+
+
+def _through(config, stages):
+    return {s: importlib.import_module(f"loraship.stages.{s}").run(config) for s in stages}
+
+
+def test_a_tied_embedding_stored_only_as_lm_head_is_merged_under_its_own_name(lm_head_only, tmp_path):
+    """transformers loads such a checkpoint, but llama.cpp's converter would write no token_embd.weight: the merge
+    writes the embedding as model.embed_tokens.weight, and the GGUFs hold token_embd.weight and load."""
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    from loraship.config import parse_config
+    from tests.conftest import demo_config_dict
+
+    config = parse_config(demo_config_dict(lm_head_only, tmp_path, run_name="lm-head", max_steps=2,
+                                           micro_batch_size=4, gradient_accumulation_steps=1, warmup_steps=0))
+    manifests = _through(config, ["plan", "train", "merge", "convert", "quantize"])
+    assert manifests["merge"]["metrics"]["renamed_tensors"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    with safe_open(stage_dir(config, "merge") / MERGED_DIR / "model.safetensors", framework="pt") as f:
+        assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
+    for gguf in (stage_dir(config, "convert") / F16_GGUF,
+                 stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization)):
+        assert "token_embd.weight" in {t.name for t in GGUFReader(str(gguf)).tensors}, gguf
+
+
+def test_a_gguf_without_token_embd_is_refused_at_convert(lm_head_only, tmp_path, monkeypatch):
+    """Without the merge's renaming, the converter writes a GGUF llama.cpp cannot load: convert refuses it, naming
+    the missing tensor, and writes no manifest (nothing downstream takes it)."""
+    from loraship.config import parse_config
+    from loraship.errors import IntegrityError
+    from tests.conftest import demo_config_dict
+
+    merge = importlib.import_module("loraship.stages.merge")
+    monkeypatch.setattr(merge, "embedding_only_as_lm_head", lambda folder: False)
+    config = parse_config(demo_config_dict(lm_head_only, tmp_path, run_name="no-token-embd", max_steps=2,
+                                           micro_batch_size=4, gradient_accumulation_steps=1, warmup_steps=0))
+    _through(config, ["plan", "train", "merge"])
+    with pytest.raises(IntegrityError, match=r"model-F16.gguf: llama.cpp .* cannot load it(.|\n)*token_embd.weight"):
+        _through(config, ["convert"])
+    assert not (stage_dir(config, "convert") / MANIFEST_NAME).exists()
