@@ -26,7 +26,7 @@ from loraship.constants import (
     ADAPTER_DIR, ADAPTER_GGUF, F16_GGUF, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_FILE_TYPE, GGUF_METADATA_FILE, MERGED_DIR,
     OLLAMA_FILE, base_gguf_name,
 )
-from loraship.errors import LorashipError
+from loraship.errors import IntegrityError, LorashipError
 from loraship.gguf_info import read_gguf, read_gguf_of_type
 from loraship.llamacpp import converter_dir, lora_converter
 from loraship.manifest import atomic_write_json
@@ -94,6 +94,28 @@ def adapter_ggufs(config, ctx, progress_key: str | None) -> dict:
     return {"adapter_tensor_count": fields["tensor_count"], "adapter_bytes": (ctx.dir / ADAPTER_GGUF).stat().st_size,
             "lora_alpha": fields["fields"].get(Keys.Adapter.LORA_ALPHA), "base_tensor_count": base_info["tensor_count"],
             "base_bytes": base_out.stat().st_size}
+
+
+def converted_from(config) -> str:
+    """The digest of the merged model this run's convert manifest says its GGUF was converted from (the merge
+    outputs it recorded, digested as tasks/reference.py's merged_digest does), for a later stage's lineage check.
+
+    A manifest that records no merge outputs cannot vouch for its GGUF's lineage: refused, not passed over."""
+    from loraship.manifest import read_manifest
+    from loraship.stage import stage_dir
+    from loraship.stages.reference import merged_digest
+
+    folder = stage_dir(config, STAGE)
+    manifest = read_manifest(folder)
+    merge_outputs = ((manifest or {}).get("inputs", {}).get("merge") or {}).get("outputs") or {}
+    merged = {rel: info for rel, info in merge_outputs.items() if rel.startswith(MERGED_DIR + "/")}
+    if not merged or not all(isinstance(info, dict) and info.get("sha256") for info in merged.values()):
+        what = "has no manifest" if manifest is None else "records no merged model files (inputs.merge.outputs)"
+        raise IntegrityError(
+            f"{folder}: the convert stage {what}, so nothing says which merged model its GGUF was converted from; "
+            "run the convert stage again (loraship run CONFIG --from convert)"
+        )
+    return merged_digest({"outputs": merged})
 
 
 def base_label(base_model: str) -> str:

@@ -211,6 +211,28 @@ def test_qlora_trains_on_cpu_and_merges_into_the_bf16_base(tiny_model, tmp_path)
 
 
 # --- issue 25 ---------------------------------------------------------------------------------
+def test_convert_manifest_without_merge_outputs_cannot_vouch_for_the_gguf(pipeline_run):
+    """The digest of the merged model convert recorded is the one reference stored; a convert manifest that lost
+    merge's outputs is refused loudly, not passed over."""
+    from loraship.constants import REFERENCE_FILE
+    from loraship.errors import IntegrityError
+
+    convert = importlib.import_module("loraship.stages.convert")
+    config, _ = pipeline_run
+    reference = json.loads((stage_dir(config, "reference") / REFERENCE_FILE).read_text())
+    assert convert.converted_from(config) == reference["merged_digest"]
+    manifest_path = stage_dir(config, "convert") / MANIFEST_NAME
+    original = manifest_path.read_text()
+    try:
+        for lost in ({}, {"merge": {"outputs": {}}}, {"merge": {"outputs": {f"{MERGED_DIR}/config.json": {}}}}):
+            manifest_path.write_text(json.dumps({**json.loads(original), "inputs": lost}))
+            with pytest.raises(IntegrityError, match=r"records no merged model files \(inputs.merge.outputs\).*run the "
+                                                     r"convert stage again"):
+                convert.converted_from(config)
+    finally:
+        manifest_path.write_text(original)
+
+
 def test_a_gguf_llama_cpp_cannot_load_is_named_with_llama_cpps_reason(pipeline_run, tmp_path):
     from loraship.errors import IntegrityError
     from tests.test_bad_inputs import tiny_gguf
