@@ -142,6 +142,19 @@ def json_file_problems(path: Path, check=lambda data: [], fix: str = REPLACE) ->
     return data, [f"{path.name}: {p}; {fix}" for p in check(data)]
 
 
+def read_model_config(folder: Path) -> dict:
+    """The folder's config.json as a dict, or a ConfigError naming what is wrong with it and the fix: what the
+    planner reads it with (plan stage, `loraship plan`, `loraship init`) must not meet a list or a string."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"base model {str(folder)!r}", ["no config.json; this does not look like a Hugging Face "
+                                                          "model folder; point base_model at one"])
+    data, problems = json_file_problems(path, _config_json_problems)
+    if problems:
+        raise ConfigError(f"base model {str(folder)!r}", problems)
+    return data
+
+
 def model_json_problems(folder: Path) -> list[str]:
     """Every problem of the model folder's JSON files (config, tokenizer and generation settings), at once."""
     problems = []

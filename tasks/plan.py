@@ -7,13 +7,12 @@ any GPU hour is spent (unknown architecture, unrecognised BPE pre-tokenizer).
 
 from __future__ import annotations
 
-import json
-
 from loraship import memory
 from loraship.constants import PLAN_FILE, STRATEGY_FILE
 from loraship.data import dataset_identity
 from loraship.errors import ConfigError
 from loraship.manifest import atomic_write_json
+from loraship.models import read_model_config
 from loraship.preflight import check_inputs
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
@@ -50,7 +49,7 @@ def run(config) -> dict:
         return ctx.done
     reset_dir(ctx)
 
-    model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    model_config = read_model_config(model_dir)
     try:
         training = memory.plan_training(model_config, config)
         footprint = memory.plan_disk_and_inference(model_config, config)

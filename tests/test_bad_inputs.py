@@ -673,3 +673,17 @@ def test_adapter_config_of_the_wrong_shape_is_named_before_merging(tmp_path, con
     message = str(caught.value)
     assert expected in message and str(adapter) in message, message
     assert "run the train stage again (loraship run CONFIG --from train)" in message
+
+
+@pytest.mark.parametrize("content,expected", [
+    ('["llama"]', "config.json holds a list, not a JSON object of settings"),
+    ('{"model_type": "llama", "hidden_size": [4096]}', "config.json: 'hidden_size' is [4096], not a positive whole number"),
+], ids=["a list", "a size that is a list"])
+def test_the_planner_reads_config_json_only_once_it_is_an_object_of_the_right_shape(tmp_path, content, expected):
+    from loraship.errors import ConfigError
+    from loraship.models import read_model_config
+
+    write(tmp_path / "config.json", content)
+    with pytest.raises(ConfigError) as caught:
+        read_model_config(tmp_path)
+    assert expected in str(caught.value) and "replace it with the file from the original checkpoint" in str(caught.value)
