@@ -287,8 +287,8 @@ def loraship_config(case: str, trainer: str, model_dir: Path, data: Path, root: 
         "device": device,
         "target_gpu_memory_gib": 16,  # the 14B's Q4_K_M alone is 8.3 GiB: above the default 8 GiB inference target
     }
-    if trainer == "loraship-lean":  # today's lean settings: every layer checkpointed, their inputs in CPU memory
-        out.update(gradient_checkpointing=True, offload_activations="on")
+    if trainer == "loraship-lean":
+        out["optimize"] = "memory"
     if trainer in ("loraship-packed", "loraship-padded"):
         out["packing"] = "on" if trainer == "loraship-packed" else "off"
     return out

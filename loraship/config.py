@@ -107,16 +107,23 @@ class Config(BaseModel):
     num_epochs: float = Field(1.0, gt=0.0, le=1000, description="Passes over the training split (ignored when max_steps is set).")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides num_epochs.")
     seed: int = Field(42, description="Seed for data order, LoRA init and dropout.")
-    gradient_checkpointing: bool = Field(
-        True, description="true: recompute every decoder layer's activations in backward (least memory). false: "
-        "checkpoint only as many of the first layers as gpu_memory_gib needs (fastest that fits).")
+    optimize: Literal["speed", "memory"] = Field(
+        "speed", description="What the plan spends the training GPU on; the one switch for how training uses it. "
+        "'speed': the fastest strategy that fits gpu_memory_gib with its safety margin (as few of the first layers "
+        "checkpointed as fit, checkpointed activations in CPU memory only where that is what makes it fit). 'memory': "
+        "the least GPU memory (every layer checkpointed, their inputs in pinned CPU memory), at some speed. "
+        "gradient_checkpointing and offload_activations, where set, override it.")
+    gradient_checkpointing: bool | None = Field(
+        None, description="Unset: as `optimize` says. true: recompute every decoder layer's activations in backward. "
+        "false: checkpoint only as many of the first layers as gpu_memory_gib needs.")
     fused_loss: Literal["auto", "on", "off"] = Field(
         "auto", description="Liger fused linear cross-entropy: 'auto' uses it on CUDA when liger-kernel is installed."
     )
     offload_activations: Literal["auto", "on", "off"] = Field(
         "auto", description="Checkpointed layers' inputs kept in pinned CPU memory instead of on the GPU (copied out "
         "in forward, prefetched back for backward): 'auto' when that is what makes the plan fit gpu_memory_gib (the "
-        "rung before a smaller micro-batch or streamed weights), 'on' always (the least GPU memory), 'off' never.",
+        "rung before a smaller micro-batch or streamed weights; always under optimize: memory), 'on' always (the "
+        "least GPU memory), 'off' never.",
     )
     fallback: list[Literal["offload", "qlora"]] = Field(
         default_factory=lambda: ["offload", "qlora"],

@@ -156,16 +156,32 @@ def fused_loss_available(cfg: Config, device: str = "cuda") -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+def checkpoint_every_layer(cfg: Config) -> bool:
+    """Whether every decoder layer is checkpointed: `gradient_checkpointing` where set; else yes under
+    `optimize: memory` or `offload_activations: on` (which asks for every checkpointed input in CPU memory, the
+    least memory). Otherwise (optimize: speed) the plan checkpoints only as many of the first layers as fit."""
+    if cfg.gradient_checkpointing is not None:
+        return cfg.gradient_checkpointing
+    return cfg.optimize == "memory" or cfg.offload_activations == "on"
+
+
+def activations_setting(cfg: Config) -> str:
+    """offload_activations as the plan applies it: 'auto' under optimize: memory is 'on' (the least GPU memory)."""
+    if cfg.offload_activations == "auto" and cfg.optimize == "memory" and checkpoint_every_layer(cfg):
+        return "on"
+    return cfg.offload_activations
+
+
 def strategy_from_config(cfg: Config, n_layers: int | None = None) -> dict:
     """The configuration as written. `checkpointed_layers` needs the layer count: without it the key is
     left out and checkpointed_layers() reads `gradient_checkpointing` as all layers or none."""
     out = {"adapter": cfg.adapter, "offload_layers": 0, "micro_batch_size": cfg.micro_batch_size,
            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
            "fused_loss": fused_loss_available(cfg, "cpu" if cfg.device == "cpu" else "cuda"),
-           "gradient_checkpointing": cfg.gradient_checkpointing,
-           "offload_activations": cfg.offload_activations == "on" and cfg.gradient_checkpointing}
+           "gradient_checkpointing": checkpoint_every_layer(cfg),
+           "offload_activations": activations_setting(cfg) == "on" and checkpoint_every_layer(cfg)}
     if n_layers is not None:
-        out["checkpointed_layers"] = n_layers if cfg.gradient_checkpointing else 0
+        out["checkpointed_layers"] = n_layers if checkpoint_every_layer(cfg) else 0
     return out
 
 
@@ -358,25 +374,28 @@ def _ladder(model_config: dict, cfg: Config, fallback: list[str] | None = None) 
     precision to NF4. QLoRA is never combined with offload (train.load_model refuses it).
 
     Checkpointing never changes the result, only speed (one more forward of each checkpointed layer).
-    `gradient_checkpointing: true` (lean) checkpoints all L layers on every rung, as before;
-    `gradient_checkpointing: false` (fast) tries k = 0, 1, ..., L checkpointed layers on each rung, so
-    the first rung that fits has the fewest checkpointed layers that fit its micro-batch and adapter.
+    `optimize: memory` (or `gradient_checkpointing: true`) checkpoints all L layers on every rung, their inputs in
+    CPU memory unless offload_activations is off; `optimize: speed`, the default, tries k = 0, 1, ..., L
+    checkpointed layers on each rung, so the first rung that fits has the fewest checkpointed layers that fit its
+    micro-batch and adapter.
     """
     fallback = cfg.fallback if fallback is None else fallback
     s = parse_model_config(model_config)
     user = strategy_from_config(cfg, s.L)
     eff = cfg.micro_batch_size * cfg.gradient_accumulation_steps
     budget = f"{cfg.gpu_memory_gib:g} GiB"
-    ks = [s.L] if cfg.gradient_checkpointing else list(range(s.L + 1))
+    every = checkpoint_every_layer(cfg)
+    setting = activations_setting(cfg)
+    ks = [s.L] if every else list(range(s.L + 1))
     out: list[tuple[dict, str]] = [(user, "as configured")]
     for k in ks:
         if k != user["checkpointed_layers"]:
-            out.append((with_checkpointing({**user, "offload_activations": cfg.offload_activations == "on" and k > 0}, k),
+            out.append((with_checkpointing({**user, "offload_activations": setting == "on" and k > 0}, k),
                         f"checkpointing {k} of {s.L} layers to fit {budget}"))
     # offload_activations: auto, once every layer is checkpointed: their inputs to CPU memory before any change to
     # the batch or the base; from there on every rung keeps them there.
-    acts = cfg.offload_activations == "on"  # step() applies it to rungs that checkpoint any layer
-    if cfg.offload_activations == "auto":
+    acts = setting == "on"  # step() applies it to rungs that checkpoint any layer
+    if setting == "auto":
         out.append(({**with_checkpointing(user, s.L), "offload_activations": True},
                     f"checkpointed activations kept in CPU memory to fit {budget}"))
         acts = True
@@ -385,8 +404,8 @@ def _ladder(model_config: dict, cfg: Config, fallback: list[str] | None = None) 
     mbs = _divisors_desc(eff, cfg.micro_batch_size)
 
     def ckpt_words(k):
-        if cfg.gradient_checkpointing:
-            return ""  # lean mode: all layers, as the user asked; nothing to explain
+        if every:
+            return ""  # optimize: memory: all layers, as the user asked; nothing to explain
         return f", checkpointing {k} of {s.L} layers to fit {budget}" if k else ", no layer checkpointed"
 
     def step(adapter, mb, n_off, k, why):
@@ -482,7 +501,7 @@ def _refusal(model_config: dict, cfg: Config, tried: list[tuple[dict, str, dict]
                         if _rung(st, strategy_from_config(cfg, n_layers)) == kind and estimate(model_config, cfg, st)["fits"]), None)
             if fit:
                 fixes.append(f"set fallback: [{kind}] ({_describe(fit)} fits)")
-    if cfg.offload_activations == "off":
+    if activations_setting(cfg) == "off":
         auto = cfg.model_copy(update={"offload_activations": "auto"})
         fit = next((st for st, _w in _ladder(model_config, auto)
                     if st.get("offload_activations") and estimate(model_config, auto, st)["fits"]), None)
@@ -553,8 +572,8 @@ def _alternatives(model_config: dict, cfg: Config, chosen: dict) -> list[dict]:
     user = strategy_from_config(cfg, L)
     cands = [user, {**user, "fused_loss": not user["fused_loss"]} if cfg.fused_loss == "auto" else None,
              {**user, "adapter": "qlora"}, {**user, "adapter": "lora"}]
-    # The fewest checkpointed layers that fit as configured: what gradient_checkpointing: false would
-    # run, the speed a lean config leaves unused.
+    # The fewest checkpointed layers that fit as configured: what optimize: speed would run, the speed
+    # optimize: memory leaves unused.
     fewest = next((c for c in (with_checkpointing(user, k) for k in range(L + 1))
                    if estimate(model_config, cfg, c)["fits"]), None)
     cands.append(fewest)

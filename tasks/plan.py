@@ -20,7 +20,7 @@ STAGE = "plan"
 UPSTREAM: tuple[str, ...] = ()
 FIELDS = (
     "base_model", "base_model_revision", "trust_remote_code", "allow_pickle", "adapter", "lora_r", "lora_alpha",
-    "lora_target_modules", "sequence_len", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
+    "lora_target_modules", "sequence_len", "micro_batch_size", "gradient_accumulation_steps", "optimize", "gradient_checkpointing",
     "fused_loss", "gpu_memory_gib", "target_gpu_memory_gib", "target_context", "quantization", "datasets",
     "eval_datasets", "device", "fallback", "offload_activations", "train_on_inputs",
 )

@@ -42,7 +42,7 @@ DEPENDS_ON = {"plan": (STRATEGY_FILE,)}
 FIELDS = (
     "adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "sequence_len", "truncation",
     "micro_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler", "warmup_steps",
-    "weight_decay", "num_epochs", "max_steps", "seed", "gradient_checkpointing", "fused_loss", "datasets",
+    "weight_decay", "num_epochs", "max_steps", "seed", "optimize", "gradient_checkpointing", "fused_loss", "datasets",
     "eval_datasets", "val_set_size", "device", "packing", "fallback", "offload_activations", "chat_template",
     "train_on_inputs",
 )

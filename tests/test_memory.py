@@ -25,7 +25,9 @@ MISTRAL_7B = dict(model_type="mistral", hidden_size=4096, intermediate_size=1433
 
 
 def cfg(**kw) -> Config:
-    base = dict(base_model="org/model", datasets=[{"path": "d.jsonl", "type": "completion"}])
+    # Every layer checkpointed unless a test says otherwise: the planner's mechanics below were written against it.
+    # optimize's own choices are tested with gradient_checkpointing unset (test_optimize_*).
+    base = dict(base_model="org/model", datasets=[{"path": "d.jsonl", "type": "completion"}], gradient_checkpointing=True)
     return Config(**{**base, **kw})
 
 
@@ -435,3 +437,55 @@ def test_offload_activations_on_applies_to_every_rung_that_checkpoints():
     c = cfg(**{**LEAN_7B, "gradient_checkpointing": False}, offload_activations="on")
     for strategy, _why in memory._ladder(QWEN2_7B, c):
         assert bool(strategy.get("offload_activations")) == (memory.checkpointed_layers(strategy, 28) > 0), strategy
+
+
+# --- optimize: speed (the default) or memory ------------------------------------------------------------------
+def mode(**kw) -> Config:
+    """A config with no mode flag set but those given: gradient_checkpointing left to `optimize`."""
+    return cfg(**{"gradient_checkpointing": None, **kw})
+
+
+def test_optimize_speed_is_the_default_and_checkpoints_the_fewest_layers_that_fit():
+    c = mode(**LEAN_7B, gpu_memory_gib=32)
+    assert c.optimize == "speed" and c.gradient_checkpointing is None
+    plan = memory.plan_training(QWEN2_7B, c)
+    st, L = plan["strategy"], memory.parse_model_config(QWEN2_7B).L
+    k = st["checkpointed_layers"]
+    assert 0 < k < L and not st["offload_activations"] and st["micro_batch_size"] == 2 and st["adapter"] == "lora"
+    assert plan["memory"]["predicted_total_gib"] <= 32 - memory.safety_margin_gib(32)
+    # one layer fewer would not fit: the fastest strategy that fits the budget with its margin
+    assert not memory.estimate(QWEN2_7B, c, memory.with_checkpointing(st, k - 1))["fits"]
+    # a card with room checkpoints nothing
+    assert memory.plan_training(QWEN2_7B, mode(**LEAN_7B, gpu_memory_gib=80))["strategy"]["checkpointed_layers"] == 0
+
+
+def test_optimize_memory_gives_the_least_memory():
+    speed = memory.plan_training(QWEN2_7B, mode(**LEAN_7B, gpu_memory_gib=32))
+    lean = memory.plan_training(QWEN2_7B, mode(**LEAN_7B, gpu_memory_gib=32, optimize="memory"))
+    st = lean["strategy"]
+    assert st["checkpointed_layers"] == 28 and st["offload_activations"] is True and st["micro_batch_size"] == 2
+    assert lean["memory"]["predicted_total_gib"] < speed["memory"]["predicted_total_gib"]
+    # nothing on the ladder of the same adapter and batch predicts less
+    c = mode(**LEAN_7B, gpu_memory_gib=32, optimize="memory")
+    least = min(memory.estimate(QWEN2_7B, c, s)["predicted_total_gib"] for s, _ in memory._ladder(QWEN2_7B, c)
+                if s["adapter"] == "lora" and not s["offload_layers"] and s["micro_batch_size"] == 2)
+    assert lean["memory"]["predicted_total_gib"] == pytest.approx(least, abs=0.01)
+
+
+@pytest.mark.parametrize("kw,every,acts", [
+    (dict(optimize="memory", gradient_checkpointing=False), False, False),  # an explicit knob wins over the mode
+    (dict(optimize="memory", offload_activations="off"), True, False),
+    (dict(offload_activations="on"), True, True),  # 'on' asks for every checkpointed input in CPU memory
+    (dict(gradient_checkpointing=True), True, False),  # today's lean without the mode: activations only if needed
+    (dict(), False, False),
+])
+def test_optimize_is_overridden_by_the_knobs_that_are_set(kw, every, acts):
+    c = mode(**LEAN_7B, **kw)
+    user = memory.strategy_from_config(c, 28)
+    assert memory.checkpoint_every_layer(c) is every and user["checkpointed_layers"] == (28 if every else 0)
+    assert user["offload_activations"] is acts
+
+
+def test_optimize_speed_keeps_bf16_for_the_14b_on_32_gib():
+    plan = memory.plan_training(QWEN2_14B_EXAMPLE, mode(**LORA_14B, gpu_memory_gib=32, fused_loss="on"))
+    assert plan["strategy"]["adapter"] == "lora" and plan["fits"]
