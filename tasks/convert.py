@@ -85,12 +85,12 @@ def adapter_ggufs(config, ctx, progress_key: str | None) -> dict:
     finally:
         base_f16.unlink(missing_ok=True)  # a step on the way; the base ships quantized like the merged model
     base_info = read_gguf_of_type(base_out, config.primary_quantization)
-    check_loads(base_out)
     convert_adapter(ctx.upstream_dir("train") / ADAPTER_DIR, base_dir, ctx.dir / ADAPTER_GGUF, progress_key)
     fields = read_gguf(ctx.dir / ADAPTER_GGUF)
     if fields["fields"].get(Keys.General.TYPE) != "adapter" or fields["fields"].get(Keys.Adapter.TYPE) != "lora":
         raise LorashipError(f"{ctx.dir / ADAPTER_GGUF}: not a LoRA adapter GGUF (general.type "
                             f"{fields['fields'].get(Keys.General.TYPE)!r}); run the convert stage again")
+    check_loads(base_out, lora=ctx.dir / ADAPTER_GGUF)  # the pair llama-server --lora would load
     return {"adapter_tensor_count": fields["tensor_count"], "adapter_bytes": (ctx.dir / ADAPTER_GGUF).stat().st_size,
             "lora_alpha": fields["fields"].get(Keys.Adapter.LORA_ALPHA), "base_tensor_count": base_info["tensor_count"],
             "base_bytes": base_out.stat().st_size}

@@ -52,20 +52,33 @@ params.n_gpu_layers = 0
 model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), params)
 if not model:
     sys.exit(3)
+if len(sys.argv) > 2:  # a LoRA adapter GGUF, applied to this model as llama-server --lora would
+    adapter = llama_cpp.llama_adapter_lora_init(model, sys.argv[2].encode())
+    if not adapter:
+        sys.exit(4)
 llama_cpp.llama_model_free(model)
 """
 LOAD_CHECK_TIMEOUT_S = 3600
 
 
-def check_loads(path: Path) -> None:
-    """Refuse a GGUF llama.cpp cannot load, naming the file and llama.cpp's own reason."""
+def check_loads(path: Path, lora: Path | None = None) -> None:
+    """Refuse a GGUF llama.cpp cannot load (or a LoRA adapter GGUF it cannot apply to it), naming the file and
+    llama.cpp's own reason."""
     from loraship.proc import run_child
 
     # No GPU: a CPU load checks the file, and needs none of the inference card's memory.
-    done = run_child([sys.executable, "-c", _LOAD_CHECK, str(path)], LOAD_CHECK_TIMEOUT_S,
-                     f"llama.cpp's load check of {path.name}", extra_env={"CUDA_VISIBLE_DEVICES": ""})
+    done = run_child([sys.executable, "-c", _LOAD_CHECK, str(path), *([str(lora)] if lora else [])],
+                     LOAD_CHECK_TIMEOUT_S, f"llama.cpp's load check of {path.name}",
+                     extra_env={"CUDA_VISIBLE_DEVICES": ""})
     if done.returncode == 0:
         return
+    if done.returncode == 4:
+        raise IntegrityError(
+            f"{lora}: llama.cpp (llama-cpp-python {library_versions().get('llama-cpp-python')}) cannot apply this "
+            f"LoRA adapter to {path.name}:\n  " + "\n  ".join(done.stderr.strip().splitlines()[-6:])
+            + "\nrun the convert stage again (loraship run CONFIG --from convert); if it fails again, set "
+            "adapter_gguf: false and ship the merged GGUF only"
+        )
     how = f"killed by signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
     lines = done.stderr.strip().splitlines()
     reasons = [line.strip() for line in lines if "error" in line.lower() or "failed" in line.lower()] or lines[-8:]

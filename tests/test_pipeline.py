@@ -243,6 +243,10 @@ def test_a_gguf_llama_cpp_cannot_load_is_named_with_llama_cpps_reason(pipeline_r
     broken = tiny_gguf(tmp_path / "two-tensors.gguf")  # an F16 "llama" GGUF without the model's hyperparameters
     with pytest.raises(IntegrityError, match=r"two-tensors.gguf: llama.cpp .* cannot load it \(exit 3\):\n.*llama"):
         quantize.check_loads(broken)
+    # The shipped GGUF loads, but a file that is no LoRA adapter cannot be applied to it.
+    with pytest.raises(IntegrityError, match=r"two-tensors.gguf: llama.cpp .* cannot apply this LoRA adapter"):
+        quantize.check_loads(stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization),
+                             lora=broken)
 
 
 @pytest.fixture(scope="module")
