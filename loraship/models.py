@@ -57,10 +57,11 @@ def _kind(value) -> str:
 
 
 def _token_ids_problem(data: dict, key: str) -> str | None:
-    """A token id key holds an id, a list of ids (eos of chat models), or null."""
+    """A token id key holds an id, a list of ids (eos of chat models), or null. Negative ids are let through:
+    some published configs say pad_token_id -1 for "none", and transformers reads it so."""
     value = data.get(key)
     ids = value if isinstance(value, list) else [value]
-    if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         return f"'{key}' is {json.dumps(value)[:60]}, not a token id or a list of token ids"
     return None
 
