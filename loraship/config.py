@@ -203,6 +203,23 @@ class Config(BaseModel):
         description="HF log-probs kept per scored eval position by the reference stage; the rest of the distribution is "
         "kept as one lumped tail, which bounds verify's KL divergence from below (top_k_mass in reference.json says how tight).",
     )
+    reference_full_logprob_tokens: int = Field(
+        2048, ge=0, description="Scored eval tokens whose full-vocabulary log-probs (fp16) the reference stage stores, "
+        "so verify's KL divergence there is exact, as llama-perplexity --kl-divergence computes it (capped by "
+        "reference_full_logprob_mib and by the eval split).",
+    )
+    reference_full_logprob_mib: int = Field(
+        1024, ge=0, description="Size budget of those log-probs: 2 bytes x vocabulary per token (2,048 tokens of a "
+        "152k vocabulary take 594 MiB).",
+    )
+    kl_topk_mass_min: float = Field(
+        0.95, ge=0.0, le=1.0, description="Where too few tokens have exact KL (fewer than min_scored_tokens), KL falls "
+        "back to the top-k bound, which fails unless HF's top-k covers at least this mean probability mass.",
+    )
+    finetune_kl_fraction_max: float = Field(
+        0.5, gt=0, description="Fine-tune kept: mean KL(merged || GGUF) at most this fraction of mean KL(merged || base) "
+        "on the same eval tokens; a GGUF that drifted back toward the base model fails.",
+    )
     kl_mean_max: float = Field(
         0.1, gt=0, description="Largest mean KL divergence (HF -> GGUF, nats per token) on the eval split; llama.cpp "
         "reports about 0.01-0.04 for 4-bit K-quants of 7B models.",

@@ -4,7 +4,10 @@ verify runs on the small inference GPU with the GGUF alone; a 7B in bf16 (about 
 never sit next to it on an 8 GB card. So this stage, right after merge, runs the merged model
 over the eval texts and the golden prompts and stores what verify compares against:
 - every eval text with HF's token ids, and at every scored position the target's log-prob and the
-  top-k log-probs (enough to bound the KL divergence of the GGUF's distribution, see tasks/verify.py);
+  top-k log-probs; at the first positions a size budget allows (reference_full_logprob_tokens /
+  _mib), the whole distribution in fp16, so verify's KL divergence is exact there;
+- the base model's KL divergence from the merged model at those positions and its greedy golden
+  answers: how far the fine-tune moved the model, which a GGUF must not undo (tasks/verify.py);
 - every golden prompt rendered with the merged tokenizer's template, its HF token ids, the greedy
   answer, and per answer token HF's top-1 and its lead over the runner-up (the margin);
 - the tokenizer facts a runtime must reproduce: whether HF adds BOS, its stop tokens, the template;
@@ -20,6 +23,7 @@ from loraship.constants import MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE
 from loraship.data import eval_records, golden_rows
 from loraship.errors import LorashipError
 from loraship.manifest import atomic_path, atomic_write_json, sha256_file, sha256_json
+from loraship.models import hf_offline_if_local, resolve_base_model
 from loraship.progress import Progress, artifact_key
 from loraship.stage import exclusive, main, open_stage, reset_dir
 
@@ -28,6 +32,7 @@ UPSTREAM = ("merge",)
 FIELDS = (
     "golden_prompts", "max_new_tokens", "verify_max_examples", "reference_top_k", "datasets", "eval_datasets",
     "val_set_size", "sequence_len", "truncation", "seed", "device", "chat_template", "train_on_inputs",
+    "reference_full_logprob_tokens", "reference_full_logprob_mib", "base_model", "base_model_revision",
 )
 log = logging.getLogger("loraship.reference")
 
@@ -87,11 +92,24 @@ def golden_records(config, tokenizer) -> list[dict]:
     return records
 
 
-def score_eval(model, records: list[dict], top_k: int, progress: Progress | None = None) -> tuple[dict, dict]:
-    """HF top-k log-probs at every scored position: arrays for the npz, and summary figures."""
+def full_rows_budget(n_positions: int, vocab: int, tokens: int, mib: int) -> int:
+    """How many scored positions keep their full-vocabulary log-probs (fp16): the config's token
+    count, capped by its size budget and by what the eval split has."""
+    return max(0, min(n_positions, tokens, (mib * 2**20) // (2 * vocab)))
+
+
+def score_eval(model, records: list[dict], top_k: int, progress: Progress | None = None,
+               full_tokens: int = 0, full_mib: int = 0) -> tuple[dict, dict]:
+    """HF log-probs at every scored position: top-k everywhere, the full distribution (fp16) at the
+    first positions the budget allows (verify's KL divergence is exact there); npz arrays and summary."""
     import numpy as np
     import torch
 
+    n_positions = sum(len(r["positions"]) for r in records)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    budget = full_rows_budget(n_positions, vocab, full_tokens, full_mib)
+    full = np.zeros((budget, vocab), dtype=np.float16)
+    filled = 0
     example, position, target, target_lp, top_ids, top_lps = [], [], [], [], [], []
     for n, record in enumerate(records):
         if progress is not None:
@@ -102,6 +120,10 @@ def score_eval(model, records: list[dict], top_k: int, progress: Progress | None
         logprobs = torch.log_softmax(logits, -1)
         targets = torch.tensor([ids[i + 1] for i in positions], device=logprobs.device)
         values, indices = logprobs.topk(top_k, dim=-1)
+        take = min(budget - filled, len(positions))
+        if take > 0:
+            full[filled:filled + take] = logprobs[:take].cpu().numpy().astype(np.float16)
+            filled += take
         example += [n] * len(positions)
         position += positions
         target += targets.tolist()
@@ -117,16 +139,55 @@ def score_eval(model, records: list[dict], top_k: int, progress: Progress | None
         "target_logprob": torch.cat(target_lp).numpy().astype(np.float32),
         "topk_ids": torch.cat(top_ids).numpy().astype(np.int32),
         "topk_logprobs": torch.cat(top_lps).numpy().astype(np.float32),
+        # Row i of full_logprobs is scored position i, for i < full_tokens (positions in order).
+        "full_logprobs": full,
     }
     mass = np.exp(arrays["topk_logprobs"].astype(np.float64)).sum(-1)
     summary = {
         "scored_tokens": int(len(target)),
+        "full_logprob_tokens": int(budget),
+        "full_logprob_bytes": int(full.nbytes),
         "hf_perplexity": float(np.exp(-arrays["target_logprob"].astype(np.float64).mean())),
         "top_k": top_k,
         "top_k_mass_mean": float(mass.mean()),
         "top_k_mass_min": float(mass.min()),
     }
     return arrays, summary
+
+
+def score_base(base, records: list[dict], full) -> "np.ndarray":
+    """KL(merged || base) at the positions whose merged distribution is stored in full: how far the
+    fine-tune moved the model, the yardstick for how much of it a GGUF may lose (verify)."""
+    import numpy as np
+    import torch
+
+    kls, row = [], 0
+    for record in records:
+        if row >= len(full):
+            break
+        take = min(len(full) - row, len(record["positions"]))
+        with torch.no_grad():
+            logits = base(input_ids=torch.tensor([record["input_ids"]], device=base.device)).logits[0]
+        q = torch.log_softmax(logits[record["positions"][:take]].double(), -1).cpu().numpy()
+        p = full[row:row + take].astype(np.float64)
+        p = p - np.log(np.exp(p).sum(-1, keepdims=True))  # renormalise what fp16 rounded
+        kls.append((np.exp(p) * (p - q)).sum(-1))
+        row += take
+    return np.maximum(np.concatenate(kls), 0.0).astype(np.float32) if kls else np.zeros(0, dtype=np.float32)
+
+
+def base_answers(base, records: list[dict], max_new: int, stops: list[int]) -> None:
+    """The base model's greedy answer per golden prompt (record['base_answer_ids']): where it differs from
+    the merged model's, the fine-tune changed the answer, and the GGUF must keep that change."""
+    import torch
+
+    for record in records:
+        with torch.no_grad():
+            out = base.generate(torch.tensor([record["prompt_ids"]], device=base.device), max_new_tokens=max_new,
+                                do_sample=False, eos_token_id=stops or None, pad_token_id=(stops or [0])[0])
+        new = out[0, len(record["prompt_ids"]):].tolist()
+        cut = next((i for i, t in enumerate(new) if t in stops), None)
+        record["base_answer_ids"] = new[:cut] if cut is not None else new
 
 
 def greedy_answers(model, records: list[dict], max_new: int, stops: list[int], progress: Progress | None = None) -> None:
@@ -170,6 +231,7 @@ def run(config) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    hf_offline_if_local(config)
     merged = ctx.upstream_dir("merge") / MERGED_DIR
     tokenizer = AutoTokenizer.from_pretrained(merged)
     device = "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
@@ -183,12 +245,24 @@ def run(config) -> dict:
     # One progress artifact for the stage: the eval texts, then the golden prompts.
     key = artifact_key(config.run_name, STAGE, "progress")
     arrays, summary = score_eval(model, evaluation, config.reference_top_k,
-                                 Progress(f"{STAGE}: eval", len(evaluation), log, key=key))
+                                 Progress(f"{STAGE}: eval", len(evaluation), log, key=key),
+                                 config.reference_full_logprob_tokens, config.reference_full_logprob_mib)
     golden = golden_records(config, tokenizer)
     stops = stop_ids(tokenizer, merged)
     greedy_answers(model, golden, config.max_new_tokens, stops, Progress(f"{STAGE}: golden", len(golden), log, key=key))
     for record in golden:
         record["answer_text"] = tokenizer.decode(record["answer_ids"], skip_special_tokens=True).strip()
+    # The base model, after the merged one is freed (both at once would not fit a 14B on the card).
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    log.info("%s: the base model on the same positions and golden prompts", STAGE)
+    base = AutoModelForCausalLM.from_pretrained(resolve_base_model(config, weights=True), dtype=dtype).to(device).eval()
+    arrays["base_kl"] = score_base(base, evaluation, arrays["full_logprobs"])
+    base_answers(base, golden, config.max_new_tokens, stops)
+    del base
+    summary["base_kl_mean"] = float(arrays["base_kl"].mean()) if len(arrays["base_kl"]) else None
+    summary["golden_changed_by_finetune"] = sum(r["base_answer_ids"] != r["answer_ids"] for r in golden)
 
     reference = {
         "merged_digest": merged_digest(ctx.upstream["merge"]),
@@ -209,7 +283,7 @@ def run(config) -> dict:
     }
     with atomic_path(ctx.dir / REFERENCE_TOPK_FILE) as tmp:
         with open(tmp, "wb") as handle:
-            np.savez_compressed(handle, **arrays)
+            np.savez(handle, **arrays)  # fp16 log-probs barely compress; zlib on 1 GiB is minutes
     atomic_write_json(ctx.dir / REFERENCE_FILE, reference)
     return ctx.finish({**summary, "eval_examples": len(evaluation), "golden_prompts": len(golden), "device": device})
 

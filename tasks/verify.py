@@ -28,9 +28,13 @@ verify.json keeps the primary's (the first's) report and gates at its top level,
 one-quantization verify.json has them, the others' gates beside them as '<quantization>/<gate>',
 and a section per quantization under "quantizations".
 
-KL divergence from top-k: the reference keeps HF's top-k log-probs per position and lumps the rest
-of the distribution into one tail bucket. By the log-sum inequality, KL over (top-k, tail) is a
-lower bound of the full KL, tight when the top-k mass is close to 1 (reference.json reports it).
+KL divergence: exact over the full vocabulary at the positions whose HF distribution the reference
+stored whole (its size budget; 2,048 tokens by default), as llama-perplexity --kl-divergence computes
+it. Where fewer than min_scored_tokens positions have it, the top-k bound: HF's top-k log-probs per
+position with the rest lumped into one tail bucket; by the log-sum inequality KL over (top-k, tail)
+is a lower bound of the full KL, tight when the top-k mass is close to 1, and it fails below
+kl_topk_mass_min. The fine-tune gates compare KL(merged || GGUF) with KL(merged || base) on the same
+positions, and the golden answers the fine-tune changed, so a GGUF that lost the fine-tune fails.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ UPSTREAM = ("train", "reference", "quantize")
 FIELDS = (
     "golden_match_min", "golden_margin", "perplexity_ratio_max", "kl_mean_max", "kl_p99_max", "same_top_min",
     "min_golden_prompts", "min_decisive_positions", "min_scored_tokens", "target_gpu_memory_gib", "target_context",
-    "device", "quantization", "max_new_tokens", "seed", "adapter_gguf",
+    "device", "quantization", "max_new_tokens", "seed", "adapter_gguf", "kl_topk_mass_min", "finetune_kl_fraction_max",
 )
 ADAPTER_FIELDS = ("adapter_kl_mean_max", "adapter_same_top_min")  # key the stage only with adapter_gguf on
 MERGED_TOPK_FILE = ".merged-topk.npz"  # the merged GGUF's top-k for the adapter run; removed once scored
@@ -122,15 +126,63 @@ def perplexity_ratio_gate(agreement: dict, config) -> dict:
                 **_scored(agreement, config))
 
 
+def _kl_basis(agreement: dict, config, top_k: int) -> tuple[str, bool]:
+    """What the KL figures were computed over, and whether that basis is trustworthy: exact over the
+    full vocabulary, or HF's top-k + tail (a lower bound), which needs kl_topk_mass_min of the mass."""
+    if agreement.get("kl_method") == "exact":
+        return f"exact KL(HF || GGUF) over the full vocabulary, {agreement['kl_tokens']} tokens", True
+    mass = agreement.get("top_k_mass_mean", 0.0)
+    ok = mass >= config.kl_topk_mass_min
+    note = f"KL(HF || GGUF) over HF's top-{top_k} + tail, a lower bound; top-k mass {mass:.3f}"
+    if not ok:
+        note += (f" < kl_topk_mass_min {config.kl_topk_mass_min}: raise reference_full_logprob_tokens or _mib "
+                 "for exact KL, or reference_top_k")
+    return note, ok
+
+
+def _kl_evidence(agreement: dict, config) -> dict:
+    return dict(evidence=agreement.get("kl_tokens", agreement["scored_tokens"]), minimum=config.min_scored_tokens,
+                minimum_key="min_scored_tokens")
+
+
 def kl_mean_gate(agreement: dict, config, top_k: int) -> dict:
+    note, basis_ok = _kl_basis(agreement, config, top_k)
     return gate(_rounded(agreement, "kl_mean", 5), config.kl_mean_max,
-                agreement["scored_tokens"] and agreement["kl_mean"] <= config.kl_mean_max,
-                f"KL(HF || GGUF) over HF's top-{top_k} + tail", **_scored(agreement, config))
+                agreement["scored_tokens"] and basis_ok and agreement["kl_mean"] <= config.kl_mean_max,
+                note, **_kl_evidence(agreement, config))
 
 
-def kl_p99_gate(agreement: dict, config) -> dict:
+def kl_p99_gate(agreement: dict, config, top_k: int) -> dict:
+    note, basis_ok = _kl_basis(agreement, config, top_k)
     return gate(_rounded(agreement, "kl_p99", 5), config.kl_p99_max,
-                agreement["scored_tokens"] and agreement["kl_p99"] <= config.kl_p99_max, **_scored(agreement, config))
+                agreement["scored_tokens"] and basis_ok and agreement["kl_p99"] <= config.kl_p99_max,
+                note, **_kl_evidence(agreement, config))
+
+
+def finetune_kl_gate(agreement: dict, config) -> dict:
+    """The GGUF stays much closer to the merged model than the base model is: mean KL(merged || GGUF)
+    at most finetune_kl_fraction_max of mean KL(merged || base) on the same tokens. A GGUF that lost
+    the fine-tune (drifted back to the base) fails."""
+    ratio = agreement.get("finetune_kl_ratio")
+    tokens = agreement.get("finetune_tokens", 0)
+    note = (f"KL(merged || GGUF) {agreement.get('finetune_kl_mean', float('nan')):.5f} / KL(merged || base) "
+            f"{agreement.get('base_kl_mean', float('nan')):.5f} over {tokens} tokens")
+    if tokens and ratio is None:
+        note += "; the fine-tune did not move the model on these tokens (KL to the base is 0)"
+    return gate(None if ratio is None else round(ratio, 4), config.finetune_kl_fraction_max,
+                ratio is not None and ratio <= config.finetune_kl_fraction_max, note,
+                evidence=tokens, minimum=config.min_scored_tokens, minimum_key="min_scored_tokens")
+
+
+def finetune_answers_gate(golden: dict, config) -> dict:
+    """On golden prompts where the fine-tune changed the greedy answer (base != merged), the GGUF
+    answers like the merged model, not like the base: at least golden_match_min of them."""
+    changed = [a for a in golden["answers"] if a.get("changed_by_finetune")]
+    kept = sum(a["match"] for a in changed)
+    rate = kept / len(changed) if changed else 0.0
+    return gate(f"{kept}/{len(changed)}", config.golden_match_min, bool(changed) and rate >= config.golden_match_min,
+                "golden prompts whose greedy answer the fine-tune changed; the GGUF must answer as the merged model",
+                evidence=len(changed), minimum=1)
 
 
 def same_top_gate(agreement: dict, config) -> dict:
@@ -287,11 +339,35 @@ def logprobs_at(llm, ids: list[int], positions: list[int]):
 
 
 # -- comparisons -----------------------------------------------------------------------------
-def eval_agreement(llm, reference: dict, topk) -> dict:
-    """Perplexity of both runtimes, KL(HF || GGUF) per position and the same-top-token rate."""
+def _renormalised(logprobs):
     import numpy as np
 
-    kls, same, hf_lp, cpp_lp = [], [], [], []
+    logprobs = logprobs.astype(np.float64)
+    return logprobs - np.log(np.exp(logprobs).sum(-1, keepdims=True))  # what fp16 storage rounded
+
+
+def kl_stats(kls, prefix: str = "kl") -> dict:
+    import numpy as np
+
+    kls = np.maximum(np.asarray(kls, dtype=np.float64), 0.0)
+    return {f"{prefix}_mean": float(kls.mean()), f"{prefix}_median": float(np.median(kls)),
+            f"{prefix}_p99": float(np.percentile(kls, 99)), f"{prefix}_max": float(kls.max())}
+
+
+def eval_agreement(llm, reference: dict, topk, min_exact: int = 1) -> dict:
+    """Perplexity of both runtimes, KL(HF || GGUF) per position and the same-top-token rate.
+
+    KL is exact (full vocabulary, llama-perplexity --kl-divergence's statistic) at the positions whose
+    HF distribution the reference stored whole, when there are at least min_exact of them; otherwise
+    the top-k lower bound over every position, with the top-k mass it covers. Where the reference
+    also scored the base model, KL(merged || GGUF) over KL(merged || base) on the same positions says
+    how much of the fine-tune the GGUF kept."""
+    import numpy as np
+
+    full = topk.get("full_logprobs")
+    n_full = 0 if full is None else len(full)
+    base_kl = topk.get("base_kl")
+    kls, exact_kls, same, hf_lp, cpp_lp = [], [], [], [], []
     eval_tokens, eval_seconds = 0, 0.0
     for n, record in enumerate(reference["eval"]):
         rows = np.nonzero(topk["example"] == n)[0]
@@ -308,26 +384,38 @@ def eval_agreement(llm, reference: dict, topk) -> dict:
         q_tail = np.clip(1 - np.exp(q_k).sum(-1), 1e-12, 1)
         tail = np.where(p_tail > 1e-12, p_tail * (np.log(np.maximum(p_tail, 1e-12)) - np.log(q_tail)), 0.0)
         kls += ((np.exp(p_lp) * (p_lp - q_k)).sum(-1) + tail).tolist()
+        exact = rows < n_full
+        if exact.any():
+            p_full = _renormalised(full[rows[exact]])
+            exact_kls += (np.exp(p_full) * (p_full - q[exact])).sum(-1).tolist()
         same += (q.argmax(-1) == p_ids[:, 0]).tolist()
         targets = topk["target"][rows]
         cpp_lp += q[np.arange(len(rows)), targets].tolist()
         hf_lp += topk["target_logprob"][rows].astype(np.float64).tolist()
     if not kls:
         return {"scored_tokens": 0}
-    kls_arr = np.maximum(np.array(kls), 0.0)
-    return {
+    use_exact = len(exact_kls) >= max(min_exact, 1)
+    out = {
         "scored_tokens": len(kls),
         "hf_perplexity": float(np.exp(-np.mean(hf_lp))),
         "gguf_perplexity": float(np.exp(-np.mean(cpp_lp))),
         "perplexity_ratio": float(np.exp(np.mean(hf_lp) - np.mean(cpp_lp))),
-        "kl_mean": float(kls_arr.mean()),
-        "kl_median": float(np.median(kls_arr)),
-        "kl_p99": float(np.percentile(kls_arr, 99)),
-        "kl_max": float(kls_arr.max()),
+        "kl_method": "exact" if use_exact else "top-k",
+        "kl_tokens": len(exact_kls) if use_exact else len(kls),
+        **kl_stats(exact_kls if use_exact else kls),
+        "kl_topk_bound_mean": float(np.maximum(np.array(kls), 0.0).mean()),
+        "top_k_mass_mean": float(np.exp(topk["topk_logprobs"].astype(np.float64)).sum(-1).mean()),
         "same_top_rate": float(np.mean(same)),
         "prompt_tokens": eval_tokens,
         "prompt_tokens_per_s": round(eval_tokens / eval_seconds, 1) if eval_seconds else None,
     }
+    if base_kl is not None and len(base_kl) and exact_kls:
+        # The same positions on both sides: the first len(base_kl) scored positions, in order.
+        shared = min(len(base_kl), len(exact_kls))
+        gguf_mean, base_mean = float(np.mean(exact_kls[:shared])), float(np.mean(base_kl[:shared]))
+        out.update(finetune_tokens=shared, base_kl_mean=base_mean, finetune_kl_mean=gguf_mean,
+                   finetune_kl_ratio=gguf_mean / base_mean if base_mean > 0 else None)
+    return out
 
 
 def gguf_topk(llm, reference: dict, topk, k: int) -> dict:
@@ -375,7 +463,9 @@ def golden_agreement(llm, reference: dict, config, stops: set[int]) -> dict:
         ok_format = bool(re.search(record["expect_regex"], text)) if record.get("expect_regex") else True
         formatted += ok_format
         shown = record["messages"][-1]["content"] if record["kind"] == "chat" else record["prompt_text"]
+        changed = record.get("base_answer_ids") is not None and record["base_answer_ids"] != record["answer_ids"]
         answers.append({"kind": record["kind"], "prompt": shown, "hf": record["answer_text"], "gguf": text, "match": match,
+                        "changed_by_finetune": changed,
                         "hf_stop": record.get("stop_id"), "gguf_stop": stop,
                         "format_ok": ok_format, **({"reference": record["reference"]} if "reference" in record else {})})
     return {"answers": answers, "matches": matches, "formatted": formatted, "decisive": decisive, "agreed": agreed,
@@ -444,7 +534,7 @@ def measure(job: dict, llm, load_seconds: float) -> dict:
     out["special_tokens"] = special_tokens_gate(llm, job["fields"], reference)
     out["tokenizer_parity"] = tokenizer_parity(llm, reference)
     log.info("scoring %d eval texts against the reference", len(reference["eval"]))
-    out["eval_agreement"] = eval_agreement(llm, reference, topk)
+    out["eval_agreement"] = eval_agreement(llm, reference, topk, job.get("min_scored_tokens", 1))
     stops = set(reference["tokenizer"]["stop_ids"]) | {t for t in range(llm.n_vocab()) if _is_eog(llm, t)}
     log.info("answering %d golden prompts", len(reference["golden"]))
     settings = SimpleNamespace(max_new_tokens=job["max_new_tokens"], golden_margin=job["golden_margin"])
@@ -560,6 +650,7 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
         "topk": str(ctx.upstream_dir("reference") / REFERENCE_TOPK_FILE),
         "fields": {k: fields.get(k) for k in (GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_EOS)},
         "max_new_tokens": config.max_new_tokens, "golden_margin": config.golden_margin,
+        "min_scored_tokens": config.min_scored_tokens,
         "merged_topk_out": str(ctx.dir / MERGED_TOPK_FILE) if with_adapter else None,
     })
     report.update(device=device, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, load_seconds=measured["load_seconds"])
@@ -573,14 +664,19 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
     report["eval_agreement"] = agreement
     gates["perplexity_ratio"] = perplexity_ratio_gate(agreement, config)
     gates["kl_divergence_mean"] = kl_mean_gate(agreement, config, reference["top_k"])
-    gates["kl_divergence_p99"] = kl_p99_gate(agreement, config)
+    gates["kl_divergence_p99"] = kl_p99_gate(agreement, config, reference["top_k"])
     gates["same_top_token"] = same_top_gate(agreement, config)
+    # A reference made before the base model was scored has no base_kl: no fine-tune gates then.
+    if "finetune_tokens" in agreement:
+        gates["finetune_kept_kl"] = finetune_kl_gate(agreement, config)
 
     golden = measured["golden"]
     n = len(reference["golden"])
     gates["golden_match"] = golden_match_gate(golden, n, config)
     gates["golden_decisive_agreement"] = golden_decisive_gate(golden, config)
     gates["golden_format"] = golden_format_gate(golden, n, config)
+    if any(r.get("base_answer_ids") is not None for r in reference["golden"]):
+        gates["finetune_kept_answers"] = finetune_answers_gate(golden, config)
     # Chat answers only: a completion run's prompts are plain text that ends with EOS.
     if reference["tokenizer"].get("turn_end_id") is not None and any(r["kind"] == "chat" for r in reference["golden"]):
         gates["golden_ends_turn"] = turn_end_gate(golden, reference, config)

@@ -189,3 +189,29 @@ def test_a_converter_folder_without_the_lora_converter_is_named(tmp_path, monkey
     monkeypatch.setenv("LORASHIP_LLAMA_CPP_DIR", str(tmp_path))
     with pytest.raises(LorashipError, match="convert_lora_to_gguf.py.*adapter_gguf: false"):
         lora_converter()
+
+
+def test_a_gguf_that_lost_the_fine_tune_fails_the_fine_tune_gates(adapter_run, tmp_path):
+    """The base model's own GGUF, verified against the merged model's reference as if it were the
+    shipped file: exact KL to the merged model is as large as the base's, and the golden answers the
+    fine-tune changed come back as the base's, so both fine-tune gates fail (and the shipped GGUF passes them)."""
+    from types import SimpleNamespace
+
+    from loraship.constants import REFERENCE_TOPK_FILE
+    from loraship.stages import verify
+
+    config, _ = adapter_run
+    reference_dir = stage_dir(config, "reference")
+    job = {"gguf": str(stage_dir(config, "convert") / base_gguf_name(config.primary_quantization)), "n_ctx": 256,
+           "n_gpu_layers": 0, "device": "cpu", "seed": config.seed, "reference": str(reference_dir / REFERENCE_FILE),
+           "topk": str(reference_dir / REFERENCE_TOPK_FILE), "fields": {}, "max_new_tokens": config.max_new_tokens,
+           "golden_margin": config.golden_margin, "min_scored_tokens": config.min_scored_tokens}
+    measured = verify.measure_apart(SimpleNamespace(dir=tmp_path), job)
+    agreement = measured["eval_agreement"]
+    assert agreement["kl_method"] == "exact" and agreement["finetune_tokens"] >= config.min_scored_tokens
+    kl_gate = verify.finetune_kl_gate(agreement, config)
+    answers_gate = verify.finetune_answers_gate(measured["golden"], config)
+    assert not kl_gate["passed"] and kl_gate["value"] > 0.5, kl_gate
+    assert not answers_gate["passed"], answers_gate
+    shipped = json.loads((stage_dir(config, "verify") / VERIFY_FILE).read_text())["gates"]
+    assert shipped["finetune_kept_kl"]["passed"] and shipped["finetune_kept_answers"]["passed"]

@@ -6,8 +6,8 @@ import math
 
 from loraship.config import Config
 from loraship.stages.verify import (
-    eval_loss_gate, file_type_gate, golden_decisive_gate, golden_match_gate, kl_mean_gate, perplexity_ratio_gate,
-    same_top_gate, tokenizer_parity_gate,
+    eval_loss_gate, file_type_gate, finetune_answers_gate, finetune_kl_gate, golden_decisive_gate, golden_match_gate,
+    kl_mean_gate, kl_p99_gate, perplexity_ratio_gate, same_top_gate, tokenizer_parity_gate,
 )
 
 CONFIG = Config.model_construct(**{name: f.default for name, f in Config.model_fields.items()})
@@ -29,8 +29,18 @@ def test_perplexity_ratio_passes_fails_and_needs_evidence():
 
 
 def test_kl_and_same_top():
-    assert kl_mean_gate(agreement(100, kl_mean=0.01), CONFIG, 64)["passed"]
-    assert not kl_mean_gate(agreement(100, kl_mean=0.5), CONFIG, 64)["passed"]
+    exact = dict(kl_method="exact", kl_tokens=100)
+    assert kl_mean_gate(agreement(100, kl_mean=0.01, **exact), CONFIG, 64)["passed"]
+    assert not kl_mean_gate(agreement(100, kl_mean=0.5, **exact), CONFIG, 64)["passed"]
+    assert "exact KL" in kl_p99_gate(agreement(100, kl_p99=0.1, **exact), CONFIG, 64)["note"]
+    # Exact KL over too few tokens is not enough evidence, however small.
+    few = kl_mean_gate(agreement(100, kl_mean=0.0, kl_method="exact", kl_tokens=10), CONFIG, 64)
+    assert not few["passed"] and few["evidence"] == 10
+    # The top-k bound counts only where HF's top-k holds most of the mass.
+    bound = dict(kl_method="top-k", kl_tokens=100, kl_mean=0.01)
+    assert kl_mean_gate(agreement(100, top_k_mass_mean=0.99, **bound), CONFIG, 64)["passed"]
+    thin = kl_mean_gate(agreement(100, top_k_mass_mean=0.6, **bound), CONFIG, 64)
+    assert not thin["passed"] and "kl_topk_mass_min" in thin["note"]
     assert same_top_gate(agreement(100, same_top_rate=0.9), CONFIG)["passed"]
     assert not same_top_gate(agreement(100, same_top_rate=0.5), CONFIG)["passed"]
     assert not same_top_gate(agreement(0), CONFIG)["passed"]
@@ -59,3 +69,20 @@ def test_gates_without_evidence_counts():
     assert not file_type_gate({"general.file_type": 7}, "Q4_K_M")["passed"]
     assert eval_loss_gate({"eval_loss_before": 2.0, "eval_loss_after": 1.5})["passed"]
     assert not eval_loss_gate({"eval_loss_before": 2.0, "eval_loss_after": None})["passed"]
+
+
+def test_fine_tune_gates_fail_a_gguf_that_drifted_back_to_the_base():
+    kept = finetune_kl_gate({"finetune_kl_ratio": 0.01, "finetune_tokens": 100, "finetune_kl_mean": 0.01,
+                             "base_kl_mean": 1.0}, CONFIG)
+    assert kept["passed"] and kept["evidence"] == 100
+    lost = finetune_kl_gate({"finetune_kl_ratio": 0.9, "finetune_tokens": 100, "finetune_kl_mean": 0.9,
+                             "base_kl_mean": 1.0}, CONFIG)
+    assert not lost["passed"]
+    unmoved = finetune_kl_gate({"finetune_kl_ratio": None, "finetune_tokens": 100, "finetune_kl_mean": 0.0,
+                                "base_kl_mean": 0.0}, CONFIG)
+    assert not unmoved["passed"] and "did not move the model" in unmoved["note"]
+    answers = [{"changed_by_finetune": True, "match": True}] * 3 + [{"changed_by_finetune": False, "match": False}]
+    assert finetune_answers_gate({"answers": answers}, CONFIG)["value"] == "3/3"
+    reverted = [{"changed_by_finetune": True, "match": False}] * 3
+    assert not finetune_answers_gate({"answers": reverted}, CONFIG)["passed"]
+    assert not finetune_answers_gate({"answers": []}, CONFIG)["passed"]  # nothing seen is no pass
