@@ -213,7 +213,8 @@ def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]
           f"{_file_type_name(file_type)} (general.file_type {file_type})" if file_type is not None
           else "general.file_type is missing; convert the model again with the pinned llama.cpp")
     try:
-        checks += run_loaded(path, 512, "loraship.gguf_tools:llama_checks", {"fields": fields},
+        wanted = {k: fields.get(k) for k in (Keys.Tokenizer.ADD_BOS, Keys.Tokenizer.CHAT_TEMPLATE)}
+        checks += run_loaded(path, 512, "loraship.gguf_tools:llama_checks", {"fields": wanted},
                              f"llama.cpp checks of {path.name}")["checks"]
     except LorashipError as e:
         check("loads in llama.cpp", False, str(e))

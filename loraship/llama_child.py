@@ -10,9 +10,10 @@ MARK, so anything llama.cpp itself prints there is not taken for an answer.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +25,8 @@ CHECKS_TIMEOUT_S = 1800
 
 _CHILD = """
 import json, sys
-spec = json.loads(sys.argv[1])
+with open(sys.argv[1], encoding="utf-8") as f:
+    spec = json.load(f)
 try:
     from llama_cpp import Llama
     llm = Llama(**spec["llama"])
@@ -43,11 +45,16 @@ def send(message: dict) -> None:
     sys.stdout.flush()
 
 
-def _command(path: Path, n_ctx: int, entry: str, job: dict) -> list[str]:
+@contextlib.contextmanager
+def _command(path: Path, n_ctx: int, entry: str, job: dict) -> Iterator[list[str]]:
+    """The child's command line; what it loads and runs in a file (a GGUF's metadata can outgrow an argument)."""
     # n_gpu_layers=0 as the CLI always loaded it: these checks and chats need no GPU.
     spec = {"llama": {"model_path": str(path), "n_ctx": n_ctx, "n_gpu_layers": 0, "verbose": False},
             "entry": entry, "job": job, "mark": MARK}
-    return [sys.executable, "-c", _CHILD, json.dumps(spec)]
+    with tempfile.TemporaryDirectory(prefix="loraship-llama-") as folder:
+        spec_file = Path(folder) / "spec.json"
+        spec_file.write_text(json.dumps(spec), encoding="utf-8")
+        yield [sys.executable, "-c", _CHILD, str(spec_file)]
 
 
 def _message(line: str) -> dict | None:
@@ -71,7 +78,8 @@ def run_loaded(path: Path, n_ctx: int, entry: str, job: dict, what: str) -> dict
     """entry(llm, job) ("module:function") in a child that loaded path first; its one send()ed message."""
     from loraship.proc import run_child
 
-    done = run_child(_command(path, n_ctx, entry, job), CHECKS_TIMEOUT_S, what)
+    with _command(path, n_ctx, entry, job) as cmd:
+        done = run_child(cmd, CHECKS_TIMEOUT_S, what)
     messages = [m for m in map(_message, done.stdout.splitlines()) if m is not None]
     if messages and "load_error" in messages[0]:
         raise _load_failed(path, messages[0]["load_error"])
@@ -84,15 +92,14 @@ class ChatChild:
     """A chat with a GGUF held by a child process: ask() sends the conversation, yields the answer's pieces."""
 
     def __init__(self, path: Path, n_ctx: int, seed: int):
-        import tempfile
-
         from loraship.proc import start_child
 
         self.path = path
         # A file, not a pipe nobody reads while chatting: what llama.cpp logs must not fill it and block the child.
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = start_child(_command(path, n_ctx, "loraship.llama_child:serve_chat", {"seed": seed}), self.stderr)
-        first = self._next()
+        with _command(path, n_ctx, "loraship.llama_child:serve_chat", {"seed": seed}) as cmd:
+            self.proc = start_child(cmd, self.stderr)
+            first = self._next()  # the child has read its spec once it answers
         if "load_error" in first:
             self.close()
             raise _load_failed(path, first["load_error"])
