@@ -86,3 +86,45 @@ def test_missing_secret_block_is_a_clear_error(tiny_model, tmp_path):
                                            env_from_secrets={"HF_TOKEN": "no-such-block"}))
     state = train_and_ship(config, return_state=True)
     assert state.is_failed() and "no-such-block" in state.message
+
+
+def _config_file(config, path) -> str:
+    import yaml
+
+    # Without env_from_secrets: the planted block's variable is not in a fresh process's environment, and loading
+    # a Prefect Secret block needs the Prefect API, which a no-op rerun does not start.
+    path.write_text(yaml.safe_dump({k: v for k, v in config.model_dump(mode="json").items() if k != "env_from_secrets"}))
+    return str(path)
+
+
+def test_a_rerun_with_nothing_to_do_reports_every_stage_without_prefect(flow_runs, tmp_path):
+    import subprocess
+    import sys
+
+    config, _, _, _ = flow_runs
+    script = ("import sys\nfrom loraship.cli import app\napp(['run', sys.argv[1]], standalone_mode=False)\n"
+              "print('imported:', sorted(m for m in ('prefect', 'torch', 'transformers') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script, _config_file(config, tmp_path / "flow.yaml")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for stage in STAGES:
+        assert f"{stage}: up to date (same inputs, outputs intact), skipped" in done.stdout
+    assert f"shipped flow -> {config.output}/flow" in done.stdout
+    assert "imported: []" in done.stdout  # decided from the manifests: no Prefect server, no torch
+
+
+def test_a_stale_stage_still_goes_through_the_flow(flow_runs, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import loraship.flows.train_and_ship as flows
+    from loraship.cli import app
+
+    config, _, _, _ = flow_runs
+    calls = []
+    flow = flows.train_and_ship
+    monkeypatch.setattr(flows, "train_and_ship", lambda *a, **k: calls.append(k.get("stages")) or flow(*a, **k))
+    elsewhere = tmp_path / "elsewhere"
+    result = CliRunner().invoke(app, ["run", _config_file(config, tmp_path / "flow.yaml"), "--set", f"output={elsewhere}"])
+    assert result.exit_code == 0, result.output
+    assert calls == [None]  # publish is stale (its output moved): the whole flow ran, the other stages skipping in it
+    assert f"shipped flow -> {elsewhere}/flow" in result.output and (elsewhere / "flow" / "manifest.json").is_file()
