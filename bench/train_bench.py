@@ -94,16 +94,18 @@ STAMPED_SOURCES = ("bench/train_bench.py", "tasks/plan.py", "tasks/train.py", "l
 
 
 def source_stamp() -> dict:
-    """The commit this ran from (git where the checkout has it, else $LORASHIP_COMMIT, which the device call passes)
-    and a hash of the sources that decide a row, so a row's code is identified even where .git did not travel."""
-    commit, dirty = None, None
+    """The commit this ran from ($LORASHIP_COMMIT, which the device call passes, else git) and a hash of the sources
+    that decide a row. The variable comes first: the device machine's copy of the tree carries a .git that is not
+    updated when the tree is sent (on 2026-12-04 it still named the session's first commit)."""
+    commit, dirty = os.environ.get("LORASHIP_COMMIT") or None, None
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", *STAMPED_SOURCES], cwd=ROOT,
-                                    capture_output=True, text=True, check=True).stdout.strip())
+        if commit is None:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                    check=True).stdout.strip()
+            dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", *STAMPED_SOURCES], cwd=ROOT,
+                                        capture_output=True, text=True, check=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("LORASHIP_COMMIT") or None
+        pass
     digest = hashlib.sha256()
     for name in STAMPED_SOURCES:
         path = ROOT / name
