@@ -441,7 +441,9 @@ def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_m
     result = run_stages(config, ["plan", "train"])["train"]["metrics"]
     first, retried, rerun = strategies
     assert retried == rerun == result["strategy"] == saved["plan"]["strategy"] | {"fused_loss": False}
-    assert rerun["micro_batch_size"] < first["micro_batch_size"] == 8
+    # A smaller plan: under optimize: speed the first rung checkpoints more layers, then the micro-batch shrinks.
+    assert first["micro_batch_size"] == 8 and (rerun["checkpointed_layers"] > first["checkpointed_layers"]
+                                               or rerun["micro_batch_size"] < first["micro_batch_size"])
     assert rerun["micro_batch_size"] * rerun["gradient_accumulation_steps"] == 8  # the effective batch is kept
     assert [a["error"].split(":")[0] for a in result["oom_retries"]] == ["RuntimeError"]
     assert result["oom_retries"][0]["under_predicted"]
