@@ -144,7 +144,9 @@ def versions(*names: str) -> dict:
 # Inputs, made once
 # ---------------------------------------------------------------------------------------------
 def make_model(mc: dict, tokenizer_dir: Path, out: Path, device: str) -> Path:
-    """Random weights in the architecture class named by the config (Qwen2ForCausalLM), saved with the tokenizer."""
+    """Random weights in the architecture class named by the config (Qwen2ForCausalLM), saved with the tokenizer.
+    Dimensions without `architectures` (tests/test_gpu_smoke.py's) build a LlamaForCausalLM."""
+    mc = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **mc}
     if (out / "config.json").is_file():
         return out
     import torch

@@ -125,7 +125,8 @@ def check(strategy: dict, metrics: dict, history: list[dict], cap_gib: float, **
 
 
 def test_bf16_lora_with_the_fused_loss(gpu_model, tmp_path):
-    strategy, metrics, history = train(config_dict(gpu_model, tmp_path, "lora", fused_loss="on"), CAP_GIB)
+    strategy, metrics, history = train(config_dict(gpu_model, tmp_path, "lora", fused_loss="on",
+                                                   gradient_checkpointing=True), CAP_GIB)
     check(strategy, metrics, history, CAP_GIB, adapter="lora", offload_layers=0, fused_loss=True,
           gradient_checkpointing=True)
 
@@ -191,7 +192,7 @@ def test_checkpointed_activations_in_cpu_memory(gpu_model, tmp_path):
     check(strategy, metrics, history, CAP_GIB, adapter="lora", offload_layers=0, offload_activations=True)
     assert "checkpointed activations in CPU memory" in metrics["trained_as"]
     _, plain, plain_history = train(config_dict(gpu_model, tmp_path / "off", "plain", offload_activations="off",
-                                                **common), CAP_GIB)
+                                                gradient_checkpointing=True, **common), CAP_GIB)
     assert not plain["strategy"].get("offload_activations")
     for a, b in zip(history, plain_history, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), (a, b)
