@@ -202,7 +202,7 @@ def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, device: 
     batches = math.ceil(len(examples) / batch_size)
     # In eval mode Liger's forward materialises the fp32 logits (T x vocab: 4.6 GiB at 1 x 8192 on a 152k
     # vocabulary) unless told to skip them: on the H200 that made the eval before training, not training, the
-    # peak, and a 14B plan that fits ran out of memory there (bench/results/train_bench.json, 2026-12-03).
+    # peak, and a 14B plan that fits ran out of memory there (bench/results/train_bench.json as of commit 10ebd3a, 2026-12-03).
     options = {"skip_logits": True} if getattr(model, "loraship_fused_loss", False) else {}
     with torch.no_grad():
         for batch, i in enumerate(range(0, len(examples), batch_size), start=1):
