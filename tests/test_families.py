@@ -4,7 +4,8 @@ real chat template (loraship/families.py says which package each comes from), ti
 Per family: the pinned converter recognised the pre-tokenizer (the GGUF names it), llama.cpp tokenizes
 like HF (verify's parity gate), the chat template is in the GGUF, the template's turn end is ONE
 special token that llama.cpp treats as end-of-generation, and every verify gate passes. One pipeline
-run per family (a session-scoped fixture per family), shared by its tests.
+run per family (a session-scoped fixture per family), shared by its tests; these are `slow`. In the
+default run: what plan checks for every family before training, from its tokenizer and config alone.
 """
 
 from __future__ import annotations
@@ -49,11 +50,10 @@ def run_family(model: Path, family: Family, root: Path, run_name: str | None = N
     return config, manifests, verify
 
 
-# Families the planner refuses today (test_the_planner_knows_every_family says so, strictly): their
-# pipeline runs are not started, which would spend minutes building a model for plan to refuse.
-# Each run costs minutes on 2 CPU cores (building the model: ~10 min each under this machine's shared
-# load, the 128k-256k output layer in train/convert/quantize), far past the default run's budget, so
-# they are `slow`: `pytest -m slow tests/test_families.py`. The plan-time tests below run by default.
+# A run costs minutes on 2 CPU cores (building the model, and the 128k-256k output layer in train, convert
+# and quantize), past the default run's budget, so these are `slow`: `pytest -m slow tests/test_families.py`.
+# The plan-time tests further down run by default. Families the planner refuses today
+# (test_the_planner_knows_every_family, strict) are not started: plan would refuse the model built for it.
 PIPELINE_FAMILIES = [
     pytest.param(n, marks=[pytest.mark.slow, pytest.mark.xfail(run=False, reason=PLANNER_GAP)])
     if FAMILIES[n].architecture in ("Gemma2ForCausalLM", "Phi3ForCausalLM") else pytest.param(n, marks=pytest.mark.slow)
