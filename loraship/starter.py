@@ -13,17 +13,11 @@ from loraship.errors import ConfigError, LorashipError
 
 
 def model_config_of(config) -> dict:
-    from loraship.models import resolve_base_model
+    from loraship.models import read_model_config, resolve_base_model
 
-    # config.json is all the planner reads: a 14B model need not be downloaded to plan it.
-    config_file = resolve_base_model(config, weights=False) / "config.json"
-    if not config_file.is_file():
-        raise LorashipError(f"base_model {config.base_model!r}: no config.json at {config_file}; "
-                            "point base_model at a folder holding the model's config.json")
-    try:
-        return json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LorashipError(f"{config_file}: not valid JSON ({e}); fix or replace the model's config.json") from e
+    # config.json is all the planner reads: a 14B model need not be downloaded to plan it. Read as the
+    # plan stage reads it: a list, a string or missing keys are one clear error, not a traceback.
+    return read_model_config(resolve_base_model(config, weights=False))
 
 
 def dataset_types() -> tuple[str, ...]:
@@ -87,7 +81,9 @@ def _has_chat_template(folder: Path) -> bool:
     if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
         return True
     with contextlib.suppress(OSError, ValueError):
-        return bool(json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+        data = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        # A tokenizer_config.json of the wrong shape is the plan stage's to name (loraship/models.py).
+        return isinstance(data, dict) and bool(data.get("chat_template"))
     return False
 
 

@@ -48,12 +48,12 @@ from pathlib import Path
 from loraship import inference_memory as im
 from loraship.constants import (
     ADAPTER_GGUF, GGUF_FILE_TYPES, GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_EOS, GGUF_KEY_FILE_TYPE,
-    MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
+    REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
 )
 from loraship.errors import IntegrityError, LorashipError
 from loraship.gguf_info import read_gguf_apart
 from loraship.gguf_tools import builtin_template_prompt
-from loraship.manifest import atomic_write_json, read_manifest, sha256_json
+from loraship.manifest import atomic_write_json
 from loraship.resources import cpu_count
 from loraship.served import served_check
 from loraship.stage import exclusive, main, open_stage, reset_dir, stage_dir
@@ -813,14 +813,11 @@ def builtin_engine_report(llm, reference: dict) -> dict:
 
 
 def check_lineage(config, reference: dict) -> None:
-    """The reference must come from the merged model this GGUF was converted from."""
-    convert = read_manifest(stage_dir(config, "convert"))
-    merge_outputs = ((convert or {}).get("inputs", {}).get("merge") or {}).get("outputs")
-    if not merge_outputs:
-        return
-    digest = sha256_json({rel: info["sha256"] for rel, info in sorted(merge_outputs.items())
-                          if rel.startswith(MERGED_DIR + "/")})
-    if digest != reference.get("merged_digest"):
+    """The reference must come from the merged model this GGUF was converted from; a convert manifest
+    that does not say which merged model that was is refused (tasks/convert.py converted_from)."""
+    from loraship.stages.convert import converted_from
+
+    if converted_from(config) != reference.get("merged_digest"):
         raise IntegrityError(
             "the reference stage's results were computed for another merged model than the one this GGUF was converted "
             "from; run the reference stage again for this run (loraship run CONFIG re-runs it)"

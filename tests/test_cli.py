@@ -382,3 +382,20 @@ def test_plan_and_init_say_where_the_artifact_lands(config_file, tiny_model, tmp
     run_name = load_config(written).run_name
     note = f"artifact: artifacts/{run_name}/ (the folder named by run_name {run_name!r} inside output 'artifacts'"
     assert note in written.read_text() and note in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("command", ["plan", "init"])
+def test_plan_and_init_name_a_config_json_of_the_wrong_shape(command, base_without_template, tmp_path):
+    """config.json that is valid JSON but a list: one message naming the file and the fix, exit 2 (no traceback)."""
+    (base_without_template / "config.json").write_text("[1, 2]")
+    data_file = tmp_path / "chat.jsonl"
+    data_file.write_text(json.dumps(ROWS["chat"]) + "\n")
+    if command == "init":
+        result = invoke("init", base_without_template, data_file, "-o", tmp_path / "c.yaml")
+    else:
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(yaml.safe_dump({"base_model": str(base_without_template),
+                                       "datasets": [{"path": str(data_file), "type": "chat"}]}))
+        result = invoke("plan", cfg)
+    assert result.exit_code == 2, result.output
+    assert "config.json" in result.output and "Traceback" not in result.output
