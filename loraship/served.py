@@ -103,7 +103,8 @@ def ask(client, messages: list[dict], max_tokens: int, stream: bool) -> dict:
 def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int, n_gpu_layers: int, threads: int,
                  markers: list[str], log_file: Path) -> dict:
     """Every golden chat prompt through the server, whole and streamed, against the reference's greedy
-    answer. chats: reference golden records of kind chat (messages, answer_text, prompt_ids)."""
+    answer and the same GGUF's own greedy answer outside the server. chats: reference golden records of
+    kind chat (messages, answer_text, prompt_ids), each with gguf_answer_text."""
     from openai import OpenAI
 
     proc, port = start_server(gguf, n_ctx, n_gpu_layers, threads, log_file)
@@ -119,6 +120,7 @@ def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int,
                 "prompt": record["messages"][-1]["content"], "reference": record["answer_text"], "served": content,
                 "finish_reason": whole["finish_reason"], "streamed_finish_reason": streamed["finish_reason"],
                 "equal_to_reference": content == record["answer_text"],
+                "equal_to_gguf_greedy": content == record.get("gguf_answer_text"),
                 "streamed_equal": streamed["content"].strip() == content,
                 "markers_leaked": [m for m in markers if m and m in whole["content"] + streamed["content"]],
                 "prompt_tokens": whole["prompt_tokens"], "reference_prompt_tokens": len(record["prompt_ids"]),
@@ -130,6 +132,7 @@ def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int,
         "requests": len(answers),
         "finished_by_stop": sum(a["finish_reason"] == "stop" and a["streamed_finish_reason"] == "stop" for a in answers),
         "equal_to_reference": sum(a["equal_to_reference"] for a in answers),
+        "equal_to_gguf_greedy": sum(a["equal_to_gguf_greedy"] for a in answers),
         "streamed_equal": sum(a["streamed_equal"] for a in answers),
         "without_markers": sum(not a["markers_leaked"] for a in answers),
         "prompt_tokens_equal": sum(a["prompt_tokens"] == a["reference_prompt_tokens"] for a in answers),

@@ -28,6 +28,7 @@ def test_demo_verify_serves_every_golden_chat(pipeline_run):
     served = verify["served"]
     assert verify["gates"]["served"]["passed"] and served["requests"] == 12
     assert served["finished_by_stop"] == served["equal_to_reference"] == served["streamed_equal"] == 12
+    assert served["equal_to_gguf_greedy"] == 12  # the server changed nothing the GGUF says outside it
     assert served["prompt_tokens_equal"] == 12  # the server rendered the GGUF's template into HF's prompt
 
 

@@ -7,7 +7,7 @@ import math
 from loraship.config import Config
 from loraship.stages.verify import (
     eval_loss_gate, file_type_gate, finetune_answers_gate, finetune_kl_gate, golden_decisive_gate, golden_match_gate,
-    kl_mean_gate, kl_p99_gate, perplexity_ratio_gate, same_top_gate, tokenizer_parity_gate,
+    kl_mean_gate, kl_p99_gate, perplexity_ratio_gate, same_top_gate, served_gate, tokenizer_parity_gate,
 )
 
 CONFIG = Config.model_construct(**{name: f.default for name, f in Config.model_fields.items()})
@@ -86,3 +86,29 @@ def test_fine_tune_gates_fail_a_gguf_that_drifted_back_to_the_base():
     reverted = [{"changed_by_finetune": True, "match": False}] * 3
     assert not finetune_answers_gate({"answers": reverted}, CONFIG)["passed"]
     assert not finetune_answers_gate({"answers": []}, CONFIG)["passed"]  # nothing seen is no pass
+
+
+def _served(n: int, **wrong) -> dict:
+    answer = {"prompt": "p", "served": "Answer: X.", "reference": "Answer: X.", "finish_reason": "stop",
+              "streamed_finish_reason": "stop", "equal_to_reference": True, "equal_to_gguf_greedy": True,
+              "streamed_equal": True, "markers_leaked": []}
+    answers = [dict(answer) for _ in range(n)]
+    for i, (key, value) in enumerate(wrong.items()):
+        answers[i][key] = value
+    counts = {k: sum(bool(a[k]) for a in answers) for k in ("equal_to_reference", "equal_to_gguf_greedy", "streamed_equal")}
+    return {"requests": n, "answers": answers, "without_markers": sum(not a["markers_leaked"] for a in answers),
+            "finished_by_stop": sum(a["finish_reason"] == a["streamed_finish_reason"] == "stop" for a in answers), **counts}
+
+
+def test_served_gate_holds_serving_to_the_gguf_and_answers_to_golden_match_min():
+    assert served_gate(_served(8), CONFIG)["passed"]
+    # A quantization flip (the GGUF's own greedy answer differs from HF's) is golden_match's tolerance...
+    assert served_gate(_served(8, equal_to_reference=False), CONFIG)["passed"]
+    # ...but serving may change nothing: a run-on answer, a leaked marker, a different stream or answer fails.
+    for wrong in ({"finish_reason": "length"}, {"markers_leaked": ["<|im_end|>"]}, {"streamed_equal": False},
+                  {"equal_to_gguf_greedy": False}):
+        assert not served_gate(_served(8, **wrong), CONFIG)["passed"], wrong
+    flips = _served(8)
+    flips["equal_to_reference"] = 5
+    assert not served_gate(flips, CONFIG)["passed"]  # 5/8 < 0.75
+    assert not served_gate(_served(0), CONFIG)["passed"]  # nothing served is no pass
