@@ -27,7 +27,7 @@ import json, sys, importlib
 import torch
 torch.set_num_threads(int(sys.argv[3]))
 from loraship.config import load_config
-from loraship.stage import stage_dir
+from loraship.runtime.stage import stage_dir
 config = load_config(sys.argv[1])
 for stage in ("plan", "train", "merge", "reference", "convert", "quantize"):
     importlib.import_module(f"loraship.stages.{stage}").run(config)

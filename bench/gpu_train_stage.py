@@ -73,7 +73,7 @@ def main() -> None:
 
     from loraship.config import parse_config
     from loraship.data import load_splits
-    from loraship.stage import open_stage, reset_dir
+    from loraship.runtime.stage import open_stage, reset_dir
     from loraship.stages import plan as plan_stage
     from loraship.stages import train as train_stage
     from transformers import AutoTokenizer

@@ -7,7 +7,7 @@ A random-weight model in a real shape (examples/models/<shape>/config.json, fewe
 --layers: every block has the same size, so a few stand for many) is converted to F16 and quantized
 to Q4_K_M with llama.cpp. Each row loads it in a fresh process under CUDA llama.cpp (llama_cpp
 imported first, as verify's child does), evaluates 600 tokens with every position's logits, and
-reads the process's GPU memory through NVML; loraship.inference_memory.predict_gpu predicts the
+reads the process's GPU memory through NVML; loraship.planning.inference_memory.predict_gpu predicts the
 same from the GGUF. llama.cpp's own buffer sizes are kept per row. Needs a CUDA build of
 llama-cpp-python and LORASHIP_LLAMA_CPP_DIR (the converter); see bench/verify_gpu.py for the kit.
 """
@@ -35,7 +35,7 @@ tokens = llm.tokenize(("The quick brown fox jumps over the lazy dog. " * 80).enc
 started = time.perf_counter()
 llm.eval(tokens)
 seconds = time.perf_counter() - started
-from loraship.inference_memory import gpu_used_by_this_process_gib
+from loraship.planning.inference_memory import gpu_used_by_this_process_gib
 print("RESULT " + json.dumps({"measured_gib": gpu_used_by_this_process_gib(), "eval_tokens": len(tokens),
                               "prompt_tokens_per_s": round(len(tokens) / seconds, 1)}), flush=True)
 """
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/memory-sweep"))
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/verify_gpu_partial_offload.json")
     args = parser.parse_args()
-    from loraship import inference_memory as im
+    from loraship.planning import inference_memory as im
     from verify_gpu import llama_buffers
 
     args.work.mkdir(parents=True, exist_ok=True)

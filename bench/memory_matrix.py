@@ -1,4 +1,4 @@
-"""Measure LoRA/QLoRA training memory on a real GPU and compare it with loraship.memory's plan.
+"""Measure LoRA/QLoRA training memory on a real GPU and compare it with loraship.planning.memory's plan.
 
 Modes:
   python3 bench/memory_matrix.py measure --out DIR      # on the GPU: every config in a fresh process
@@ -369,7 +369,7 @@ def _gpu_name() -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Analysis on CPU: predictions from loraship.memory, fit/eval split, JSON + markdown table.
+# Analysis on CPU: predictions from loraship.planning.memory, fit/eval split, JSON + markdown table.
 # ---------------------------------------------------------------------------------------------
 def _cfg_for(spec: dict):
     from loraship.config import Config
@@ -383,7 +383,7 @@ def _cfg_for(spec: dict):
 
 
 def predict(spec: dict, program: str = "harness") -> dict:
-    from loraship import memory
+    from loraship.planning import memory
 
     mc = dict(SHAPES[spec["shape"]])
     return memory.estimate(mc, _cfg_for(spec), memory.strategy_from_config(_cfg_for(spec)), program)
@@ -441,7 +441,7 @@ def analyze(raw_path: Path, results: Path, md: Path) -> dict:
 
     out = {
         "gpu": raw.get("gpu"), "method": __doc__.strip().splitlines()[0],
-        "calibration": "constants in loraship/memory.py were fitted on the rows with used_for_fit=true only "
+        "calibration": "constants in loraship/planning/memory.py were fitted on the rows with used_for_fit=true only "
                        "(even rows of the first GPU call); 'held_out' scores the first call's odd rows; 'validation' "
                        "scores rows 24+, configurations measured in later GPU calls after the constants were "
                        "fitted and committed ('near_threshold', rows 34+, is the part of it the planner puts just "
@@ -463,8 +463,8 @@ FIT_KEYS = ("keep", "layer", "lora_input_dropout", "layer_backward", "hf_loss", 
 
 
 def fit(raw_path: Path) -> dict:
-    """Fit loraship.memory.CAL on the fit rows only (coordinate descent on squared relative error)."""
-    from loraship import memory
+    """Fit loraship.planning.memory.CAL on the fit rows only (coordinate descent on squared relative error)."""
+    from loraship.planning import memory
 
     raw = json.loads(raw_path.read_text())
     rows = [r for r in raw["rows"] if r["cap_gib"] is None and not r.get("oom") and not r.get("failed")
@@ -506,7 +506,7 @@ NOTES = """## How it was measured, and what to know
 
 - Commands: `python3 bench/memory_matrix.py measure --out $OUT --deadline-s 420 --parallel 3 --gpu-gib 128`
   (rows 0-23, first GPU call, before calibration), then `fit` on the even rows, constants committed to
-  `loraship/memory.py`, then `measure ... --only 24,...,33` (second GPU call: new shapes Mistral-7B and
+  `loraship/planning/memory.py`, then `measure ... --only 24,...,33` (second GPU call: new shapes Mistral-7B and
   Qwen2-0.5B, new ranks/lengths/batches), then `measure ... --always-cap --only 34,35,36,37,40,41` (third
   call: near the threshold, each run both uncapped and under the cap; 41 did not start before the deadline),
   and `python bench/memory_matrix.py analyze bench/results/memory_matrix_raw.json`.
@@ -645,7 +645,7 @@ def run_stage_one(spec: dict, cap_gib: float | None, device: str, models: Path, 
     cuda = device == "cuda"
     if cuda and cap_gib:
         torch.cuda.set_per_process_memory_fraction(cap_gib * GIB / torch.cuda.get_device_properties(0).total_memory)
-    from loraship import memory
+    from loraship.planning import memory
     from loraship.config import parse_config
     from loraship.errors import LorashipError
     from loraship.stages import plan as plan_stage
@@ -864,7 +864,7 @@ def analyze_stage(raw_path: Path, results: Path) -> dict:
         "method": "loraship.stages.plan + loraship.stages.train as shipped, one fresh process per row; measured "
                   "peak = max(eval before training (model load included), training); 'held_out' scores the "
                   "prediction the plan made in the run, "
-                  "'held_out_current_constants' the one loraship/memory.py makes now (its HF-loss reserve fitted by "
+                  "'held_out_current_constants' the one loraship/planning/memory.py makes now (its HF-loss reserve fitted by "
                   "fit-stage on the fit rows alone)",
         "held_out": summary(held), "held_out_current_constants": summary(held, "reserved_error_current_constants_pct"),
         "held_out_training_only": summary(held, "reserved_error_training_only_pct"),

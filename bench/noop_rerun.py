@@ -35,10 +35,10 @@ LORASHIP = [str(Path(sys.executable).with_name("loraship"))]
 FLOW = """
 import sys
 from pathlib import Path
-from loraship.prefect_env import configure_local_prefect
+from loraship.runtime.prefect_env import configure_local_prefect
 configure_local_prefect()
 from loraship.cli import _load
-from loraship.preflight import check_inputs
+from loraship.planning.preflight import check_inputs
 config = _load(Path(sys.argv[1]), sys.argv[2:])
 check_inputs(config)
 from loraship.flows.train_and_ship import train_and_ship

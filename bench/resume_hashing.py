@@ -29,10 +29,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loraship import manifest as mf  # noqa: E402
+from loraship.runtime import manifest as mf  # noqa: E402
 from loraship.config import parse_config  # noqa: E402
 from loraship.constants import F16_GGUF, MERGED_DIR, PLAN_FILE, STAGES, STRATEGY_FILE, VERIFY_FILE  # noqa: E402
-from loraship.stage import open_stage, stage_dir  # noqa: E402
+from loraship.runtime.stage import open_stage, stage_dir  # noqa: E402
 
 BLOCK = 64 * 2**20
 

@@ -16,7 +16,7 @@ Models: random weights in the real architecture class and shape of examples/mode
 (Qwen2ForCausalLM: q/k/v biases, no o_proj bias), saved with the tiny model's sentencepiece tokenizer (token ids fit
 every vocabulary; speed and memory depend on shapes, not on weight values).
 
-Every trainer trains the same examples (loraship's data code, the same split) in the same order (loraship/packing.py's
+Every trainer trains the same examples (loraship's data code, the same split) in the same order (loraship/training/packing.py's
 permutation), with LoRA dropout 0 (Unsloth's fast path), torch AdamW at loraship's learning rate and weight decay,
 loraship's schedule (cosine, no warm-up, over --steps) and gradient clipping at 1.0, so the first losses agree:
 - unsloth-sft: FastLanguageModel + trl's SFTTrainer with bf16=True, as Unsloth's users run it (its notebooks):
@@ -30,7 +30,7 @@ loraship's schedule (cosine, no warm-up, over --steps) and gradient clipping at 
 - loraship-packed / loraship-padded (case `packing`): packing on / off on variable-length chat rows.
 
 Timing: a global optimizer step hook synchronises and stamps each step; tokens/s is non-pad tokens of the steps after
---warmup divided by their time. MFU: model FLOPs per token (loraship/flops.py; recompute not counted) times that
+--warmup divided by their time. MFU: model FLOPs per token (loraship/planning/flops.py; recompute not counted) times that
 tokens/s over the card's dense bf16 peak. Peak memory: loraship's is the train stage's own measurement (training only,
 after the eval before training), the peers' over their training steps.
 """
@@ -299,8 +299,8 @@ def loraship_config(case: str, trainer: str, model_dir: Path, data: Path, root: 
 
 
 def step_order(examples: list[dict], micro: int, seed: int, steps: int) -> list[list[int]]:
-    """Example indices of each optimizer step (accumulation 1), in loraship's order (loraship/packing.py)."""
-    from loraship.packing import epoch_steps, steps_per_epoch
+    """Example indices of each optimizer step (accumulation 1), in loraship's order (loraship/training/packing.py)."""
+    from loraship.training.packing import epoch_steps, steps_per_epoch
 
     per_epoch = steps_per_epoch(len(examples), micro, 1)
     lengths = [len(e["input_ids"]) for e in examples]
@@ -313,8 +313,8 @@ def step_order(examples: list[dict], micro: int, seed: int, steps: int) -> list[
 
 
 def step_tokens(examples: list[dict], micro: int, accum: int, seed: int, steps: int) -> list[int]:
-    """Non-pad tokens of each optimizer step (the same examples packed or padded: loraship/packing.py)."""
-    from loraship.packing import epoch_steps, steps_per_epoch
+    """Non-pad tokens of each optimizer step (the same examples packed or padded: loraship/training/packing.py)."""
+    from loraship.training.packing import epoch_steps, steps_per_epoch
 
     per_epoch = steps_per_epoch(len(examples), micro, accum)
     lengths = [len(e["input_ids"]) for e in examples]
@@ -327,7 +327,7 @@ def step_tokens(examples: list[dict], micro: int, accum: int, seed: int, steps: 
 
 
 def flops_of(case: str, config, examples: list[dict], smoke: bool) -> float:
-    from loraship import flops
+    from loraship.planning import flops
 
     return flops.train_flops_per_token(model_config(spec(case, smoke)[0]), config,
                                        flops.attention_length([len(e["input_ids"]) for e in examples]))
@@ -395,7 +395,7 @@ def load_unsloth(model_dir, config, seq, adapter, dtype, smoke: bool):
 
 
 def target_modules(config) -> tuple[str, ...]:
-    from loraship import memory
+    from loraship.planning import memory
 
     return memory.target_names(config)
 
@@ -438,7 +438,7 @@ def train_loop(model, examples, order, config, device, tok) -> list[float]:
 
     import torch
 
-    from loraship.packing import collate_padded
+    from loraship.training.packing import collate_padded
     from loraship.stages.train import schedule
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -522,7 +522,7 @@ def train_with_trainer(model, examples, order, config, device, tok, root: Path, 
     else:
         from transformers import Trainer, TrainingArguments
 
-        from loraship.packing import collate_padded
+        from loraship.training.packing import collate_padded
 
         def collate(features):
             ids, labels, mask = collate_padded(features, tok.pad_token_id or 0)
@@ -619,7 +619,7 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
         row.update(ok=False, fits_32gib=False if oom and device == "cuda" else None, reserved_gib=None,
                    allocated_gib=None, tokens_per_s=None, strategy=None,
                    error=f"{type(e).__name__}: {str(e)[:500]}", trace=traceback.format_exc()[-3000:])
-    from loraship import flops
+    from loraship.planning import flops
 
     row["mfu"], row["mfu_basis"] = flops.mfu(row.get("tokens_per_s"), row.get("flops_per_token") or 0.0,
                                              row["device"] if device == "cuda" else None)
@@ -726,7 +726,7 @@ def trained_strategy(row: dict, cfg) -> dict:
     """The strategy a loraship row trained with: its strategy_detail, or read back from the words of older rows."""
     import re
 
-    from loraship import memory
+    from loraship.planning import memory
 
     if row.get("strategy_detail"):
         return row["strategy_detail"]
@@ -742,11 +742,11 @@ def trained_strategy(row: dict, cfg) -> dict:
 
 
 def planner_scores(rows: list[dict]) -> dict:
-    """The current planner (loraship/memory.py) against each loraship row's measured peak reserved, at the strategy
+    """The current planner (loraship/planning/memory.py) against each loraship row's measured peak reserved, at the strategy
     that row trained with: issue #10's item 5 on rows measured through the train stage itself."""
     import statistics
 
-    from loraship import memory
+    from loraship.planning import memory
 
     out = []
     for r in rows:

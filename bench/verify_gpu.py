@@ -3,7 +3,7 @@
     python bench/verify_gpu.py --shape qwen2-7b --target-gib 8 --out bench/results/verify_gpu.json
 
 Random weights in the real shapes (examples/models/<shape>/config.json) measure memory and speed
-exactly as real weights would; the tokenizer is Qwen's real BPE vocabulary (loraship/tinyqwen.py's
+exactly as real weights would; the tokenizer is Qwen's real BPE vocabulary (loraship/fixtures/tinyqwen.py's
 files, passed with --tokenizer). The stages are the product's: plan -> train (3 steps at a high learning rate, so that an
 adapter exists) -> merge -> reference -> convert -> quantize -> verify, each timed. verify loads
 only the Q4_K_M GGUF, every layer on the GPU at n_ctx --n-ctx, and measures its own GPU memory
@@ -15,7 +15,7 @@ On a bare GPU machine with torch and transformers but no registry, carry in one 
 wheels for pydantic, pydantic-core (cp312), annotated-types, typing-inspection, diskcache and
 gguf; the llama-cpp-python sdist (pinned version, .git and vendor/llama.cpp/{docs,benches,models
 *.gguf} removed: 11 MB) or the CUDA build from an earlier call (dedupe llama_cpp/lib's three
-copies of each .so: 44 MB); the tiny Qwen tokenizer files (loraship.tinyqwen.write_tokenizer);
+copies of each .so: 44 MB); the tiny Qwen tokenizer files (loraship.fixtures.tinyqwen.write_tokenizer);
 the converter folder of `loraship fetch-converter`. Build with the machine's python3:
 CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" pip install --no-build-isolation
 --no-deps --target /tmp/llama <sdist folder> (308 s on an H200's 16 cores), beside the chain:
@@ -115,7 +115,7 @@ def peer_text(path: Path) -> None:
 def prune(config, stage: str, base: Path) -> None:
     """Delete what no later stage reads once `stage` has finished (the manifests stay)."""
     from loraship.constants import F16_GGUF, MERGED_DIR
-    from loraship.stage import stage_dir
+    from loraship.runtime.stage import stage_dir
 
     if stage == "merge":
         shutil.rmtree(base, ignore_errors=True)
@@ -154,7 +154,7 @@ def main() -> None:
     from loraship.constants import REFERENCE_FILE, STAGES
     import yaml
 
-    from loraship.stage import stage_dir
+    from loraship.runtime.stage import stage_dir
 
     row: dict = {"model": args.shape + (f" ({args.layers} layers)" if args.layers else ""), "quant": "Q4_K_M", "n_ctx": args.n_ctx, "target_gpu_gib": args.target_gib,
                  "stage_seconds": {}}

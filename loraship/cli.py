@@ -16,10 +16,10 @@ from rich.table import Table
 
 from loraship.constants import GGUF_KEY_CHAT_TEMPLATE, STAGES
 from loraship.errors import LorashipError
-from loraship.gguf_tools import describe_gguf, gguf_file, human_size, verify_checks
+from loraship.llamacpp.gguf_tools import describe_gguf, gguf_file, human_size, verify_checks
 from loraship.starter import import_axolotl, model_config_of, starter_config, write_config
 from loraship.stage_table import stage_module
-from loraship.status import run_states, short
+from loraship.runtime.status import run_states, short
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode="rich")
 err = Console(stderr=True, soft_wrap=True)
@@ -138,8 +138,8 @@ def _ancestors(stage: str) -> set[str]:
 
 def select_stages(config, config_path: Path, only: str | None, start: str | None) -> list[str]:
     """Stages to run for --only/--from; refuses one whose upstream output is not there yet."""
-    from loraship.manifest import read_manifest
-    from loraship.stage import stage_dir
+    from loraship.runtime.manifest import read_manifest
+    from loraship.runtime.stage import stage_dir
 
     if only and start:
         raise LorashipError("--only and --from together: use --only STAGE for one stage, or --from STAGE for it and "
@@ -172,7 +172,7 @@ def run(
     start: str = typer.Option(None, "--from", metavar="STAGE", help="Run this stage and every stage after it"),
 ) -> None:
     """Run train-and-ship (in-process Prefect, no server needed). Finished stages are skipped."""
-    from loraship.prefect_env import configure_local_prefect
+    from loraship.runtime.prefect_env import configure_local_prefect
 
     configure_local_prefect()
     with _user_errors():
@@ -183,8 +183,8 @@ def run(
         if "plan" in stages:
             # Every input problem is reported here, before Prefect or a GPU is involved; with the
             # config's secrets in the environment (a gated hub model needs its token to be checked).
-            from loraship.prefect_env import secret_env
-            from loraship.preflight import check_inputs
+            from loraship.runtime.prefect_env import secret_env
+            from loraship.planning.preflight import check_inputs
 
             with secret_env(config.env_from_secrets):
                 check_inputs(config)
@@ -210,7 +210,7 @@ def _nothing_to_run(config, stages: list[str]) -> bool:
     """Finish the run here when every stage asked for is up to date, as `loraship status` sees it: no
     Prefect server to start, no torch or transformers to import (bench/results/noop_rerun.json). Publish
     still runs its skip, which puts back whatever differs at the destination. False: the flow has work to do."""
-    from loraship.stage import WouldRun, skip_only
+    from loraship.runtime.stage import WouldRun, skip_only
 
     states = run_states(config)
     if any(states[stage]["state"] != "done" for stage in stages):
@@ -237,7 +237,7 @@ def plan(
     """Predict GPU memory, disk and the shipped model's footprint from config.json alone (no GPU, no weights)."""
     with _user_errors():
         config = _load(config_path, set_)
-        from loraship import memory
+        from loraship.planning import memory
 
         model_config = model_config_of(config)
         try:
@@ -274,7 +274,7 @@ def _checkpointing_words(strategy: dict, n_layers: int | None) -> str:
     return f"checkpointing {k}{f' of {n_layers}' if n_layers else ''} layers"
 
 
-# The components of the peak (loraship/memory.py estimate): the static terms and the kept activations happen
+# The components of the peak (loraship/planning/memory.py estimate): the static terms and the kept activations happen
 # together, plus the larger of two transients: the loss, or one layer's backward with the streamed layer copies.
 _LAYER_TRANSIENT = ("one_layer_recompute_and_backward", "streamed_layer_copies")
 _LOSS_TRANSIENT = ("logits_and_cross_entropy",)
@@ -315,7 +315,7 @@ def render_plan(plan: dict, disk: dict):
     from rich.table import Table
     from rich.text import Text
 
-    from loraship.memory import ACTIVATIONS_IN_CPU
+    from loraship.planning.memory import ACTIVATIONS_IN_CPU
 
     st, mem = plan["strategy"], plan["memory"]
     verdict = "[green]fits[/]" if plan["fits"] else "[red]does not fit[/]"
@@ -372,7 +372,7 @@ def status(
     """Each stage of a config's run: done, stale (its inputs changed since it ran) or not run."""
     import datetime
 
-    from loraship.stage import run_dir
+    from loraship.runtime.stage import run_dir
 
     with _user_errors():
         config = _load(config_path, set_)
@@ -472,8 +472,8 @@ def chat(
 ) -> None:
     """Talk to a GGUF through llama.cpp with its own chat template. One message per line; /reset starts
     over, /exit or end of input quits."""
-    from loraship.gguf_info import read_gguf_apart
-    from loraship.llama_child import ChatChild
+    from loraship.llamacpp.gguf_info import read_gguf_apart
+    from loraship.llamacpp.llama_child import ChatChild
 
     with _user_errors():
         path = gguf_file(artifact)
@@ -482,7 +482,7 @@ def chat(
             raise LorashipError(f"{path}: no chat template in the GGUF (a completion model), so there are no turns to "
                                 "render; train with chat data or set `chat_template:` in the config, then ship again")
         trained = fields.get(f"{fields.get('general.architecture')}.context_length") or 4096
-        # llama.cpp in a child that loads the GGUF first: this process has imported numpy (loraship/llama_child.py).
+        # llama.cpp in a child that loads the GGUF first: this process has imported numpy (loraship/llamacpp/llama_child.py).
         llm = ChatChild(path, n_ctx=context or min(int(trained), 4096), seed=seed)
     with llm, _user_errors():
         _chat_loop(llm, path, system, max_tokens=max_tokens, temperature=temperature, seed=seed)
@@ -573,7 +573,7 @@ def tiny_model(
     seed: int = typer.Option(1234, help="Seed: the same seed gives the same model"),
 ) -> None:
     """Generate the tiny Llama-architecture demo model (sentencepiece tokenizer, chat template, pre-trained)."""
-    from loraship.tinymodel import ensure_tiny_model
+    from loraship.fixtures.tinymodel import ensure_tiny_model
 
     path = ensure_tiny_model(out_dir, seed)
     out.print(f"tiny model ready: {path}")
@@ -582,7 +582,7 @@ def tiny_model(
 @app.command("fetch-converter", epilog=_example("loraship fetch-converter"))
 def fetch_converter() -> None:
     """Download the pinned llama.cpp converter (from the llama-cpp-python sdist) into the cache."""
-    from loraship.llamacpp import converter_dir
+    from loraship.llamacpp.llamacpp import converter_dir
 
     with _user_errors():
         out.print(str(converter_dir()))
@@ -602,7 +602,7 @@ def gitops(
                                       help="Start again a spec whose latest run failed, crashed or was cancelled"),
 ) -> None:
     """Trigger one run per run spec changed between two refs; the same spec content never triggers twice."""
-    from loraship.gitops import trigger_changed_specs
+    from loraship.runtime.gitops import trigger_changed_specs
 
     with _user_errors():
         results = trigger_changed_specs(from_ref, to_ref, repo=repo, specs_dir=specs_dir, deployment=deployment,

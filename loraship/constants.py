@@ -15,7 +15,7 @@ STRATEGY_FILE = "strategy.json"  # the part of the plan that training depends on
 ADAPTER_DIR = "adapter"
 CHECKPOINTS_DIR = "checkpoints"
 LOSS_HISTORY_FILE = "loss_history.jsonl"
-# The train stage's pictures (loraship/plots.py), outputs of its manifest.
+# The train stage's pictures (loraship/publishing/plots.py), outputs of its manifest.
 LOSS_PLOT_FILE = "loss_curves.png"
 MEMORY_PLOT_FILE = "memory_plan.png"
 MERGED_DIR = "merged"
@@ -27,7 +27,7 @@ VERIFY_FILE = "verify.json"
 MODEL_CARD = "README.md"
 MODELFILE = "Modelfile"  # Ollama's build file, beside the GGUF in the artifact
 GGUF_METADATA_FILE = "gguf_metadata.json"  # convert_hf_to_gguf.py --metadata override (general.name, ...)
-OLLAMA_FILE = "ollama.json"  # chat-template family, default system prompt, stop tokens (loraship/ollama.py)
+OLLAMA_FILE = "ollama.json"  # chat-template family, default system prompt, stop tokens (loraship/llamacpp/ollama.py)
 
 
 def quantized_gguf_name(quantization: str) -> str:

@@ -344,7 +344,7 @@ def read_dataset(spec) -> list[dict]:
 
 def dataset_identity(spec) -> str:
     """What the data is, for fingerprints: a local file's sha256, a Hub dataset's id, split and `datasets` fingerprint."""
-    from loraship.manifest import sha256_file
+    from loraship.runtime.manifest import sha256_file
 
     repo = hub_dataset_id(spec.path)
     if repo is None and url_scheme(spec.path):
@@ -447,7 +447,7 @@ def encoded_dataset(spec, tokenizer) -> list[dict]:
     template, the row type and the field mapping. Records are kept at full length with the
     assistant mask, and sequence_len, truncation and train_on_inputs are applied on read
     (examples_from): changing them retrains without re-tokenizing."""
-    from loraship.manifest import atomic_write_json
+    from loraship.runtime.manifest import atomic_write_json
 
     key = hashlib.sha256(json.dumps({
         "version": TOKENIZED_CACHE_VERSION, "data": dataset_identity(spec), "tokenizer": tokenizer_fingerprint(tokenizer),

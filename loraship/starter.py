@@ -113,9 +113,9 @@ def template_for_base(folder: Path, row_type: str, trust_remote_code: bool = Fal
 
 def starter_config(base_model: str, dataset: Path, out_file: Path, gpu_gib: float | None, force: bool) -> tuple[dict, list[str]]:
     """Config keys for a base model and a dataset, and what was inferred (for the header)."""
-    from loraship import memory
+    from loraship.planning import memory
     from loraship.config import Config, parse_config
-    from loraship.inference_memory import gpu_total_gib
+    from loraship.planning.inference_memory import gpu_total_gib
     from loraship.models import resolve_base_model
 
     notes: list[str] = []
@@ -156,7 +156,7 @@ def write_config(out_file: Path, data: dict, notes: list[str], warnings: list[st
     import yaml
 
     from loraship.config import load_config
-    from loraship.manifest import atomic_write_text
+    from loraship.runtime.manifest import atomic_write_text
 
     header = [f"# Written by `loraship init`. Run with:  loraship run {out_file}",
               "# Keys not set here take the defaults described in loraship/config.py.",

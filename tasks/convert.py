@@ -7,7 +7,7 @@ the flow with it. Output is written under a temporary name and renamed when comp
 The GGUF is named after the run, not after the folder it was converted from ("merged"): the
 converter's `--metadata` override file sets general.name, basename, finetune, the base model
 and, where the base model's card states one, the license. This stage also records, from the
-merged tokenizer, what publish needs for Ollama (loraship/ollama.py): the chat-template family,
+merged tokenizer, what publish needs for Ollama (loraship/llamacpp/ollama.py): the chat-template family,
 its default system prompt and the model's stop tokens.
 
 With adapter_gguf it also writes the train stage's PEFT adapter alone as a GGUF LoRA (llama.cpp's
@@ -27,13 +27,13 @@ from loraship.constants import (
     OLLAMA_FILE, base_gguf_name,
 )
 from loraship.errors import IntegrityError, LorashipError
-from loraship.gguf_info import read_gguf, read_gguf_of_type
-from loraship.llamacpp import converter_dir, lora_converter
-from loraship.manifest import atomic_write_json
-from loraship.proc import write_with_tool
-from loraship.progress import LlamaCppProgress, artifact_key
-from loraship.preflight import check_free_disk
-from loraship.stage import exclusive, main, open_stage, reset_dir
+from loraship.llamacpp.gguf_info import read_gguf, read_gguf_of_type
+from loraship.llamacpp.llamacpp import converter_dir, lora_converter
+from loraship.runtime.manifest import atomic_write_json
+from loraship.runtime.proc import write_with_tool
+from loraship.runtime.progress import LlamaCppProgress, artifact_key
+from loraship.planning.preflight import check_free_disk
+from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "convert"
 UPSTREAM = ("merge",)
@@ -44,7 +44,7 @@ log = logging.getLogger("loraship.convert")
 
 def convert(merged_dir: Path, out_file: Path, outtype: str = "f16", metadata: Path | None = None,
             progress_key: str | None = None) -> None:
-    """progress_key: the Prefect progress artifact's key (loraship/progress.py) inside a flow run."""
+    """progress_key: the Prefect progress artifact's key (loraship/runtime/progress.py) inside a flow run."""
     script = converter_dir() / "convert_hf_to_gguf.py"
     extra = ["--metadata", str(metadata)] if metadata else []
     progress = LlamaCppProgress(STAGE, log, key=progress_key)
@@ -101,8 +101,8 @@ def converted_from(config) -> str:
     outputs it recorded, digested as tasks/reference.py's merged_digest does), for a later stage's lineage check.
 
     A manifest that records no merge outputs cannot vouch for its GGUF's lineage: refused, not passed over."""
-    from loraship.manifest import read_manifest
-    from loraship.stage import stage_dir
+    from loraship.runtime.manifest import read_manifest
+    from loraship.runtime.stage import stage_dir
     from loraship.stages.reference import merged_digest
 
     folder = stage_dir(config, STAGE)
@@ -171,7 +171,7 @@ def ollama_facts(merged_dir: Path) -> dict:
     """Chat-template family, default system prompt and stop tokens of the merged tokenizer."""
     from transformers import AutoTokenizer
 
-    from loraship import ollama
+    from loraship.llamacpp import ollama
     from loraship.stages.reference import stop_ids
 
     tokenizer = AutoTokenizer.from_pretrained(merged_dir)

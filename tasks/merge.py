@@ -21,14 +21,14 @@ from loraship.chat import resolve_template
 from loraship.constants import ADAPTER_DIR, MERGED_DIR, PROBE_FILE
 from loraship.data import load_splits
 from loraship.errors import IntegrityError, LorashipError
-from loraship.manifest import atomic_path, atomic_write_json
+from loraship.runtime.manifest import atomic_path, atomic_write_json
 from loraship.models import (
     EMBED_TOKENS, LM_HEAD, check_base_model, embedding_only_as_lm_head, hf_offline_if_local, resolve_base_model,
     ties_embeddings, weight_files,
 )
-from loraship.preflight import check_free_disk
-from loraship.progress import Progress, artifact_key
-from loraship.stage import exclusive, main, open_stage, reset_dir
+from loraship.planning.preflight import check_free_disk
+from loraship.runtime.progress import Progress, artifact_key
+from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "merge"
 UPSTREAM = ("train",)  # the base model's identity reaches merge through train's strategy.json
@@ -83,7 +83,7 @@ def lora_deltas(adapter_dir: Path) -> tuple[dict, float]:
 
 def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: str = "bfloat16",
                  progress_key: str | None = None) -> dict:
-    """progress_key: the Prefect progress artifact's key inside a flow run (loraship/progress.py)."""
+    """progress_key: the Prefect progress artifact's key inside a flow run (loraship/runtime/progress.py)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -214,7 +214,7 @@ def probe_device(base_bytes: int) -> tuple[str | None, str]:
     rather than be killed for memory half-way through a merge of a large model."""
     import torch
 
-    from loraship.resources import available_memory
+    from loraship.planning.resources import available_memory
 
     needed = 2.5 * base_bytes
     available = available_memory()  # a pod's memory limit, not the node's free RAM

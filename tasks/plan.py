@@ -7,14 +7,14 @@ any GPU hour is spent (unknown architecture, unrecognised BPE pre-tokenizer).
 
 from __future__ import annotations
 
-from loraship import memory
+from loraship.planning import memory
 from loraship.constants import PLAN_FILE, STRATEGY_FILE
 from loraship.data import dataset_identity
 from loraship.errors import ConfigError
-from loraship.manifest import atomic_write_json
+from loraship.runtime.manifest import atomic_write_json
 from loraship.models import read_model_config
-from loraship.preflight import check_inputs
-from loraship.stage import exclusive, main, open_stage, reset_dir
+from loraship.planning.preflight import check_inputs
+from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "plan"
 UPSTREAM: tuple[str, ...] = ()

@@ -7,7 +7,7 @@ run it with llama-server and Ollama, the strategy that really trained, memory an
 is complete; local destinations get each file under a temporary name, then renamed. Every file
 is read back from the destination (size and sha256); a rerun sends only what is missing or
 differs there, and removes what this artifact no longer ships. An `hf://<namespace>/<repo>` output
-is a Hugging Face Hub repository, published in one atomic commit (loraship/hub.py).
+is a Hugging Face Hub repository, published in one atomic commit (loraship/publishing/hub.py).
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import os
 import shutil
 from pathlib import Path
 
-from loraship import hub, ollama
+from loraship.publishing import hub
+
+from loraship.llamacpp import ollama
 from loraship.constants import (
     ADAPTER_DIR, ADAPTER_GGUF, GGUF_METADATA_FILE, LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD,
     MODELFILE, OLLAMA_FILE, PLAN_FILE, STAGES, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
 )
 from loraship.errors import OutputError
-from loraship.manifest import DigestCache, atomic_path, atomic_write_json, describe_files, sha256_file, sha256_json
-from loraship.stage import exclusive, main, open_stage, reset_dir, stage_dir
+from loraship.runtime.manifest import DigestCache, atomic_path, atomic_write_json, describe_files, sha256_file, sha256_json
+from loraship.runtime.stage import exclusive, main, open_stage, reset_dir, stage_dir
 
 STAGE = "publish"
 UPSTREAM = ("plan", "train", "merge", "convert", "quantize", "verify")
@@ -356,7 +358,7 @@ def _put(fs, src: Path, dst: str, local: bool) -> None:
 
 def destination_of(config) -> str:
     """`output/<run_name>`; a Hub repository is the destination itself, so its top-level README.md is
-    the model card the Hub renders (loraship/hub.py)."""
+    the model card the Hub renders (loraship/publishing/hub.py)."""
     if hub.is_hub_repo(config.output):
         return config.output.rstrip("/")
     return f"{config.output.rstrip('/')}/{config.run_name}"

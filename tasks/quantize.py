@@ -15,13 +15,13 @@ from pathlib import Path
 
 from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, GGUF_KEY_FILE_TYPE, quantized_gguf_name
 from loraship.errors import IntegrityError
-from loraship.gguf_info import read_gguf, read_gguf_of_type
-from loraship.manifest import check_outputs, library_versions, read_manifest
-from loraship.proc import write_with_tool
-from loraship.progress import LlamaCppProgress, artifact_key
-from loraship.resources import cpu_count
-from loraship.preflight import check_free_disk
-from loraship.stage import exclusive, main, open_stage, reset_dir
+from loraship.llamacpp.gguf_info import read_gguf, read_gguf_of_type
+from loraship.runtime.manifest import check_outputs, library_versions, read_manifest
+from loraship.runtime.proc import write_with_tool
+from loraship.runtime.progress import LlamaCppProgress, artifact_key
+from loraship.planning.resources import cpu_count
+from loraship.planning.preflight import check_free_disk
+from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "quantize"
 UPSTREAM = ("convert",)
@@ -64,7 +64,7 @@ LOAD_CHECK_TIMEOUT_S = 3600
 def check_loads(path: Path, lora: Path | None = None) -> None:
     """Refuse a GGUF llama.cpp cannot load (or a LoRA adapter GGUF it cannot apply to it), naming the file and
     llama.cpp's own reason."""
-    from loraship.proc import run_child
+    from loraship.runtime.proc import run_child
 
     # No GPU: a CPU load checks the file, and needs none of the inference card's memory.
     done = run_child([sys.executable, "-c", _LOAD_CHECK, str(path), *([str(lora)] if lora else [])],
@@ -92,7 +92,7 @@ def check_loads(path: Path, lora: Path | None = None) -> None:
 
 
 def quantize(src: Path, dst: Path, quantization: str, progress_key: str | None = None) -> None:
-    """progress_key: the Prefect progress artifact's key (loraship/progress.py) inside a flow run."""
+    """progress_key: the Prefect progress artifact's key (loraship/runtime/progress.py) inside a flow run."""
     progress = LlamaCppProgress(f"{STAGE} {quantization}", log, key=progress_key)
     # Threads from the CPU quota and affinity, not the host's core count: in a pod limited to 8 CPUs
     # on a 128-core node, 128 threads would thrash.

@@ -22,10 +22,10 @@ from loraship.chat import render, template_of, turn_end_id
 from loraship.constants import MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE
 from loraship.data import eval_records, golden_rows
 from loraship.errors import LorashipError
-from loraship.manifest import atomic_path, atomic_write_json, sha256_file, sha256_json
+from loraship.runtime.manifest import atomic_path, atomic_write_json, sha256_file, sha256_json
 from loraship.models import hf_offline_if_local, resolve_base_model
-from loraship.progress import Progress, artifact_key
-from loraship.stage import exclusive, main, open_stage, reset_dir
+from loraship.runtime.progress import Progress, artifact_key
+from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "reference"
 UPSTREAM = ("merge",)

@@ -1,10 +1,10 @@
 """Train: a LoRA or QLoRA adapter with transformers + PEFT, resumable step by step.
 
 A plain loop rather than HF Trainer so that resume is exact: the data order is a seeded
-permutation per epoch (loraship/packing.py), and a checkpoint holds adapter, optimizer, scheduler,
+permutation per epoch (loraship/training/packing.py), and a checkpoint holds adapter, optimizer, scheduler,
 step and RNG state (CPU, CUDA, Python), so a rerun after kill -9 continues the same loss curve at
 the same data position. Examples are packed padding-free where the model allows it, each attending to
-itself only (loraship/packed_attention.py). On CUDA it records measured peak memory next to the plan's prediction; an
+itself only (loraship/training/packed_attention.py). On CUDA it records measured peak memory next to the plan's prediction; an
 out-of-memory error releases the failed attempt, re-plans along the plan's own ladder (smaller
 micro-batch, then the config's `fallback`), persists the new plan so a rerun starts from it, and
 retries instead of failing.
@@ -21,19 +21,23 @@ import random
 import time
 from pathlib import Path
 
-from loraship import flops, memory, packed_attention, plots
+from loraship.planning import flops, memory
+
+from loraship.training import packed_attention
+
+from loraship.publishing import plots
 from loraship.constants import (
     ADAPTER_DIR, CHECKPOINTS_DIR, LOSS_HISTORY_FILE, LOSS_PLOT_FILE, MEMORY_PLOT_FILE, PLAN_FILE, STRATEGY_FILE,
 )
 from loraship.chat import use_configured_template
 from loraship.data import IGNORE_INDEX, load_splits
 from loraship.errors import LorashipError
-from loraship.manifest import aside_of, atomic_path, atomic_write_json, atomic_write_text, sha256_json
+from loraship.runtime.manifest import aside_of, atomic_path, atomic_write_json, atomic_write_text, sha256_json
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, torch_load_kwargs
-from loraship.packing import collate_packed, epoch_steps, packing_unsupported, steps_per_epoch
-from loraship.packing import collate_padded as collate  # tasks/merge.py batches its probe with it
-from loraship.progress import Progress, artifact_key
-from loraship.stage import exclusive, main, open_stage, reset_dir
+from loraship.training.packing import collate_packed, epoch_steps, packing_unsupported, steps_per_epoch
+from loraship.training.packing import collate_padded as collate  # tasks/merge.py batches its probe with it
+from loraship.runtime.progress import Progress, artifact_key
+from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "train"
 UPSTREAM = ("plan",)
@@ -71,7 +75,7 @@ def checkpoint_first_layers(model, k: int | None) -> None:
 
     Why the first: their activations would live longest (from the start of the forward to the end of the
     backward), and backward reaches them last, after the later, un-checkpointed layers freed theirs, so a
-    recompute never adds to those. loraship/memory.py's estimate assumes exactly this order. k None
+    recompute never adds to those. loraship/planning/memory.py's estimate assumes exactly this order. k None
     (a plan from before `checkpointed_layers`) means every layer, as before.
     """
     layers = decoder_layers(model)
@@ -117,7 +121,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     if device == "cuda" and not offload:
         kwargs["device_map"] = {"": 0}
     # With offload the model is assembled on the CPU and moved to the GPU after the frozen
-    # weights of the offloaded layers were set aside (loraship/offload.py).
+    # weights of the offloaded layers were set aside (loraship/training/offload.py).
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     if strategy["adapter"] == "qlora" and device != "cuda":
         # bitsandbytes (0.50) repacks an NF4 layer, one way, into an inference-only CPU layout the first time it
@@ -134,7 +138,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         model.enable_input_require_grads()
         checkpoint_first_layers(model, strategy.get("checkpointed_layers"))
         if strategy.get("offload_activations"):
-            from loraship.activation_offload import offload_checkpointed_activations
+            from loraship.training.activation_offload import offload_checkpointed_activations
 
             layers = decoder_layers(model)
             k = memory.checkpointed_layers(strategy, len(layers))
@@ -151,7 +155,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     )
     model = get_peft_model(model, lora)
     if offload:
-        from loraship.offload import offload_frozen_layers
+        from loraship.training.offload import offload_frozen_layers
 
         log.info("train: %.2f GiB of frozen weights kept in CPU memory", offload_frozen_layers(model, offload) / 2**30)
         model.to("cuda")
@@ -164,7 +168,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         model.loraship_fused_loss = True  # evaluate() asks for it too: Liger skips it in eval mode by default
     if device == "cuda":
         # LoRA's matmuls in bf16 under autocast (see `compute`), its fp32 weights cast instead of the input: no
-        # fp32 copy of the input per adapter (loraship/memory.py lora_saved_per_token counts what is kept).
+        # fp32 copy of the input per adapter (loraship/planning/memory.py lora_saved_per_token counts what is kept).
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         for module in model.modules():
@@ -317,7 +321,7 @@ def set_checkpoints_aside(folder: Path, old: dict, new: dict, attempt: int) -> d
 
 def use_packing(config, model, device: str) -> tuple[bool, str]:
     """Whether this run packs examples, and why (recorded in the manifest). Packing sets the model's attention
-    to loraship/packed_attention.py."""
+    to loraship/training/packed_attention.py."""
     if config.packing == "off":
         return False, "packing: off"
     why_not = packing_unsupported(model, config.sequence_len)
@@ -411,7 +415,7 @@ def steady_rate(stamps: list[tuple[float, int]], warmup: int = WARMUP_STEPS) -> 
 
 
 def flops_per_token(model_dir: Path, config, lengths: list[int]) -> float | None:
-    """Model FLOPs of one trained token (loraship/flops.py), None for an architecture the planner cannot read."""
+    """Model FLOPs of one trained token (loraship/planning/flops.py), None for an architecture the planner cannot read."""
     try:
         model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         return flops.train_flops_per_token(model_config, config, flops.attention_length(lengths))

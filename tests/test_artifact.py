@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from loraship import ollama
+from loraship.llamacpp import ollama
 from loraship.chat import NAMED_TEMPLATES
 from loraship.constants import (
     LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD, MODELFILE, PLAN_FILE, VERIFY_FILE, quantized_gguf_name,
 )
-from loraship.stage import stage_dir
+from loraship.runtime.stage import stage_dir
 
 # Real checkpoints' templates (tokenizer_config.json), written out so the tests need no download.
 QWEN2_INSTRUCT = (  # Qwen/Qwen2-7B-Instruct: a default system prompt when none is given
@@ -85,7 +85,7 @@ CONVERSATIONS = [
 def tokenizers(tiny_model, tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from loraship.tinyqwen import write_tokenizer
+    from loraship.fixtures.tinyqwen import write_tokenizer
 
     qwen = tmp_path_factory.mktemp("qwen-tokenizer")
     write_tokenizer(qwen)  # Qwen's real vocabulary and Qwen2.5-Instruct's tokenizer files and template

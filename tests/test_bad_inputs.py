@@ -525,7 +525,7 @@ def _gguf_tensors_overlap(path):
 def test_gguf_whose_tensor_data_lies_is_refused_before_quantizing(tmp_path, breaker, expected):
     """The convert stage's GGUF matches its manifest but its header lies: quantize names it and does nothing."""
     from loraship.constants import F16_GGUF
-    from loraship.manifest import write_manifest
+    from loraship.runtime.manifest import write_manifest
 
     cfg = {"run_name": "bad", "base_model": str(fake_model(tmp_path)),
            "datasets": [{"path": str(good_dataset(tmp_path)), "type": "chat"}],
@@ -598,7 +598,7 @@ def test_converter_sdist_with_another_sha256_is_refused(tmp_path, local_index):
     or run, and the converter already in the cache stays as it was."""
     from loraship.constants import LLAMA_CPP_PYTHON_VERSION
     from loraship.errors import IntegrityError
-    from loraship.llamacpp import SDIST_SHA256, fetch_converter
+    from loraship.llamacpp.llamacpp import SDIST_SHA256, fetch_converter
 
     ran = tmp_path / "backend-ran"
     tampered = fake_sdist(local_index, LLAMA_CPP_PYTHON_VERSION, marker=ran)
@@ -619,7 +619,7 @@ def test_converter_sdist_with_another_sha256_is_refused(tmp_path, local_index):
 def test_converter_sdist_with_the_pinned_sha256_is_unpacked(tmp_path, local_index, monkeypatch):
     """The same path with the digest pinned for the file: pip runs its backend (so the refusal above stopped
     it), and only the converter's folders are unpacked."""
-    from loraship import llamacpp
+    from loraship.llamacpp import llamacpp
     from loraship.constants import LLAMA_CPP_PYTHON_VERSION
 
     ran = tmp_path / "backend-ran"
@@ -634,7 +634,7 @@ def test_converter_sdist_with_the_pinned_sha256_is_unpacked(tmp_path, local_inde
 def test_links_of_a_hub_cache_snapshot_are_accepted_and_others_named(tmp_path):
     """huggingface_hub's cache links snapshots/<rev>/<file> to ../../blobs/<hash>: that stays inside
     the repository's cache folder; a link from the same snapshot to a file beside the cache does not."""
-    from loraship.preflight import outside_link_problems
+    from loraship.planning.preflight import outside_link_problems
 
     repo = tmp_path / "hub" / "models--org--name"
     snapshot = repo / "snapshots" / "0123abc"

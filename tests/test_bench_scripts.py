@@ -62,7 +62,7 @@ def test_fit_stage_uses_the_hf_loss_fit_rows_only(monkeypatch, tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     import memory_matrix as mm
 
-    from loraship import memory
+    from loraship.planning import memory
 
     monkeypatch.setitem(memory.CAL, "reserve_hf_loss_expandable", 0.9)  # the fit leaves the term out, whatever its value
     hf_fit = [i for i in range(mm.FIRST_VALIDATION_INDEX) if mm.is_fit_row(i) and not mm.MATRIX[i]["fused_loss"]][:3]

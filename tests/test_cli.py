@@ -45,7 +45,7 @@ def config_file(tiny_model, tmp_path) -> Path:
 
 # -- GGUF verbs ------------------------------------------------------------------------------
 def test_inspect_reads_back_the_gguf(tiny_gguf, tiny_model):
-    from loraship.gguf_info import read_gguf
+    from loraship.llamacpp.gguf_info import read_gguf
 
     result = invoke("inspect", tiny_gguf, "--json")
     assert result.exit_code == 0, result.output
@@ -87,7 +87,7 @@ def test_chat_answers_each_line_with_the_ggufs_template(tiny_gguf):
 
 def test_chat_and_verify_load_llama_cpp_in_a_child_not_in_the_cli(tiny_gguf):
     """On the CUDA build a load after `import numpy` segfaulted; the CLI has imported numpy, so llama.cpp runs in
-    a child that loads the GGUF first (loraship/llama_child.py), and the CLI process never imports it."""
+    a child that loads the GGUF first (loraship/llamacpp/llama_child.py), and the CLI process never imports it."""
     import subprocess
     import sys
 
@@ -348,10 +348,10 @@ def test_plan_prints_figures_that_add_up(monkeypatch, sets):
 def test_status_is_done_only_where_the_stage_would_skip_itself(config_file):
     """`loraship run` skips Prefect when status says every stage is done, so done must agree with open_stage:
     a manifest keyed another way (another manifest schema or pinned llama.cpp) is stale."""
-    from loraship.manifest import read_manifest
-    from loraship.stage import stage_dir
+    from loraship.runtime.manifest import read_manifest
+    from loraship.runtime.stage import stage_dir
     from loraship.stage_table import stage_module
-    from loraship.status import run_states
+    from loraship.runtime.status import run_states
 
     config = load_config(config_file)
     stage_module("plan").run(config)

@@ -91,7 +91,7 @@ def test_bad_quantization_lists_the_valid_ones(given, message):
 
 
 def test_plan_sizes_disk_for_every_quantization_and_the_gpu_for_each():
-    from loraship.memory import plan_disk_and_inference
+    from loraship.planning.memory import plan_disk_and_inference
 
     shape = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
              "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from loraship import resources
+from loraship.planning import resources
 from loraship.errors import LorashipError
-from loraship.manifest import atomic_path
-from loraship.proc import run_child, write_with_tool
+from loraship.runtime.manifest import atomic_path
+from loraship.runtime.proc import run_child, write_with_tool
 
 GiB = 2**30
 

@@ -190,7 +190,7 @@ def test_unknown_field_name_is_a_config_error():
 def test_bad_data_is_refused_at_plan_time(tmp_path, tiny_model):
     import pandas as pd
 
-    from loraship.preflight import dataset_problems
+    from loraship.planning.preflight import dataset_problems
 
     parquet = tmp_path / "x.parquet"
     pd.DataFrame({"q": ["a"]}).to_parquet(parquet)

@@ -1,4 +1,4 @@
-"""Offline checks of everything under images/ and deploy/, and of loraship.gitops.
+"""Offline checks of everything under images/ and deploy/, and of loraship.runtime.gitops.
 
 No server, Docker or network: the real runs are deploy/local/run.sh and deploy/docker/run_ci.sh.
 Lint tools come from deploy/requirements-ci.txt; a test whose tool is missing is skipped.
@@ -23,7 +23,7 @@ import yaml
 from loraship.config import load_config, parse_config
 from loraship.constants import STAGES
 from loraship.errors import LorashipError
-from loraship.gitops import TAG_PREFIX, load_spec, trigger_changed_specs
+from loraship.runtime.gitops import TAG_PREFIX, load_spec, trigger_changed_specs
 from loraship.stage_table import IMAGES, STAGE_TABLE, STAGES_BY_NAME, gpu_stages
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -358,7 +358,7 @@ def test_shipped_specs_are_valid_configs(spec):
     assert config.run_name
 
 
-# ---- loraship.gitops against a scratch git repository ----------------------------------------
+# ---- loraship.runtime.gitops against a scratch git repository ----------------------------------------
 class FakeTrigger:
     """Records runs like the Prefect server does: by tag, and one run per idempotency key."""
 

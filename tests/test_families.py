@@ -1,5 +1,5 @@
 """Every popular family through the whole pipeline (plan -> publish), each with its real tokenizer and
-real chat template (loraship/families.py says which package each comes from), tiny random weights.
+real chat template (loraship/fixtures/families.py says which package each comes from), tiny random weights.
 
 Per family: the pinned converter recognised the pre-tokenizer (the GGUF names it), llama.cpp tokenizes
 like HF (verify's parity gate), the chat template is in the GGUF, the template's turn end is ONE
@@ -19,8 +19,8 @@ import pytest
 from loraship.config import parse_config
 from loraship.constants import STAGES
 from loraship.errors import LorashipError
-from loraship.families import FAMILIES, Family
-from loraship.stage import stage_dir
+from loraship.fixtures.families import FAMILIES, Family
+from loraship.runtime.stage import stage_dir
 from tests.conftest import REPO, demo_config_dict
 
 # Far shorter than the demo's 80 steps of 16: each family's model is pre-trained on the same world with
@@ -29,7 +29,7 @@ from tests.conftest import REPO, demo_config_dict
 FAMILY_OVERRIDES = dict(max_steps=8, save_steps=8, warmup_steps=2, micro_batch_size=8)
 # Templates with a default system prompt (Qwen2.5's, SmolLM2's) add ~20-25 tokens to every row.
 SEQUENCE_LEN = {"qwen2-base": 96, "smollm2": 96}
-PLANNER_GAP = "the memory planner knows llama, qwen2 and mistral only (loraship/memory.py SUPPORTED); plan refuses this family"
+PLANNER_GAP = "the memory planner knows llama, qwen2 and mistral only (loraship/planning/memory.py SUPPORTED); plan refuses this family"
 
 
 def run_family(model: Path, family: Family, root: Path, run_name: str | None = None, **more):
@@ -64,7 +64,7 @@ PIPELINE_FAMILIES = [
 @pytest.fixture(scope="session", params=PIPELINE_FAMILIES)
 def family_run(request, tmp_path_factory):
     """One family's model (built once, cached under .loraship/models) and its whole pipeline run."""
-    from loraship.families import ensure_family
+    from loraship.fixtures.families import ensure_family
 
     family = FAMILIES[request.param]
     model = ensure_family(family.name, REPO / ".loraship" / "models" / f"family-{family.name}")
@@ -97,7 +97,7 @@ def _known_failure(request, family: Family, what: str) -> None:
 
 
 def _gguf_fields(verify: dict) -> dict:
-    from loraship.gguf_info import read_gguf
+    from loraship.llamacpp.gguf_info import read_gguf
 
     return read_gguf(Path(verify["gguf"]))["fields"]
 
@@ -156,7 +156,7 @@ def test_every_gate_passes(family_run, request):
 def real_run(real_smollm2, tmp_path_factory):
     """SmolLM2-135M-Instruct with its real weights (conftest.real_smollm2) through the whole pipeline: the
     quality gates on a real model's distributions, not a tiny pre-trained one's."""
-    from loraship.families import FAMILIES
+    from loraship.fixtures.families import FAMILIES
 
     root = tmp_path_factory.mktemp("real-smollm2")
     # A few LoRA steps cannot teach a real 135M model the demo's "Answer: X." reply format, so its golden
@@ -185,7 +185,7 @@ def test_real_pretrained_model_passes_every_gate(real_run):
 # -- plan-time facts of every family, without weights -------------------------------------------------
 @pytest.fixture(scope="module")
 def family_folders(tmp_path_factory):
-    from loraship.families import write_folder_without_weights
+    from loraship.fixtures.families import write_folder_without_weights
 
     root = tmp_path_factory.mktemp("family-tokenizers")
     folders = {}
@@ -204,7 +204,7 @@ def test_pinned_converter_recognises_every_family_at_plan_time(family_folders, n
 
     from transformers import AutoTokenizer
 
-    from loraship.llamacpp import check_convertible, pre_tokenizer_table
+    from loraship.llamacpp.llamacpp import check_convertible, pre_tokenizer_table
 
     folder = family_folders[name]
     assert check_convertible(folder) == []
@@ -230,6 +230,6 @@ def test_turn_end_is_one_special_token(family_folders, name):
     for n in sorted(FAMILIES)
 ])
 def test_the_planner_knows_every_family(family_folders, name):
-    from loraship.memory import parse_model_config
+    from loraship.planning.memory import parse_model_config
 
     parse_model_config(json.loads((family_folders[name] / "config.json").read_text()))

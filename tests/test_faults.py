@@ -16,7 +16,7 @@ import yaml
 from loraship.config import parse_config
 from loraship.constants import F16_GGUF, MANIFEST_NAME, STAGES
 from loraship.errors import DataError, IntegrityError, LorashipError
-from loraship.stage import stage_dir
+from loraship.runtime.stage import stage_dir
 from tests.conftest import REPO, demo_config_dict
 
 # FAST trains a few steps for tests that stop before verify (kills during training, OOM, disk);
@@ -80,7 +80,7 @@ def test_kill_between_the_renames_of_a_folder_swap_keeps_the_old_one_whole(tmp_p
     hit this window under load: resumed from step 0)."""
     import os
 
-    from loraship import manifest
+    from loraship.runtime import manifest
 
     last = tmp_path / "checkpoints" / "last"
     with manifest.atomic_path(last) as tmp:
@@ -127,7 +127,7 @@ def test_kill_during_convert_leaves_nothing_taken_as_complete(merged_run):
         with pytest.raises(IntegrityError, match="no manifest"):
             importlib.import_module("loraship.stages.quantize").run(config)
     if out.exists():  # renamed only once the converter finished, so it must read back
-        from loraship.gguf_info import read_gguf
+        from loraship.llamacpp.gguf_info import read_gguf
 
         assert read_gguf(out)["tensor_count"] > 0
     result = run_stages(config, ["convert", "quantize"])
@@ -162,7 +162,7 @@ def test_truncated_base_safetensors_is_named(tiny_model, tmp_path):
 
 
 def test_truncated_gguf_is_named(merged_run, tmp_path):
-    from loraship.gguf_info import read_gguf
+    from loraship.llamacpp.gguf_info import read_gguf
 
     config, _ = merged_run
     run_stages(config, ["convert"])
@@ -219,7 +219,7 @@ def test_out_of_memory_replans_and_records_why(merged_run, monkeypatch):
 def test_disk_preflight_refuses_before_writing(merged_run, monkeypatch):
     import shutil
 
-    from loraship import preflight
+    from loraship.planning import preflight
 
     config, _ = merged_run
     config = config.model_copy(update={"run_name": "nodisk", **FAST})
@@ -277,7 +277,7 @@ def test_two_runs_of_the_same_config_do_not_collide(merged_run):
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     assert sum("skipped (up to date)" in o for o in outputs) == 1, outputs
-    from loraship.manifest import load_verified
+    from loraship.runtime.manifest import load_verified
 
     load_verified(stage_dir(config, "train"), "train")  # outputs match the manifest
 
@@ -322,7 +322,7 @@ def other_config(config):
 def test_two_configs_with_the_same_run_name_at_once(merged_run):
     """Two configs under one run_name, started together: the second waits until the first's run
     is published (it must not reset a folder the first has yet to read), then runs its own."""
-    from loraship.manifest import load_verified
+    from loraship.runtime.manifest import load_verified
 
     config, root = merged_run
     first, second = config, other_config(config)
@@ -353,7 +353,7 @@ def test_two_configs_with_the_same_run_name_at_once(merged_run):
 
 
 def sha256_of(path: Path) -> str:
-    from loraship.manifest import sha256_file
+    from loraship.runtime.manifest import sha256_file
 
     return sha256_file(path)
 
@@ -365,7 +365,7 @@ def test_resume_of_a_finished_run_reads_no_output_again(merged_run, monkeypatch)
     (bench/resume_hashing.py times it on 15 GiB.)"""
     import os
 
-    from loraship import manifest as mf
+    from loraship.runtime import manifest as mf
 
     config, _ = merged_run
     config = other_config(config)
@@ -400,7 +400,7 @@ def test_resume_of_a_finished_run_reads_no_output_again(merged_run, monkeypatch)
 def test_publish_puts_back_what_the_destination_lost(merged_run):
     """The destination's own manifest is not trusted: a deleted or altered file is sent again,
     though publish itself is up to date."""
-    from loraship.manifest import sha256_file
+    from loraship.runtime.manifest import sha256_file
 
     config, _ = merged_run
     config = other_config(config)
@@ -420,7 +420,7 @@ def test_kill_9_in_a_stage_then_the_rerun_completes(merged_run, stage):
     """kill -9 right after the stage has cleared its folder: nothing it half wrote is accepted
     (no manifest, so downstream refuses it), its locks are taken over, and the rerun completes.
     (train and convert: the tests above.)"""
-    from loraship.manifest import load_verified
+    from loraship.runtime.manifest import load_verified
 
     config, root = merged_run
     run_stages(config, STAGES)

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from loraship import flops
+from loraship.planning import flops
 from loraship.config import parse_config
 from tests.conftest import demo_config_dict
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraship import gitops
-from loraship.gitops import spec_hash, trigger_changed_specs
+from loraship.runtime import gitops
+from loraship.runtime.gitops import spec_hash, trigger_changed_specs
 from tests.test_deploy import SPEC, _commit, _git, repo  # noqa: F401 - the scratch repository fixture
 
 

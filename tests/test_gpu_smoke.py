@@ -95,7 +95,7 @@ def train(config_data: dict, cap_gib: float) -> tuple[dict, dict, list[dict]]:
     config = parse_config(config_data)
     plan = importlib.import_module("loraship.stages.plan").run(config)
     metrics = importlib.import_module("loraship.stages.train").run(config)["metrics"]
-    from loraship.stage import stage_dir
+    from loraship.runtime.stage import stage_dir
 
     strategy = json.loads((stage_dir(config, "plan") / "strategy.json").read_text())
     history = [json.loads(x) for x in (stage_dir(config, "train") / "loss_history.jsonl").read_text().splitlines()]
@@ -141,7 +141,7 @@ def test_nf4_qlora(gpu_model, tmp_path):
 def offload_budget(model_dir: Path, data: dict) -> tuple[float, dict]:
     """A gpu_memory_gib (0.05 GiB steps) at which the plan is bf16 LoRA with part of the decoder offloaded,
     as near half of it as the steps allow; found with the planner itself, so the test follows its calibration."""
-    from loraship import memory
+    from loraship.planning import memory
 
     model_config = json.loads((model_dir / "config.json").read_text())
     n_layers = DIMS["num_hidden_layers"]
@@ -170,7 +170,7 @@ def test_bf16_lora_with_partial_cpu_offload(gpu_model, tmp_path):
 
 
 def test_packing_on(gpu_model, tmp_path):
-    # loraship/packed_attention.py through torch's variable-length FlashAttention: the same examples per step as
+    # loraship/training/packed_attention.py through torch's variable-length FlashAttention: the same examples per step as
     # padded batches, so the same losses step for step (bf16 kernels differ: within 2%).
     strategy, metrics, history = train(config_dict(gpu_model, tmp_path / "on", "packed", kind="chat", packing="on"),
                                        CAP_GIB)
@@ -185,7 +185,7 @@ def test_packing_on(gpu_model, tmp_path):
 
 
 def test_checkpointed_activations_in_cpu_memory(gpu_model, tmp_path):
-    # loraship/activation_offload.py on CUDA streams: the same losses as torch's checkpointing, step for step.
+    # loraship/training/activation_offload.py on CUDA streams: the same losses as torch's checkpointing, step for step.
     common = dict(fused_loss="on", lora_dropout=0.1)
     strategy, metrics, history = train(config_dict(gpu_model, tmp_path / "on", "acts", offload_activations="on",
                                                    **common), CAP_GIB)

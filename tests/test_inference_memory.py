@@ -1,11 +1,11 @@
-"""verify's GPU memory prediction (loraship/inference_memory.py) against what llama.cpp itself
+"""verify's GPU memory prediction (loraship/planning/inference_memory.py) against what llama.cpp itself
 logged on the H200 (bench/results/verify_gpu*.json), and llama.cpp's n_gpu_layers meaning."""
 
 from __future__ import annotations
 
 import pytest
 
-from loraship import inference_memory as im
+from loraship.planning import inference_memory as im
 
 MIB = 2**20
 

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from loraship import locks
-from loraship.stage import stage_name
+from loraship.runtime import locks
+from loraship.runtime.stage import stage_name
 from tests.conftest import REPO
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from loraship import locks
+from loraship.runtime import locks
 kind, path = sys.argv[1], Path(sys.argv[2])
 ctx = (locks.exclusive_lock(path, "test lock", stage="train") if kind == "stage"
        else locks.run_claim(path, "r", sys.argv[3], "train"))

@@ -1,11 +1,11 @@
-"""Invariants of the memory planner (loraship.memory); CPU only, no torch."""
+"""Invariants of the memory planner (loraship.planning.memory); CPU only, no torch."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from loraship import memory
+from loraship.planning import memory
 from loraship.config import Config
 
 REPO = Path(__file__).resolve().parents[1]

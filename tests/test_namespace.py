@@ -113,7 +113,7 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
 def test_imports_run_one_way():
     """core (loraship/) <- stages (tasks/) <- flows (flows/): the core reaches a stage only through
     stage_table.stage_module(), the flow through the same; only the CLI's `run` imports the flow."""
-    for path in sorted((ROOT / "loraship").glob("*.py")):
+    for path in sorted((ROOT / "loraship").rglob("*.py")):
         for module, top in _imports(path):
             assert not module.startswith(("loraship.stages", "tasks", "flows")), f"{path.name} imports {module}"
             if module.startswith("loraship.flows"):
@@ -124,3 +124,30 @@ def test_imports_run_one_way():
     for path in sorted((ROOT / "flows").glob("*.py")):
         for module, _top in _imports(path):
             assert not module.startswith(("loraship.stages", "tasks")), f"{path} imports {module}"
+
+
+# loraship/ by concern, each group importing (at module level) only the groups before it: the core
+# (config, constants, errors, stage table, chat, data, models) <- planning, training, runtime <- llamacpp,
+# publishing <- fixtures <- the CLI and init (the application).
+LAYERS = {"core": set(), "planning": {"core"}, "training": {"core"}, "runtime": {"core"},
+          "llamacpp": {"core", "planning", "runtime"}, "publishing": {"core", "runtime"},
+          "fixtures": {"core", "planning", "runtime", "llamacpp"},
+          "app": {"core", "planning", "training", "runtime", "llamacpp", "publishing", "fixtures"}}
+APP = {"cli", "starter"}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in LAYERS:
+        return parts[1]
+    return "app" if len(parts) > 1 and parts[1] in APP else "core"
+
+
+def test_library_groups_import_one_way():
+    for path in sorted((ROOT / "loraship").rglob("*.py")):
+        rel = path.relative_to(ROOT / "loraship")
+        own = rel.parts[0] if len(rel.parts) > 1 else ("app" if path.stem in APP else "core")
+        for module, top in _imports(path):
+            if top and module.startswith("loraship.") and not module.startswith(("loraship.stages", "loraship.flows")):
+                used = _layer(module)
+                assert used == own or used in LAYERS[own], f"{rel} ({own}) imports {module} ({used})"

@@ -32,7 +32,7 @@ def _loss_and_grads(model, ids):
 
 @pytest.mark.parametrize("n_layers", [1, 2])  # the tiny model has 2 layers: 2 offloads layer 0 too
 def test_offloaded_layers_train_identically(tiny_model, n_layers):
-    from loraship.offload import offload_frozen_layers
+    from loraship.training.offload import offload_frozen_layers
 
     ids = torch.tensor([[1, 3, 40, 41, 42, 43, 4, 50, 51, 2]])
     reference = _model(tiny_model)
@@ -122,7 +122,7 @@ def _generated_model(checkpointing=True):
 
 
 def _offload_recording(model, n_layers):
-    from loraship.offload import offload_frozen_layers
+    from loraship.training.offload import offload_frozen_layers
 
     transfer = RecordingTransfer()
     offload_frozen_layers(model, n_layers, transfer=transfer)
@@ -181,7 +181,7 @@ def test_without_checkpointing_nothing_is_copied_for_a_recompute():
 
 
 def test_a_wrong_guess_costs_a_copy_never_a_wrong_weight():
-    from loraship.offload import Prefetcher
+    from loraship.training.offload import Prefetcher
 
     class Module:  # what the prefetcher needs of a Linear: its CPU weight, hashable by identity
         def __init__(self, value):

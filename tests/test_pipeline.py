@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, MANIFEST_NAME, MERGED_DIR, STAGES, quantized_gguf_name
-from loraship.gguf_info import read_gguf
-from loraship.manifest import sha256_file
-from loraship.stage import stage_dir
+from loraship.llamacpp.gguf_info import read_gguf
+from loraship.runtime.manifest import sha256_file
+from loraship.runtime.stage import stage_dir
 
 
 def test_every_stage_wrote_a_manifest_with_checksums(pipeline_run):

@@ -15,8 +15,8 @@ import zlib
 import pytest
 
 from loraship.config import parse_config
-from loraship.progress import LlamaCppProgress, Progress, in_prefect_run, parse_llamacpp_line
-from loraship.proc import run_child
+from loraship.runtime.progress import LlamaCppProgress, Progress, in_prefect_run, parse_llamacpp_line
+from loraship.runtime.proc import run_child
 from tests.conftest import REPO, demo_config_dict
 
 # Recorded from convert_hf_to_gguf.py of llama-cpp-python 0.3.36 on the tiny model's merged folder
@@ -198,7 +198,7 @@ def test_progress_outside_prefect_creates_no_artifact(monkeypatch, caplog):
 def test_progress_without_prefect_installed_does_not_import_it(tmp_path):
     """A stage image without Prefect (python -m loraship.stages.<stage>): progress neither needs nor imports it."""
     code = ("import sys, logging\n"
-            "from loraship.progress import Progress, in_prefect_run\n"
+            "from loraship.runtime.progress import Progress, in_prefect_run\n"
             "assert not in_prefect_run()\n"
             "p = Progress('x', 2, logging.getLogger('loraship'), every=0)\n"
             "p.update(1); p.update(2)\n"
@@ -214,7 +214,7 @@ def test_progress_inside_a_flow_run_is_a_prefect_progress_artifact(tmp_path):
 import json, logging, sys
 from prefect import flow
 from prefect.client.orchestration import get_client
-from loraship.progress import Progress
+from loraship.runtime.progress import Progress
 
 @flow
 def f():
@@ -291,7 +291,7 @@ def test_train_stage_writes_its_pictures_as_manifest_outputs(tiny_model, tmp_pat
     # Reference reports its eval texts, then its golden prompts, on the merged model.
     from transformers import AutoModelForCausalLM
 
-    from loraship.progress import Progress
+    from loraship.runtime.progress import Progress
     from loraship.stages.reference import greedy_answers, log as reference_log, score_eval
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()

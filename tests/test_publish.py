@@ -12,7 +12,7 @@ import pytest
 
 from loraship.constants import MANIFEST_NAME
 from loraship.errors import OutputError
-from loraship.manifest import atomic_write_json, describe_files
+from loraship.runtime.manifest import atomic_write_json, describe_files
 from loraship.stages.publish import sync
 
 

@@ -1,6 +1,6 @@
 """Publish to a Hugging Face Hub repository (`output: hf://...`), against a fake Hub.
 
-FakeHub stands in for HfApi at the boundary (loraship.hub.hub_api): each repository is a folder of
+FakeHub stands in for HfApi at the boundary (loraship.publishing.hub.hub_api): each repository is a folder of
 committed files, a commit is all or nothing and must name the current head as its parent, files
 are listed the way the Hub lists them (LFS files with their sha256, others with their git blob
 id), and every call is recorded. upload_folder's patterns are matched with huggingface_hub's own
@@ -25,10 +25,10 @@ import httpx
 import pytest
 import yaml
 
-from loraship import hub
+from loraship.publishing import hub
 from loraship.constants import MANIFEST_NAME
 from loraship.errors import OutputError
-from loraship.manifest import atomic_write_json, describe_files
+from loraship.runtime.manifest import atomic_write_json, describe_files
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ class FakeHub:
         self.fail_next_commit: Exception | None = None
         self.alter_on_commit: str | None = None  # a path whose bytes the "Hub" changes as it stores them
 
-    def __call__(self, token: str) -> FakeHub:  # replaces loraship.hub.hub_api
+    def __call__(self, token: str) -> FakeHub:  # replaces loraship.publishing.hub.hub_api
         self.tokens.append(token)
         return self
 
@@ -304,7 +304,7 @@ def test_no_token_is_a_plan_time_problem(fake_hub, monkeypatch, tmp_path):
 
 
 def test_token_from_a_prefect_secret_block_through_env_from_secrets(fake_hub, monkeypatch):
-    from loraship import prefect_env
+    from loraship.runtime import prefect_env
 
     monkeypatch.delenv("HF_TOKEN")
     monkeypatch.setattr(prefect_env, "_load_secret", lambda block: {"hf-write": "hf_from_the_block"}[block])

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from loraship.config import parse_config
 from loraship.constants import GGUF_FILE_TYPES, MANIFEST_NAME, MODEL_CARD, MODELFILE, STAGES, VERIFY_FILE, quantized_gguf_name
-from loraship.gguf_info import read_gguf
-from loraship.gguf_tools import gguf_file
-from loraship.manifest import sha256_file
-from loraship.stage import stage_dir
+from loraship.llamacpp.gguf_info import read_gguf
+from loraship.llamacpp.gguf_tools import gguf_file
+from loraship.runtime.manifest import sha256_file
+from loraship.runtime.stage import stage_dir
 
 
 def run_all(config) -> dict:

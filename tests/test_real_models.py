@@ -17,7 +17,7 @@ import pytest
 from loraship.config import parse_config
 from loraship.constants import MANIFEST_NAME, STAGES
 from loraship.errors import ConfigError, DataError, LorashipError
-from loraship.stage import stage_dir
+from loraship.runtime.stage import stage_dir
 from tests.conftest import REPO, demo_config_dict
 
 CHAT = [{"role": "user", "content": "What is the capital of Zorvia?"}, {"role": "assistant", "content": "Answer: Kelmar."}]
@@ -127,7 +127,7 @@ def qwen_chat_run(tiny_qwen, tmp_path_factory):
 
 
 def test_qwen_pipeline_passes_every_gate_with_chat_data(qwen_chat_run):
-    from loraship.gguf_info import read_gguf
+    from loraship.llamacpp.gguf_info import read_gguf
 
     config, manifests = qwen_chat_run
     verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
@@ -159,7 +159,7 @@ def test_config_chat_template_reaches_the_gguf(tiny_qwen, tmp_path):
     (ChatML on Qwen's vocabulary, where <|im_end|> is one special token; on the sentencepiece toy it is
     refused at plan: tests/test_turn_end.py.)"""
     from loraship.chat import NAMED_TEMPLATES
-    from loraship.gguf_info import read_gguf
+    from loraship.llamacpp.gguf_info import read_gguf
 
     config = qwen_config(tiny_qwen, tmp_path, run_name="chatml", chat_template="chatml", max_steps=40,
                          golden_match_min=0.5)

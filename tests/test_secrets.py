@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from loraship import prefect_env
+from loraship.runtime import prefect_env
 from loraship.config import parse_config
 from loraship.errors import LorashipError
 
@@ -16,7 +16,7 @@ PLANTED = "hf_PLANTEDstageSecret0123456789"
 
 STAGE_MODULE = '''
 import os
-from loraship.stage import exclusive
+from loraship.runtime.stage import exclusive
 
 STAGE = "plan"
 seen = {}
@@ -79,7 +79,9 @@ def test_cli_preflight_sees_the_secret_and_leaves_none_behind(tmp_path, monkeypa
     import yaml
     from typer.testing import CliRunner
 
-    from loraship import cli, preflight
+    from loraship import cli
+
+    from loraship.planning import preflight
 
     seen = {}
 
@@ -100,7 +102,7 @@ def test_cli_preflight_sees_the_secret_and_leaves_none_behind(tmp_path, monkeypa
 
 
 def test_flow_does_not_export_secrets_itself():
-    """Only a stage holds secrets (loraship.stage.exclusive); the flow process keeps none."""
+    """Only a stage holds secrets (loraship.runtime.stage.exclusive); the flow process keeps none."""
     import inspect
 
     import loraship.flows.train_and_ship as flow

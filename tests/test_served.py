@@ -1,4 +1,4 @@
-"""The served check (loraship/served.py): llama.cpp's OpenAI-compatible server on the shipped GGUF,
+"""The served check (loraship/llamacpp/served.py): llama.cpp's OpenAI-compatible server on the shipped GGUF,
 asked by the official `openai` client; a taken port is retried, and the server never outlives the check."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from loraship.constants import REFERENCE_FILE, VERIFY_FILE
-from loraship.stage import stage_dir
+from loraship.runtime.stage import stage_dir
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_demo_verify_serves_every_golden_chat(pipeline_run):
 
 
 def test_a_taken_port_is_retried_and_the_server_is_stopped_on_failure(shipped, tmp_path, monkeypatch):
-    from loraship import served
+    from loraship.llamacpp import served
 
     gguf, chats, markers, _config = shipped
     taken = socket.socket()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loraship.tinyqwen import ADDED_TOKENS, IM_END_ID, QWEN25_CHAT_TEMPLATE, QWEN_BPE_SIZE, VOCAB_SIZE, reference_encoder
+from loraship.fixtures.tinyqwen import ADDED_TOKENS, IM_END_ID, QWEN25_CHAT_TEMPLATE, QWEN_BPE_SIZE, VOCAB_SIZE, reference_encoder
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -100,7 +100,7 @@ def test_hf_tokenizes_like_qwens_tiktoken(hf_tok):
 
 
 def test_llama_cpp_converter_recognises_the_pre_tokenizer(tiny_qwen, hf_tok):
-    from loraship.llamacpp import check_convertible, pre_tokenizer_table
+    from loraship.llamacpp.llamacpp import check_convertible, pre_tokenizer_table
 
     assert check_convertible(tiny_qwen) == []
     chktxt, table = pre_tokenizer_table()
@@ -110,7 +110,7 @@ def test_llama_cpp_converter_recognises_the_pre_tokenizer(tiny_qwen, hf_tok):
 def test_gguf_keeps_vocab_template_and_tokenizes_like_hf(tiny_qwen, hf_tok, tmp_path):
     from llama_cpp import Llama
 
-    from loraship.gguf_info import read_gguf
+    from loraship.llamacpp.gguf_info import read_gguf
     from loraship.stages.convert import convert
 
     gguf = tmp_path / "tiny-qwen2-f16.gguf"

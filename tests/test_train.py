@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from loraship.config import parse_config
-from loraship.packing import collate_packed, collate_padded, epoch_steps, steps_per_epoch
-from loraship.stage import stage_dir
+from loraship.training.packing import collate_packed, collate_padded, epoch_steps, steps_per_epoch
+from loraship.runtime.stage import stage_dir
 from tests.conftest import demo_config_dict
 
 # 96 demo examples less the 12 eval rows kept apart: micro 5 x accumulation 3 leaves a short last step.
@@ -69,7 +69,7 @@ def test_one_epoch_trains_every_token(tiny_model, tmp_path):
 def _tiny(tiny_model, packed=False):
     from transformers import AutoModelForCausalLM
 
-    from loraship import packed_attention
+    from loraship.training import packed_attention
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     if packed:
@@ -145,7 +145,7 @@ class _FakeVarlen:
         self.params, self.calls = frozenset(params), []
 
     def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, **options):
-        from loraship.packed_attention import _per_example
+        from loraship.training.packed_attention import _per_example
 
         assert set(options) <= self.params and (options.get("window_size") == (-1, 0) or options.get("is_causal"))
         assert k.shape[1] == q.shape[1] or options.get("enable_gqa")
@@ -156,7 +156,7 @@ class _FakeVarlen:
 @pytest.mark.parametrize("params", [("window_size", "scale", "enable_gqa"),  # torch 2.13
                                     ("is_causal",)])  # torch 2.10: no scale, no GQA
 def test_the_varlen_call_matches_sdpa_per_example_across_torch_versions(params):
-    from loraship.packed_attention import _per_example, _varlen
+    from loraship.training.packed_attention import _per_example, _varlen
 
     torch.manual_seed(0)
     cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
@@ -177,7 +177,7 @@ def test_packing_is_on_by_default_and_trains_every_token(tiny_model, tmp_path):
 
 def test_packing_refuses_what_packed_attention_cannot_do(tiny_model, monkeypatch):
     import loraship.stages.train as train
-    from loraship import packed_attention
+    from loraship.training import packed_attention
 
     config = parse_config(demo_config_dict(tiny_model, tiny_model.parent, packing="auto"))
     model = _tiny(tiny_model)
@@ -218,7 +218,7 @@ def _loss_and_lora_grads(model_dir, config, strategy, offload_layers=0, seen=Non
     torch.manual_seed(0)  # the same LoRA A initialisation for every k
     model = train.load_model(model_dir, config, strategy, "cpu")
     if offload_layers:  # what load_model does on a GPU; on the CPU the stream is a no-op copy
-        from loraship.offload import offload_frozen_layers
+        from loraship.training.offload import offload_frozen_layers
 
         offload_frozen_layers(model, offload_layers)
     with torch.no_grad():  # LoRA B starts at zero; give it values so gradients reach every LoRA matrix
@@ -247,7 +247,7 @@ def _loss_and_lora_grads(model_dir, config, strategy, offload_layers=0, seen=Non
 
 @pytest.mark.parametrize("adapter", ["lora", "qlora"])
 def test_checkpointing_some_layers_trains_identically_and_as_planned(four_layers, tmp_path, adapter):
-    from loraship import memory
+    from loraship.planning import memory
 
     base = parse_config(demo_config_dict(four_layers, tmp_path, adapter=adapter, gradient_checkpointing=False,
                                          lora_dropout=0.1, fused_loss="off"))
@@ -272,7 +272,7 @@ def test_checkpointing_some_layers_trains_identically_and_as_planned(four_layers
 
 
 def test_checkpointing_some_layers_with_offloaded_layers_trains_identically(four_layers, tmp_path):
-    from loraship import memory
+    from loraship.planning import memory
 
     config = parse_config(demo_config_dict(four_layers, tmp_path, gradient_checkpointing=False, fused_loss="off"))
     user = memory.strategy_from_config(config, 4)
@@ -287,9 +287,10 @@ def test_checkpointing_some_layers_with_offloaded_layers_trains_identically(four
 @pytest.mark.parametrize("adapter,offload_layers", [("lora", 0), ("qlora", 0), ("lora", 2)])
 def test_checkpointed_activations_in_cpu_memory_train_identically(four_layers, tmp_path, adapter, offload_layers,
                                                                   monkeypatch):
-    # loraship/activation_offload.py recomputes each layer in its own backward, under its forward's RNG state:
+    # loraship/training/activation_offload.py recomputes each layer in its own backward, under its forward's RNG state:
     # with dropout the same loss and LoRA gradients as torch's checkpointing, alone or with streamed weights.
-    from loraship import activation_offload, memory
+    from loraship.training import activation_offload
+    from loraship.planning import memory
 
     loaded = []
     real_load = activation_offload.ActivationOffload.load
@@ -330,7 +331,7 @@ def test_the_train_stage_records_activations_in_cpu_memory_and_trains_the_same(t
 
 
 def test_activation_offload_refuses_inputs_without_grad(four_layers, tmp_path):
-    from loraship.activation_offload import ActivationOffload
+    from loraship.training.activation_offload import ActivationOffload
 
     with pytest.raises(RuntimeError, match="enable_input_require_grads"):
         ActivationOffload().for_layer(0)(lambda x: x * 2, torch.ones(2))
@@ -504,7 +505,7 @@ def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_t
     and AdamW state fitted against the bf16 weights: it trains from step 0, with the old checkpoints moved aside
     and the restart in the manifest. A re-plan that keeps bf16 (a smaller micro-batch) resumes at step 2."""
     import loraship.stages.train as train
-    from loraship import memory
+    from loraship.planning import memory
 
     config = parse_config(demo_config_dict(tiny_qwen, tmp_path, run_name="precision", max_steps=4, save_steps=2,
                                            micro_batch_size=8, gradient_accumulation_steps=1, warmup_steps=0))

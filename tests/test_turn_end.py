@@ -13,7 +13,7 @@ import pytest
 
 from loraship.config import parse_config
 from loraship.errors import DataError, LorashipError
-from loraship.stage import stage_dir
+from loraship.runtime.stage import stage_dir
 from tests.conftest import demo_config_dict
 
 CHAT = [{"role": "user", "content": "What is the capital of Zorvia?"}, {"role": "assistant", "content": "Answer: Kelmar."}]

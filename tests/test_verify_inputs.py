@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from loraship import inference_memory as im
+from loraship.planning import inference_memory as im
 from loraship.errors import IntegrityError, LorashipError
 
 verify = importlib.import_module("loraship.stages.verify")

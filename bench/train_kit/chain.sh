@@ -12,7 +12,7 @@ export PYTHONPATH=${SITE:-/tmp/site}:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TO
 # Preflight, seconds: what the stages import and the converter the plan checks with. A failure ends the chain
 # at once, so a broken kit costs one short call, not a device budget of failed rows.
 if ! python3 -c "import gguf, liger_kernel, loraship.stages.plan, loraship.stages.train
-from loraship.llamacpp import converter_dir; print('preflight ok', converter_dir(fetch=False))" >> $S/progress 2>&1; then
+from loraship.llamacpp.llamacpp import converter_dir; print('preflight ok', converter_dir(fetch=False))" >> $S/progress 2>&1; then
   echo "preflight failed $(date +%T)" >> $S/progress; touch $S/all.done; exit 1
 fi
 gpu_tests() {  # tests/test_gpu_smoke.py: the four strategies through plan + train (about 1-2 min)

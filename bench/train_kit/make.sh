@@ -19,11 +19,11 @@ $PY bench/slim_wheel.py $FULL/unsloth-2026.10.9-py3-none-any.whl $K studio/
 $PY bench/slim_wheel.py $FULL/bitsandbytes-0.50.2-*.whl $K \
   bitsandbytes/libbitsandbytes_cuda1{18,21,24,26,28}.so
 rm -rf $FULL
-$PY -c "from loraship.tinymodel import ensure_tiny_model; ensure_tiny_model('.loraship/models/tiny-llama')"
+$PY -c "from loraship.fixtures.tinymodel import ensure_tiny_model; ensure_tiny_model('.loraship/models/tiny-llama')"
 tar czf $K/tiny-llama.tgz -C .loraship/models tiny-llama
 # The llama.cpp converter the plan stage checks convertibility with (the machine has no PyPI to fetch it from):
 # chain.sh points LORASHIP_LLAMA_CPP_DIR here.
-rm -rf $K/llama.cpp-conv; cp -r "$($PY -c 'from loraship.llamacpp import converter_dir; print(converter_dir())')" $K/llama.cpp-conv
+rm -rf $K/llama.cpp-conv; cp -r "$($PY -c 'from loraship.llamacpp.llamacpp import converter_dir; print(converter_dir())')" $K/llama.cpp-conv
 find $K/llama.cpp-conv -name __pycache__ -prune -exec rm -rf {} +
 cp bench/train_kit/{install.sh,chain.sh,call.sh,README.txt} $K/
 du -sh $K

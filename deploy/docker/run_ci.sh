@@ -56,7 +56,7 @@ cleanup() {
 trap cleanup EXIT
 
 step "tiny base model"
-python -m loraship.tinymodel --out .loraship/models/tiny-llama >/dev/null
+python -m loraship.fixtures.tinymodel --out .loraship/models/tiny-llama >/dev/null
 
 step "images (base + one target of images/Dockerfile per stage image)"
 images/build_all.sh >"$LOGS/build.log" 2>&1 || { tail -40 "$LOGS/build.log" >&2; exit 1; }

@@ -3,7 +3,7 @@
 #   Prefect server (SQLite, 127.0.0.1) -> process work pool + worker -> prefect deploy ->
 #   prefect deployment run train-and-ship/local --watch  (each stage its own flow run)
 # then checks the run completed, its stage artifacts exist in Prefect, and (LORASHIP_GITOPS_CHECK=1,
-# the default) that `python -m loraship.gitops` triggers a changed spec once and only once.
+# the default) that `python -m loraship.runtime.gitops` triggers a changed spec once and only once.
 #
 #   deploy/local/run.sh   # 2 cores, tiny model on the CPU: ~6 min from scratch, ~1.5-3 min when up to date
 #   LORASHIP_KEEP_SERVER=1 deploy/local/run.sh   # leave server + worker up (UI on the port)
@@ -55,7 +55,7 @@ prefect worker start --pool loraship-process --type process --name loraship-loca
 pids+=($!)
 
 step "tiny base model"
-python -m loraship.tinymodel --out .loraship/models/tiny-llama >/dev/null
+python -m loraship.fixtures.tinymodel --out .loraship/models/tiny-llama >/dev/null
 
 # Every deployment of every pool goes in (the server checks each one's job variables against its
 # pool's template), so a broken docker or kubernetes entry fails here too; only the process pool
@@ -90,8 +90,8 @@ if [[ "${LORASHIP_GITOPS_CHECK:-1}" == 1 ]]; then
   git -C "$scratch" add deploy && git -C "$scratch" -c user.name=ci -c user.email=ci@localhost commit -q -m "spec: demo"
   # First call: triggered (or already-triggered when this server ran the same config before);
   # second call: the same flow run, not a new one.
-  python -m loraship.gitops --repo "$scratch" --from HEAD~1 --to HEAD --deployment train-and-ship/local | tee "$LOGS/gitops-1.log"
-  python -m loraship.gitops --repo "$scratch" --from HEAD~1 --to HEAD --deployment train-and-ship/local | tee "$LOGS/gitops-2.log"
+  python -m loraship.runtime.gitops --repo "$scratch" --from HEAD~1 --to HEAD --deployment train-and-ship/local | tee "$LOGS/gitops-1.log"
+  python -m loraship.runtime.gitops --repo "$scratch" --from HEAD~1 --to HEAD --deployment train-and-ship/local | tee "$LOGS/gitops-2.log"
   python - "$LOGS/gitops-1.log" "$LOGS/gitops-2.log" <<'EOF'
 import json, sys
 first, second = (json.loads(open(p).readline()) for p in sys.argv[1:3])

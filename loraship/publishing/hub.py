@@ -27,7 +27,7 @@ from pathlib import Path
 
 from loraship.constants import MANIFEST_NAME
 from loraship.errors import OutputError
-from loraship.manifest import sha256_file
+from loraship.runtime.manifest import sha256_file
 
 PROTOCOL = "hf://"
 # The Hub writes .gitattributes (which files go to LFS) into every new repository; it is the

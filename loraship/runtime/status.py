@@ -11,7 +11,7 @@ from loraship.stage_table import stage_module
 
 def _extra_inputs(stage: str, config) -> dict | None:
     """The files outside the pipeline a stage is keyed on, computed as that stage computes them."""
-    from loraship.manifest import sha256_file
+    from loraship.runtime.manifest import sha256_file
 
     if stage == "plan":
         from loraship.models import resolve_base_model
@@ -40,8 +40,8 @@ def short(value: Any, width: int = 40) -> str:
 
 
 def _fingerprint(stage: str, manifest: dict, current: dict, inputs: dict, ups: dict[str, dict], keyed: dict) -> str:
-    """The input fingerprint open_stage (loraship/stage.py) would compute now for the stage's recorded fields."""
-    from loraship.manifest import input_fingerprint
+    """The input fingerprint open_stage (loraship/runtime/stage.py) would compute now for the stage's recorded fields."""
+    from loraship.runtime.manifest import input_fingerprint
 
     subset = {k: (inputs if k == "_inputs" else current.get(k)) for k in manifest.get("config", {})}
     upstream = {up: {"outputs": {rel: info for rel, info in m.get("outputs", {}).items()
@@ -51,8 +51,8 @@ def _fingerprint(stage: str, manifest: dict, current: dict, inputs: dict, ups: d
 
 def stage_status(config, stage: str, states: dict[str, dict]) -> dict:
     """done / stale / not run, with the reasons, from the stage's manifest and its upstream's."""
-    from loraship.manifest import check_outputs, read_manifest
-    from loraship.stage import stage_dir
+    from loraship.runtime.manifest import check_outputs, read_manifest
+    from loraship.runtime.stage import stage_dir
 
     folder = stage_dir(config, stage)
     try:

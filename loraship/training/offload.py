@@ -11,7 +11,7 @@ transfer runs while the current layer computes. Forward visits the offloaded lay
 order; non-reentrant gradient checkpointing recomputes them in descending order during backward,
 so the prefetch follows that direction there (the last layer's recompute comes first, so it is
 copied again as soon as forward is done with it). At most two layers' copies are waiting at once,
-the current one and the next: loraship/memory.py budgets exactly two layers on the GPU. A prefetch
+the current one and the next: loraship/planning/memory.py budgets exactly two layers on the GPU. A prefetch
 is only a head start: a weight that was not prefetched is copied on the spot, on the compute
 stream, as before, so a wrong guess costs time, never correctness. The speed-up is not measured
 yet: no GPU run since this change; the offload rows of bench/train_bench.py will measure it.

@@ -8,7 +8,7 @@ same cadence); outside one (`python -m loraship.stages.<stage>`, tests) that par
 importing Prefect, which the stage images need not have.
 
 `LlamaCppProgress` reads llama.cpp's converter and quantizer output, line by line as it streams
-(loraship/proc.py), into Progress updates.
+(loraship/runtime/proc.py), into Progress updates.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def parse_llamacpp_line(line: str) -> ToolLine | None:
 
 
 class LlamaCppProgress:
-    """on_line callback for loraship.proc.run_child: converter/quantizer lines into Progress updates,
+    """on_line callback for loraship.runtime.proc.run_child: converter/quantizer lines into Progress updates,
     one Progress per phase (preparing tensors, writing, quantizing), so each phase has its own ETA."""
 
     def __init__(self, what: str, logger: logging.Logger, key: str | None = None, every: float | None = None,

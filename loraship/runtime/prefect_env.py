@@ -60,7 +60,7 @@ def secret_env(env_from_secrets: dict[str, str]) -> Iterator[None]:
 
     A variable already set in the environment wins (a Kubernetes secret mounted as env, a CI
     variable), so a stage run outside Prefect needs no Prefect. Child processes of convert and
-    quantize get an explicit environment without them (loraship/proc.py).
+    quantize get an explicit environment without them (loraship/runtime/proc.py).
     """
     from loraship.errors import LorashipError
 

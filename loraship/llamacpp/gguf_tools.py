@@ -62,7 +62,7 @@ def describe_gguf(path: Path) -> dict:
     """Metadata, tensor types and sizes, chat template and special tokens of a GGUF file."""
     from gguf import GGUFReader
 
-    from loraship.gguf_info import read_gguf
+    from loraship.llamacpp.gguf_info import read_gguf
 
     fields = read_gguf(path)["fields"]  # names a truncated or corrupt file
     reader = GGUFReader(str(path))
@@ -139,7 +139,7 @@ def llama_checks(llm, job: dict) -> None:
     """In llama_child's child, with the GGUF loaded: the checks that need llama.cpp, sent to the parent."""
     import llama_cpp
 
-    from loraship.llama_child import send
+    from loraship.llamacpp.llama_child import send
 
     fields = job["fields"]
     checks = []
@@ -196,10 +196,10 @@ def llama_checks(llm, job: dict) -> None:
 
 def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]:
     """The checks a GGUF passes with llama.cpp alone (no reference): each {check, passed, detail}.
-    llama.cpp runs in a child process that loads the file first (loraship/llama_child.py says why)."""
-    from loraship import inference_memory as im
-    from loraship.gguf_info import read_gguf_apart
-    from loraship.llama_child import run_loaded
+    llama.cpp runs in a child process that loads the file first (loraship/llamacpp/llama_child.py says why)."""
+    from loraship.planning import inference_memory as im
+    from loraship.llamacpp.gguf_info import read_gguf_apart
+    from loraship.llamacpp.llama_child import run_loaded
 
     checks = []
 
@@ -214,7 +214,7 @@ def verify_checks(path: Path, context: int, gpu_gib: float | None) -> list[dict]
           else "general.file_type is missing; convert the model again with the pinned llama.cpp")
     try:
         wanted = {k: fields.get(k) for k in (Keys.Tokenizer.ADD_BOS, Keys.Tokenizer.CHAT_TEMPLATE)}
-        checks += run_loaded(path, 512, "loraship.gguf_tools:llama_checks", {"fields": wanted},
+        checks += run_loaded(path, 512, "loraship.llamacpp.gguf_tools:llama_checks", {"fields": wanted},
                              f"llama.cpp checks of {path.name}")["checks"]
     except LorashipError as e:
         check("loads in llama.cpp", False, str(e))

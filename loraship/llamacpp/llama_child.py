@@ -76,7 +76,7 @@ def _crashed(path: Path, returncode: int, stderr: str) -> LorashipError:
 
 def run_loaded(path: Path, n_ctx: int, entry: str, job: dict, what: str) -> dict:
     """entry(llm, job) ("module:function") in a child that loaded path first; its one send()ed message."""
-    from loraship.proc import run_child
+    from loraship.runtime.proc import run_child
 
     with _command(path, n_ctx, entry, job) as cmd:
         done = run_child(cmd, CHECKS_TIMEOUT_S, what)
@@ -92,12 +92,12 @@ class ChatChild:
     """A chat with a GGUF held by a child process: ask() sends the conversation, yields the answer's pieces."""
 
     def __init__(self, path: Path, n_ctx: int, seed: int):
-        from loraship.proc import start_child
+        from loraship.runtime.proc import start_child
 
         self.path = path
         # A file, not a pipe nobody reads while chatting: what llama.cpp logs must not fill it and block the child.
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        with _command(path, n_ctx, "loraship.llama_child:serve_chat", {"seed": seed}) as cmd:
+        with _command(path, n_ctx, "loraship.llamacpp.llama_child:serve_chat", {"seed": seed}) as cmd:
             self.proc = start_child(cmd, self.stderr)
             first = self._next()  # the child has read its spec once it answers
         if "load_error" in first:
@@ -127,7 +127,7 @@ class ChatChild:
                 return
 
     def close(self) -> None:
-        from loraship.proc import stop_child
+        from loraship.runtime.proc import stop_child
 
         stop_child(self.proc)
         self.stderr.close()

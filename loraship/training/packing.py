@@ -10,7 +10,7 @@ Padded: a micro-batch is micro_batch_size examples, one per row, padded to the l
 attention mask. Packed (padding-free): a step's examples are laid end to end into micro-batches of
 up to micro_batch_size x sequence_len tokens (the memory plan's T; first fit, longest first), each
 one row with position ids restarting at 0 for every example and the examples' boundaries as
-cumulative lengths, which loraship/packed_attention.py reads so that no example attends to another
+cumulative lengths, which loraship/training/packed_attention.py reads so that no example attends to another
 and none pays for another's length. A step then needs fewer forward passes and computes no padding.
 """
 
@@ -113,7 +113,7 @@ def collate_packed(examples: list[dict]) -> dict:
 
     input_ids, labels and position_ids are (1, total); cu_seq_lens_q/k (int32, boundaries as cumulative
     lengths) and max_length_q/k are transformers' keyword arguments for variable-length attention
-    (loraship/packed_attention.py). Each example's positions restart at 0 and its first label is
+    (loraship/training/packed_attention.py). Each example's positions restart at 0 and its first label is
     IGNORE_INDEX: the model shifts labels by one, so that label would be predicted from the previous
     example's last token (alone, an example's first label is never a target, so its loss is unchanged).
     """

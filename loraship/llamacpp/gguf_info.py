@@ -85,8 +85,8 @@ _READ_APART = """
 import dataclasses, json, sys
 from pathlib import Path
 from loraship.errors import LorashipError
-from loraship.gguf_info import read_gguf
-from loraship.inference_memory import read_layout
+from loraship.llamacpp.gguf_info import read_gguf
+from loraship.planning.inference_memory import read_layout
 path = Path(sys.argv[1])
 try:
     info = read_gguf(path)
@@ -101,7 +101,7 @@ print(json.dumps(info, default=str))
 
 
 def read_gguf_apart(path: Path) -> dict:
-    """read_gguf plus the tensor layout (loraship/inference_memory.py), read in a child process, for
+    """read_gguf plus the tensor layout (loraship/planning/inference_memory.py), read in a child process, for
     a process about to load the same GGUF in llama.cpp.
 
     gguf's reader memory-maps the file with numpy; in a process that had done so (or had allocated

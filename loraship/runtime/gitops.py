@@ -37,7 +37,7 @@ import yaml
 from loraship import __version__
 from loraship.config import Config, parse_config
 from loraship.errors import ConfigError, LorashipError
-from loraship.manifest import sha256_json
+from loraship.runtime.manifest import sha256_json
 
 SPEC_SUFFIXES = (".yaml", ".yml")
 TAG_PREFIX = "loraship-spec:"
@@ -200,7 +200,7 @@ def trigger_changed_specs(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m loraship.gitops --from A --to B` (the same as `loraship gitops`)."""
+    """`python -m loraship.runtime.gitops --from A --to B` (the same as `loraship gitops`)."""
     import argparse
     import json
 

@@ -2,7 +2,7 @@
 
 matplotlib's object API (Figure, no pyplot): no display, no global state, the Agg renderer
 behind savefig, so it draws the same in a headless pod as on a laptop. Written under a
-temporary name and renamed, like every stage output (loraship/manifest.py).
+temporary name and renamed, like every stage output (loraship/runtime/manifest.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from loraship.errors import LorashipError
-from loraship.manifest import atomic_path
+from loraship.runtime.manifest import atomic_path
 
 DPI = 110
 
@@ -60,7 +60,7 @@ def loss_curves(history: list[dict], out: Path, *, eval_before: float | None = N
 
 def memory_plan(predicted: dict, measured: dict, out: Path, *, budget_gib: float | None = None,
                 device: str = "cuda", title: str = "") -> Path:
-    """The plan's predicted peak, component by component (loraship/memory.py's components_gib), next to
+    """The plan's predicted peak, component by component (loraship/planning/memory.py's components_gib), next to
     the peak torch measured (reserved and allocated, train_metrics.json's measured_memory).
 
     torch's reserved figure leaves out the CUDA context, so the context is drawn apart, hatched, after the

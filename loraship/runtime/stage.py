@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraship import locks
-from loraship import manifest as mf
+from loraship.runtime import locks
+from loraship.runtime import manifest as mf
 from loraship.config import Config, load_config
 from loraship.constants import MANIFEST_NAME, STAGES
 from loraship.errors import LorashipError
-from loraship.prefect_env import secret_env
+from loraship.runtime.prefect_env import secret_env
 
 log = logging.getLogger("loraship")
 

@@ -16,7 +16,7 @@ def output_problems(config: Config) -> list[str]:
     """Can we write where the artifact goes (local folder, fsspec URL or Hugging Face Hub repository)?"""
     import fsspec
 
-    from loraship import hub
+    from loraship.publishing import hub
 
     if hub.is_hub_repo(config.output):
         return hub.output_problems(config.output)
@@ -124,7 +124,7 @@ def check_inputs(config: Config) -> Path:
     headers, remote code),
     GGUF convertibility with the pinned llama.cpp, every dataset line, workdir and output.
     """
-    from loraship.llamacpp import check_convertible
+    from loraship.llamacpp.llamacpp import check_convertible
     from loraship.models import base_model_problems, resolve_base_model
 
     model_dir = resolve_base_model(config, weights=False)
@@ -198,7 +198,7 @@ def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
     """The shipped GGUF's weights alone must fit the inference GPU; no context size can fix that."""
     import json
 
-    from loraship.memory import plan_disk_and_inference
+    from loraship.planning.memory import plan_disk_and_inference
 
     try:
         model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from loraship.config import Config
 from loraship.constants import BITS_PER_WEIGHT
-from loraship import inference_memory as im
+from loraship.planning import inference_memory as im
 from loraship.errors import LorashipError
 
 GIB = 2**30
@@ -262,7 +262,7 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     weights = (s.L - n_off) * layer_lin_bytes + rest_bytes
     # Offloaded layers stream back one at a time: two copies on the GPU (current + prefetch) while a decoder
     # layer runs; none at the fused loss, which runs after the last layer's forward released its copy and
-    # before backward prefetches (loraship/offload.py).
+    # before backward prefetches (loraship/training/offload.py).
     streamed = min(2, n_off) * layer_lin_bytes
 
     lora_params = s.L * sum(cfg.lora_r * (lin[n][0] + lin[n][1]) for n in targets)
@@ -292,7 +292,7 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     # modes the CAL constants were fitted on (bench/results/memory_matrix.json); 0 < k < L is not measured.
     k = checkpointed_layers(strategy, s.L)
     kept_ckpt = CAL["keep"] * T * 2 * s.h * k
-    # Checkpointed inputs in pinned CPU memory (loraship/activation_offload.py): on the GPU at most two at a
+    # Checkpointed inputs in pinned CPU memory (loraship/training/activation_offload.py): on the GPU at most two at a
     # time (the layer computing and the one prefetched or still being copied out).
     offloaded_acts = bool(strategy.get("offload_activations")) and k > 0
     host_acts = 0
@@ -425,7 +425,7 @@ def _ladder(model_config: dict, cfg: Config, fallback: list[str] | None = None) 
             # Every micro-batch streams the offloaded weights again (forward and recompute), so the cost per
             # optimizer step is n x eff / mb: the least n / mb first, then the fewest layers.
             pairs = sorted(((n, mb) for mb in mbs for n in range(1, s.L + 1)), key=lambda p: (p[0] / p[1], p[0]))
-            # Offload keeps every layer checkpointed: loraship/offload.py streams the last n layers' weights
+            # Offload keeps every layer checkpointed: loraship/training/offload.py streams the last n layers' weights
             # per matmul, and autograd keeps each streamed copy until backward unless the layer is
             # recomputed; the estimate's two resident offloaded layers assume that.
             for n, mb in pairs:
@@ -659,7 +659,7 @@ def plan_disk_and_inference(model_config: dict, cfg: Config) -> dict:
     quant, quant_disk = each[cfg.primary_quantization], sum(each.values())
     # llama.cpp KV cache in f16: K and V, every layer, every position.
     kv = 2 * s.L * cfg.target_context * s.kv * 2
-    # The compute buffer and CUDA context as verify predicts them from the GGUF (loraship/inference_memory.py),
+    # The compute buffer and CUDA context as verify predicts them from the GGUF (loraship/planning/inference_memory.py),
     # here from the model config; the weights are the whole GGUF (the input embedding, which llama.cpp
     # keeps on the CPU, included: a margin at plan time).
     compute = im.compute_buffer_bytes(cfg.target_context, s.heads, s.h, s.f, s.V)

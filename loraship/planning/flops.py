@@ -10,7 +10,7 @@ token per layer forward at sequence length n (on average n / 2 keys of width q, 
 
 from __future__ import annotations
 
-from loraship import memory
+from loraship.planning import memory
 
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, from the vendors' datasheets. Matched against
 # torch.cuda.get_device_name() in this order: more specific names first.
@@ -57,7 +57,7 @@ def mfu(tokens_per_s: float | None, flops_per_token: float, device_name: str | N
     """(MFU as a fraction of the bf16 peak, or None, and the words that say how it was taken or why not)."""
     peak = bf16_peak_tflops(device_name)
     if peak is None:
-        return None, f"no bf16 peak known for {device_name or 'this device'} (loraship/flops.py BF16_PEAK_TFLOPS)"
+        return None, f"no bf16 peak known for {device_name or 'this device'} (loraship/planning/flops.py BF16_PEAK_TFLOPS)"
     if not tokens_per_s:
         return None, "no steady-state tokens/s (too few steps after the warm-up)"
     achieved = tokens_per_s * flops_per_token / 1e12

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from loraship.errors import LorashipError
-from loraship.proc import _child_setup, _kill_group, child_env
+from loraship.runtime.proc import _child_setup, _kill_group, child_env
 
-log = logging.getLogger("loraship.served")
+log = logging.getLogger("loraship.llamacpp.served")
 
 START_TIMEOUT_S = 300  # loading a 14B GGUF onto a GPU
 REQUEST_TIMEOUT_S = 600

@@ -16,14 +16,14 @@ called as fn(partial(forward, **kwargs), hidden_states)):
   layer i is done. A layer whose input did not arrive early is copied synchronously.
 
 At most two layers' inputs are on the GPU at once (the one computing and the one prefetched), which is
-what loraship/memory.py budgets. The pinned buffers are kept from step to step (one per layer).
+what loraship/planning/memory.py budgets. The pinned buffers are kept from step to step (one per layer).
 """
 
 from __future__ import annotations
 
 import torch
 
-from loraship.offload import Transfer
+from loraship.training.offload import Transfer
 
 
 class _Saved:
@@ -41,7 +41,7 @@ class _Saved:
 class ActivationOffload:
     """One per model: the checkpointing function of each checkpointed layer (`for_layer(i)`).
 
-    Copies back to the GPU go through loraship/offload.py's Transfer, as the streamed weights do: its side
+    Copies back to the GPU go through loraship/training/offload.py's Transfer, as the streamed weights do: its side
     stream, allocation on the compute stream, and events (on the CPU a copy is the tensor itself).
     """
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from loraship.errors import LorashipError
-from loraship.manifest import atomic_path
+from loraship.runtime.manifest import atomic_path
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

@@ -1,0 +1,1 @@
+"""Where artifacts go and how they look: the Hugging Face Hub, plots."""

@@ -1,0 +1,1 @@
+"""Run machinery: stage folders and manifests, locks, child processes, progress, status, Prefect and GitOps glue."""
