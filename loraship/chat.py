@@ -169,6 +169,15 @@ def learn_turn_ends(ids: list[int], mask: list[bool], end_id: int | None) -> lis
     return mask
 
 
+def special_tokens(tokenizer) -> dict[int, str]:
+    """Every special token of the vocabulary, id -> text: the named ones (bos, eos, ...) and the added
+    tokens marked special (Llama 3's header tokens, ChatML's markers)."""
+    named = {int(i): tokenizer.convert_ids_to_tokens(int(i)) for i in tokenizer.all_special_ids}
+    added = {int(i): token.content for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+             if getattr(token, "special", False)}
+    return {**named, **added}
+
+
 # The assistant text the turn-end probe renders; no template changes it.
 _TURN_PROBE = "loraship-turn-probe"
 
@@ -186,9 +195,7 @@ def turn_end(tokenizer) -> dict:
                         "found; use a template that writes message['content'] for assistant turns")
     after = text[at + len(_TURN_PROBE):].lstrip(" \n")
     ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
-    special = set(tokenizer.all_special_ids) | {
-        i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(token, "special", False)}
-    if not ids or ids[0] not in special:
+    if not ids or ids[0] not in special_tokens(tokenizer):
         pieces = tokenizer.convert_ids_to_tokens(ids[:6])
         shown = f"the pieces {pieces} ({after[:40]!r})" if ids else "nothing"
         raise DataError(

@@ -93,9 +93,10 @@ def template_for_base(folder: Path, row_type: str, trust_remote_code: bool = Fal
     assistant turn with the base's EOS; never a plain-text marker no runtime stops on. (name, why)."""
     from transformers import AutoTokenizer
 
+    from loraship.chat import special_tokens
+
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    special = {tokenizer.convert_ids_to_tokens(i) for i in tokenizer.all_special_ids}
-    special |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)}
+    special = set(special_tokens(tokenizer).values())
     if row_type != "alpaca" and {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"} <= special:
         return "llama3", "the vocabulary has Llama 3's header tokens and <|eot_id|>"
     if row_type != "alpaca" and {"<|im_start|>", "<|im_end|>"} <= special:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from loraship.chat import render, template_of, turn_end_id
+from loraship.chat import render, special_tokens, template_of, turn_end_id
 from loraship.constants import MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE
 from loraship.data import eval_records, golden_rows
 from loraship.errors import LorashipError
@@ -67,8 +67,7 @@ def template_markers(tokenizer) -> list[str]:
     """Special-token texts that must never reach a served answer's content: the template's markers
     (those its text names), BOS, EOS and the turn end."""
     template = template_of(tokenizer) or ""
-    special = set(tokenizer.all_special_tokens) | {
-        t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)}
+    special = set(special_tokens(tokenizer).values())
     end = turn_end_id(tokenizer)
     named = {tokenizer.bos_token, tokenizer.eos_token, tokenizer.convert_ids_to_tokens(end) if end is not None else None}
     return sorted(t for t in special if t and (t in template or t in named))
