@@ -164,6 +164,16 @@ def test_image_target_installs_what_its_stages_need(image):
     assert ("torch" in chain) == ("torch" in names), f"{image}: torch layer iff an extra of its stages needs torch"
     binding = "COPY --from=llama-cpp /out/wheels/" in text
     assert binding == ("llama-cpp-python" in names), image
+    if binding:
+        # The binding comes from its own wheel, outside the requirements file, so the extras its
+        # pyproject requirement names (verify's server) must be on that install line (CI once ran
+        # a verify image without sse-starlette).
+        extras = PYPROJECT["optional-dependencies"]
+        wanted = {r for extra in stage.extras for r in extras[extra] if _pin._name(r) == "llama-cpp-python"}
+        wanted_extras = {m for r in wanted for m in re.findall(r"\[([^\]]*)\]", r)}
+        installed_lines = re.findall(r'"llama-cpp-python(\[[^\]]*\])?==\$\{LLAMA_CPP_PYTHON_VERSION\}"', text)
+        assert installed_lines, f"{image}: installs the binding at the pinned version"
+        assert {m.strip("[]") for m in installed_lines if m} == wanted_extras, (image, installed_lines, wanted)
     if binding or stage.name == "plan":  # plan's GGUF check reads the converter's architecture list
         assert "LORASHIP_LLAMA_CPP_DIR=/opt/llama.cpp" in text
 
