@@ -27,9 +27,21 @@ def _open(path: Path):
     and only then slices its memory map, which on a short file fails with a bare numpy reshape
     error; checking the same extents first turns that into a message naming the tensor.
     """
+    import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
     class CheckedReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            # GGUFReader._get, slicing a plain ndarray view of the memory map: every slice of a
+            # np.memmap runs memmap.__array_finalize__ in Python, which made reading a 128k-256k
+            # vocabulary (one slice per token and per merge) take 8-15 s; this takes 2.
+            plain = self.__dict__.get("_plain_data")
+            if plain is None:
+                plain = self.__dict__["_plain_data"] = self.data.view(np.ndarray)
+            count = int(count)
+            arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
         def _build_tensors(self, start_offs, fields):
             file_size = len(self.data)
             extents = []
