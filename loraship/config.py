@@ -176,8 +176,8 @@ class Config(BaseModel):
         ge=0.0,
         le=1.0,
         description="Fraction of golden prompts whose free-running greedy llama.cpp answer must equal the merged HF "
-        "answer token for token. Below 1.0 because quantization may flip a near-tie, after which answers part ways; "
-        "decisive tokens are held to full agreement by golden_margin.",
+        "answer token for token or first part from it at a near-tie (where the merged model led by less than "
+        "golden_margin nats, so either token is its answer); decisive tokens are held to full agreement.",
     )
     golden_margin: float = Field(
         1.0,

@@ -178,7 +178,9 @@ def finetune_answers_gate(golden: dict, config) -> dict:
     """On golden prompts where the fine-tune changed the greedy answer (base != merged), the GGUF
     answers like the merged model, not like the base: at least golden_match_min of them."""
     changed = [a for a in golden["answers"] if a.get("changed_by_finetune")]
-    kept = sum(a["match"] for a in changed)
+    # An answer that parted from the merged model's at a near-tie still keeps the fine-tune unless it
+    # is the base model's answer.
+    kept = sum(a["match"] or (a.get("parted_at_near_tie", False) and not a.get("equals_base", False)) for a in changed)
     rate = kept / len(changed) if changed else 0.0
     return gate(f"{kept}/{len(changed)}", config.golden_match_min, bool(changed) and rate >= config.golden_match_min,
                 "golden prompts whose greedy answer the fine-tune changed; the GGUF must answer as the merged model",
@@ -192,10 +194,17 @@ def same_top_gate(agreement: dict, config) -> dict:
 
 
 def golden_match_gate(golden: dict, n: int, config) -> dict:
-    """n: golden prompts the reference answered (golden["matches"] of them matched)."""
-    rate = golden["matches"] / n if n else 0.0
-    return gate(round(rate, 4), config.golden_match_min, n and rate >= config.golden_match_min,
-                "greedy llama.cpp answer == greedy merged-HF answer, token for token", **_golden_prompts(n, config))
+    """n: golden prompts the reference answered. An answer counts when the GGUF's greedy answer equals the
+    merged model's token for token, or first parts from it at a near-tie: a position where the merged
+    model itself led by less than golden_margin nats, so either token is the fine-tune's answer (a real
+    model after a short fine-tune has many; quantization flips some). Parting where the merged model was
+    decided never counts."""
+    ties = golden.get("parted_at_near_tie", 0)
+    rate = (golden["matches"] + ties) / n if n else 0.0
+    note = (f"greedy llama.cpp answer == greedy merged-HF answer: {golden['matches']}/{n} token for token, {ties} more "
+            f"parted at a near-tie (merged model's lead < golden_margin {config.golden_margin} nats)")
+    return gate(round(rate, 4), config.golden_match_min, n and rate >= config.golden_match_min, note,
+                **_golden_prompts(n, config))
 
 
 def golden_decisive_gate(golden: dict, config) -> dict:
@@ -227,15 +236,14 @@ def served_gate(served: dict, config) -> dict:
     """The GGUF behind llama.cpp's OpenAI-compatible server: every golden chat prompt stops by itself
     (finish_reason "stop", whole and streamed), streams the text it returns whole, leaks no template
     marker, and says what the same GGUF answers greedily outside the server (so the server's template,
-    tokenization and stop handling change nothing); and like golden_match, at least golden_match_min
-    of the answers are the merged model's (quantization may flip a near-tied answer, serving may not)."""
+    tokenization and stop handling change nothing). How those greedy answers compare with the merged
+    model's is golden_match's question; equal_to_reference is reported, not gated twice."""
     n = served["requests"]
     counts = {k: served[k] for k in ("finished_by_stop", "equal_to_gguf_greedy", "equal_to_reference",
                                      "streamed_equal", "without_markers")}
     bad = [a for a in served["answers"] if not (a["finish_reason"] == a["streamed_finish_reason"] == "stop"
                                                 and a["equal_to_gguf_greedy"] and a["streamed_equal"]
                                                 and not a["markers_leaked"])]
-    reference_rate = served["equal_to_reference"] / n if n else 0.0
     note = ""
     if bad:
         a = bad[0]
@@ -243,10 +251,7 @@ def served_gate(served: dict, config) -> dict:
                 f"(finish {a['finish_reason']}, streamed {a['streamed_finish_reason']}, streamed equal "
                 f"{a['streamed_equal']}, markers {a['markers_leaked']}), the GGUF's greedy answer outside the server "
                 f"equal: {a['equal_to_gguf_greedy']}")
-    elif reference_rate < config.golden_match_min:
-        note = f"served answers equal to the merged model's: {reference_rate:.2f} < golden_match_min {config.golden_match_min}"
-    return gate(counts, {"each": n, "equal_to_reference": config.golden_match_min},
-                not bad and reference_rate >= config.golden_match_min, note, **_golden_prompts(n, config))
+    return gate(counts, {"each": n}, not bad, note, **_golden_prompts(n, config))
 
 
 def eval_loss_gate(train_metrics: dict) -> dict:
@@ -447,16 +452,32 @@ def gguf_topk(llm, reference: dict, topk, k: int) -> dict:
     return {key: np.concatenate([r[key] for r in rows_of]) for key in rows_of[0]} if rows_of else {}
 
 
+def parting(answer: list[int], record: dict) -> tuple[int | None, float | None]:
+    """Where a free-running answer first leaves the merged model's greedy answer (None if it never
+    does), and by how many nats the merged model's top token led its runner-up there (the reference's
+    teacher-forced margins; None past them). Up to that position both ran on the same tokens, so the
+    lead says whether the merged model was decided there or at a coin toss."""
+    ref = record["answer_ids"]
+    if answer == ref:
+        return None, None
+    at = next((i for i, (a, b) in enumerate(zip(answer, ref)) if a != b), min(len(answer), len(ref)))
+    margins = record.get("margins") or []
+    return at, (margins[at] if at < len(margins) else None)
+
+
 def golden_agreement(llm, reference: dict, config, stops: set[int]) -> dict:
     import numpy as np
 
-    answers, matches, formatted, decisive, agreed, gen_tokens, gen_seconds = [], 0, 0, 0, 0, 0, 0.0
+    answers, matches, ties, formatted, decisive, agreed, gen_tokens, gen_seconds = [], 0, 0, 0, 0, 0, 0, 0.0
     for record in reference["golden"]:
         answer, stop, seconds = greedy(llm, record["prompt_ids"], config.max_new_tokens, stops)
         gen_tokens += len(answer) + (stop is not None)
         gen_seconds += seconds
         match = answer == record["answer_ids"]
         matches += match
+        parted_at, lead = parting(answer, record)
+        near_tie = parted_at is not None and lead is not None and lead < config.golden_margin
+        ties += near_tie
         forced = record["answer_ids"] + ([record["stop_id"]] if record.get("stop_id") is not None else [])
         if forced:
             full = record["prompt_ids"] + forced
@@ -473,11 +494,12 @@ def golden_agreement(llm, reference: dict, config, stops: set[int]) -> dict:
         shown = record["messages"][-1]["content"] if record["kind"] == "chat" else record["prompt_text"]
         changed = record.get("base_answer_ids") is not None and record["base_answer_ids"] != record["answer_ids"]
         answers.append({"kind": record["kind"], "prompt": shown, "hf": record["answer_text"], "gguf": text, "match": match,
-                        "changed_by_finetune": changed,
+                        "parted_at": parted_at, "merged_lead_there": lead, "parted_at_near_tie": near_tie,
+                        "changed_by_finetune": changed, "equals_base": answer == record.get("base_answer_ids"),
                         "hf_stop": record.get("stop_id"), "gguf_stop": stop,
                         "format_ok": ok_format, **({"reference": record["reference"]} if "reference" in record else {})})
-    return {"answers": answers, "matches": matches, "formatted": formatted, "decisive": decisive, "agreed": agreed,
-            "gen_tokens": gen_tokens, "gen_tokens_per_s": round(gen_tokens / gen_seconds, 1) if gen_seconds else None}
+    return {"answers": answers, "matches": matches, "parted_at_near_tie": ties, "formatted": formatted,
+            "decisive": decisive, "agreed": agreed, "gen_tokens": gen_tokens, "gen_tokens_per_s": round(gen_tokens / gen_seconds, 1) if gen_seconds else None}
 
 
 def tokenizer_parity(llm, reference: dict) -> dict:
@@ -716,7 +738,8 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
             "reference": str(ctx.upstream_dir("reference") / REFERENCE_FILE)})
     report["prompt_tokens_per_s"] = agreement.get("prompt_tokens_per_s")
     report["gen_tokens_per_s"] = golden["gen_tokens_per_s"]
-    report["golden_match"] = golden["matches"] / n if n else 0.0
+    report["golden_match"] = golden["matches"] / n if n else 0.0  # token for token; the gate also counts near-ties
+    report["golden_parted_at_near_tie"] = golden["parted_at_near_tie"]
     return {"passed": all(g["passed"] for g in gates.values()), "gates": gates, **report}
 
 
