@@ -169,11 +169,12 @@ def real_run(real_smollm2, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "measured 2026-12-04: 4 LoRA steps (all 2 cores afford) teach the format, not the capitals, so the "
-    "names are near-tied guesses and free-running answers part at them: golden_match 1/12 and served 1/12 "
-    "although golden_decisive_agreement is 45/45, KL 0.013, same top token 95%, parity 24/24"))
 def test_real_pretrained_model_passes_every_gate(real_run):
+    """4 LoRA steps (what 2 cores afford) teach the reply format, not the invented capitals, so most names
+    are near-tied guesses: measured 2026-12-04, 1/12 answers equal the merged model's token for token and
+    the other 11 part from it where it led by 0.04-0.46 nats (golden_margin 1.0), decisive agreement 45/45,
+    KL 0.013, same top token 95%, parity 24/24; one served answer parted from the GGUF's own greedy answer
+    where llama.cpp led by 0.067 nats."""
     config, manifests, verify = real_run
     assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
     assert _gguf_fields(verify)["tokenizer.ggml.pre"] == "smollm"

@@ -108,12 +108,15 @@ def test_fine_tune_gates_fail_a_gguf_that_drifted_back_to_the_base():
 
 
 def _served(n: int, **wrong) -> dict:
-    answer = {"prompt": "p", "served": "Answer: X.", "reference": "Answer: X.", "finish_reason": "stop",
+    answer = {"prompt": "p", "served": "Answer: X.", "streamed": "Answer: X.", "gguf_greedy": "Answer: X.",
+              "reference": "Answer: X.", "finish_reason": "stop",
               "streamed_finish_reason": "stop", "equal_to_reference": True, "equal_to_gguf_greedy": True,
-              "streamed_equal": True, "markers_leaked": []}
+              "streamed_equal": True, "markers_leaked": [],
+              "whole_equal_to_gguf": True, "whole_gguf_lead_there": None,
+              "streamed_equal_to_gguf": True, "streamed_gguf_lead_there": None}
     answers = [dict(answer) for _ in range(n)]
-    for i, (key, value) in enumerate(wrong.items()):
-        answers[i][key] = value
+    if answers:
+        answers[0].update(wrong)
     counts = {k: sum(bool(a[k]) for a in answers) for k in ("equal_to_reference", "equal_to_gguf_greedy", "streamed_equal")}
     return {"requests": n, "answers": answers, "without_markers": sum(not a["markers_leaked"] for a in answers),
             "finished_by_stop": sum(a["finish_reason"] == a["streamed_finish_reason"] == "stop" for a in answers), **counts}
@@ -126,7 +129,23 @@ def test_served_gate_holds_serving_to_the_gguf():
     flips["equal_to_reference"] = 5
     assert served_gate(flips, CONFIG)["passed"] and served_gate(flips, CONFIG)["value"]["equal_to_reference"] == 5
     # ...but serving may change nothing: a run-on answer, a leaked marker, a different stream or answer fails.
-    for wrong in ({"finish_reason": "length"}, {"markers_leaked": ["<|im_end|>"]}, {"streamed_equal": False},
-                  {"equal_to_gguf_greedy": False}):
+    for wrong in ({"finish_reason": "length"}, {"markers_leaked": ["<|im_end|>"]},
+                  {"streamed_equal_to_gguf": False, "streamed_gguf_lead_there": 5.0},
+                  {"whole_equal_to_gguf": False, "whole_gguf_lead_there": 5.0},
+                  {"whole_equal_to_gguf": False, "whole_gguf_lead_there": None}):
         assert not served_gate(_served(8, **wrong), CONFIG)["passed"], wrong
+    # A server answer that parts from the GGUF's own only where llama.cpp was at a near-tie passes.
+    assert served_gate(_served(8, whole_equal_to_gguf=False, whole_gguf_lead_there=0.1), CONFIG)["passed"]
     assert not served_gate(_served(0), CONFIG)["passed"]  # nothing served is no pass
+
+
+def test_parting_from_maps_a_text_difference_to_the_greedy_step_and_its_lead():
+    from loraship.llamacpp.served import parting_from
+
+    # Tokens " Answer", ":", " Gant", "esan", "." (leading space stripped for comparison), then the stop.
+    own = {"text": " Answer: Gantesan.", "prefix_bytes": [7, 8, 13, 17, 18], "leads": [9.0, 8.0, 2.0, 0.16, 3.0, 7.0]}
+    assert parting_from("Answer: Gantesan.", own) == (None, None)
+    assert parting_from("Answer: Gantes.", own) == (3, 0.16)  # parts inside "esan": step 3, a near-tie
+    assert parting_from("Answer: Kara.", own) == (2, 2.0)  # parts at " Gant": decided
+    assert parting_from("Answer: Gantesan. More", own) == (5, 7.0)  # ran past the GGUF's stop
+    assert parting_from("Answer: Gantesan. More", {**own, "leads": own["leads"][:5]}) == (5, None)
