@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loraship.errors import ConfigError
+from loraship.constants import QUANT_GATE_FIELDS, QUANT_GATES
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -63,7 +64,8 @@ class DatasetSpec(BaseModel):
         return self
 
 
-Quantization = Literal["Q4_K_M", "Q5_K_M", "Q8_0"]
+# llama.cpp quantizations loraship ships and verifies (constants.QUANT_GATES holds each one's default gates).
+Quantization = Literal["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "IQ4_XS", "Q3_K_L", "Q3_K_M", "IQ3_M"]
 
 
 class Config(BaseModel):
@@ -185,8 +187,9 @@ class Config(BaseModel):
         description="Nats between the merged model's top two tokens that make a golden-answer token decisive; with the "
         "HF answer teacher-forced, llama.cpp must pick the same token at every decisive position.",
     )
-    perplexity_ratio_max: float = Field(
-        1.15, ge=1.0, description="Largest allowed GGUF/merged-HF perplexity ratio on the eval split."
+    perplexity_ratio_max: float | None = Field(
+        None, ge=1.0, description="Largest allowed GGUF/merged-HF perplexity ratio on the eval split; unset: the "
+        "quantization's own default (Q4_K_M 1.1, Q8_0 1.02; loraship/constants.py QUANT_GATES)."
     )
     verify_max_examples: int = Field(64, ge=1, description="Eval examples scored by verify (both runtimes).")
     min_golden_prompts: int = Field(
@@ -220,14 +223,16 @@ class Config(BaseModel):
         0.5, gt=0, description="Fine-tune kept: mean KL(merged || GGUF) at most this fraction of mean KL(merged || base) "
         "on the same eval tokens; a GGUF that drifted back toward the base model fails.",
     )
-    kl_mean_max: float = Field(
-        0.1, gt=0, description="Largest mean KL divergence (HF -> GGUF, nats per token) on the eval split; llama.cpp "
-        "reports about 0.01-0.04 for 4-bit K-quants of 7B models.",
+    kl_mean_max: float | None = Field(
+        None, gt=0, description="Largest mean KL divergence (HF -> GGUF, nats per token) on the eval split; unset: the "
+        "quantization's own default (Q4_K_M 0.1, Q8_0 0.005; llama.cpp reports 0.031 and 0.0014 for Llama-3-8B).",
     )
-    kl_p99_max: float = Field(1.0, gt=0, description="Largest 99th-percentile KL divergence per token on the eval split.")
-    same_top_min: float = Field(
-        0.85, ge=0.0, le=1.0, description="Smallest fraction of eval positions where the GGUF's top token is HF's "
-        "(llama.cpp reports about 90-95% for 4-bit K-quants of 7B models).",
+    kl_p99_max: float | None = Field(
+        None, gt=0, description="Largest 99th-percentile KL divergence per token on the eval split; unset: the "
+        "quantization's own default (Q4_K_M 1.0).")
+    same_top_min: float | None = Field(
+        None, ge=0.0, le=1.0, description="Smallest fraction of eval positions where the GGUF's top token is HF's; "
+        "unset: the quantization's own default (Q4_K_M 0.85, Q8_0 0.95; llama.cpp reports 91.9% and 97.7% for Llama-3-8B).",
     )
     adapter_gguf: bool = Field(
         False,
@@ -328,6 +333,12 @@ class Config(BaseModel):
     def quantizations(self) -> list[str]:
         """Every quantization to ship, the primary first (also for a copy made with a plain string)."""
         return [self.quantization] if isinstance(self.quantization, str) else list(self.quantization)
+
+    def gate_limits(self, quantization: str) -> dict[str, float]:
+        """verify's quality limits for one quantization: what the config sets, else that quantization's
+        calibrated default (loraship/constants.py QUANT_GATES)."""
+        defaults = dict(zip(QUANT_GATE_FIELDS, QUANT_GATES[quantization]))
+        return {name: default if getattr(self, name) is None else getattr(self, name) for name, default in defaults.items()}
 
     @property
     def primary_quantization(self) -> str:

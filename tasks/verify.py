@@ -711,10 +711,13 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
 
     agreement = measured["eval_agreement"]
     report["eval_agreement"] = agreement
-    gates["perplexity_ratio"] = perplexity_ratio_gate(agreement, config)
-    gates["kl_divergence_mean"] = kl_mean_gate(agreement, config, reference["top_k"])
-    gates["kl_divergence_p99"] = kl_p99_gate(agreement, config, reference["top_k"])
-    gates["same_top_token"] = same_top_gate(agreement, config)
+    # This quantization's limits: the config's where it sets them, else its calibrated defaults.
+    report["gate_limits"] = config.gate_limits(quantization)
+    limits = config.model_copy(update=report["gate_limits"])
+    gates["perplexity_ratio"] = perplexity_ratio_gate(agreement, limits)
+    gates["kl_divergence_mean"] = kl_mean_gate(agreement, limits, reference["top_k"])
+    gates["kl_divergence_p99"] = kl_p99_gate(agreement, limits, reference["top_k"])
+    gates["same_top_token"] = same_top_gate(agreement, limits)
     # A reference made before the base model was scored has no base_kl: no fine-tune gates then.
     if "finetune_tokens" in agreement:
         gates["finetune_kept_kl"] = finetune_kl_gate(agreement, config)

@@ -10,7 +10,8 @@ from loraship.stages.verify import (
     kl_mean_gate, kl_p99_gate, parting, perplexity_ratio_gate, same_top_gate, served_gate, tokenizer_parity_gate,
 )
 
-CONFIG = Config.model_construct(**{name: f.default for name, f in Config.model_fields.items()})
+_DEFAULTS = Config.model_construct(**{name: f.default for name, f in Config.model_fields.items()})
+CONFIG = _DEFAULTS.model_copy(update=_DEFAULTS.gate_limits("Q4_K_M"))  # what verify gates a Q4_K_M against
 
 
 def agreement(scored: int, **figures) -> dict:
@@ -149,3 +150,23 @@ def test_parting_from_maps_a_text_difference_to_the_greedy_step_and_its_lead():
     assert parting_from("Answer: Kara.", own) == (2, 2.0)  # parts at " Gant": decided
     assert parting_from("Answer: Gantesan. More", own) == (5, 7.0)  # ran past the GGUF's stop
     assert parting_from("Answer: Gantesan. More", {**own, "leads": own["leads"][:5]}) == (5, None)
+
+
+def test_each_quantization_has_its_own_calibrated_limits_unless_the_config_sets_them():
+    from loraship.constants import GGUF_FILE_TYPES, QUANT_GATES
+
+    assert set(QUANT_GATES) == set(GGUF_FILE_TYPES) - {"F16"}  # every quantization loraship ships has its gates
+    q8, q4, q3 = (_DEFAULTS.gate_limits(q) for q in ("Q8_0", "Q4_K_M", "Q3_K_M"))
+    # Coarser quantizations are allowed more error, and never less.
+    assert q8["kl_mean_max"] < q4["kl_mean_max"] < q3["kl_mean_max"]
+    assert q8["same_top_min"] > q4["same_top_min"] > q3["same_top_min"]
+    order = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M"]  # finest first (K-quants)
+    for name, column in (("kl_mean_max", 0), ("kl_p99_max", 1), ("perplexity_ratio_max", 3)):
+        values = [QUANT_GATES[q][column] for q in order]
+        assert values == sorted(values), name
+    # llama.cpp's Llama-3-8B figures (loraship/constants.py) pass their own quantization's defaults.
+    for q, kld, same_top, ppl_ratio in (("Q8_0", 0.00136, 0.977, 1.0004), ("Q6_K", 0.00545, 0.960, 1.0035),
+                                        ("Q4_K_M", 0.0313, 0.919, 1.028), ("Q3_K_M", 0.102, 0.86, 1.105)):
+        limits = _DEFAULTS.gate_limits(q)
+        assert kld <= limits["kl_mean_max"] and same_top >= limits["same_top_min"] and ppl_ratio <= limits["perplexity_ratio_max"]
+    assert _DEFAULTS.model_copy(update={"kl_mean_max": 0.5}).gate_limits("Q8_0")["kl_mean_max"] == 0.5
