@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loraship.errors import ConfigError
-from loraship.constants import QUANT_GATE_FIELDS, QUANT_GATES
+from loraship.constants import AUTO_LADDER, QUANT_GATE_FIELDS, QUANT_GATES
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -163,10 +163,12 @@ class Config(BaseModel):
     target_context: int = Field(4096, ge=128, description="Context the shipped model must serve on the target GPU (KV cache).")
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where train/merge/verify run; 'auto' prefers CUDA.")
 
-    quantization: list[Quantization] = Field(
+    quantization: list[Quantization | Literal["auto"]] = Field(
         default_factory=lambda: ["Q4_K_M"],
         description="llama.cpp quantization of the shipped GGUF, or a list of them (e.g. [Q4_K_M, Q8_0]): each is made "
-        "from the one F16 GGUF, verified and shipped. The first is the primary: the Modelfile and `loraship chat` open it.",
+        "from the one F16 GGUF, verified and shipped. The first is the primary: the Modelfile and `loraship chat` open it. "
+        "'auto': the smallest of the ladder IQ3_M, Q3_K_M, IQ4_XS, Q4_K_M, Q5_K_M, Q6_K, Q8_0 that passes every "
+        "verify gate (each under its own limits) and fits target_gpu_memory_gib at target_context is shipped alone.",
     )
     golden_prompts: str | None = Field(
         None, description="A local JSONL of {'messages': [...]} or {'prompt': ...}: greedy answers must agree between HF "
@@ -290,6 +292,8 @@ class Config(BaseModel):
         twice = sorted({q for q in v if v.count(q) > 1})
         if twice:
             raise ValueError(f"{', '.join(twice)} listed more than once; list each quantization once")
+        if "auto" in v and len(v) > 1:
+            raise ValueError("'auto' picks one quantization from its own ladder; use 'auto' alone or list names")
         return v
 
     @field_validator("base_model", "output", "workdir")
@@ -323,6 +327,10 @@ class Config(BaseModel):
     def _cross_field(self):
         if self.warmup_steps and self.max_steps and self.warmup_steps >= self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps})")
+        if self.adapter_gguf and self.auto_quantization:
+            raise ValueError("adapter_gguf quantizes the adapter's base like the shipped GGUF, which quantization 'auto' "
+                             "chooses only at verify; name the quantization (e.g. quantization: Q4_K_M) or set "
+                             "adapter_gguf: false")
         return self
 
     # -- helpers -----------------------------------------------------------------------
@@ -330,9 +338,19 @@ class Config(BaseModel):
         return is_local_path(self.base_model)
 
     @property
-    def quantizations(self) -> list[str]:
-        """Every quantization to ship, the primary first (also for a copy made with a plain string)."""
+    def auto_quantization(self) -> bool:
+        """quantization: auto, the ladder's smallest that passes verify is shipped."""
+        return self.quantizations_as_given == ["auto"]
+
+    @property
+    def quantizations_as_given(self) -> list[str]:
         return [self.quantization] if isinstance(self.quantization, str) else list(self.quantization)
+
+    @property
+    def quantizations(self) -> list[str]:
+        """Every quantization to make and verify, the primary first (also for a copy made with a plain
+        string); for 'auto' the ladder, smallest first."""
+        return list(AUTO_LADDER) if self.auto_quantization else self.quantizations_as_given
 
     def gate_limits(self, quantization: str) -> dict[str, float]:
         """verify's quality limits for one quantization: what the config sets, else that quantization's

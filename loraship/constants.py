@@ -86,6 +86,9 @@ QUANT_GATES = {
 }
 QUANT_GATE_FIELDS = ("kl_mean_max", "kl_p99_max", "same_top_min", "perplexity_ratio_max")
 
+# quantization: auto tries these, smallest file first (BITS_PER_WEIGHT), and ships the first that passes.
+AUTO_LADDER = ("IQ3_M", "Q3_K_M", "IQ4_XS", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
+
 # GGUF metadata keys the stages read (gguf-py's Keys).
 GGUF_KEY_FILE_TYPE = Keys.General.FILE_TYPE
 GGUF_KEY_CHAT_TEMPLATE = Keys.Tokenizer.CHAT_TEMPLATE

@@ -798,6 +798,8 @@ def run(config) -> dict:
     check_lineage(config, reference)
     device = pick_device(config)
     check_gpu_size(config, device)
+    if config.auto_quantization:
+        return run_ladder(ctx, config, reference, device)
     # The adapter's base is quantized like the primary, so the pair is compared with the primary GGUF.
     sections = {q: verify_quantization(ctx, config, q, reference, device, with_adapter=bool(adapter) and q == primary)
                 for q in config.quantizations}
@@ -819,6 +821,56 @@ def run(config) -> dict:
                        **({"adapter_gguf": {k: head["adapter_gguf"].get(k) for k in ("kl_mean", "same_top_rate",
                                                                                     "scored_tokens")}}
                           if adapter else {})})
+
+
+def ladder_row(quantization: str, section: dict | None) -> dict:
+    """One rung of quantization auto's ladder as verify.json and the model card show it."""
+    if section is None:
+        return {"quant": quantization, "tried": False}
+    a = section.get("eval_agreement") or {}
+    return {"quant": quantization, "tried": True, "bytes": section["gguf_bytes"], "kl_mean": a.get("kl_mean"),
+            "kl_p99": a.get("kl_p99"), "same_top": a.get("same_top_rate"), "ppl_ratio": a.get("perplexity_ratio"),
+            "fits": section["gates"]["fits_target_gpu"]["passed"], "passed": section["passed"],
+            "failed_gates": [k for k, g in section["gates"].items() if not g["passed"]]}
+
+
+def run_ladder(ctx, config, reference: dict, device: str) -> dict:
+    """quantization: auto. Verify the ladder smallest first and stop at the first rung that passes every
+    gate under its own limits, the target-GPU fit included: that one is shipped, alone. Larger rungs
+    are not verified (a smaller one already keeps the fine-tune)."""
+    sections: dict[str, dict] = {}
+    chosen = None
+    for q in config.quantizations:
+        sections[q] = verify_quantization(ctx, config, q, reference, device, with_adapter=False)
+        log.info("quantization auto: %s %s", q, "passed" if sections[q]["passed"] else "failed: " + ", ".join(
+            k for k, g in sections[q]["gates"].items() if not g["passed"]))
+        if sections[q]["passed"]:
+            chosen = q
+            break
+    ladder = [ladder_row(q, sections.get(q)) for q in config.quantizations]
+    head = sections[chosen] if chosen else sections[config.quantizations[-1]]
+    verdict = {**head, "passed": chosen is not None, "quantization_auto": True, "shipped_quantization": chosen,
+               "ladder": ladder, "quantizations": sections, "verify_seconds": round(time.time() - ctx.started, 2)}
+    atomic_write_json(ctx.dir / VERIFY_FILE, verdict)
+    if chosen is None:
+        fitting = [r for r in ladder if r["fits"]]
+        if not fitting:
+            raise LorashipError(
+                f"quantization auto: no rung of {', '.join(config.quantizations)} fits target_gpu_memory_gib "
+                f"{config.target_gpu_memory_gib:g} at target_context {config.target_context}; raise either, or ship a "
+                f"smaller base model; details in {ctx.dir / VERIFY_FILE}")
+        largest = fitting[-1]
+        gates = sections[largest["quant"]]["gates"]
+        why = "; ".join(f"{k} (value {g['value']}, threshold {g['threshold']})" for k, g in gates.items() if not g["passed"])
+        raise LorashipError(
+            f"quantization auto: no rung passed every gate; the largest that fits the target, {largest['quant']}, "
+            f"failed {why}. Train until the eval loss settles, loosen that gate's limit in the config if the "
+            f"figure is acceptable, or raise target_gpu_memory_gib for a larger rung; details in {ctx.dir / VERIFY_FILE}")
+    return ctx.finish({"passed": True, "gates": {k: g["passed"] for k, g in head["gates"].items()},
+                       **{k: v for k, v in figures(head).items() if k not in ("passed", "gguf_bytes", "kl_p99")},
+                       "prompt_tokens_per_s": head["prompt_tokens_per_s"], "gen_tokens_per_s": head["gen_tokens_per_s"],
+                       "shipped_quantization": chosen, "ladder": ladder,
+                       "quantizations": {chosen: figures(head)}})
 
 
 def adapter_gates(ctx, config, quantization: str, gates: dict, job: dict) -> dict:

@@ -150,6 +150,8 @@ def test_parting_from_maps_a_text_difference_to_the_greedy_step_and_its_lead():
     assert parting_from("Answer: Kara.", own) == (2, 2.0)  # parts at " Gant": decided
     assert parting_from("Answer: Gantesan. More", own) == (5, 7.0)  # ran past the GGUF's stop
     assert parting_from("Answer: Gantesan. More", {**own, "leads": own["leads"][:5]}) == (5, None)
+    # An incomplete UTF-8 piece the server held back is no parting.
+    assert parting_from("Answer Ravebri.", {**own, "text": " Answer\ufffd Ravebri."}) == (None, None)
 
 
 def test_each_quantization_has_its_own_calibrated_limits_unless_the_config_sets_them():

@@ -105,7 +105,9 @@ def parting_from(text: str, own: dict) -> tuple[int | None, float | None]:
     each token prefix, and each step's lead in nats): the index of the greedy step there and llama.cpp's
     lead at it (None past its steps), or (None, None) when the stripped texts are equal."""
     served, greedy = text.strip(), own["text"].strip()
-    if served == greedy:
+    # A token that ends inside a UTF-8 character decodes to U+FFFD in the greedy text; the server holds
+    # such bytes back or drops them. The same tokens then differ only there.
+    if served == greedy or served.replace("\ufffd", "") == greedy.replace("\ufffd", ""):
         return None, None
     at_char = next((i for i, (x, y) in enumerate(zip(served, greedy)) if x != y), min(len(served), len(greedy)))
     skipped = len(own["text"]) - len(own["text"].lstrip())

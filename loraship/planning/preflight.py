@@ -205,6 +205,13 @@ def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
         each = plan_disk_and_inference(model_config, config)["inference"]["by_quantization"]
     except (ValueError, KeyError, TypeError):
         return []  # the plan stage reports a config.json it cannot read, with its own message
+    if config.auto_quantization:  # auto ships one rung: only a ladder that cannot fit at all is refused
+        smallest = config.quantizations[0]
+        if each[smallest]["gguf_gib"] <= config.target_gpu_memory_gib:
+            return []
+        return [f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: even quantization auto's smallest rung, "
+                f"{smallest}, takes about {each[smallest]['gguf_gib']:.2f} GiB of weights; raise target_gpu_memory_gib "
+                "or choose a smaller base model"]
     # Every quantization in the list is verified on the target GPU, so each one's weights must fit.
     return [f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: the {q} GGUF's weights alone take about "
             f"{figures['gguf_gib']:.2f} GiB; raise target_gpu_memory_gib, choose a smaller quantization, or a "
