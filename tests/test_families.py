@@ -81,12 +81,6 @@ KNOWN_FAILURES = {
     # the fine-tune never saw. verify refuses the artifact (tokenizer_parity), as it should.
     ("mistral-v03", "tokenizer_parity"): "llama.cpp adds a space after special tokens that HF (legacy=False) does not",
     ("mistral-v03", "every_gate"): "tokenizer_parity fails (above); golden answers then differ too",
-    # Measured 2026-12-04: every other gate passes (parity 24/24, golden_match 0.83-0.92 >= 0.75, decisive
-    # agreement 49/49-61/61), but `served` asks each of 12 answers to equal the reference while golden_match
-    # lets 25% part at near-tied tokens: 11/12, 10/12, 10/12 served answers equal it.
-    ("llama3-base", "every_gate"): "served requires 12/12 equal to reference; golden_match allows 0.75 (11/12 here)",
-    ("smollm2", "every_gate"): "served requires 12/12 equal to reference; golden_match allows 0.75 (10/12 here)",
-    ("mistral-nemo", "every_gate"): "served requires 12/12 equal to reference; golden_match allows 0.75 (10/12 here)",
 }
 
 
