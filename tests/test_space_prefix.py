@@ -1,12 +1,13 @@
 """tokenizer.ggml.add_space_prefix (loraship/llamacpp/space_prefix.py): Mistral 7B v0.3's real tokenizer
 (legacy=False: Metaspace prepend_scheme "first"), converted by the pinned converter (vocabulary only),
-tokenized by llama.cpp exactly as HF tokenizes chat and plain text."""
+tokenized by llama.cpp exactly as HF tokenizes chat and plain text, and plan refusing a run that serves both."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -85,6 +86,23 @@ def test_mistral_v03_plain_text_keeps_the_prefix(mistral, tmp_path):
     fields, llm = vocab_gguf(folder, tmp_path / "text.gguf", value)
     for text in PLAIN:
         assert llm.tokenize(text.encode(), add_bos=True, special=True) == tok(text)["input_ids"]
+
+
+def test_plan_refuses_a_run_serving_chat_and_plain_text_through_one_flag(mistral):
+    from loraship.planning.preflight import space_prefix_problems
+
+    _, tok = mistral
+    spec = SimpleNamespace
+    mixed = SimpleNamespace(datasets=[spec(type="chat")], eval_datasets=[spec(type="completion")], golden_prompts=None)
+    problems = space_prefix_problems(mixed, tok)
+    assert len(problems) == 1
+    assert "tokenizer.ggml.add_space_prefix" in problems[0] and "separate runs" in problems[0], problems
+    assert "plain text needs true" in problems[0] and "a rendered conversation needs false" in problems[0]
+    # golden prompts are rendered as conversations, so a completion run with a golden file serves both too
+    completion_with_golden = SimpleNamespace(datasets=[spec(type="completion")], eval_datasets=[], golden_prompts="g.jsonl")
+    assert space_prefix_problems(completion_with_golden, tok)
+    chat_only = SimpleNamespace(datasets=[spec(type="sharegpt")], eval_datasets=[spec(type="chat")], golden_prompts="g.jsonl")
+    assert space_prefix_problems(chat_only, tok) == []
 
 
 def test_a_template_with_raw_text_first_and_after_special_tokens_fits_no_value(mistral):
