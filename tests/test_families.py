@@ -75,12 +75,10 @@ def family_run(request, tmp_path_factory):
 # Failures found here, each a finding to fix in loraship or upstream, not a threshold to loosen. Strict:
 # a test that starts passing fails until its entry goes.
 KNOWN_FAILURES = {
-    # Mistral 7B v0.3's sentencepiece (add_dummy_prefix) with transformers' legacy=False tokenizer: HF writes
-    # "[INST] Do" as [INST] ▁Do, llama.cpp (llm_tokenizer_spm prefixes a space after every special token)
-    # as [INST] ▁ ▁Do: 0 of 24 eval/golden texts tokenize alike, so the GGUF is served token sequences
-    # the fine-tune never saw. verify refuses the artifact (tokenizer_parity), as it should.
-    ("mistral-v03", "tokenizer_parity"): "llama.cpp adds a space after special tokens that HF (legacy=False) does not",
-    ("mistral-v03", "every_gate"): "tokenizer_parity fails (above); golden answers then differ too",
+    # Measured 2026-12-04, with convert writing add_space_prefix false (loraship/llamacpp/space_prefix.py;
+    # parity 24/24, was 0/24): every other gate passes, but the merged model itself answers one golden
+    # prompt "Answer: T Lengan." (the GGUF "Answer: T Lentes."), outside the demo's expect_regex.
+    ("mistral-v03", "every_gate"): "golden_format 11/12: the merged HF model's own answer misses the format once",
 }
 
 

@@ -184,6 +184,8 @@ def template_problems(config: Config, model_dir: Path) -> list[str]:
     if chat_data and not problems:
         problems += turn_end_problems(tokenizer)
     if not problems:
+        problems += space_prefix_problems(config, tokenizer)
+    if not problems:
         try:
             rows = golden_rows(config)[:1]
             for row in rows:
@@ -217,6 +219,15 @@ def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
             f"{figures['gguf_gib']:.2f} GiB; raise target_gpu_memory_gib, choose a smaller quantization, or a "
             "smaller base model" for q, figures in each.items() if figures["gguf_gib"] > config.target_gpu_memory_gib]
 
+
+
+def space_prefix_problems(config: Config, tokenizer) -> list[str]:
+    """llama.cpp must tokenize what this run serves (rendered chat, plain text) as HF trains on it; for a
+    sentencepiece vocabulary that hangs on one GGUF flag that fits some texts only (loraship/llamacpp/space_prefix.py)."""
+    from loraship.llamacpp import space_prefix
+
+    _, problem = space_prefix.choose(tokenizer, space_prefix.served_kinds(config))
+    return [f"tokenizer: {problem}"] if problem else []
 
 
 def turn_end_problems(tokenizer) -> list[str]:
