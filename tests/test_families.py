@@ -29,11 +29,16 @@ from tests.conftest import REPO, demo_config_dict
 FAMILY_OVERRIDES = dict(max_steps=8, save_steps=8, warmup_steps=2, micro_batch_size=8)
 # Templates with a default system prompt (Qwen2.5's, SmolLM2's) add ~20-25 tokens to every row.
 SEQUENCE_LEN = {"qwen2-base": 96, "smollm2": 96}
+# Mistral v0.3's tiny model (the least fitted of the families: pre-training loss 0.44) answered one golden
+# prompt outside the reply format after 8 and after 16 steps, the merged HF model itself ("Answer: T
+# Lengan.", golden_format 11/12); 32 pass every gate, and its 32k vocabulary keeps steps cheap.
+STEPS = {"mistral-v03": 32}
 PLANNER_GAP = "the memory planner knows llama, qwen2 and mistral only (loraship/planning/memory.py SUPPORTED); plan refuses this family"
 
 
 def run_family(model: Path, family: Family, root: Path, run_name: str | None = None, **more):
     overrides = dict(FAMILY_OVERRIDES, run_name=run_name or f"family-{family.name}", sequence_len=SEQUENCE_LEN.get(family.name, 64),
+                     **({"max_steps": STEPS[family.name], "save_steps": STEPS[family.name]} if family.name in STEPS else {}),
                      **more)
     if family.chat_template:
         overrides["chat_template"] = family.chat_template
@@ -75,10 +80,6 @@ def family_run(request, tmp_path_factory):
 # Failures found here, each a finding to fix in loraship or upstream, not a threshold to loosen. Strict:
 # a test that starts passing fails until its entry goes.
 KNOWN_FAILURES = {
-    # Measured 2026-12-04, with convert writing add_space_prefix false (loraship/llamacpp/space_prefix.py;
-    # parity 24/24, was 0/24): every other gate passes, but the merged model itself answers one golden
-    # prompt "Answer: T Lengan." (the GGUF "Answer: T Lentes."), outside the demo's expect_regex.
-    ("mistral-v03", "every_gate"): "golden_format 11/12: the merged HF model's own answer misses the format once",
 }
 
 
