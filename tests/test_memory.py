@@ -600,3 +600,19 @@ def test_optimize_is_overridden_by_the_knobs_that_are_set(kw, every, acts):
 def test_optimize_speed_keeps_bf16_for_the_14b_on_32_gib():
     plan = memory.plan_training(QWEN2_14B_EXAMPLE, mode(**LORA_14B, gpu_memory_gib=32, fused_loss="on"))
     assert plan["strategy"]["adapter"] == "lora" and plan["fits"]
+
+
+@pytest.mark.parametrize("mc,refused", [
+    (GEMMA2_2B, False), (GEMMA2_9B, False),
+    ({**GEMMA2_9B, "hidden_size": 4608, "num_hidden_layers": 46, "num_attention_heads": 32, "head_dim": 128,
+      "query_pre_attn_scalar": 144}, False),  # Gemma-2-27B: 4608 / 32
+    ({**GEMMA2_2B, "query_pre_attn_scalar": 144}, True),
+    ({**GEMMA2_9B, "num_hidden_layers": 46, "query_pre_attn_scalar": 256}, True),  # a 46-layer one is taken for the 27B
+])
+def test_a_gemma2_whose_query_scale_llama_cpp_would_not_apply_is_refused_at_plan_time(mc, refused):
+    from loraship.llamacpp.llamacpp import gemma2_scale_problems
+
+    problems = gemma2_scale_problems(mc)
+    assert bool(problems) == refused
+    if refused:
+        assert "query_pre_attn_scalar" in problems[0] and "llama.cpp" in problems[0]
