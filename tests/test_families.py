@@ -29,7 +29,6 @@ from tests.conftest import REPO, demo_config_dict
 FAMILY_OVERRIDES = dict(max_steps=8, save_steps=8, warmup_steps=2, micro_batch_size=8)
 # Templates with a default system prompt (Qwen2.5's, SmolLM2's) add ~20-25 tokens to every row.
 SEQUENCE_LEN = {"qwen2-base": 96, "smollm2": 96}
-PLANNER_GAP = "the memory planner knows llama, qwen2 and mistral only (loraship/planning/memory.py SUPPORTED); plan refuses this family"
 
 
 def run_family(model: Path, family: Family, root: Path, run_name: str | None = None, **more):
@@ -52,13 +51,8 @@ def run_family(model: Path, family: Family, root: Path, run_name: str | None = N
 
 # A run costs minutes on 2 CPU cores (building the model, and the 128k-256k output layer in train, convert
 # and quantize), past the default run's budget, so these are `slow`: `pytest -m slow tests/test_families.py`.
-# The plan-time tests further down run by default. Families the planner refuses today
-# (test_the_planner_knows_every_family, strict) are not started: plan would refuse the model built for it.
-PIPELINE_FAMILIES = [
-    pytest.param(n, marks=[pytest.mark.slow, pytest.mark.xfail(run=False, reason=PLANNER_GAP)])
-    if FAMILIES[n].architecture in ("Gemma2ForCausalLM", "Phi3ForCausalLM") else pytest.param(n, marks=pytest.mark.slow)
-    for n in sorted(FAMILIES)
-]
+# The plan-time tests further down run by default.
+PIPELINE_FAMILIES = [pytest.param(n, marks=pytest.mark.slow) for n in sorted(FAMILIES)]
 
 
 @pytest.fixture(scope="session", params=PIPELINE_FAMILIES)
@@ -87,6 +81,20 @@ KNOWN_FAILURES = {
     ("llama3-base", "every_gate"): "served requires 12/12 equal to reference; golden_match allows 0.75 (11/12 here)",
     ("smollm2", "every_gate"): "served requires 12/12 equal to reference; golden_match allows 0.75 (10/12 here)",
     ("mistral-nemo", "every_gate"): "served requires 12/12 equal to reference; golden_match allows 0.75 (10/12 here)",
+    # Measured 2026-12-04: every other gate passes (parity 24/24, KL 0.00022, golden_match 12/12, decisive agreement
+    # 56/56, served 12/12). The tiny fine-tuned Gemma 2 itself answers two golden prompts "Answer:pa." (margin 1.5
+    # nats over " <name>"; the base answered "Answer: is Mivo." and "Answer:?" elsewhere), and the GGUF answers as
+    # it does: the fixture model's format, not the pipeline's (its full-vocabulary loss is 1.86 nats against 0.18 on
+    # the corpus's tokens, the most of any family: 255,800 untrained tied rows take most of the probability).
+    ("gemma2", "every_gate"): "golden_format 10/12: the merged HF model answers 'Answer:pa.' twice; the GGUF equals it",
+    # transformers 5.25 builds Phi-3's LlamaTokenizer from tokenizer_config's legacy: false (as Phi-3-mini's has it):
+    # no "▁" after a special token, "<|user|>\nDo" -> <|user|> Do (the newline rstripped); llama.cpp's SPM
+    # tokenizer prefixes a space after every special token (add_space_prefix; llama-vocab.cpp), <|user|> ▁Do, and
+    # has no setting for "only at the start of the text": 0 of 24 eval/golden texts tokenize alike.
+    ("phi3", "tokenizer_parity"): "llama.cpp adds a space after special tokens that HF (legacy=False) does not",
+    # ...and Phi-3's generation_config stops on <|assistant|> (32001), which llama.cpp does not end generation on
+    # (special_tokens), and served 10/12 equal to the GGUF's answer on HF's prompt ids: the server tokenizes itself.
+    ("phi3", "every_gate"): "tokenizer_parity 0/24 (above), special_tokens (32001 not end-of-generation), served 10/12",
 }
 
 
@@ -224,11 +232,7 @@ def test_turn_end_is_one_special_token(family_folders, name):
     assert turn_end(tok)["text"] == FAMILIES[name].turn_end
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=PLANNER_GAP))
-    if FAMILIES[n].architecture in ("Gemma2ForCausalLM", "Phi3ForCausalLM") else n
-    for n in sorted(FAMILIES)
-])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_planner_knows_every_family(family_folders, name):
     from loraship.planning.memory import parse_model_config
 
