@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loraship.errors import ConfigError
+from loraship.constants import AUTO_LADDER, QUANT_GATE_FIELDS, QUANT_GATES
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -63,7 +64,8 @@ class DatasetSpec(BaseModel):
         return self
 
 
-Quantization = Literal["Q4_K_M", "Q5_K_M", "Q8_0"]
+# llama.cpp quantizations loraship ships and verifies (constants.QUANT_GATES holds each one's default gates).
+Quantization = Literal["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "IQ4_XS", "Q3_K_L", "Q3_K_M", "IQ3_M"]
 
 
 class Config(BaseModel):
@@ -161,10 +163,12 @@ class Config(BaseModel):
     target_context: int = Field(4096, ge=128, description="Context the shipped model must serve on the target GPU (KV cache).")
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where train/merge/verify run; 'auto' prefers CUDA.")
 
-    quantization: list[Quantization] = Field(
+    quantization: list[Quantization | Literal["auto"]] = Field(
         default_factory=lambda: ["Q4_K_M"],
         description="llama.cpp quantization of the shipped GGUF, or a list of them (e.g. [Q4_K_M, Q8_0]): each is made "
-        "from the one F16 GGUF, verified and shipped. The first is the primary: the Modelfile and `loraship chat` open it.",
+        "from the one F16 GGUF, verified and shipped. The first is the primary: the Modelfile and `loraship chat` open it. "
+        "'auto': the smallest of the ladder IQ3_M, Q3_K_M, IQ4_XS, Q4_K_M, Q5_K_M, Q6_K, Q8_0 that passes every "
+        "verify gate (each under its own limits) and fits target_gpu_memory_gib at target_context is shipped alone.",
     )
     golden_prompts: str | None = Field(
         None, description="A local JSONL of {'messages': [...]} or {'prompt': ...}: greedy answers must agree between HF "
@@ -176,8 +180,8 @@ class Config(BaseModel):
         ge=0.0,
         le=1.0,
         description="Fraction of golden prompts whose free-running greedy llama.cpp answer must equal the merged HF "
-        "answer token for token. Below 1.0 because quantization may flip a near-tie, after which answers part ways; "
-        "decisive tokens are held to full agreement by golden_margin.",
+        "answer token for token or first part from it at a near-tie (where the merged model led by less than "
+        "golden_margin nats, so either token is its answer); decisive tokens are held to full agreement.",
     )
     golden_margin: float = Field(
         1.0,
@@ -185,8 +189,9 @@ class Config(BaseModel):
         description="Nats between the merged model's top two tokens that make a golden-answer token decisive; with the "
         "HF answer teacher-forced, llama.cpp must pick the same token at every decisive position.",
     )
-    perplexity_ratio_max: float = Field(
-        1.15, ge=1.0, description="Largest allowed GGUF/merged-HF perplexity ratio on the eval split."
+    perplexity_ratio_max: float | None = Field(
+        None, ge=1.0, description="Largest allowed GGUF/merged-HF perplexity ratio on the eval split; unset: the "
+        "quantization's own default (Q4_K_M 1.1, Q8_0 1.02; loraship/constants.py QUANT_GATES)."
     )
     verify_max_examples: int = Field(64, ge=1, description="Eval examples scored by verify (both runtimes).")
     min_golden_prompts: int = Field(
@@ -220,14 +225,16 @@ class Config(BaseModel):
         0.5, gt=0, description="Fine-tune kept: mean KL(merged || GGUF) at most this fraction of mean KL(merged || base) "
         "on the same eval tokens; a GGUF that drifted back toward the base model fails.",
     )
-    kl_mean_max: float = Field(
-        0.1, gt=0, description="Largest mean KL divergence (HF -> GGUF, nats per token) on the eval split; llama.cpp "
-        "reports about 0.01-0.04 for 4-bit K-quants of 7B models.",
+    kl_mean_max: float | None = Field(
+        None, gt=0, description="Largest mean KL divergence (HF -> GGUF, nats per token) on the eval split; unset: the "
+        "quantization's own default (Q4_K_M 0.1, Q8_0 0.005; llama.cpp reports 0.031 and 0.0014 for Llama-3-8B).",
     )
-    kl_p99_max: float = Field(1.0, gt=0, description="Largest 99th-percentile KL divergence per token on the eval split.")
-    same_top_min: float = Field(
-        0.85, ge=0.0, le=1.0, description="Smallest fraction of eval positions where the GGUF's top token is HF's "
-        "(llama.cpp reports about 90-95% for 4-bit K-quants of 7B models).",
+    kl_p99_max: float | None = Field(
+        None, gt=0, description="Largest 99th-percentile KL divergence per token on the eval split; unset: the "
+        "quantization's own default (Q4_K_M 1.0).")
+    same_top_min: float | None = Field(
+        None, ge=0.0, le=1.0, description="Smallest fraction of eval positions where the GGUF's top token is HF's; "
+        "unset: the quantization's own default (Q4_K_M 0.85, Q8_0 0.95; llama.cpp reports 91.9% and 97.7% for Llama-3-8B).",
     )
     adapter_gguf: bool = Field(
         False,
@@ -285,6 +292,8 @@ class Config(BaseModel):
         twice = sorted({q for q in v if v.count(q) > 1})
         if twice:
             raise ValueError(f"{', '.join(twice)} listed more than once; list each quantization once")
+        if "auto" in v and len(v) > 1:
+            raise ValueError("'auto' picks one quantization from its own ladder; use 'auto' alone or list names")
         return v
 
     @field_validator("base_model", "output", "workdir")
@@ -318,6 +327,10 @@ class Config(BaseModel):
     def _cross_field(self):
         if self.warmup_steps and self.max_steps and self.warmup_steps >= self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps})")
+        if self.adapter_gguf and self.auto_quantization:
+            raise ValueError("adapter_gguf quantizes the adapter's base like the shipped GGUF, which quantization 'auto' "
+                             "chooses only at verify; name the quantization (e.g. quantization: Q4_K_M) or set "
+                             "adapter_gguf: false")
         return self
 
     # -- helpers -----------------------------------------------------------------------
@@ -325,9 +338,25 @@ class Config(BaseModel):
         return is_local_path(self.base_model)
 
     @property
-    def quantizations(self) -> list[str]:
-        """Every quantization to ship, the primary first (also for a copy made with a plain string)."""
+    def auto_quantization(self) -> bool:
+        """quantization: auto, the ladder's smallest that passes verify is shipped."""
+        return self.quantizations_as_given == ["auto"]
+
+    @property
+    def quantizations_as_given(self) -> list[str]:
         return [self.quantization] if isinstance(self.quantization, str) else list(self.quantization)
+
+    @property
+    def quantizations(self) -> list[str]:
+        """Every quantization to make and verify, the primary first (also for a copy made with a plain
+        string); for 'auto' the ladder, smallest first."""
+        return list(AUTO_LADDER) if self.auto_quantization else self.quantizations_as_given
+
+    def gate_limits(self, quantization: str) -> dict[str, float]:
+        """verify's quality limits for one quantization: what the config sets, else that quantization's
+        calibrated default (loraship/constants.py QUANT_GATES)."""
+        defaults = dict(zip(QUANT_GATE_FIELDS, QUANT_GATES[quantization]))
+        return {name: default if getattr(self, name) is None else getattr(self, name) for name, default in defaults.items()}
 
     @property
     def primary_quantization(self) -> str:

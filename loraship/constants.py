@@ -48,12 +48,46 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 # llama.cpp's llama_ftype values = GGUF general.file_type, from gguf-py (the format's own package).
 GGUF_FILE_TYPES = {
     "F16": int(LlamaFileType.MOSTLY_F16), "Q8_0": int(LlamaFileType.MOSTLY_Q8_0),
-    "Q4_K_M": int(LlamaFileType.MOSTLY_Q4_K_M), "Q5_K_M": int(LlamaFileType.MOSTLY_Q5_K_M),
+    "Q6_K": int(LlamaFileType.MOSTLY_Q6_K),
+    "Q5_K_M": int(LlamaFileType.MOSTLY_Q5_K_M), "Q5_K_S": int(LlamaFileType.MOSTLY_Q5_K_S),
+    "Q4_K_M": int(LlamaFileType.MOSTLY_Q4_K_M), "Q4_K_S": int(LlamaFileType.MOSTLY_Q4_K_S),
+    "IQ4_XS": int(LlamaFileType.MOSTLY_IQ4_XS),
+    "Q3_K_L": int(LlamaFileType.MOSTLY_Q3_K_L), "Q3_K_M": int(LlamaFileType.MOSTLY_Q3_K_M),
+    "IQ3_M": int(LlamaFileType.MOSTLY_IQ3_M),
 }
 
-# Approximate bits per weight of each quantization for a full model (llama.cpp's
-# quantize README: Q4_K_M 4.84 on a 7B Llama).
-BITS_PER_WEIGHT = {"Q4_K_M": 4.85, "Q5_K_M": 5.69, "Q8_0": 8.5, "F16": 16.0}
+# Bits per weight of each quantization for a whole model: the file sizes llama.cpp's quantize tool
+# lists for Llama-3-8B (8.03e9 weights; tools/quantize/quantize.cpp in the pinned sdist), x 8 bits
+# / weights; IQ4_XS and IQ3_M from their nominal bpw plus the K-quant mixes' overhead (Q4_K_M: 4.58 GiB
+# ~ 4.85 bpw).
+BITS_PER_WEIGHT = {"Q8_0": 8.5, "Q6_K": 6.57, "Q5_K_M": 5.69, "Q5_K_S": 5.57, "Q4_K_M": 4.85, "Q4_K_S": 4.67,
+                   "IQ4_XS": 4.5, "Q3_K_L": 4.31, "Q3_K_M": 4.0, "IQ3_M": 3.9, "F16": 16.0}
+
+# verify's default quality gates per quantization (config fields left unset take these). Calibrated on
+# llama.cpp's own scoreboard, Llama-3-8B on wikitext, no imatrix (tools/perplexity/README.md in the pinned
+# sdist: mean KLD Q8_0 0.00136, Q6_K 0.00545, Q5_K_M 0.0108, Q5_K_S 0.0166, Q4_K_M 0.0313, Q4_K_S 0.0431,
+# Q3_K_L 0.0872, Q3_K_M 0.102; same top token Q8_0 97.7%, Q6_K 96.0%, Q4_K_M 91.9%; PPL ratio Q8_0 1.0004,
+# Q6_K 1.0035, Q4_K_M 1.028, Q3_K_M 1.105), a model family known to quantize badly: kl_mean_max is about
+# 3x its mean KLD (smaller models and short eval splits scatter more), same_top_min about 5-7 points
+# under its rate, perplexity_ratio_max its excess x 3-4 (at least +2%). IQ4_XS sits between Q4_K_S and
+# Q4_K_M, IQ3_M near Q3_K_M. bench/results/quant_ladder.json measures the same figures on the real SmolLM2.
+QUANT_GATES = {
+    #         kl_mean_max, kl_p99_max, same_top_min, perplexity_ratio_max
+    "Q8_0": (0.005, 0.05, 0.95, 1.02),
+    "Q6_K": (0.02, 0.2, 0.93, 1.03),
+    "Q5_K_M": (0.035, 0.35, 0.9, 1.05),
+    "Q5_K_S": (0.05, 0.5, 0.89, 1.06),
+    "Q4_K_M": (0.1, 1.0, 0.85, 1.1),
+    "Q4_K_S": (0.13, 1.2, 0.84, 1.12),
+    "IQ4_XS": (0.12, 1.1, 0.84, 1.12),
+    "Q3_K_L": (0.26, 2.0, 0.78, 1.25),
+    "Q3_K_M": (0.3, 2.2, 0.77, 1.3),
+    "IQ3_M": (0.3, 2.2, 0.77, 1.3),
+}
+QUANT_GATE_FIELDS = ("kl_mean_max", "kl_p99_max", "same_top_min", "perplexity_ratio_max")
+
+# quantization: auto tries these, smallest file first (BITS_PER_WEIGHT), and ships the first that passes.
+AUTO_LADDER = ("IQ3_M", "Q3_K_M", "IQ4_XS", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 
 # GGUF metadata keys the stages read (gguf-py's Keys).
 GGUF_KEY_FILE_TYPE = Keys.General.FILE_TYPE

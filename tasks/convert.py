@@ -10,6 +10,10 @@ and, where the base model's card states one, the license. This stage also record
 merged tokenizer, what publish needs for Ollama (loraship/llamacpp/ollama.py): the chat-template family,
 its default system prompt and the model's stop tokens.
 
+A sentencepiece vocabulary gets the tokenizer.ggml.add_space_prefix with which llama.cpp tokenizes the
+texts this run serves (chat or plain) as HF did in training (loraship/llamacpp/space_prefix.py): Mistral
+7B v0.3's chat needs false where the converter writes llama.cpp's default, true.
+
 With adapter_gguf it also writes the train stage's PEFT adapter alone as a GGUF LoRA (llama.cpp's
 convert_lora_to_gguf.py) and the base model converted and quantized like the merged one, which
 llama.cpp applies it to at run time (its LoRA matmul adds scale * B(A x) to the quantized base
@@ -27,6 +31,7 @@ from loraship.constants import (
     OLLAMA_FILE, base_gguf_name,
 )
 from loraship.errors import IntegrityError, LorashipError
+from loraship.llamacpp import space_prefix
 from loraship.llamacpp.gguf_info import read_gguf, read_gguf_of_type
 from loraship.llamacpp.llamacpp import converter_dir, lora_converter
 from loraship.runtime.manifest import atomic_write_json
@@ -43,16 +48,25 @@ log = logging.getLogger("loraship.convert")
 
 
 def convert(merged_dir: Path, out_file: Path, outtype: str = "f16", metadata: Path | None = None,
-            progress_key: str | None = None) -> None:
-    """progress_key: the Prefect progress artifact's key (loraship/runtime/progress.py) inside a flow run."""
+            progress_key: str | None = None, add_space_prefix: bool | None = None) -> None:
+    """progress_key: the Prefect progress artifact's key (loraship/runtime/progress.py) inside a flow run.
+    add_space_prefix: the value a sentencepiece GGUF must carry (space_prefix.choose), checked once written."""
     script = converter_dir() / "convert_hf_to_gguf.py"
     extra = ["--metadata", str(metadata)] if metadata else []
     progress = LlamaCppProgress(STAGE, log, key=progress_key)
-    write_with_tool(
-        lambda tmp: [sys.executable, str(script), str(merged_dir), "--outfile", str(tmp), "--outtype", outtype, *extra],
-        out_file, f"convert_hf_to_gguf.py on {merged_dir}", TIMEOUT_S, on_line=progress,
-    )
+    with space_prefix.converter_input(merged_dir, add_space_prefix) as source:
+        write_with_tool(
+            lambda tmp: [sys.executable, str(script), str(source), "--outfile", str(tmp), "--outtype", outtype, *extra],
+            out_file, f"convert_hf_to_gguf.py on {merged_dir}", TIMEOUT_S, on_line=progress,
+        )
     progress.close()
+    if add_space_prefix is None:
+        return
+    written = space_prefix.gguf_value(read_gguf(out_file)["fields"])
+    if written is not None and written != add_space_prefix:
+        raise IntegrityError(f"{out_file}: tokenizer.ggml.add_space_prefix is {written}, but llama.cpp needs "
+                             f"{add_space_prefix} to tokenize this run's texts as HF did (the converter for this "
+                             "architecture does not take tokenizer_config's add_prefix_space); do not ship it")
 
 
 def convert_adapter(adapter_dir: Path, base_dir: Path, out_file: Path, progress_key: str | None = None) -> None:
@@ -67,7 +81,7 @@ def convert_adapter(adapter_dir: Path, base_dir: Path, out_file: Path, progress_
     progress.close()
 
 
-def adapter_ggufs(config, ctx, progress_key: str | None) -> dict:
+def adapter_ggufs(config, ctx, progress_key: str | None, add_space_prefix: bool | None) -> dict:
     """adapter_gguf: the adapter GGUF and its base GGUF, read back; their facts for the manifest."""
     from gguf import Keys
 
@@ -80,7 +94,7 @@ def adapter_ggufs(config, ctx, progress_key: str | None) -> dict:
     check_free_disk(ctx.dir, base_bytes * 1.65, "convert (base model GGUF for adapter_gguf)")  # F16 + quantized
     base_f16, base_out = ctx.dir / "base-F16.gguf", ctx.dir / base_gguf_name(config.primary_quantization)
     try:
-        convert(base_dir, base_f16, progress_key=progress_key)
+        convert(base_dir, base_f16, progress_key=progress_key, add_space_prefix=add_space_prefix)
         quantize(base_f16, base_out, config.primary_quantization, progress_key=progress_key)
     finally:
         base_f16.unlink(missing_ok=True)  # a step on the way; the base ships quantized like the merged model
@@ -167,14 +181,11 @@ def gguf_metadata(config) -> dict:
     return metadata
 
 
-def ollama_facts(merged_dir: Path) -> dict:
+def ollama_facts(tokenizer, merged_dir: Path) -> dict:
     """Chat-template family, default system prompt and stop tokens of the merged tokenizer."""
-    from transformers import AutoTokenizer
-
     from loraship.llamacpp import ollama
     from loraship.stages.reference import stop_ids
 
-    tokenizer = AutoTokenizer.from_pretrained(merged_dir)
     stops = stop_ids(tokenizer, merged_dir)
     return {**ollama.recognise(tokenizer), "stop_ids": stops, "stop_tokens": tokenizer.convert_ids_to_tokens(stops)}
 
@@ -195,16 +206,23 @@ def run(config) -> dict:
     check_free_disk(ctx.dir, merged_bytes * 1.05, "convert (F16 GGUF)")
     metadata = gguf_metadata(config)
     atomic_write_json(ctx.dir / GGUF_METADATA_FILE, metadata)
-    facts = ollama_facts(merged)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    facts = ollama_facts(tokenizer, merged)
     atomic_write_json(ctx.dir / OLLAMA_FILE, facts)
+    add_space_prefix, problem = space_prefix.choose(tokenizer, space_prefix.served_kinds(config))
+    if problem:  # plan refuses such a run first (loraship/planning/preflight.py)
+        raise LorashipError(f"run {config.run_name!r}: {problem}")
     out = ctx.dir / F16_GGUF
     progress_key = artifact_key(config.run_name, STAGE, "progress")
-    convert(merged, out, metadata=ctx.dir / GGUF_METADATA_FILE, progress_key=progress_key)
+    convert(merged, out, metadata=ctx.dir / GGUF_METADATA_FILE, progress_key=progress_key,
+            add_space_prefix=add_space_prefix)
     info = read_gguf_of_type(out, "F16")
     from loraship.stages.quantize import check_loads
 
     check_loads(out)
-    extra = {"adapter_gguf": adapter_ggufs(config, ctx, progress_key)} if config.adapter_gguf else {}
+    extra = {"adapter_gguf": adapter_ggufs(config, ctx, progress_key, add_space_prefix)} if config.adapter_gguf else {}
     from gguf import Keys
 
     return ctx.finish(
@@ -214,6 +232,7 @@ def run(config) -> dict:
             "has_chat_template": bool(info["fields"].get(GGUF_KEY_CHAT_TEMPLATE)),
             "name": info["fields"].get(Keys.General.NAME),
             "ollama_template_family": facts.get("family"),
+            "add_space_prefix": space_prefix.gguf_value(info["fields"]),
             "bytes": out.stat().st_size,
             **extra,
         }

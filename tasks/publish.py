@@ -81,6 +81,21 @@ def quantization_figures(config, verify: dict) -> dict[str, dict]:
     return {q: figures(sections[q]) for q in config.quantizations if q in sections}
 
 
+def ladder_table(verify: dict) -> str:
+    """quantization auto's ladder in the card: every rung, smallest first, and why the smaller ones lost."""
+    if not verify.get("ladder"):
+        return ""
+    rows = "\n".join(
+        f"| {r['quant']} | {_figure((r['bytes'] or 0) / 2**20, 1)} MiB | {_figure(r['kl_mean'], 4)} | "
+        f"{_figure(r['kl_p99'], 4)} | {_figure(r['same_top'], 1, percent=True)} | {_figure(r['ppl_ratio'], 4)} | "
+        f"{'yes' if r['fits'] else 'no'} | {'shipped' if r['quant'] == verify['shipped_quantization'] else 'FAIL: ' + ', '.join(r['failed_gates'])} |"
+        if r["tried"] else f"| {r['quant']} | | | | | | | not tried: a smaller rung passed |"
+        for r in verify["ladder"])
+    return ("\n`quantization: auto` verified the ladder smallest first and shipped the first rung that passed every "
+            "gate under its own limits:\n\n| rung | size | KL mean | KL p99 | same top token | perplexity ratio | "
+            "fits the target | result |\n|---|---|---|---|---|---|---|---|\n" + rows + "\n")
+
+
 def _figure(value, digits: int, percent: bool = False) -> str:
     if not isinstance(value, (int, float)):
         return "n/a"
@@ -206,7 +221,7 @@ Each made from the same F16 GGUF and verified against the merged HF model on the
 | quantization | file | size | perplexity ratio | KL mean | same top token | verify |
 |---|---|---|---|---|---|---|
 {quant_rows}
-
+{ladder_table(verify)}
 ## Verification gates
 | gate | result | value | threshold |
 |---|---|---|---|
@@ -380,13 +395,26 @@ CONSUMES = {
 }
 
 
+def shipping_config(config):
+    """The config as publish ships it: for quantization auto, the one rung verify chose (its manifest)."""
+    if not config.auto_quantization:
+        return config
+    from loraship.runtime.manifest import read_manifest
+
+    chosen = ((read_manifest(stage_dir(config, "verify")) or {}).get("metrics") or {}).get("shipped_quantization")
+    if not chosen:
+        raise OutputError("quantization auto: verify has not chosen a quantization yet; run the verify stage first")
+    return config.model_copy(update={"quantization": [chosen]})
+
+
 @exclusive
 def run(config) -> dict:
+    stage_config, config = config, shipping_config(config)
     gguf = quantized_gguf_name(config.primary_quantization)
     consumes = {**CONSUMES, "quantize": tuple(map(quantized_gguf_name, config.quantizations))}
     if config.adapter_gguf:  # the adapter alone and the base it applies to, beside the merged GGUF
         consumes["convert"] += (ADAPTER_GGUF, base_gguf_name(config.primary_quantization))
-    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, consumes=consumes)
+    ctx = open_stage(stage_config, STAGE, UPSTREAM, FIELDS, consumes=consumes)
     destination = destination_of(config)
     cache = DigestCache.of_run(ctx.dir)
     if ctx.done and "artifact_files" in ctx.done["metrics"]:

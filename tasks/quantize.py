@@ -1,4 +1,4 @@
-"""Quantize: F16 GGUF -> Q4_K_M (or Q5_K_M, Q8_0; several in one run) with llama-cpp-python's
+"""Quantize: F16 GGUF -> Q4_K_M (or any of config.Quantization; several in one run) with llama-cpp-python's
 llama_model_quantize.
 
 The binding is the same llama.cpp that verify loads. It runs in a child process with a

@@ -195,3 +195,52 @@ def test_planner_scores_read_the_trained_strategy_back_from_its_words():
     (one,) = scores["rows"]
     assert one["predicted_now_gib"] > 20 and scores["worst_abs_error"] == abs(one["error_now"])
     assert tb.planner_scores([])["median_abs_error"] is None  # nothing measured: no score, not a perfect one
+
+
+def test_verify_served_gpu_configs_are_the_users(tmp_path):
+    """bench/verify_served_gpu.py (verify's served check on the H200) runs the demo config and the family test's
+    config with device: cuda; both parse, and the family's carries run_family's overrides."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import verify_served_gpu as vs
+
+    from loraship.config import parse_config
+    from tests.test_families import FAMILY_OVERRIDES, SEQUENCE_LEN
+
+    demo = parse_config(vs.config_dict("demo", tmp_path / "tiny", tmp_path / "demo", None, "cuda", None))
+    assert demo.device == "cuda" and demo.max_steps == 80 and demo.target_context == 512
+    family = parse_config(vs.config_dict("qwen2-base", tmp_path / "q", tmp_path / "q", "qwen2-base", "cuda", None))
+    assert family.device == "cuda" and family.sequence_len == SEQUENCE_LEN["qwen2-base"]
+    assert all(getattr(family, k) == v for k, v in FAMILY_OVERRIDES.items())
+    short = parse_config(vs.config_dict("demo", tmp_path / "tiny", tmp_path / "d", None, "cpu", 2))
+    assert short.max_steps == 2 and short.warmup_steps < 2
+
+
+def test_verify_served_gpu_reads_where_llama_cpp_put_the_layers(tmp_path, monkeypatch):
+    """The server probe's evidence: llama.cpp's own lines about the device each layer went to."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import verify_served_gpu as vs
+
+    log = "\n".join(["ggml_cuda_init: found 1 CUDA devices:", "  Device 0: NVIDIA H200, compute capability 9.0",
+                     "load_tensors: layer   0 assigned to device CUDA0, is_swa = 0",
+                     "load_tensors: layer   1 assigned to device CUDA0, is_swa = 0",
+                     "load_tensors: offloaded 2/2 layers to GPU", "load_tensors:        CUDA0 model buffer size =  0.9 MiB"])
+
+    class Dead:  # a server that wrote its log and ended at once
+        pid = -1
+
+        def poll(self):
+            return 1
+
+        def wait(self):
+            return 1
+
+    def popen(cmd, stdout, **kw):
+        stdout.write(log.encode())
+        return Dead()
+
+    monkeypatch.setattr(vs.subprocess, "Popen", popen)
+    monkeypatch.setattr(vs.os, "killpg", lambda *a: None)
+    probe = vs.probe_server(tmp_path / "m.gguf", 512, -1, tmp_path / "probe.log", {})
+    assert probe["ready"] is False and probe["layers_by_device"] == {"CUDA0": 2}
+    assert probe["offloaded"] == "offloaded 2/2 layers to GPU"
+    assert any("H200" in line for line in probe["lines"]) and not any("assigned" in line for line in probe["lines"])

@@ -29,10 +29,15 @@ from tests.conftest import REPO, demo_config_dict
 FAMILY_OVERRIDES = dict(max_steps=8, save_steps=8, warmup_steps=2, micro_batch_size=8)
 # Templates with a default system prompt (Qwen2.5's, SmolLM2's) add ~20-25 tokens to every row.
 SEQUENCE_LEN = {"qwen2-base": 96, "smollm2": 96}
+# Mistral v0.3's tiny model (the least fitted of the families: pre-training loss 0.44) answered one golden
+# prompt outside the reply format after 8 and after 16 steps, the merged HF model itself ("Answer: T
+# Lengan.", golden_format 11/12); 32 pass every gate, and its 32k vocabulary keeps steps cheap.
+STEPS = {"mistral-v03": 32}
 
 
 def run_family(model: Path, family: Family, root: Path, run_name: str | None = None, **more):
     overrides = dict(FAMILY_OVERRIDES, run_name=run_name or f"family-{family.name}", sequence_len=SEQUENCE_LEN.get(family.name, 64),
+                     **({"max_steps": STEPS[family.name], "save_steps": STEPS[family.name]} if family.name in STEPS else {}),
                      **more)
     if family.chat_template:
         overrides["chat_template"] = family.chat_template
@@ -69,18 +74,6 @@ def family_run(request, tmp_path_factory):
 # Failures found here, each a finding to fix in loraship or upstream, not a threshold to loosen. Strict:
 # a test that starts passing fails until its entry goes.
 KNOWN_FAILURES = {
-    # Mistral 7B v0.3's sentencepiece (add_dummy_prefix) with transformers' legacy=False tokenizer: HF writes
-    # "[INST] Do" as [INST] ▁Do, llama.cpp (llm_tokenizer_spm prefixes a space after every special token)
-    # as [INST] ▁ ▁Do: 0 of 24 eval/golden texts tokenize alike, so the GGUF is served token sequences
-    # the fine-tune never saw. verify refuses the artifact (tokenizer_parity), as it should.
-    ("mistral-v03", "tokenizer_parity"): "llama.cpp adds a space after special tokens that HF (legacy=False) does not",
-    ("mistral-v03", "every_gate"): "tokenizer_parity fails (above); golden answers then differ too",
-    # Measured 2026-12-04: every other gate passes (parity 24/24, golden_match 0.83-0.92 >= 0.75, decisive
-    # agreement 49/49-61/61), but `served` asks each of 12 answers to equal the reference while golden_match
-    # lets 25% part at near-tied tokens: 11/12, 10/12, 10/12 served answers equal it.
-    ("llama3-base", "every_gate"): "served requires 12/12 equal to reference; golden_match allows 0.75 (11/12 here)",
-    ("smollm2", "every_gate"): "served requires 12/12 equal to reference; golden_match allows 0.75 (10/12 here)",
-    ("mistral-nemo", "every_gate"): "served requires 12/12 equal to reference; golden_match allows 0.75 (10/12 here)",
     # Measured 2026-12-04: every other gate passes (parity 24/24, KL 0.00022, golden_match 12/12, decisive agreement
     # 56/56, served 12/12). The tiny fine-tuned Gemma 2 itself answers two golden prompts "Answer:pa." (margin 1.5
     # nats over " <name>"; the base answered "Answer: is Mivo." and "Answer:?" elsewhere), and the GGUF answers as
@@ -177,11 +170,12 @@ def real_run(real_smollm2, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "measured 2026-12-04: 4 LoRA steps (all 2 cores afford) teach the format, not the capitals, so the "
-    "names are near-tied guesses and free-running answers part at them: golden_match 1/12 and served 1/12 "
-    "although golden_decisive_agreement is 45/45, KL 0.013, same top token 95%, parity 24/24"))
 def test_real_pretrained_model_passes_every_gate(real_run):
+    """4 LoRA steps (what 2 cores afford) teach the reply format, not the invented capitals, so most names
+    are near-tied guesses: measured 2026-12-04, 1/12 answers equal the merged model's token for token and
+    the other 11 part from it where it led by 0.04-0.46 nats (golden_margin 1.0), decisive agreement 45/45,
+    KL 0.013, same top token 95%, parity 24/24; one served answer parted from the GGUF's own greedy answer
+    where llama.cpp led by 0.067 nats."""
     config, manifests, verify = real_run
     assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
     assert _gguf_fields(verify)["tokenizer.ggml.pre"] == "smollm"

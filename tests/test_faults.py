@@ -315,7 +315,7 @@ print("published", config.output, flush=True)
 def other_config(config):
     """Another config with the same run_name: a looser perplexity gate (so it redoes verify, the
     folder the first config's publish reads) and another destination."""
-    return config.model_copy(update={"perplexity_ratio_max": config.perplexity_ratio_max + 0.5,
+    return config.model_copy(update={"perplexity_ratio_max": config.gate_limits("Q4_K_M")["perplexity_ratio_max"] + 0.5,
                                      "output": config.output + "-b"})
 
 

@@ -77,3 +77,81 @@ def test_a_failing_quantization_is_named(pipeline_run, monkeypatch):
             importlib.import_module("loraship.stages.verify").run(strict)
     finally:
         run_all(config)
+
+
+def test_auto_ships_the_smallest_rung_that_passes_every_gate(pipeline_run):
+    """quantization: auto quantizes the ladder, verifies it smallest first, stops at the first rung that
+    passes every gate under its own limits, and ships that GGUF alone, the ladder in verify.json and the card."""
+    from loraship.constants import AUTO_LADDER
+
+    config, _ = pipeline_run
+    auto = parse_config({**config.model_dump(mode="json"), "quantization": "auto"})
+    assert auto.auto_quantization and auto.quantizations == list(AUTO_LADDER)
+    try:
+        run_all(auto)
+        verify = json.loads((stage_dir(auto, "verify") / VERIFY_FILE).read_text(encoding="utf-8"))
+        chosen = verify["shipped_quantization"]
+        assert verify["passed"] and verify["quantization"] == chosen
+        rows = {r["quant"]: r for r in verify["ladder"]}
+        assert list(rows) == list(AUTO_LADDER)
+        smaller = list(AUTO_LADDER)[: list(AUTO_LADDER).index(chosen)]
+        # Every smaller rung was verified and failed (never shipped), the chosen one passed, larger ones were not tried.
+        assert all(rows[q]["tried"] and not rows[q]["passed"] and rows[q]["failed_gates"] for q in smaller)
+        assert rows[chosen]["passed"] and rows[chosen]["bytes"] == verify["gguf_bytes"]
+        assert not any(r["tried"] for r in verify["ladder"][len(smaller) + 1:])
+        limits = verify["gate_limits"]
+        assert limits == auto.gate_limits(chosen)  # judged by its own quantization's limits
+        assert verify["gates"]["kl_divergence_mean"]["threshold"] == limits["kl_mean_max"]
+
+        root = Path(auto.output) / auto.run_name
+        published = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))
+        assert published["quantization"] == chosen and list(published["quantizations"]) == [chosen]
+        assert sorted(p.name for p in root.glob("model-*.gguf")) == [quantized_gguf_name(chosen)]
+        assert (root / MODELFILE).read_text(encoding="utf-8").startswith(f"FROM ./{quantized_gguf_name(chosen)}\n")
+        card = (root / MODEL_CARD).read_text(encoding="utf-8")
+        assert "`quantization: auto` verified the ladder" in card and f"| {chosen} |" in card and "| shipped |" in card
+    finally:
+        run_all(config)
+
+
+def test_auto_where_no_rung_passes_names_the_largest_that_fits_and_why(pipeline_run, monkeypatch):
+    import pytest
+
+    from loraship.errors import LorashipError
+    from loraship.stages import verify as verify_stage
+
+    config, _ = pipeline_run
+    auto = parse_config({**config.model_dump(mode="json"), "quantization": "auto"})
+
+    def section(q, fits, kl):
+        gates = {"fits_target_gpu": {"passed": fits, "value": 1, "threshold": 1},
+                 "kl_divergence_mean": {"passed": False, "value": kl, "threshold": 0.1}}
+        return {"passed": False, "gates": gates, "gguf_bytes": 1, "eval_agreement": {"kl_mean": kl}}
+
+    fits = {"IQ3_M": True, "Q3_K_M": True, "IQ4_XS": True, "Q4_K_M": True, "Q5_K_M": False, "Q6_K": False, "Q8_0": False}
+    monkeypatch.setattr(verify_stage, "verify_quantization",
+                        lambda ctx, cfg, q, reference, device, with_adapter: section(q, fits[q], 0.5))
+
+    class Ctx:
+        dir = Path("/nonexistent")
+        started = 0.0
+
+    monkeypatch.setattr(verify_stage, "atomic_write_json", lambda path, data: None)
+    with pytest.raises(LorashipError, match=r"no rung passed every gate; the largest that fits the target, Q4_K_M, "
+                                            r"failed kl_divergence_mean \(value 0.5, threshold 0.1\)"):
+        verify_stage.run_ladder(Ctx(), auto, {}, "cpu")
+    fits.update(IQ3_M=False, Q3_K_M=False, IQ4_XS=False, Q4_K_M=False)
+    with pytest.raises(LorashipError, match=r"no rung of IQ3_M, .*Q8_0 fits target_gpu_memory_gib"):
+        verify_stage.run_ladder(Ctx(), auto, {}, "cpu")
+
+
+def test_auto_stands_alone_and_refuses_an_adapter_gguf():
+    import pytest
+
+    from loraship.errors import ConfigError
+    from tests.test_config import BASE
+
+    with pytest.raises(ConfigError, match="'auto' picks one quantization from its own ladder"):
+        parse_config({**BASE, "quantization": ["auto", "Q8_0"]})
+    with pytest.raises(ConfigError, match="adapter_gguf quantizes the adapter's base like the shipped GGUF"):
+        parse_config({**BASE, "quantization": "auto", "adapter_gguf": True})

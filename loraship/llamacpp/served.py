@@ -100,11 +100,27 @@ def ask(client, messages: list[dict], max_tokens: int, stream: bool) -> dict:
     return {"content": "".join(parts), "finish_reason": finish}
 
 
+def parting_from(text: str, own: dict) -> tuple[int | None, float | None]:
+    """Where `text` first leaves the GGUF's own greedy answer (own: its full text, the byte length of
+    each token prefix, and each step's lead in nats): the index of the greedy step there and llama.cpp's
+    lead at it (None past its steps), or (None, None) when the stripped texts are equal."""
+    served, greedy = text.strip(), own["text"].strip()
+    # A token that ends inside a UTF-8 character decodes to U+FFFD in the greedy text; the server holds
+    # such bytes back or drops them. The same tokens then differ only there.
+    if served == greedy or served.replace("\ufffd", "") == greedy.replace("\ufffd", ""):
+        return None, None
+    at_char = next((i for i, (x, y) in enumerate(zip(served, greedy)) if x != y), min(len(served), len(greedy)))
+    skipped = len(own["text"]) - len(own["text"].lstrip())
+    at_byte = len(own["text"][: skipped + at_char].encode("utf-8"))
+    step = next((k for k, end in enumerate(own["prefix_bytes"]) if end > at_byte), len(own["prefix_bytes"]))
+    return step, (own["leads"][step] if step < len(own["leads"]) else None)
+
+
 def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int, n_gpu_layers: int, threads: int,
                  markers: list[str], log_file: Path) -> dict:
     """Every golden chat prompt through the server, whole and streamed, against the reference's greedy
     answer and the same GGUF's own greedy answer outside the server. chats: reference golden records of
-    kind chat (messages, answer_text, prompt_ids), each with gguf_answer_text."""
+    kind chat (messages, answer_text, prompt_ids), each with gguf_answer_text and gguf_own (parting_from)."""
     from openai import OpenAI
 
     proc, port = start_server(gguf, n_ctx, n_gpu_layers, threads, log_file)
@@ -115,13 +131,19 @@ def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int,
         for record in chats:
             whole = ask(client, record["messages"], max_new_tokens, stream=False)
             streamed = ask(client, record["messages"], max_new_tokens, stream=True)
-            content = whole["content"].strip()
+            content, streamed_content = whole["content"].strip(), streamed["content"].strip()
+            whole_at, whole_lead = parting_from(content, record["gguf_own"])
+            streamed_at, streamed_lead = parting_from(streamed_content, record["gguf_own"])
             answers.append({
                 "prompt": record["messages"][-1]["content"], "reference": record["answer_text"], "served": content,
+                "streamed": streamed_content, "gguf_greedy": record["gguf_answer_text"],
                 "finish_reason": whole["finish_reason"], "streamed_finish_reason": streamed["finish_reason"],
                 "equal_to_reference": content == record["answer_text"],
-                "equal_to_gguf_greedy": content == record.get("gguf_answer_text"),
-                "streamed_equal": streamed["content"].strip() == content,
+                "equal_to_gguf_greedy": content == record["gguf_answer_text"],
+                "streamed_equal": streamed_content == content,
+                "whole_equal_to_gguf": whole_at is None, "whole_gguf_parted_at": whole_at, "whole_gguf_lead_there": whole_lead,
+                "streamed_equal_to_gguf": streamed_at is None, "streamed_gguf_parted_at": streamed_at,
+                "streamed_gguf_lead_there": streamed_lead,
                 "markers_leaked": [m for m in markers if m and m in whole["content"] + streamed["content"]],
                 "prompt_tokens": whole["prompt_tokens"], "reference_prompt_tokens": len(record["prompt_ids"]),
             })

@@ -185,6 +185,8 @@ def template_problems(config: Config, model_dir: Path) -> list[str]:
     if chat_data and not problems:
         problems += turn_end_problems(tokenizer)
     if not problems:
+        problems += space_prefix_problems(config, tokenizer)
+    if not problems:
         try:
             rows = golden_rows(config)[:1]
             for row in rows:
@@ -206,6 +208,13 @@ def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
         each = plan_disk_and_inference(model_config, config)["inference"]["by_quantization"]
     except (ValueError, KeyError, TypeError):
         return []  # the plan stage reports a config.json it cannot read, with its own message
+    if config.auto_quantization:  # auto ships one rung: only a ladder that cannot fit at all is refused
+        smallest = config.quantizations[0]
+        if each[smallest]["gguf_gib"] <= config.target_gpu_memory_gib:
+            return []
+        return [f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: even quantization auto's smallest rung, "
+                f"{smallest}, takes about {each[smallest]['gguf_gib']:.2f} GiB of weights; raise target_gpu_memory_gib "
+                "or choose a smaller base model"]
     # Every quantization in the list is verified on the target GPU, so each one's weights must fit.
     return [f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: the {q} GGUF's weights alone take about "
             f"{figures['gguf_gib']:.2f} GiB; raise target_gpu_memory_gib, choose a smaller quantization, or a "
@@ -229,6 +238,15 @@ def lora_target_problems(config: Config, model_dir: Path) -> list[str]:
     except ValueError as e:
         return [str(e)]
     return []
+
+
+def space_prefix_problems(config: Config, tokenizer) -> list[str]:
+    """llama.cpp must tokenize what this run serves (rendered chat, plain text) as HF trains on it; for a
+    sentencepiece vocabulary that hangs on one GGUF flag that fits some texts only (loraship/llamacpp/space_prefix.py)."""
+    from loraship.llamacpp import space_prefix
+
+    _, problem = space_prefix.choose(tokenizer, space_prefix.served_kinds(config))
+    return [f"tokenizer: {problem}"] if problem else []
 
 
 def turn_end_problems(tokenizer) -> list[str]:
