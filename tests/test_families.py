@@ -31,8 +31,9 @@ FAMILY_OVERRIDES = dict(max_steps=8, save_steps=8, warmup_steps=2, micro_batch_s
 SEQUENCE_LEN = {"qwen2-base": 96, "smollm2": 96}
 # Mistral v0.3's tiny model (the least fitted of the families: pre-training loss 0.44) answered one golden
 # prompt outside the reply format after 8 and after 16 steps, the merged HF model itself ("Answer: T
-# Lengan.", golden_format 11/12); 32 pass every gate, and its 32k vocabulary keeps steps cheap.
-STEPS = {"mistral-v03": 32}
+# Lengan.", golden_format 11/12); 32 pass every gate, and its 32k vocabulary keeps steps cheap. Gemma 2's
+# likewise after 8 (twice "Answer:pa.", golden_format 10/12, its GGUF equal 12/12); 32 pass every gate.
+STEPS = {"mistral-v03": 32, "gemma2": 32}
 
 
 def run_family(model: Path, family: Family, root: Path, run_name: str | None = None, **more):
@@ -74,20 +75,13 @@ def family_run(request, tmp_path_factory):
 # Failures found here, each a finding to fix in loraship or upstream, not a threshold to loosen. Strict:
 # a test that starts passing fails until its entry goes.
 KNOWN_FAILURES = {
-    # Measured 2026-12-04: every other gate passes (parity 24/24, KL 0.00022, golden_match 12/12, decisive agreement
-    # 56/56, served 12/12). The tiny fine-tuned Gemma 2 itself answers two golden prompts "Answer:pa." (margin 1.5
-    # nats over " <name>"; the base answered "Answer: is Mivo." and "Answer:?" elsewhere), and the GGUF answers as
-    # it does: the fixture model's format, not the pipeline's (its full-vocabulary loss is 1.86 nats against 0.18 on
-    # the corpus's tokens, the most of any family: 255,800 untrained tied rows take most of the probability).
-    ("gemma2", "every_gate"): "golden_format 10/12: the merged HF model answers 'Answer:pa.' twice; the GGUF equals it",
-    # transformers 5.25 builds Phi-3's LlamaTokenizer from tokenizer_config's legacy: false (as Phi-3-mini's has it):
-    # no "▁" after a special token, "<|user|>\nDo" -> <|user|> Do (the newline rstripped); llama.cpp's SPM
-    # tokenizer prefixes a space after every special token (add_space_prefix; llama-vocab.cpp), <|user|> ▁Do, and
-    # has no setting for "only at the start of the text": 0 of 24 eval/golden texts tokenize alike.
-    ("phi3", "tokenizer_parity"): "llama.cpp adds a space after special tokens that HF (legacy=False) does not",
-    # ...and Phi-3's generation_config stops on <|assistant|> (32001), which llama.cpp does not end generation on
-    # (special_tokens), and served 10/12 equal to the GGUF's answer on HF's prompt ids: the server tokenizes itself.
-    ("phi3", "every_gate"): "tokenizer_parity 0/24 (above), special_tokens (32001 not end-of-generation), served 10/12",
+    # Measured 2026-12-04: Phi-3's generation_config (as Phi-3-mini-4k-instruct's) stops on <|assistant|> (32001) too,
+    # which the pinned llama.cpp does not end generation on: it marks the EOS and named markers (<|end|>,
+    # <|endoftext|>) only, and a GGUF has no key for more (llama-vocab.cpp). special_tokens fails on that alone;
+    # every other gate passes: parity 24/24 (convert sets add_space_prefix false, which Phi-3's converter does not
+    # write), KL 0.00216, same top token 98.6%, golden_match 12/12, decisive agreement 57/57, served 12/12.
+    ("phi3", "tokenizer_parity"): "special_tokens: HF stops on <|assistant|> (32001), llama.cpp does not (parity 24/24)",
+    ("phi3", "every_gate"): "special_tokens only (above): <|assistant|> is no end-of-generation token in llama.cpp",
 }
 
 
