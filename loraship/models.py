@@ -199,7 +199,7 @@ def base_model_problems(config: Config, folder: Path, weights: bool = True) -> l
 
 
 # The names transformers gives the input embedding and the output layer in every architecture the planner
-# knows (memory.SUPPORTED: Llama, Qwen2, Mistral); llama.cpp's converter maps them to token_embd and output.
+# knows (memory.SUPPORTED: Llama, Qwen2, Mistral, Gemma 2, Phi-3); llama.cpp's converter maps them to token_embd and output.
 EMBED_TOKENS, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
@@ -219,8 +219,9 @@ def embedding_only_as_lm_head(folder: Path) -> bool:
 
 
 def ties_embeddings(model_config: dict) -> bool:
-    """config.json's tie_word_embeddings; absent means untied, the default of Llama, Qwen2 and Mistral configs."""
-    return model_config.get("tie_word_embeddings") is True
+    """config.json's tie_word_embeddings; absent means the architecture's default: untied for Llama, Qwen2, Mistral
+    and Phi-3, tied for Gemma 2 (transformers' Gemma2Config)."""
+    return model_config.get("tie_word_embeddings", model_config.get("model_type") == "gemma2") is True
 
 
 def embedding_problems(config: Config, folder: Path, model_config: dict) -> list[str]:

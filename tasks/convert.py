@@ -12,7 +12,8 @@ its default system prompt and the model's stop tokens.
 
 A sentencepiece vocabulary gets the tokenizer.ggml.add_space_prefix with which llama.cpp tokenizes the
 texts this run serves (chat or plain) as HF did in training (loraship/llamacpp/space_prefix.py): Mistral
-7B v0.3's chat needs false where the converter writes llama.cpp's default, true.
+7B v0.3's chat needs false where the converter writes llama.cpp's default, true. Phi-3's converter takes no
+value from tokenizer_config, so its GGUF is copied once with the flag set (set_add_space_prefix).
 
 With adapter_gguf it also writes the train stage's PEFT adapter alone as a GGUF LoRA (llama.cpp's
 convert_lora_to_gguf.py) and the base model converted and quantized like the merged one, which
@@ -64,9 +65,41 @@ def convert(merged_dir: Path, out_file: Path, outtype: str = "f16", metadata: Pa
         return
     written = space_prefix.gguf_value(read_gguf(out_file)["fields"])
     if written is not None and written != add_space_prefix:
+        # The converter of this architecture does not take tokenizer_config's add_prefix_space (Phi-3's writes
+        # its own sentencepiece vocabulary): the GGUF is copied once with the key set.
+        set_add_space_prefix(out_file, add_space_prefix)
+        written = space_prefix.gguf_value(read_gguf(out_file)["fields"])
+    if written is not None and written != add_space_prefix:
         raise IntegrityError(f"{out_file}: tokenizer.ggml.add_space_prefix is {written}, but llama.cpp needs "
-                             f"{add_space_prefix} to tokenize this run's texts as HF did (the converter for this "
-                             "architecture does not take tokenizer_config's add_prefix_space); do not ship it")
+                             f"{add_space_prefix} to tokenize this run's texts as HF did, and setting it in a copy "
+                             "of the GGUF did not take; do not ship it")
+
+
+# In a child process, with the converter's own gguf-py (its gguf_new_metadata.py puts it first on sys.path):
+# copy the GGUF, every key and tensor as they are, with tokenizer.ggml.add_space_prefix set.
+_SET_ADD_PREFIX = """
+import importlib.util, sys
+script, src, dst, value = sys.argv[1:]
+spec = importlib.util.spec_from_file_location("gguf_new_metadata", script)
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+gguf = tool.gguf
+reader = gguf.GGUFReader(src, "r")
+arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+writer = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
+tool.copy_with_new_metadata(reader, writer, {gguf.Keys.Tokenizer.ADD_PREFIX: tool.MetadataDetails(
+    gguf.GGUFValueType.BOOL, value == "true")}, [])
+"""
+
+
+def set_add_space_prefix(gguf_path: Path, value: bool) -> None:
+    """Rewrite gguf_path (atomically) with tokenizer.ggml.add_space_prefix = value."""
+    script = converter_dir() / "gguf-py" / "gguf" / "scripts" / "gguf_new_metadata.py"
+    write_with_tool(
+        lambda tmp: [sys.executable, "-c", _SET_ADD_PREFIX, str(script), str(gguf_path), str(tmp),
+                     "true" if value else "false"],
+        gguf_path, f"setting tokenizer.ggml.add_space_prefix in {gguf_path.name}", TIMEOUT_S,
+    )
 
 
 def convert_adapter(adapter_dir: Path, base_dir: Path, out_file: Path, progress_key: str | None = None) -> None:

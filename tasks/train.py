@@ -64,7 +64,7 @@ def pick_device(config) -> str:
 
 def decoder_layers(model) -> list:
     """The decoder layers in order: transformers' GradientCheckpointingLayer instances (one per layer of
-    Llama, Qwen2 and Mistral), whose own `gradient_checkpointing` flag decides whether it recomputes."""
+    Llama, Qwen2, Mistral, Gemma 2 and Phi-3), whose own `gradient_checkpointing` flag decides whether it recomputes."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -100,6 +100,39 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
+def lora_targets(model_dir: Path, config) -> list[str] | str:
+    """lora_target_modules as this architecture names its Linears (memory.lora_modules: Phi-3's fused qkv_proj
+    and gate_up_proj); as written for an architecture the planner cannot read."""
+    try:
+        shape = memory.parse_model_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError):
+        return config.lora_target_modules
+    try:
+        return list(memory.lora_modules(shape, config.lora_target_modules))
+    except ValueError as e:  # the plan's preflight refuses it first; a train run on its own says it too
+        raise LorashipError(str(e)) from e
+
+
+def lora_target_note(model_config: dict, config) -> str | None:
+    try:
+        return memory.lora_target_note(memory.parse_model_config(model_config), config.lora_target_modules)
+    except ValueError:
+        return None
+
+
+def attention_kwargs(model_dir: Path) -> dict:
+    """Gemma 2 caps its attention logits (attn_logit_softcapping), which SDPA cannot: eager attention, the one
+    implementation in transformers that applies the cap without a kernel package, asked for by name so that no
+    default can pick one that drops it."""
+    try:
+        model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if model_config.get("attn_logit_softcapping") is not None:
+        return {"attn_implementation": "eager"}
+    return {}
+
+
 def load_model(model_dir: Path, config, strategy: dict, device: str):
     import torch
     from peft import LoraConfig, get_peft_model
@@ -107,7 +140,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
 
     # bf16 on GPUs; fp32 on CPU, where bf16 matmuls are slow and lossy for tiny models.
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    kwargs = {"dtype": dtype, **torch_load_kwargs(config)}
+    kwargs = {"dtype": dtype, **torch_load_kwargs(config), **attention_kwargs(model_dir)}
     if strategy["adapter"] == "qlora":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -149,7 +182,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
-        target_modules=config.lora_target_modules,
+        target_modules=lora_targets(model_dir, config),
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -163,7 +196,14 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         # Patched once the model sits on the GPU: applied to a CPU-resident model (the offload
         # path) it left the HF loss in place (bench/results/gpu_train_stage.json).
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
+        # Liger leaves a model type it has no kernels for untouched, with an info log: the HF loss would then run
+        # where the plan budgeted the fused one. (Gemma 2's fused loss applies final_logit_softcapping: liger_kernel
+        # transformers/model/gemma2.py passes it to the loss.)
+        if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+            raise LorashipError(f"the plan uses Liger's fused loss, but liger-kernel has no kernels for model_type "
+                                f"{model.config.model_type!r}; set fused_loss: off and plan again")
         _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False)
         model.loraship_fused_loss = True  # evaluate() asks for it too: Liger skips it in eval mode by default
     if device == "cuda":
@@ -722,6 +762,10 @@ def run(config) -> dict:
         "device": device,
         "strategy": strategy,
         "trained_as": describe_strategy(strategy, n_layers),
+        # The Linears adapted, as the architecture names them (Phi-3: qkv_proj, gate_up_proj), and why when a fused
+        # one adapts more projections than the config named.
+        "lora_modules": lora_targets(model_dir, config),
+        "lora_modules_note": lora_target_note(model_config, config),
         "strategy_reason": plan_reason,
         "cuda_allocator": allocator if device == "cuda" else None,
         "oom_retries": attempts,

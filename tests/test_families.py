@@ -31,9 +31,9 @@ FAMILY_OVERRIDES = dict(max_steps=8, save_steps=8, warmup_steps=2, micro_batch_s
 SEQUENCE_LEN = {"qwen2-base": 96, "smollm2": 96}
 # Mistral v0.3's tiny model (the least fitted of the families: pre-training loss 0.44) answered one golden
 # prompt outside the reply format after 8 and after 16 steps, the merged HF model itself ("Answer: T
-# Lengan.", golden_format 11/12); 32 pass every gate, and its 32k vocabulary keeps steps cheap.
-STEPS = {"mistral-v03": 32}
-PLANNER_GAP = "the memory planner knows llama, qwen2 and mistral only (loraship/planning/memory.py SUPPORTED); plan refuses this family"
+# Lengan.", golden_format 11/12); 32 pass every gate, and its 32k vocabulary keeps steps cheap. Gemma 2's
+# likewise after 8 (twice "Answer:pa.", golden_format 10/12, its GGUF equal 12/12); 32 pass every gate.
+STEPS = {"mistral-v03": 32, "gemma2": 32}
 
 
 def run_family(model: Path, family: Family, root: Path, run_name: str | None = None, **more):
@@ -57,13 +57,8 @@ def run_family(model: Path, family: Family, root: Path, run_name: str | None = N
 
 # A run costs minutes on 2 CPU cores (building the model, and the 128k-256k output layer in train, convert
 # and quantize), past the default run's budget, so these are `slow`: `pytest -m slow tests/test_families.py`.
-# The plan-time tests further down run by default. Families the planner refuses today
-# (test_the_planner_knows_every_family, strict) are not started: plan would refuse the model built for it.
-PIPELINE_FAMILIES = [
-    pytest.param(n, marks=[pytest.mark.slow, pytest.mark.xfail(run=False, reason=PLANNER_GAP)])
-    if FAMILIES[n].architecture in ("Gemma2ForCausalLM", "Phi3ForCausalLM") else pytest.param(n, marks=pytest.mark.slow)
-    for n in sorted(FAMILIES)
-]
+# The plan-time tests further down run by default.
+PIPELINE_FAMILIES = [pytest.param(n, marks=pytest.mark.slow) for n in sorted(FAMILIES)]
 
 
 @pytest.fixture(scope="session", params=PIPELINE_FAMILIES)
@@ -80,6 +75,13 @@ def family_run(request, tmp_path_factory):
 # Failures found here, each a finding to fix in loraship or upstream, not a threshold to loosen. Strict:
 # a test that starts passing fails until its entry goes.
 KNOWN_FAILURES = {
+    # Measured 2026-12-04: Phi-3's generation_config (as Phi-3-mini-4k-instruct's) stops on <|assistant|> (32001) too,
+    # which the pinned llama.cpp does not end generation on: it marks the EOS and named markers (<|end|>,
+    # <|endoftext|>) only, and a GGUF has no key for more (llama-vocab.cpp). special_tokens fails on that alone;
+    # every other gate passes: parity 24/24 (convert sets add_space_prefix false, which Phi-3's converter does not
+    # write), KL 0.00216, same top token 98.6%, golden_match 12/12, decisive agreement 57/57, served 12/12.
+    ("phi3", "tokenizer_parity"): "special_tokens: HF stops on <|assistant|> (32001), llama.cpp does not (parity 24/24)",
+    ("phi3", "every_gate"): "special_tokens only (above): <|assistant|> is no end-of-generation token in llama.cpp",
 }
 
 
@@ -218,11 +220,7 @@ def test_turn_end_is_one_special_token(family_folders, name):
     assert turn_end(tok)["text"] == FAMILIES[name].turn_end
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=ValueError, reason=PLANNER_GAP))
-    if FAMILIES[n].architecture in ("Gemma2ForCausalLM", "Phi3ForCausalLM") else n
-    for n in sorted(FAMILIES)
-])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_planner_knows_every_family(family_folders, name):
     from loraship.planning.memory import parse_model_config
 

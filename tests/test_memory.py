@@ -22,6 +22,19 @@ LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, 
                  attention_bias=False, head_dim=128)
 MISTRAL_7B = dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32768, head_dim=128, sliding_window=None)
+# Gemma 2: head_dim apart from hidden / heads (2304 / 8 = 288 there), tied 256k embedding, two caps, window 4096.
+GEMMA2_2B = dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000, query_pre_attn_scalar=256,
+                 sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
+                 hidden_activation="gelu_pytorch_tanh")
+GEMMA2_9B = dict(GEMMA2_2B, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+                 num_key_value_heads=8)
+# Phi-3: fused qkv_proj and gate_up_proj; mini is multi-head (32 kv heads), medium grouped (10).
+PHI3_MINI = dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, sliding_window=2047,
+                 tie_word_embeddings=False, original_max_position_embeddings=4096, max_position_embeddings=4096)
+PHI3_MEDIUM = dict(PHI3_MINI, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40, num_attention_heads=40,
+                   num_key_value_heads=10)
 
 
 def cfg(**kw) -> Config:
@@ -37,10 +50,108 @@ def total(mc, **kw) -> float:
 
 
 @pytest.mark.parametrize("mc,params_b", [(QWEN2_05B, 0.494), (QWEN2_7B, 7.62), (QWEN2_14B, 14.77),
-                                         (LLAMA3_8B, 8.03), (MISTRAL_7B, 7.25)])
+                                         (LLAMA3_8B, 8.03), (MISTRAL_7B, 7.25), (GEMMA2_2B, 2.61), (GEMMA2_9B, 9.24),
+                                         (PHI3_MINI, 3.82), (PHI3_MEDIUM, 13.96)])
 def test_configs_parse_to_known_parameter_counts(mc, params_b):
     s = memory.parse_model_config(mc)
     assert s.n_params / 1e9 == pytest.approx(params_b, rel=0.01)
+
+
+@pytest.mark.parametrize("name,mc", [("qwen2-0.5b", QWEN2_05B), ("qwen2-7b", QWEN2_7B), ("llama-3-8b", LLAMA3_8B),
+                                     ("mistral-7b", MISTRAL_7B), ("gemma-2-2b", GEMMA2_2B), ("gemma-2-9b", GEMMA2_9B),
+                                     ("phi-3-mini", PHI3_MINI), ("phi-3-medium", PHI3_MEDIUM)])
+def test_parameter_count_equals_the_transformers_model(name, mc):
+    """Every parameter the planner counts (and no other) is in the model transformers builds from the config:
+    built on the meta device, so no memory is allocated (torch here, unlike the rest of this file)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**mc)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert memory.parse_model_config(mc).n_params == sum(p.numel() for p in model.parameters())
+    linears = {n.rsplit(".", 1)[-1]: (m.in_features, m.out_features) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and ".layers.0." in n}
+    assert memory.parse_model_config(mc).linears() == linears
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_parameter_count_equals_the_tiny_family_models(family):
+    """The tiny test models of tests/test_families.py (head_dim 128 on 256 hidden for Gemma 2) count alike."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from loraship.fixtures.families import FAMILIES, model_config
+
+    config = model_config(FAMILIES[family])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert memory.parse_model_config(config.to_dict()).n_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("targets,expected", [
+    (["q_proj", "k_proj", "v_proj", "o_proj"], ("qkv_proj", "o_proj")),  # the config's default
+    ("all-linear", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    (["q_proj", "v_proj", "o_proj"], ("qkv_proj", "o_proj")),
+    (["gate_proj", "up_proj", "down_proj"], ("gate_up_proj", "down_proj")),
+    (["qkv_proj", "gate_up_proj"], ("qkv_proj", "gate_up_proj")),
+])
+def test_phi3_llama_names_stand_for_its_fused_linears(targets, expected):
+    s = memory.parse_model_config(PHI3_MINI)
+    assert memory.lora_modules(s, targets) == expected
+    assert memory.target_names(cfg(lora_target_modules=targets), s) == expected
+    # LoRA parameters of the fused Linears: r x (in + out) with out = q + 2kv and 2f.
+    est = memory.estimate(PHI3_MINI, cfg(lora_target_modules=targets, lora_r=8), memory.strategy_from_config(cfg()))
+    lin = s.linears()
+    assert est["lora_params"] == s.L * sum(8 * (lin[n][0] + lin[n][1]) for n in expected)
+
+
+def test_phi3_a_fused_linear_that_adapts_more_than_named_is_said():
+    s = memory.parse_model_config(PHI3_MINI)
+    note = memory.lora_target_note(s, ["q_proj", "v_proj", "o_proj"])
+    assert "q_proj, v_proj -> qkv_proj" in note and "k_proj" in note
+    assert memory.lora_target_note(s, ["q_proj", "k_proj", "v_proj", "o_proj"]) is None
+    assert memory.lora_target_note(memory.parse_model_config(LLAMA3_8B), ["q_proj", "v_proj"]) is None
+
+
+@pytest.mark.parametrize("mc,targets,bad", [(PHI3_MINI, ["q_proj", "c_attn"], "c_attn"),
+                                            (LLAMA3_8B, ["qkv_proj"], "qkv_proj"),
+                                            (GEMMA2_2B, ["gate_up_proj", "o_proj"], "gate_up_proj")])
+def test_a_target_module_the_architecture_lacks_is_refused_naming_its_linears(mc, targets, bad):
+    s = memory.parse_model_config(mc)
+    with pytest.raises(ValueError, match=rf"\['{bad}'\] name no Linear of a {s.model_type} decoder layer.*o_proj.*all-linear"):
+        memory.lora_modules(s, targets)
+
+
+def test_gemma2_eager_attention_keeps_every_heads_scores():
+    # SDPA takes no softcap: transformers runs Gemma 2 with eager attention, whose kept scores grow with the
+    # square of the sequence (per token: 8 bytes x heads x sequence_len per layer).
+    c1, c2 = cfg(sequence_len=2048, micro_batch_size=1, fused_loss="on"), cfg(sequence_len=4096, micro_batch_size=1, fused_loss="on")
+    st = memory.with_checkpointing(memory.strategy_from_config(c1), 0)
+    s = memory.parse_model_config(GEMMA2_9B)
+    saved = [memory.estimate(GEMMA2_9B, c, st)["components_gib"]["saved_activations_all_layers"] * 2**30 for c in (c1, c2)]
+    linear_part = [x - s.L * 4096 * 8 * s.heads * n * n / 4096 for x, n in zip(saved, (2048, 4096))]
+    assert linear_part[1] == pytest.approx(2 * linear_part[0], rel=1e-3)  # what is left is linear in T
+    no_cap = {**GEMMA2_9B, "attn_logit_softcapping": None, "final_logit_softcapping": None}
+    assert memory.estimate(no_cap, c2, st)["components_gib"]["saved_activations_all_layers"] < saved[1] / 2**30 / 4
+
+
+def test_gemma2_final_softcap_adds_to_the_hf_loss_only():
+    hf, fused = cfg(fused_loss="off", sequence_len=1024), cfg(fused_loss="on", sequence_len=1024)
+    no_cap = {**GEMMA2_2B, "final_logit_softcapping": None}
+    T = hf.micro_batch_size * 1024
+    loss = lambda mc, c: memory.estimate(mc, c, memory.strategy_from_config(c))["components_gib"]["logits_and_cross_entropy"]
+    assert (loss(GEMMA2_2B, hf) - loss(no_cap, hf)) * 2**30 == pytest.approx(4 * T * 256000, rel=1e-3)
+    assert loss(GEMMA2_2B, fused) == loss(no_cap, fused)
+
+
+def test_gemma2_sliding_layers_and_phi3_fused_shapes_are_read():
+    g = memory.parse_model_config(GEMMA2_2B)
+    assert (g.q, g.kv, g.tied, g.norms, g.sliding_window, g.sliding_layers) == (8 * 256, 4 * 256, True, 4, 4096, 13)
+    assert memory.parse_model_config({**GEMMA2_2B, "layer_types": ["full_attention"] * 26}).sliding_layers == 0
+    p = memory.parse_model_config(PHI3_MEDIUM)
+    assert p.linears()["qkv_proj"] == (5120, 5120 + 2 * 10 * 128) and p.linears()["gate_up_proj"] == (5120, 2 * 17920)
+    assert not p.tied and p.sliding_layers == 0
 
 
 def test_head_dim_and_gqa_are_read():
@@ -489,3 +600,19 @@ def test_optimize_is_overridden_by_the_knobs_that_are_set(kw, every, acts):
 def test_optimize_speed_keeps_bf16_for_the_14b_on_32_gib():
     plan = memory.plan_training(QWEN2_14B_EXAMPLE, mode(**LORA_14B, gpu_memory_gib=32, fused_loss="on"))
     assert plan["strategy"]["adapter"] == "lora" and plan["fits"]
+
+
+@pytest.mark.parametrize("mc,refused", [
+    (GEMMA2_2B, False), (GEMMA2_9B, False),
+    ({**GEMMA2_9B, "hidden_size": 4608, "num_hidden_layers": 46, "num_attention_heads": 32, "head_dim": 128,
+      "query_pre_attn_scalar": 144}, False),  # Gemma-2-27B: 4608 / 32
+    ({**GEMMA2_2B, "query_pre_attn_scalar": 144}, True),
+    ({**GEMMA2_9B, "num_hidden_layers": 46, "query_pre_attn_scalar": 256}, True),  # a 46-layer one is taken for the 27B
+])
+def test_a_gemma2_whose_query_scale_llama_cpp_would_not_apply_is_refused_at_plan_time(mc, refused):
+    from loraship.llamacpp.llamacpp import gemma2_scale_problems
+
+    problems = gemma2_scale_problems(mc)
+    assert bool(problems) == refused
+    if refused:
+        assert "query_pre_attn_scalar" in problems[0] and "llama.cpp" in problems[0]

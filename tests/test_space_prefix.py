@@ -132,3 +132,36 @@ def test_hf_prefix_rules():
     assert not space_prefix.hf_prefixes("first", 0, " Hello") and not space_prefix.hf_prefixes("always", 9, " Hi")
     assert space_prefix.hf_prefixes("always", 9, "Hi") and space_prefix.hf_prefixes("prepend", 9, " Hi")
     assert not space_prefix.hf_prefixes("never", 0, "Hello")
+
+
+def test_phi3_chat_gets_the_flag_its_converter_does_not_write(tmp_path):
+    """Phi-3's converter writes its own sentencepiece vocabulary and ignores tokenizer_config's add_prefix_space, so
+    convert sets the flag in a copy of the GGUF (every other key and tensor as written): its chat (legacy=False,
+    <|user|> Do after the rstripped newline) then tokenizes in llama.cpp as in HF, not <|user|> ▁Do."""
+    import importlib
+
+    import llama_cpp
+    from transformers import AutoTokenizer
+
+    from loraship.fixtures.families import write_folder_without_weights
+    from loraship.llamacpp.gguf_info import read_gguf
+
+    convert = importlib.import_module("loraship.stages.convert")
+    folder = tmp_path / "phi3"  # llama.cpp gives Phi-3's special tokens their rstrip by general.name (llama-vocab.cpp)
+    folder.mkdir()
+    write_folder_without_weights("phi3", folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    value, problem = space_prefix.choose(tok, {"chat"})
+    assert (value, problem) == (False, None)
+    fields, llm = vocab_gguf(folder, tmp_path / "phi3.gguf", value)
+    llm.close()
+    assert space_prefix.gguf_value(fields) is True  # the converter's default, whatever the input said
+    convert.set_add_space_prefix(tmp_path / "phi3.gguf", False)
+    after = read_gguf(tmp_path / "phi3.gguf")["fields"]
+    assert after["tokenizer.ggml.add_space_prefix"] is False
+    assert {k: str(v) for k, v in after.items() if k != "tokenizer.ggml.add_space_prefix"} == \
+        {k: str(v) for k, v in fields.items()}
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "phi3.gguf"), vocab_only=True, verbose=False)
+    for messages in CHATS:
+        cpp, hf = chat_ids(llm, tok, messages)
+        assert cpp == hf, (tok.convert_ids_to_tokens(cpp), tok.convert_ids_to_tokens(hf))

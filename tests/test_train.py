@@ -198,6 +198,54 @@ def test_packing_refuses_what_packed_attention_cannot_do(tiny_model, monkeypatch
     assert packed and "sdpa-per-example" in why and model.config._attn_implementation == packed_attention.ATTENTION
 
 
+# --- Gemma 2 and Phi-3 ------------------------------------------------------------------------------
+def _family_model(name: str, folder):
+    """The tiny family config of loraship/fixtures/families.py with a 512-token vocabulary (seeded random weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from loraship.fixtures.families import FAMILIES, model_config
+
+    conf = model_config(FAMILIES[name])
+    conf.vocab_size, conf.bos_token_id, conf.eos_token_id, conf.pad_token_id = 512, None, None, None
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(conf).save_pretrained(folder)
+    return folder
+
+
+def test_phi3_lora_adapts_its_fused_linears_and_gemma2_trains_with_eager_attention_padded(tiny_model, tmp_path):
+    import loraship.stages.train as train
+    from loraship.planning import memory
+
+    # The Config default (the demo's config names all-linear).
+    config = parse_config(demo_config_dict(tiny_model, tmp_path, packing="auto",
+                                           lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    strategy = memory.strategy_from_config(config, 2)
+    phi3 = train.load_model(_family_model("phi3", tmp_path / "phi3"), config, strategy, "cpu")
+    adapted = {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in phi3.named_parameters() if ".lora_A." in n}
+    assert adapted == {"qkv_proj", "o_proj"}  # not o_proj alone, which PEFT would match of q, k, v, o
+    every = config.model_copy(update={"lora_target_modules": "all-linear"})
+    assert train.lora_targets(tmp_path / "phi3", every) == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    with pytest.raises(train.LorashipError, match=r"\['c_attn'\] name no Linear of a phi3 decoder layer"):
+        train.lora_targets(tmp_path / "phi3", config.model_copy(update={"lora_target_modules": ["c_attn"]}))
+
+    gemma2 = train.load_model(_family_model("gemma2", tmp_path / "gemma2"), config, strategy, "cpu")
+    assert gemma2.config._attn_implementation == "eager"  # the one that applies attn_logit_softcapping
+    packed, why = train.use_packing(config, gemma2, "cpu")
+    assert not packed and "soft-capped (attn_logit_softcapping 50.0)" in why
+    with pytest.raises(train.LorashipError, match="packing: on, but its attention logits are soft-capped"):
+        train.use_packing(config.model_copy(update={"packing": "on"}), gemma2, "cpu")
+
+
+def test_plan_refuses_lora_targets_the_architecture_lacks(tmp_path):
+    from loraship.planning.preflight import lora_target_problems
+
+    folder = _family_model("phi3", tmp_path / "phi3")
+    config = parse_config(demo_config_dict(folder, tmp_path, lora_target_modules=["q_proj", "c_attn"]))
+    (problem,) = lora_target_problems(config, folder)
+    assert "['c_attn'] name no Linear of a phi3 decoder layer" in problem and "qkv_proj" in problem
+    assert lora_target_problems(config.model_copy(update={"lora_target_modules": ["q_proj", "v_proj"]}), folder) == []
+
+
 # --- selective gradient checkpointing -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def four_layers(tiny_model, tmp_path_factory):

@@ -155,6 +155,29 @@ def pre_tokenizer_table(folder: Path | None = None) -> tuple[str, dict[str, str]
     return chktxt, table
 
 
+# llama.cpp scales Gemma 2's queries by its own rule, not by config.json's query_pre_attn_scalar: 1/sqrt(hidden / heads)
+# for the 27B, which it knows by its 46 layers, 1/sqrt(head_dim) for every other (models/gemma2.cpp in the pinned sdist).
+GEMMA2_27B_LAYERS = 46
+
+
+def gemma2_scale_problems(config: dict) -> list[str]:
+    """A Gemma 2 whose query_pre_attn_scalar is not the one llama.cpp assumes would ship a GGUF whose attention
+    differs from the fine-tuned model's in every layer: refused before training, not found by verify afterwards."""
+    if config.get("model_type") != "gemma2" or config.get("query_pre_attn_scalar") is None:
+        return []
+    hidden, heads, layers = config.get("hidden_size"), config.get("num_attention_heads"), config.get("num_hidden_layers")
+    head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
+    if not (hidden and heads and head_dim):
+        return []
+    assumed = hidden // heads if layers == GEMMA2_27B_LAYERS else head_dim
+    if float(config["query_pre_attn_scalar"]) == float(assumed):
+        return []
+    return [f"Gemma 2 config.json has query_pre_attn_scalar {config['query_pre_attn_scalar']}, but llama.cpp "
+            f"(llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}) scales the queries of a {layers}-layer Gemma 2 by "
+            f"1/sqrt({assumed}) whatever the config says, so the GGUF would attend differently from the fine-tuned "
+            f"model; use a Gemma 2 checkpoint whose query_pre_attn_scalar is {assumed} (as Gemma-2-2B, 9B and 27B have)"]
+
+
 def check_convertible(model_dir: Path) -> list[str]:
     """Problems the pinned converter would hit on this HF folder, found before any training."""
     import json
@@ -171,6 +194,7 @@ def check_convertible(model_dir: Path) -> list[str]:
                 f"architecture {arch} is not supported by llama.cpp's converter (llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}); "
                 "pick a base model with a supported architecture or wait for a loraship release that pins a newer llama.cpp"
             )
+    problems += gemma2_scale_problems(config)
     if (Path(model_dir) / "tokenizer.model").exists():
         return problems  # sentencepiece vocab: converted without the BPE pre-tokenizer check
     if (Path(model_dir) / "tokenizer.json").exists():

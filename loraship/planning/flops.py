@@ -48,8 +48,11 @@ def train_flops_per_token(model_config: dict, cfg, seq_len: float) -> float:
     s = memory.parse_model_config(model_config)
     linears = s.linears()
     frozen = s.L * s.layer_linear_params + s.V * s.h  # decoder matmuls + lm_head (the embedding is a lookup)
-    lora = s.L * sum(cfg.lora_r * sum(linears[name]) for name in memory.target_names(cfg))
-    attention = s.L * 6 * s.q * seq_len
+    lora = s.L * sum(cfg.lora_r * sum(linears[name]) for name in memory.target_names(cfg, s))
+    # Gemma 2's sliding layers attend to at most sliding_window keys (an approximation for mixed lengths: the
+    # average length capped, not each example's).
+    window = min(seq_len, s.sliding_window) if s.sliding_window else seq_len
+    attention = 6 * s.q * ((s.L - s.sliding_layers) * seq_len + s.sliding_layers * window)
     return 4 * frozen + 6 * lora + attention
 
 

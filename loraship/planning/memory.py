@@ -69,7 +69,12 @@ ACTIVATIONS_IN_CPU = "checkpointed activations in CPU memory"
 
 QVO = ("q_proj", "v_proj", "o_proj")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SUPPORTED = ("llama", "qwen2", "mistral")
+SUPPORTED = ("llama", "qwen2", "mistral", "gemma2", "phi3")
+# Phi-3 computes q, k, v with one Linear (qkv_proj) and gate, up with another (gate_up_proj): the names of
+# ALL_LINEAR that a config may give (the default q, k, v, o) stand for the fused module that holds them.
+FUSED_NAME = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+              "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+FUSED_TYPES = ("phi3",)
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,14 @@ class Shape:
     V: int
     tied: bool
     qkv_bias: bool
+    fused: bool = False  # Phi-3: qkv_proj and gate_up_proj (FUSED_NAME)
+    norms: int = 2  # RMSNorms per decoder layer; Gemma 2 adds one after attention and one around the MLP (4)
+    # Gemma 2's attention logit softcapping, which torch's SDPA does not take: transformers runs its eager
+    # attention (tasks/train.py asks for it), which keeps the T x T scores of every head (estimate()).
+    attn_softcap: bool = False
+    final_softcap: bool = False  # Gemma 2's tanh cap on the logits (30.0): one more T x V tensor in the HF loss
+    sliding_window: int | None = None  # Gemma 2's on every other layer (sliding_layers)
+    sliding_layers: int = 0
 
     @property
     def q(self) -> int:
@@ -96,6 +109,8 @@ class Shape:
     def linears(self) -> dict[str, tuple[int, int]]:
         """Decoder Linear layers: name -> (in_features, out_features)."""
         h, q, kv, f = self.h, self.q, self.kv, self.f
+        if self.fused:
+            return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * f), "down_proj": (f, h)}
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
 
@@ -110,12 +125,12 @@ class Shape:
     @property
     def n_params(self) -> int:
         bias = (self.q + 2 * self.kv) if self.qkv_bias else 0
-        per_layer = self.layer_linear_params + 2 * self.h + bias
+        per_layer = self.layer_linear_params + self.norms * self.h + bias
         return self.L * per_layer + self.embedding_params * (1 if self.tied else 2) + self.h
 
 
 def parse_model_config(mc: dict) -> Shape:
-    """Read a Llama / Qwen2 / Mistral config.json (a dict); nested text_config is followed."""
+    """Read a Llama / Qwen2 / Mistral / Gemma 2 / Phi-3 config.json (a dict); nested text_config is followed."""
     if "text_config" in mc and "hidden_size" not in mc:
         mc = {**mc["text_config"], "model_type": mc["text_config"].get("model_type", mc.get("model_type"))}
     mt = mc.get("model_type", "")
@@ -126,18 +141,74 @@ def parse_model_config(mc: dict) -> Shape:
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}; pass the base model's own config.json")
     heads = int(mc["num_attention_heads"])
+    L = int(mc["num_hidden_layers"])
+    gemma2 = mt == "gemma2"
+    window = mc.get("sliding_window") if gemma2 else None
+    if gemma2:
+        # transformers' Gemma2Config: layer_types, else sliding attention on the even layers (0, 2, ...).
+        types = mc.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)]
+        sliding = sum(t == "sliding_attention" for t in types) if window else 0
+    else:
+        sliding = 0
     return Shape(
-        model_type=mt, h=int(mc["hidden_size"]), L=int(mc["num_hidden_layers"]), heads=heads,
+        model_type=mt, h=int(mc["hidden_size"]), L=L, heads=heads,
         kv_heads=int(mc.get("num_key_value_heads") or heads),
         head_dim=int(mc.get("head_dim") or mc["hidden_size"] // heads),
         f=int(mc["intermediate_size"]), V=int(mc["vocab_size"]),
-        # transformers' default for these three architectures is untied.
-        tied=bool(mc.get("tie_word_embeddings", False)),
+        # transformers' default is untied for Llama, Qwen2, Mistral and Phi-3, tied for Gemma 2 (Gemma2Config).
+        tied=bool(mc.get("tie_word_embeddings", gemma2)),
         qkv_bias=bool(mc.get("attention_bias", mt == "qwen2")),
+        fused=mt in FUSED_TYPES, norms=4 if gemma2 else 2,
+        # Gemma2Config's defaults: both caps on (50.0 and 30.0) unless the config sets them to null.
+        attn_softcap=gemma2 and mc.get("attn_logit_softcapping", 50.0) is not None,
+        final_softcap=gemma2 and mc.get("final_logit_softcapping", 30.0) is not None,
+        sliding_window=int(window) if window else None, sliding_layers=sliding,
     )
 
 
-def target_names(cfg: Config) -> tuple[str, ...]:
+def lora_modules(s: Shape, requested: list[str] | str) -> tuple[str, ...]:
+    """The decoder Linears that `lora_target_modules` adapts in a model of shape `s`, in layer order.
+
+    "all-linear" is every decoder Linear. On Phi-3 a Llama name stands for the fused Linear holding it
+    (q_proj -> qkv_proj, gate_proj -> gate_up_proj; lora_target_note says when that adapts more than was
+    named). A name that is no decoder Linear of the architecture is refused, not skipped: PEFT would adapt
+    the rest silently (q_proj, k_proj, v_proj, o_proj on Phi-3 would train o_proj alone)."""
+    names = tuple(s.linears())
+    if requested == "all-linear":
+        return names
+    chosen, unknown = set(), []
+    for n in requested:
+        m = n if n in names else FUSED_NAME.get(n) if s.fused else None
+        if m in names:
+            chosen.add(m)
+        else:
+            unknown.append(n)
+    if unknown:
+        alias = (" (q_proj, k_proj, v_proj name qkv_proj; gate_proj, up_proj name gate_up_proj)" if s.fused else "")
+        raise ValueError(f"lora_target_modules {unknown} name no Linear of a {s.model_type} decoder layer, whose "
+                         f"Linears are {', '.join(names)}{alias}; fix: name those, or set lora_target_modules: all-linear")
+    return tuple(n for n in names if n in chosen)
+
+
+def lora_target_note(s: Shape, requested: list[str] | str) -> str | None:
+    """Words for the run's record when a fused module adapts projections the config did not name, else None."""
+    if not s.fused or requested == "all-linear":
+        return None
+    wider = []
+    for m in lora_modules(s, requested):
+        parts = [n for n, f in FUSED_NAME.items() if f == m]
+        named = [n for n in parts if n in requested]
+        if named and len(named) < len(parts) and m not in requested:
+            wider.append(f"{', '.join(named)} -> {m} (adapts {', '.join(parts)} together)")
+    if not wider:
+        return None
+    return f"{s.model_type} fuses its projections: " + "; ".join(wider)
+
+
+def target_names(cfg: Config, s: Shape | None = None) -> tuple[str, ...]:
+    """The adapted Linears of `s` (lora_modules); without a shape, of a Llama-style layer (bench scripts)."""
+    if s is not None:
+        return lora_modules(s, cfg.lora_target_modules)
     if cfg.lora_target_modules == "all-linear":
         return ALL_LINEAR
     return tuple(n for n in ALL_LINEAR if n in cfg.lora_target_modules)
@@ -210,7 +281,8 @@ def with_checkpointing(strategy: dict, k: int) -> dict:
 # q, k, v read the attention norm's output; o reads the attention output (kept by attention itself);
 # gate and up read the MLP norm's output; down reads SwiGLU's output.
 LORA_INPUTS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
-               "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_act"}
+               "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_act",
+               "qkv_proj": "attn_in", "gate_up_proj": "mlp_in"}
 KEPT_ANYWAY = {"attn_out"}
 
 
@@ -225,13 +297,15 @@ def lora_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progra
     scaled from 5 B to 3 B); lora_A's output is bf16 (2r).
     """
     lin = s.linears()
+    # Eager attention (Gemma 2) keeps the probabilities, not its output: o_proj's LoRA keeps its own input there.
+    kept_anyway = set() if s.attn_softcap else KEPT_ANYWAY
     if program != "train-stage":
         per_input = CAL["lora_input_dropout"] if cfg.lora_dropout > 0 else 4
         return sum(per_input * lin[n][0] + 4 * cfg.lora_r for n in targets)
     if cfg.lora_dropout > 0:
         inputs = sum(CAL["lora_input_dropout"] * 3 / 5 * lin[n][0] for n in targets)
     else:
-        shared = {LORA_INPUTS[n]: lin[n][0] for n in targets if LORA_INPUTS[n] not in KEPT_ANYWAY}
+        shared = {LORA_INPUTS[n]: lin[n][0] for n in targets if LORA_INPUTS[n] not in kept_anyway}
         inputs = sum(2 * features for features in shared.values())
     return inputs + 2 * cfg.lora_r * len(targets)
 
@@ -251,7 +325,7 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     """
     s = parse_model_config(model_config)
     T = strategy["micro_batch_size"] * cfg.sequence_len
-    targets = target_names(cfg)
+    targets = target_names(cfg, s)
     lin = s.linears()
     qlora = strategy["adapter"] == "qlora"
 
@@ -276,11 +350,27 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     # (lora_saved_per_token). With the fused loss the train stage applies every Liger kernel (tasks/train.py):
     # Liger's RMSNorm keeps its bf16 input (2h, not 4h) and its SwiGLU keeps gate and up only (4f; silu is
     # recomputed in backward).
+    # Gemma 2 has four norms per layer and GELU-tanh where Llama has SiLU (gate, gelu(gate), up kept the same way;
+    # Liger's GEGLU keeps gate and up). Counted with autograd's saved-tensor hooks on one CPU decoder layer of each
+    # (transformers 5.25, bf16): these terms plus < 4% (rotary cos/sin, per-row norm statistics).
     liger = strategy["fused_loss"] and program == "train-stage"
-    norms, swiglu = (4 * s.h, 4 * s.f) if liger else (8 * s.h, 6 * s.f)
-    per_tok = norms + 4 * s.q + 4 * s.kv + swiglu + lora_saved_per_token(s, cfg, targets, program)
+    norms, swiglu = (2 * s.norms * s.h, 4 * s.f) if liger else (4 * s.norms * s.h, 6 * s.f)
+    attention = 4 * s.q + 4 * s.kv
+    if s.fused:
+        # Phi-3's v is a view of qkv_proj's output, so SDPA keeping v keeps all of it (q + 2kv, bf16).
+        attention += 2 * s.q + 2 * s.kv
+    scores_bwd = 0.0
+    if s.attn_softcap:
+        # Eager attention (transformers' Gemma 2 runs it: SDPA takes no softcap) keeps q, and k and v repeated to
+        # every query head (2q each), and per head and key position of the padded row the tanh output (bf16),
+        # softmax's fp32 output and its bf16 copy for the product with v: 8 bytes, on sliding layers too (the
+        # window only masks). Its backward holds the scores' fp32 gradient into and out of softmax (8 bytes more)
+        # while those are still kept.
+        attention = 6 * s.q + 8 * s.heads * cfg.sequence_len
+        scores_bwd = T * 8 * s.heads * cfg.sequence_len
+    per_tok = norms + attention + swiglu + lora_saved_per_token(s, cfg, targets, program)
     layer_saved = CAL["layer"] * T * per_tok
-    layer_bwd = CAL["layer_backward"] * layer_saved
+    layer_bwd = CAL["layer_backward"] * layer_saved + scores_bwd
     dequant = max(i * o for i, o in lin.values()) * 2 if qlora else 0  # bnb dequantizes one matrix at a time
     # The first k layers are checkpointed (tasks/train.py): each keeps only its bf16 input; the other L - k
     # keep all their saved activations until their own backward. Backward runs from the last layer down,
@@ -306,6 +396,10 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
         loss = CAL["fused_loss"] * T * 2 * s.h
     else:
         loss = CAL["hf_loss"] * T * s.V
+        if s.final_softcap:
+            # Gemma 2's cap on the bf16 logits: tanh keeps its output and the capped copy goes to the loss (2 x 2 B).
+            # Liger's fused loss caps inside its chunks (tasks/train.py applies it), at no cost here.
+            loss += 4 * T * s.V
     static = weights + lora_w + lora_g + opt
     act_peak = max(loss, layer_peak + dequant + streamed)
     allocated = static + kept + act_peak

@@ -136,7 +136,8 @@ def check_inputs(config: Config) -> Path:
     problems += data_problems
     if not problems:
         # Only on readable inputs: render real rows with the template training will use.
-        problems += template_problems(config, model_dir) + target_gpu_problems(config, model_dir)
+        problems += (template_problems(config, model_dir) + target_gpu_problems(config, model_dir)
+                     + lora_target_problems(config, model_dir))
     problems += workdir_problems(config) + output_problems(config)
     if problems:
         raise ConfigError(f"run {config.run_name!r}", problems)
@@ -219,6 +220,24 @@ def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
             f"{figures['gguf_gib']:.2f} GiB; raise target_gpu_memory_gib, choose a smaller quantization, or a "
             "smaller base model" for q, figures in each.items() if figures["gguf_gib"] > config.target_gpu_memory_gib]
 
+
+
+def lora_target_problems(config: Config, model_dir: Path) -> list[str]:
+    """lora_target_modules must name Linears the architecture has (memory.lora_modules): PEFT adapts the names that
+    match and skips the rest, so the default q, k, v, o on Phi-3 (qkv_proj, o_proj) would train o_proj alone."""
+    import json
+
+    from loraship.planning.memory import lora_modules, parse_model_config
+
+    try:
+        shape = parse_model_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+    except (ValueError, KeyError, TypeError):
+        return []  # the plan stage reports a config.json it cannot read, with its own message
+    try:
+        lora_modules(shape, config.lora_target_modules)
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def space_prefix_problems(config: Config, tokenizer) -> list[str]:

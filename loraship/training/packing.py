@@ -35,6 +35,11 @@ def packing_unsupported(model, sequence_len: int) -> str | None:
     if not getattr(model, "_supports_attention_backend", False):
         return f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
     cfg = model.config
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        # Gemma 2: neither torch's variable-length kernel nor SDPA caps the scores; packed rows would train a
+        # different model from the one llama.cpp runs. Padded batches keep the model's eager attention.
+        return (f"its attention logits are soft-capped (attn_logit_softcapping {cfg.attn_logit_softcapping}), which "
+                "packed attention does not apply")
     if getattr(cfg, "attention_dropout", 0.0):
         return f"the model's attention_dropout is {cfg.attention_dropout}; packed attention has none"
     window = getattr(cfg, "sliding_window", None)
