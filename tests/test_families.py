@@ -4,8 +4,9 @@ real chat template (loraship/fixtures/families.py says which package each comes 
 Per family: the pinned converter recognised the pre-tokenizer (the GGUF names it), llama.cpp tokenizes
 like HF (verify's parity gate), the chat template is in the GGUF, the template's turn end is ONE
 special token that llama.cpp treats as end-of-generation, and every verify gate passes. One pipeline
-run per family (a session-scoped fixture per family), shared by its tests; these are `slow`. In the
-default run: what plan checks for every family before training, from its tokenizer and config alone.
+run per family (a session-scoped fixture per family), shared by its tests; the default run takes each
+tokenizer and template once (COVERED_ELSEWHERE), with the real SmolLM2-135M among them. Also by default:
+what plan checks for every family before training, from its tokenizer and config alone.
 """
 
 from __future__ import annotations
@@ -55,10 +56,15 @@ def run_family(model: Path, family: Family, root: Path, run_name: str | None = N
     return config, manifests, verify
 
 
-# A run costs minutes on 2 CPU cores (building the model, and the 128k-256k output layer in train, convert
-# and quantize), past the default run's budget, so these are `slow`: `pytest -m slow tests/test_families.py`.
-# The plan-time tests further down run by default.
-PIPELINE_FAMILIES = [pytest.param(n, marks=pytest.mark.slow) for n in sorted(FAMILIES)]
+# A family's run takes 1.5-2 minutes on 2 quiet CPU cores (building its model included), so the default run
+# (CI) takes each tokenizer and template once: these three are `slow` because another default test runs the
+# same ones through the pipeline. `pytest -m slow tests/test_families.py` runs them all.
+COVERED_ELSEWHERE = {
+    "llama3-instruct": "llama3-base runs the same Llama 3 tokenizer with the llama3 template",
+    "smollm2": "the real SmolLM2 run below has the same tokenizer and template, with real weights",
+    "qwen2-base": "tests/test_turn_end.py runs a Qwen2 base with Qwen's vocabulary, given ChatML by init",
+}
+PIPELINE_FAMILIES = [pytest.param(n, marks=pytest.mark.slow) if n in COVERED_ELSEWHERE else n for n in sorted(FAMILIES)]
 
 
 @pytest.fixture(scope="session", params=PIPELINE_FAMILIES)
@@ -163,7 +169,6 @@ def real_run(real_smollm2, tmp_path_factory):
                       max_steps=4, save_steps=4, warmup_steps=1, micro_batch_size=4)
 
 
-@pytest.mark.slow
 def test_real_pretrained_model_passes_every_gate(real_run):
     """4 LoRA steps (what 2 cores afford) teach the reply format, not the invented capitals, so most names
     are near-tied guesses: measured 2026-12-04, 1/12 answers equal the merged model's token for token and
