@@ -160,12 +160,15 @@ def write_chat_template(out_dir: Path, configured: str | None) -> None:
 
 
 def stop_at_turn_end(out_dir: Path) -> dict | None:
-    """Put the template's turn-end token into generation_config's eos list, so HF's generate stops
-    where llama.cpp does (ChatML on a base whose EOS is <|endoftext|>: llama.cpp stops at <|im_end|>
-    by name, HF only at what generation_config lists). None without a template."""
+    """Make generation_config's eos list the tokens llama.cpp stops on: add the template's turn-end token
+    (ChatML on a base whose EOS is <|endoftext|>: llama.cpp stops at <|im_end|> by name, HF only at what
+    generation_config lists), and drop stop tokens llama.cpp does not end generation on and a GGUF cannot
+    make it (Phi-3's <|assistant|>): the merged model then stops where the served GGUF does, and the
+    reference answers verify compares against are the ones users get. None without a template; else the
+    turn end, with the stop tokens dropped."""
     from transformers import AutoTokenizer
 
-    from loraship.chat import template_of, turn_end
+    from loraship.chat import ends_generation_in_llama_cpp, template_of, turn_end
 
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     if template_of(tokenizer) is None:
@@ -182,9 +185,12 @@ def stop_at_turn_end(out_dir: Path) -> dict | None:
         eos.append(tokenizer.eos_token_id)
     if end["id"] not in eos:
         eos.append(end["id"])
+    stops = [{"id": i, "text": tokenizer.convert_ids_to_tokens(i)} for i in eos]
+    dropped = [t for t in stops if not ends_generation_in_llama_cpp(t, tokenizer.eos_token_id)]
+    eos = [t["id"] for t in stops if t not in dropped]
     gen["eos_token_id"] = eos if len(eos) > 1 else eos[0]
     gen_file.write_text(json.dumps(gen, indent=2), encoding="utf-8")
-    return end
+    return {**end, "stop_tokens_dropped": dropped}
 
 
 def ensure_added_tokens_decoder(config_file: Path, tokenizer) -> None:

@@ -104,7 +104,14 @@ def test_merged_generation_config_stops_on_the_turn_end(tiny_qwen, tmp_path):
     tokenizer.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 151643}))
     end = stop_at_turn_end(folder)
-    assert end["text"] == "<|im_end|>"
+    assert end["text"] == "<|im_end|>" and end["stop_tokens_dropped"] == []
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [151643, end["id"]]
+    # A stop token llama.cpp does not end generation on (Phi-3's <|assistant|> is such a marker) leaves the
+    # list: the merged model stops where the served GGUF does.
+    object_ref = tokenizer.convert_tokens_to_ids("<|object_ref_start|>")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [151643, object_ref]}))
+    end = stop_at_turn_end(folder)
+    assert end["stop_tokens_dropped"] == [{"id": object_ref, "text": "<|object_ref_start|>"}]
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [151643, end["id"]]
 
 
