@@ -65,7 +65,8 @@ class DatasetSpec(BaseModel):
 
 
 # llama.cpp quantizations loraship ships and verifies (constants.QUANT_GATES holds each one's default gates).
-Quantization = Literal["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "IQ4_XS", "Q3_K_L", "Q3_K_M", "IQ3_M"]
+Quantization = Literal["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "IQ4_XS", "Q3_K_L", "Q3_K_M", "IQ3_M",
+                       "auto"]  # auto: the smallest of constants.AUTO_LADDER that verify passes
 
 
 class Config(BaseModel):
@@ -163,7 +164,7 @@ class Config(BaseModel):
     target_context: int = Field(4096, ge=128, description="Context the shipped model must serve on the target GPU (KV cache).")
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where train/merge/verify run; 'auto' prefers CUDA.")
 
-    quantization: list[Quantization | Literal["auto"]] = Field(
+    quantization: list[Quantization] = Field(
         default_factory=lambda: ["Q4_K_M"],
         description="llama.cpp quantization of the shipped GGUF, or a list of them (e.g. [Q4_K_M, Q8_0]): each is made "
         "from the one F16 GGUF, verified and shipped. The first is the primary: the Modelfile and `loraship chat` open it. "
@@ -182,6 +183,10 @@ class Config(BaseModel):
         description="Fraction of golden prompts whose free-running greedy llama.cpp answer must equal the merged HF "
         "answer token for token or first part from it at a near-tie (where the merged model led by less than "
         "golden_margin nats, so either token is its answer); decisive tokens are held to full agreement.",
+    )
+    decisive_flips_max: float | None = Field(
+        None, ge=0.0, le=1.0, description="Share of decisive golden-answer tokens (see golden_margin) the GGUF may pick "
+        "differently; unset: the quantization's own default (0 from Q5 up, 0.025 for 4-bit, 0.05 for 3-bit).",
     )
     golden_margin: float = Field(
         1.0,

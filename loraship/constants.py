@@ -71,20 +71,22 @@ BITS_PER_WEIGHT = {"Q8_0": 8.5, "Q6_K": 6.57, "Q5_K_M": 5.69, "Q5_K_S": 5.57, "Q
 # 3x its mean KLD (smaller models and short eval splits scatter more), same_top_min about 5-7 points
 # under its rate, perplexity_ratio_max its excess x 3-4 (at least +2%). IQ4_XS sits between Q4_K_S and
 # Q4_K_M, IQ3_M near Q3_K_M. bench/results/quant_ladder.json measures the same figures on the real SmolLM2.
+# decisive_flips_max: the share of decisive golden-answer tokens (golden_margin) a 4-bit or coarser GGUF may
+# pick differently; 5 bits and up must pick them all (the real SmolLM2: 0/45 flips at every rung but Q3_K_M, 1/45).
 QUANT_GATES = {
-    #         kl_mean_max, kl_p99_max, same_top_min, perplexity_ratio_max
-    "Q8_0": (0.005, 0.05, 0.95, 1.02),
-    "Q6_K": (0.02, 0.2, 0.93, 1.03),
-    "Q5_K_M": (0.035, 0.35, 0.9, 1.05),
-    "Q5_K_S": (0.05, 0.5, 0.89, 1.06),
-    "Q4_K_M": (0.1, 1.0, 0.85, 1.1),
-    "Q4_K_S": (0.13, 1.2, 0.84, 1.12),
-    "IQ4_XS": (0.12, 1.1, 0.84, 1.12),
-    "Q3_K_L": (0.26, 2.0, 0.78, 1.25),
-    "Q3_K_M": (0.3, 2.2, 0.77, 1.3),
-    "IQ3_M": (0.3, 2.2, 0.77, 1.3),
+    #         kl_mean_max, kl_p99_max, same_top_min, perplexity_ratio_max, decisive_flips_max
+    "Q8_0": (0.005, 0.05, 0.95, 1.02, 0.0),
+    "Q6_K": (0.02, 0.2, 0.93, 1.03, 0.0),
+    "Q5_K_M": (0.035, 0.35, 0.9, 1.05, 0.0),
+    "Q5_K_S": (0.05, 0.5, 0.89, 1.06, 0.0),
+    "Q4_K_M": (0.1, 1.0, 0.85, 1.1, 0.025),
+    "Q4_K_S": (0.13, 1.2, 0.84, 1.12, 0.025),
+    "IQ4_XS": (0.12, 1.1, 0.84, 1.12, 0.025),
+    "Q3_K_L": (0.26, 2.0, 0.78, 1.25, 0.05),
+    "Q3_K_M": (0.3, 2.2, 0.77, 1.3, 0.05),
+    "IQ3_M": (0.3, 2.2, 0.77, 1.3, 0.05),
 }
-QUANT_GATE_FIELDS = ("kl_mean_max", "kl_p99_max", "same_top_min", "perplexity_ratio_max")
+QUANT_GATE_FIELDS = ("kl_mean_max", "kl_p99_max", "same_top_min", "perplexity_ratio_max", "decisive_flips_max")
 
 # quantization: auto tries these, smallest file first (BITS_PER_WEIGHT), and ships the first that passes.
 AUTO_LADDER = ("IQ3_M", "Q3_K_M", "IQ4_XS", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")

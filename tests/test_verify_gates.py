@@ -59,6 +59,17 @@ def test_zero_evidence_never_passes_as_0_of_0():
     assert one["passed"] and one["evidence"] == 1 and "not enough evidence" not in one["note"]
 
 
+def test_decisive_agreement_lets_coarse_quantizations_flip_a_small_share():
+    q8 = _DEFAULTS.model_copy(update=_DEFAULTS.gate_limits("Q8_0"))
+    q3 = _DEFAULTS.model_copy(update=_DEFAULTS.gate_limits("Q3_K_M"))
+    one_flip = {"agreed": 44, "decisive": 45}  # what the real SmolLM2's Q3_K_M did
+    assert not golden_decisive_gate(one_flip, q8)["passed"]  # 5 bits and up: every decisive token
+    assert golden_decisive_gate(one_flip, q3)["passed"] and golden_decisive_gate(one_flip, CONFIG)["passed"]
+    assert golden_decisive_gate(one_flip, q3)["threshold"] == "flips <= 5.0%"
+    assert not golden_decisive_gate({"agreed": 40, "decisive": 45}, q3)["passed"]  # 11% flipped
+    assert not golden_decisive_gate({"agreed": 0, "decisive": 0}, q3)["passed"]  # nothing seen
+
+
 def test_golden_match_rate():
     assert golden_match_gate({"matches": 4}, 5, CONFIG) | {"note": ""} == {
         "passed": True, "value": 0.8, "threshold": 0.75, "evidence": 5, "minimum": 4, "note": ""}
@@ -163,7 +174,7 @@ def test_each_quantization_has_its_own_calibrated_limits_unless_the_config_sets_
     assert q8["kl_mean_max"] < q4["kl_mean_max"] < q3["kl_mean_max"]
     assert q8["same_top_min"] > q4["same_top_min"] > q3["same_top_min"]
     order = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M"]  # finest first (K-quants)
-    for name, column in (("kl_mean_max", 0), ("kl_p99_max", 1), ("perplexity_ratio_max", 3)):
+    for name, column in (("kl_mean_max", 0), ("kl_p99_max", 1), ("perplexity_ratio_max", 3), ("decisive_flips_max", 4)):
         values = [QUANT_GATES[q][column] for q in order]
         assert values == sorted(values), name
     # llama.cpp's Llama-3-8B figures (loraship/constants.py) pass their own quantization's defaults.
