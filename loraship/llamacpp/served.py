@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from loraship.errors import LorashipError
-from loraship.runtime.proc import _child_setup, _kill_group, child_env
+from loraship.runtime.proc import child_setup, kill_group, child_env
 
 log = logging.getLogger("loraship.llamacpp.served")
 
@@ -57,13 +57,13 @@ def start_server(gguf: Path, n_ctx: int, n_gpu_layers: int, threads: int, log_fi
                "--n_threads", str(threads), "--verbose", "False"]
         with open(log_file, "ab") as sink:
             proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=child_env(),
-                                    start_new_session=True, preexec_fn=_child_setup)
+                                    start_new_session=True, preexec_fn=child_setup)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and proc.poll() is None and not _ready(port):
             time.sleep(0.2)
         if proc.poll() is None and _ready(port):
             return proc, port
-        _kill_group(proc)
+        kill_group(proc)
         last_tail = "\n".join(log_file.read_text(errors="replace").strip().splitlines()[-6:])
         if "address already in use" not in last_tail.lower():
             break
@@ -78,7 +78,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.terminate()
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
-    _kill_group(proc)
+    kill_group(proc)
 
 
 def ask(client, messages: list[dict], max_tokens: int, stream: bool) -> dict:

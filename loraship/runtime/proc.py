@@ -37,14 +37,14 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _child_setup() -> None:
+def child_setup() -> None:
     # If the stage process is killed (kill -9, OOM killer, pod eviction), its converter child
     # must not live on and write into a folder a rerun is already using.
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
     """The child leads its own session (start_new_session), so its process group holds it and
     anything it started: kill them all, not only the child."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -65,18 +65,18 @@ def run_child(cmd: list[str], timeout: float, what: str, extra_env: dict[str, st
         # A Python child writes its stdout through as it goes, not in 8 KiB blocks at the end.
         extra_env = {"PYTHONUNBUFFERED": "1", **(extra_env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=on_line is None,
-                            env=child_env(extra_env), start_new_session=True, preexec_fn=_child_setup)
+                            env=child_env(extra_env), start_new_session=True, preexec_fn=child_setup)
     try:
         if on_line is None:
             stdout, stderr = proc.communicate(timeout=timeout)
         else:
             stdout, stderr = _stream(proc, time.monotonic() + timeout, on_line)
     except subprocess.TimeoutExpired as e:
-        _kill_group(proc)
+        kill_group(proc)
         raise LorashipError(f"{what} did not finish within {timeout} s; it was stopped. "
                             "Look for a hung or very slow disk, or raise the stage's TIMEOUT_S") from e
     except BaseException:
-        _kill_group(proc)
+        kill_group(proc)
         raise
     # A grandchild may outlive a child that exited; it must not write on after the stage moved on.
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -88,7 +88,7 @@ def start_child(cmd: list[str], stderr) -> subprocess.Popen:
     """A long-lived child talked to through its stdin and stdout (text), isolated as run_child's are:
     its own session, an explicit environment, killed with the process that started it."""
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                            env=child_env(), start_new_session=True, preexec_fn=_child_setup)
+                            env=child_env(), start_new_session=True, preexec_fn=child_setup)
 
 
 def stop_child(proc: subprocess.Popen) -> None:
@@ -97,7 +97,7 @@ def stop_child(proc: subprocess.Popen) -> None:
         proc.stdin.close()
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
-    _kill_group(proc)
+    kill_group(proc)
     with contextlib.suppress(OSError):
         proc.stdout.close()
 
