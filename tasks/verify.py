@@ -816,16 +816,27 @@ def run(config) -> dict:
     atomic_write_json(ctx.dir / VERIFY_FILE, verdict)
     if not passed:
         failing = [q for q, section in sections.items() if not section["passed"]]
-        failed = "; ".join(f"{k} (value {g['value']}, threshold {g['threshold']}{', ' + g['note'] if 'note' in g else ''})"
-                           for k, g in gates.items() if not g["passed"])
-        raise LorashipError(f"verify failed for {', '.join(failing)}: {failed}; details in {ctx.dir / VERIFY_FILE}")
-    return ctx.finish({"passed": True, "gates": {k: g["passed"] for k, g in gates.items()},
-                       **{k: v for k, v in figures(head).items() if k not in ("passed", "gguf_bytes", "kl_p99")},
-                       "prompt_tokens_per_s": head["prompt_tokens_per_s"], "gen_tokens_per_s": head["gen_tokens_per_s"],
-                       "quantizations": {q: figures(section) for q, section in sections.items()},
+        raise LorashipError(f"verify failed for {', '.join(failing)}: {failed_gates(gates)}; details in "
+                            f"{ctx.dir / VERIFY_FILE}")
+    return ctx.finish({**passed_metrics(head, gates, sections),
                        **({"adapter_gguf": {k: head["adapter_gguf"].get(k) for k in ("kl_mean", "same_top_rate",
                                                                                     "scored_tokens")}}
                           if adapter else {})})
+
+
+def failed_gates(gates: dict) -> str:
+    """The failing gates with their values and thresholds (and notes), as verify's errors name them."""
+    return "; ".join(f"{k} (value {g['value']}, threshold {g['threshold']}{', ' + g['note'] if 'note' in g else ''})"
+                     for k, g in gates.items() if not g["passed"])
+
+
+def passed_metrics(head: dict, gates: dict, sections: dict[str, dict]) -> dict:
+    """The verify manifest's metrics when every gate passed: the shipped (primary) quantization's figures,
+    each verified quantization's."""
+    return {"passed": True, "gates": {k: g["passed"] for k, g in gates.items()},
+            **{k: v for k, v in figures(head).items() if k not in ("passed", "gguf_bytes", "kl_p99")},
+            "prompt_tokens_per_s": head["prompt_tokens_per_s"], "gen_tokens_per_s": head["gen_tokens_per_s"],
+            "quantizations": {q: figures(section) for q, section in sections.items()}}
 
 
 def ladder_row(quantization: str, section: dict | None) -> dict:
@@ -865,17 +876,12 @@ def run_ladder(ctx, config, reference: dict, device: str) -> dict:
                 f"{config.target_gpu_memory_gib:g} at target_context {config.target_context}; raise either, or ship a "
                 f"smaller base model; details in {ctx.dir / VERIFY_FILE}")
         largest = fitting[-1]
-        gates = sections[largest["quant"]]["gates"]
-        why = "; ".join(f"{k} (value {g['value']}, threshold {g['threshold']})" for k, g in gates.items() if not g["passed"])
         raise LorashipError(
             f"quantization auto: no rung passed every gate; the largest that fits the target, {largest['quant']}, "
-            f"failed {why}. Train until the eval loss settles, loosen that gate's limit in the config if the "
+            f"failed {failed_gates(sections[largest['quant']]['gates'])}. Train until the eval loss settles, loosen that gate's limit in the config if the "
             f"figure is acceptable, or raise target_gpu_memory_gib for a larger rung; details in {ctx.dir / VERIFY_FILE}")
-    return ctx.finish({"passed": True, "gates": {k: g["passed"] for k, g in head["gates"].items()},
-                       **{k: v for k, v in figures(head).items() if k not in ("passed", "gguf_bytes", "kl_p99")},
-                       "prompt_tokens_per_s": head["prompt_tokens_per_s"], "gen_tokens_per_s": head["gen_tokens_per_s"],
-                       "shipped_quantization": chosen, "ladder": ladder,
-                       "quantizations": {chosen: figures(head)}})
+    return ctx.finish({**passed_metrics(head, head["gates"], {chosen: head}),
+                       "shipped_quantization": chosen, "ladder": ladder})
 
 
 def adapter_gates(ctx, config, quantization: str, gates: dict, job: dict) -> dict:
