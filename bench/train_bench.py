@@ -27,6 +27,8 @@ loraship's schedule (cosine, no warm-up, over --steps) and gradient clipping at 
   Trainer with bf16=True, non-reentrant gradient checkpointing.
 - loraship-default: `loraship.stages.plan` + `loraship.stages.train` as shipped, no mode flag (optimize: speed).
 - loraship-lean: the same with `optimize: memory`.
+- loraship-unfused: loraship-default with PEFT's own LoRA Linears (LORASHIP_FUSED_LORA=0): what the fused LoRA
+  nodes (loraship/training/fused_lora.py) are worth, in the same run.
 - loraship-packed / loraship-padded (case `packing`): packing on / off on variable-length chat rows.
 
 Timing: a global optimizer step hook synchronises and stamps each step; tokens/s is non-pad tokens of the steps after
@@ -82,7 +84,7 @@ ISSUE_CASES = ["qwen2-7b-lora", "qwen2-7b-lora-all-linear", "qwen2-7b-qlora", "q
 TRAINERS = {"packing": ["loraship-packed", "loraship-padded"], "qwen2-14b-lora-8k": ["loraship-default"]}
 PEERS = ["unsloth-sft", "unsloth-loop", "hf-liger"]
 # The order rows run in, when the budget may not cover them all: each phase over every case before the next phase.
-PHASES = [["unsloth-sft", "unsloth-loop", "loraship-default"], ["loraship-lean"], ["hf-liger"]]
+PHASES = [["unsloth-sft", "unsloth-loop", "loraship-default"], ["loraship-lean"], ["loraship-unfused"], ["hf-liger"]]
 SMOKE_SEQ = 128  # --smoke: the tiny shape at short rows, so the CPU check takes seconds
 LOSS_STEPS = 10  # the first losses every row keeps (`loss_curve`)
 
@@ -588,6 +590,8 @@ def cuda_context_gib() -> float | None:
 
 def run_one(case: str, trainer: str, root: Path, args) -> dict:
     device = "cpu" if args.smoke else "cuda"
+    if trainer == "loraship-unfused":  # the default with PEFT's own LoRA Linears: what fused_lora.py is worth
+        os.environ["LORASHIP_FUSED_LORA"] = "0"
     if device == "cuda" and trainer.startswith("loraship"):
         # What the train stage sets itself, set here because the cap below starts CUDA first.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -644,7 +648,7 @@ def ratios(rows: list[dict]) -> list[dict]:
         for name, r in by.items():
             if not name.startswith("loraship"):
                 continue
-            for against in bases:
+            for against in bases + (["loraship-unfused"] if name == "loraship-default" else []):
                 base = by.get(against)
                 if base is None or base is r:
                     continue

@@ -214,6 +214,11 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         for module in model.modules():
             if isinstance(module, BaseTunerLayer):
                 module.cast_input_dtype_enabled = False
+    # Last, on the model as it will run (streamed weights in place): each LoRA Linear one autograd node whose
+    # GEMMs add the LoRA term (loraship/training/fused_lora.py); what it cannot run stays PEFT's.
+    from loraship.training.fused_lora import fuse_lora_linears, fused_lora_wanted
+
+    model._loraship_fused_lora = fuse_lora_linears(model) if fused_lora_wanted() else {"fused": 0, "unfused": {}}
     # from_pretrained returns eval mode, where HF silently skips gradient checkpointing
     # (seen on the H200: 67.6 GiB instead of 23.5). Train mode, always.
     model.train()
@@ -570,6 +575,7 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
         "packing": {"packed": packed, "why": packing_why},
+        "fused_lora_linears": model._loraship_fused_lora,
         "train_tokens_this_run": tokens_seen,
         # Steady state (warm-up steps left out), the rate the run sustains; the whole run's rate next to it.
         "tokens_per_s": steady,

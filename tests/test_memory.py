@@ -436,14 +436,19 @@ def test_render_plan_names_the_checkpointed_layers():
 
 def test_the_train_stage_keeps_less_per_layer_than_the_harness_with_liger_kernels():
     # With the fused loss tasks/train.py applies every Liger kernel: RMSNorm keeps bf16 input, SwiGLU no silu output.
-    # Its LoRA runs under bf16 autocast: each module's input kept as a bf16 dropout output + mask (3 B, not 5 B).
+    # Its LoRA runs in fused nodes under bf16 autocast: a bf16 input kept once for the modules sharing it (none
+    # for o_proj's, which attention keeps), and a 1-byte dropout mask per module, against the harness's fp32
+    # dropout output + mask per module.
     c = cfg(**FAST_7B, lora_dropout=0.05)
     st = memory.with_checkpointing(memory.strategy_from_config(c), 0)
     stage, harness = (memory.estimate(QWEN2_7B, c, st, program=p) for p in ("train-stage", "harness"))
     s = memory.parse_model_config(QWEN2_7B)
     T = c.micro_batch_size * c.sequence_len
     lin = s.linears()
-    lora_saved = sum(memory.CAL["lora_input_dropout"] * 2 / 5 * i + 2 * c.lora_r for i, _ in lin.values())
+    assert set(lin) == set(memory.target_names(c, s))  # all-linear
+    shared_inputs = 2 * (s.h + s.h + s.f)  # attention input, MLP input, down_proj's input
+    lora_saved = (sum(memory.CAL["lora_input_dropout"] * i + 4 * c.lora_r for i, _ in lin.values())
+                  - shared_inputs - sum(i + 2 * c.lora_r for i, _ in lin.values()))
     saved = stage["components_gib"]["saved_activations_all_layers"], harness["components_gib"]["saved_activations_all_layers"]
     assert abs((saved[1] - saved[0]) * 2**30 - s.L * T * (4 * s.h + 2 * s.f + lora_saved) * memory.CAL["layer"]) < 2**20
     assert stage["components_gib"]["allocator_reserve"] == memory.CAL["reserve_expandable_gib"]

@@ -291,10 +291,10 @@ def lora_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progra
 
     The harness (fp32 LoRA weights, PEFT casting the input): each module keeps its own fp32 copy of its
     input (4 B per feature), or with dropout its fp32 dropout output + mask (CAL lora_input_dropout), and
-    lora_A's fp32 output (4r). The train stage (tasks/train.py) runs LoRA under bf16 autocast with input
-    casting off: modules reading the same tensor keep it once (bf16, 2 B), nothing for an input the layer
-    keeps anyway; with dropout each module keeps its bf16 dropout output + mask (3 B: the fitted multiplier
-    scaled from 5 B to 3 B); lora_A's output is bf16 (2r).
+    lora_A's fp32 output (4r). The train stage (tasks/train.py) runs LoRA through fused nodes
+    (loraship/training/fused_lora.py) under bf16 autocast: modules reading the same tensor keep it once (bf16,
+    2 B), nothing for an input the layer keeps anyway; with dropout each module adds its 1-byte bool mask (the
+    dropped input is rebuilt in backward); x A^T is bf16 (2r).
     """
     lin = s.linears()
     # Eager attention (Gemma 2) keeps the probabilities, not its output: o_proj's LoRA keeps its own input there.
@@ -302,11 +302,10 @@ def lora_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progra
     if program != "train-stage":
         per_input = CAL["lora_input_dropout"] if cfg.lora_dropout > 0 else 4
         return sum(per_input * lin[n][0] + 4 * cfg.lora_r for n in targets)
+    shared = {LORA_INPUTS[n]: lin[n][0] for n in targets if LORA_INPUTS[n] not in kept_anyway}
+    inputs = sum(2 * features for features in shared.values())
     if cfg.lora_dropout > 0:
-        inputs = sum(CAL["lora_input_dropout"] * 3 / 5 * lin[n][0] for n in targets)
-    else:
-        shared = {LORA_INPUTS[n]: lin[n][0] for n in targets if LORA_INPUTS[n] not in kept_anyway}
-        inputs = sum(2 * features for features in shared.values())
+        inputs += sum(lin[n][0] for n in targets)  # one dropout mask per module
     return inputs + 2 * cfg.lora_r * len(targets)
 
 

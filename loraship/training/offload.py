@@ -175,6 +175,9 @@ def offload_frozen_layers(model, n_layers: int, transfer: Transfer | None = None
     for i, modules in enumerate(streamed):
         for module in modules:
             module.forward = _streaming_forward(module, prefetcher, i)
+            # The same copy for a fused LoRA Linear above it (loraship/training/fused_lora.py), which keeps it
+            # for backward as F.linear would.
+            module._loraship_weight_on = (lambda m, k: lambda device: (prefetcher.weight(k, m, device), None))(module, i)
     first = next(m for modules in streamed for m in modules)
     # The decoder stack runs once per forward pass (only the layers inside it are recomputed).
     stack.register_forward_pre_hook(lambda mod, args: prefetcher.step(first.weight.device))

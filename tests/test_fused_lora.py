@@ -1,0 +1,147 @@
+"""The fused LoRA Linear (loraship/training/fused_lora.py) computes what PEFT's LoRA Linear computes: same
+loss, same gradients for every LoRA matrix and for the input, for plain Linears, Qwen2's biased q/k/v, QLoRA's
+4-bit base, streamed (offloaded) weights and dropout; and leaves PEFT's path where it cannot follow it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _peft_model(model_dir, targets="all-linear", dropout=0.0, quantized=False):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    torch.manual_seed(0)
+    kwargs = {"dtype": torch.float32}
+    if quantized:
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_use_double_quant=True,
+                                                           bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.enable_input_require_grads()
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=dropout))
+    with torch.no_grad():  # LoRA B starts at zero; a value makes every LoRA gradient and the LoRA term non-zero
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # as tasks/train.py load_model does on the CPU
+            module.support_avx512bf16_for_cpu = False
+    model.train()
+    return model
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+IDS = torch.tensor([[1, 3, 40, 41, 42, 43, 4, 50, 51, 2], [1, 7, 8, 9, 10, 11, 12, 13, 14, 2]])
+
+
+def _assert_same(reference, fused, ids=IDS):
+    loss_ref, grads_ref = _loss_and_grads(reference, ids)
+    loss, grads = _loss_and_grads(fused, ids)
+    assert abs(loss - loss_ref) < 1e-5 * max(1.0, abs(loss_ref))
+    assert grads.keys() == grads_ref.keys() and any("lora_A" in n for n in grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen"])  # Llama (no biases), Qwen2 (biased q/k/v)
+def test_fused_lora_matches_peft(model_name, request):
+    from loraship.training.fused_lora import fuse_lora_linears
+
+    model_dir = request.getfixturevalue(model_name)
+    reference, fused = _peft_model(model_dir), _peft_model(model_dir)
+    fused.load_state_dict(reference.state_dict())
+    report = fuse_lora_linears(fused)
+    assert report["fused"] == 7 * fused.config.num_hidden_layers and not report["unfused"]
+    _assert_same(reference, fused)
+
+
+def test_fused_lora_matches_peft_on_a_4bit_base(tiny_qwen):
+    from loraship.training.fused_lora import fuse_lora_linears
+
+    reference, fused = _peft_model(tiny_qwen, quantized=True), _peft_model(tiny_qwen, quantized=True)
+    with torch.no_grad():
+        for (n, p), (_, q) in zip(reference.named_parameters(), fused.named_parameters()):
+            if p.requires_grad:
+                q.copy_(p)
+    assert fuse_lora_linears(fused)["fused"] == 7 * fused.config.num_hidden_layers
+    _assert_same(reference, fused)
+
+
+def test_fused_lora_streams_offloaded_weights(tiny_model):
+    """Offloaded layers' LoRA Linears take the fused path on the streamed copy of their weight."""
+    from loraship.training.fused_lora import fuse_lora_linears
+    from loraship.training.offload import offload_frozen_layers
+
+    reference, fused = _peft_model(tiny_model), _peft_model(tiny_model)
+    fused.load_state_dict(reference.state_dict())
+    offload_frozen_layers(fused, 1)
+    assert fuse_lora_linears(fused)["fused"] == 7 * fused.config.num_hidden_layers
+    for _ in range(2):
+        _assert_same(reference, fused)
+
+
+def test_fused_lora_dropout_is_peft_dropout():
+    """With dropout: the same mask gives PEFT's output and gradients, and the mask is drawn afresh each call."""
+    from peft import LoraConfig, get_peft_model
+
+    from loraship.training.fused_lora import fuse_lora_linears
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(16, 24))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["0"], lora_dropout=0.25))
+    with torch.no_grad():
+        model.base_model.model[0].lora_B["default"].weight.normal_(0, 0.1)
+    fuse_lora_linears(model)
+    layer = model.base_model.model[0]
+    x = torch.randn(5, 16, requires_grad=True)
+    torch.manual_seed(1)
+    out = model(x)
+    out.pow(2).sum().backward()
+    # The reference, by hand with the mask the fused node drew (same seed, same draw).
+    torch.manual_seed(1)
+    mask = torch.empty(5, 16, dtype=torch.bool).bernoulli_(0.75)
+    a = layer.lora_A["default"].weight.detach().clone().requires_grad_()
+    b = layer.lora_B["default"].weight.detach().clone().requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    ref = layer.base_layer(x_ref) + (x_ref * mask / 0.75) @ a.t() @ b.t() * layer.scaling["default"]
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(layer.lora_A["default"].weight.grad, a.grad)
+    torch.testing.assert_close(layer.lora_B["default"].weight.grad, b.grad)
+    assert not torch.equal(model(x), model(x))  # a new mask each call
+    model.eval()
+    torch.testing.assert_close(model(x), layer.base_layer(x) + x @ a.t() @ b.t() * layer.scaling["default"])
+
+
+def test_what_fused_lora_leaves_to_peft(tiny_model):
+    """DoRA is PEFT's to run; disabled adapters run the base alone, as PEFT's forward does."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from loraship.training.fused_lora import fuse_lora_linears
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    dora = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    report = fuse_lora_linears(dora)
+    assert report["fused"] == 0 and sum(report["unfused"].values()) == base.config.num_hidden_layers
+
+    model = _peft_model(tiny_model, targets=["q_proj", "v_proj"])
+    fuse_lora_linears(model)
+    with torch.no_grad():
+        with model.disable_adapter():
+            off = model(input_ids=IDS).logits
+        on = model(input_ids=IDS).logits
+        base_only = model.get_base_model()
+    assert not torch.allclose(on, off)
+    with torch.no_grad(), model.disable_adapter():
+        torch.testing.assert_close(base_only(input_ids=IDS).logits, off)
