@@ -255,6 +255,11 @@ def merge_tokenizer_files(config) -> tuple[str, ...]:
 
 @exclusive
 def run(config) -> dict:
+    from loraship.runtime.stage import stage_dir
+
+    f16 = stage_dir(config, "convert") / F16_GGUF
+    if f16.is_file():
+        read_gguf(f16)  # a truncated input is named before anything else is asked of the run (the merge stage)
     # imatrix: the merged tokenizer (not its weights) and the data fields are inputs too.
     merge = {"merge": merge_tokenizer_files(config)} if config.imatrix else {}
     ctx = open_stage(config, STAGE, UPSTREAM + tuple(merge), FIELDS + (IMATRIX_FIELDS if merge else ()),
@@ -266,14 +271,13 @@ def run(config) -> dict:
     read_gguf(src)  # refuses a truncated input with the file's name before any work
     imatrix, imatrix_path, texts = None, None, None
     if config.imatrix:
-        from loraship.runtime.stage import stage_dir
-
         texts, tokens = calibration_texts(config, stage_dir(config, "merge") / MERGED_DIR)
         check_imatrix_tokens(config, tokens)
         text_sha256 = sha256_json_text(texts)
         imatrix = reusable_imatrix(ctx, last_manifest(ctx), text_sha256)
         imatrix_path = ctx.dir / IMATRIX_FILE
-    kept = reusable(ctx, quantizations, imatrix["sha256"] if imatrix else None)
+    # A matrix still to be computed has no sha256 yet, and no GGUF of the last run was made with it.
+    kept = [] if config.imatrix and imatrix is None else reusable(ctx, quantizations, imatrix["sha256"] if imatrix else None)
     keep_imatrix = (IMATRIX_FILE, IMATRIX_TEXT_FILE) if imatrix else ()
     reset_dir(ctx, keep=tuple(quantized_gguf_name(q) for q in kept) + keep_imatrix)
     if config.imatrix and imatrix is None:

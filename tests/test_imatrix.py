@@ -92,6 +92,12 @@ def test_imatrix_false_quantizes_with_the_binding(pipeline_run, tmp_path):
     # The importance matrix changed the weights: the two Q4_K_M files differ.
     name = quantized_gguf_name("Q4_K_M")
     assert made["outputs"][name]["sha256"] != manifests["quantize"]["outputs"][name]["sha256"]
+    # Back to imatrix: true in the same folder: the binding's GGUF is not kept as if made with the matrix.
+    again = importlib.import_module("loraship.stages.quantize").run(
+        parse_config({**plain.model_dump(mode="json"), "imatrix": True}))
+    q4 = again["metrics"]["quantizations"]["Q4_K_M"]
+    assert not q4["reused"] and q4["quantizer"].startswith("llama-quantize --imatrix")
+    assert again["outputs"][name]["sha256"] != made["outputs"][name]["sha256"]
 
 
 def test_rerun_keeps_the_importance_matrix_and_the_ggufs_made_with_it(pipeline_run, tmp_path):
