@@ -150,14 +150,34 @@ class PeerPositions:
                 "target_logprob": full[np.arange(len(full)), self.hf["target"]].astype(np.float32)}
 
     def ours(self, gguf: Path) -> dict:
-        """verify's KL (eval_agreement) of gguf at the peer positions: from the merged HF model and from the F16 GGUF."""
-        from loraship.stages.verify import eval_agreement
+        """verify's KL (eval_agreement) of gguf at the peer positions: from the merged HF model and from the F16 GGUF;
+        and the F16-based KL under llama-perplexity's storage rules (peer_rules_kl_mean)."""
+        import numpy as np
+
+        from loraship.stages.verify import eval_agreement, logprobs_at
 
         llm = self._llm(gguf)
         records = {"eval": self.records}
         hf, f16 = eval_agreement(llm, records, self.hf), eval_agreement(llm, records, self.f16)
+        q = np.concatenate([logprobs_at(llm, r["input_ids"], r["positions"]) for r in self.records])
         return {"peer_positions_kl_mean": hf["kl_mean"], "peer_base_kl_mean": f16["kl_mean"],
+                "peer_rules_kl_mean": float(peer_rules_kl(self.f16["full_logprobs"], q).mean()),
                 "peer_positions_tokens": f16["kl_tokens"]}
+
+
+def peer_rules_kl(base, q):
+    """KL(base || q) per row as llama-perplexity computes it from its base file (tools/perplexity/perplexity.cpp
+    log_softmax and process_logits): the base log-probs kept only within 16 nats of the top token, stored as
+    uint16 steps of (that range / 65535), tokens at or below -16 nats left out of the sum."""
+    import numpy as np
+
+    base = base.astype(np.float64)
+    top = base.max(-1, keepdims=True)
+    low = np.maximum(base.min(-1, keepdims=True), top - 16)
+    scale = (top - low) / 65535
+    stored = np.round((np.maximum(base, low) - low) / scale) * scale + low
+    terms = np.where(stored > -16, np.exp(stored) * (stored - q), 0.0)
+    return terms.sum(-1)
 
 
 def ladder_rows(config, quants: list[str], imatrix: bool, peer: PeerPositions | None, perplexity: Path | None) -> list[dict]:
@@ -185,11 +205,13 @@ def ladder_rows(config, quants: list[str], imatrix: bool, peer: PeerPositions | 
             row.update(peer_kl(perplexity, gguf, peer.base))
             row.update(peer.ours(gguf))
             row["ours_vs_peer"] = row["peer_base_kl_mean"] / row["peer_kl_mean"] - 1 if row["peer_kl_mean"] else None
+            row["ours_rules_vs_peer"] = row["peer_rules_kl_mean"] / row["peer_kl_mean"] - 1 if row["peer_kl_mean"] else None
         rows.append(row)
         print(f"{quant:7s} imatrix={str(imatrix):5s} {section['gguf_bytes'] / 2**20:7.1f} MiB  KL {a.get('kl_mean'):.5f}  "
               f"p99 {a.get('kl_p99'):.4f}  same-top {a.get('same_top_rate'):.3f}  PPL x{a.get('perplexity_ratio'):.4f}  "
               + (f"peer KL {row['peer_kl_mean']:.5f} ours(F16 base) {row['peer_base_kl_mean']:.5f} "
-                 f"({row['ours_vs_peer']:+.1%}) ours(HF base) {row['peer_positions_kl_mean']:.5f}  " if peer else "")
+                 f"({row['ours_vs_peer']:+.1%}) under its rules {row['peer_rules_kl_mean']:.5f} "
+                 f"({row['ours_rules_vs_peer']:+.1%}) ours(HF base) {row['peer_positions_kl_mean']:.5f}  " if peer else "")
               + ("passed" if section["passed"] else "failed: " + ", ".join(failed)), flush=True)
     return rows
 
@@ -255,7 +277,9 @@ def main() -> None:
                       "parsing, chunks of PEER_CTX tokens, the second half of each scored over every token; "
                       "peer_base_kl_mean is tasks/verify.py's eval_agreement on exactly those tokens and positions "
                       "with the F16 GGUF as the base, as llama-perplexity has it (ours_vs_peer: its relative "
-                      "difference); peer_positions_kl_mean the same with the merged HF model as the base, as verify "
+                      "difference); peer_rules_kl_mean the same KL computed under llama-perplexity's storage of the "
+                      "base (log-probs within 16 nats of the top only, rounded to uint16 steps; "
+                      "ours_rules_vs_peer); peer_positions_kl_mean the same with the merged HF model as the base, as verify "
                       "gates. kl_mean (verify's) is over the assistant tokens of each eval text, a different set"),
         "peer_tokens": peer.tokens if peer else None,
         "imatrix": imatrix_facts, "tools_build": build_info(),

@@ -95,11 +95,18 @@ else
 fi
 # llama.cpp's tools as `loraship build-tools` built them on the host (make test does): the convert image copies
 # them rather than compiling llama.cpp again; without them its llama-tools stage builds them.
-tools="${LORASHIP_CACHE:-$HOME/.cache/loraship}/llama.cpp-tools-${LLAMA_VERSION}/bin"
-if [[ -x "$tools/llama-imatrix" && -x "$tools/llama-quantize" && -x "$tools/llama-perplexity" ]]; then
+# Looked up in $LORASHIP_CACHE, the project's own cache (the Makefile's) and ~/.cache/loraship.
+tools=""
+for cache in "${LORASHIP_CACHE:-}" "$ROOT/.loraship/cache" "$HOME/.cache/loraship"; do
+  cand="$cache/llama.cpp-tools-${LLAMA_VERSION}/bin"
+  if [[ -z "$tools" && -n "$cache" && -x "$cand/llama-imatrix" && -x "$cand/llama-quantize" && -x "$cand/llama-perplexity" ]]; then
+    tools="$cand"
+  fi
+done
+if [[ -n "$tools" ]]; then
   for t in llama-imatrix llama-quantize llama-perplexity; do link "$tools/$t" "$CTX/tools/$t"; done
 else
-  echo "no llama.cpp tools built in $tools: the convert image will build them from the sdist"
+  echo "no llama.cpp tools built on this host: the convert image will build them from the sdist"
 fi
 echo "context ready in $((SECONDS - start)) s: TORCH_SPEC=$TORCH_SPEC BASE_IMAGE=$BASE_IMAGE TAG=$TAG"
 
