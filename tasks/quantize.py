@@ -269,11 +269,11 @@ def run(config) -> dict:
     quantizations = config.quantizations
     src = ctx.upstream_dir("convert") / F16_GGUF
     read_gguf(src)  # refuses a truncated input with the file's name before any work
-    imatrix, imatrix_path, texts = None, None, None
+    imatrix, imatrix_path = None, None
     if config.imatrix:
         texts, tokens = calibration_texts(config, stage_dir(config, "merge") / MERGED_DIR)
         check_imatrix_tokens(config, tokens)
-        text_sha256 = sha256_json_text(texts)
+        text_sha256 = calibration_sha256(texts)
         imatrix = reusable_imatrix(ctx, last_manifest(ctx), text_sha256)
         imatrix_path = ctx.dir / IMATRIX_FILE
     # A matrix still to be computed has no sha256 yet, and no GGUF of the last run was made with it.
@@ -306,7 +306,7 @@ def run(config) -> dict:
     return ctx.finish({**each[quantizations[0]], "quantizations": each, "imatrix": imatrix})
 
 
-def sha256_json_text(texts: list[str]) -> str:
+def calibration_sha256(texts: list[str]) -> str:
     """The calibration file's sha256 before it is written: compute_imatrix writes exactly this text."""
     import hashlib
 
