@@ -811,7 +811,8 @@ def run(config) -> dict:
     gates = all_gates(sections)
     passed = all(g["passed"] for g in gates.values())
     head = sections[primary]
-    draw_ladder(ctx, config, [ladder_row(q, sections[q]) for q in config.quantizations], shipped=primary)
+    draw_ladder(ctx, config, [ladder_row(q, sections[q]) for q in config.quantizations], shipped=primary,
+                shipped_label="primary")
     verdict = {**head, "passed": passed, "gates": gates, "quantizations": sections,
                "verify_seconds": round(time.time() - ctx.started, 2)}
     atomic_write_json(ctx.dir / VERIFY_FILE, verdict)
@@ -851,7 +852,7 @@ def ladder_row(quantization: str, section: dict | None) -> dict:
             "failed_gates": [k for k, g in section["gates"].items() if not g["passed"]]}
 
 
-def draw_ladder(ctx, config, ladder: list[dict], shipped: str | None) -> None:
+def draw_ladder(ctx, config, ladder: list[dict], shipped: str | None, shipped_label: str = "shipped") -> None:
     """LADDER_PLOT_FILE when more than one quantization was asked for (auto or a list): each tried rung's size
     against its KL, passed or failed, beside its kl_mean_max. The picture is a reading aid, so a verify image
     without matplotlib logs that and goes on."""
@@ -866,7 +867,7 @@ def draw_ladder(ctx, config, ladder: list[dict], shipped: str | None) -> None:
                     "pip install 'loraship[verify]'", LADDER_PLOT_FILE)
         return
     rows = [{**r, "kl_mean_max": config.gate_limits(r["quant"])["kl_mean_max"]} for r in ladder]
-    quant_ladder(rows, ctx.dir / LADDER_PLOT_FILE, shipped=shipped,
+    quant_ladder(rows, ctx.dir / LADDER_PLOT_FILE, shipped=shipped, shipped_label=shipped_label,
                  title=f"{config.run_name}: quantizations verified against the merged model")
 
 

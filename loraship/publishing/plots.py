@@ -111,9 +111,10 @@ def memory_plan(predicted: dict, measured: dict, out: Path, *, budget_gib: float
     return _save(fig, out)
 
 
-def quant_ladder(rows: list[dict], out: Path, *, shipped: str | None = None, title: str = "") -> Path:
+def quant_ladder(rows: list[dict], out: Path, *, shipped: str | None = None, shipped_label: str = "shipped",
+                 title: str = "") -> Path:
     """Each verified quantization's size against its mean KL divergence from the merged model (verify's ladder rows:
-    quant, bytes, kl_mean, passed); passed green, failed red, the shipped one ringed, the gate limit per rung as a
+    quant, bytes, kl_mean, passed); passed green, failed red, the shipped (or primary) one ringed, the gate limit per rung as a
     dash (kl_mean_max, where the row has it). KL on a log axis: Q8_0 and IQ3_M differ by two orders."""
     from matplotlib.figure import Figure
 
@@ -132,7 +133,7 @@ def quant_ladder(rows: list[dict], out: Path, *, shipped: str | None = None, tit
     ax.scatter([], [], color="tab:red", label="failed a gate")
     ax.plot([], [], marker="_", markersize=14, linestyle="none", color="grey", label="its kl_mean_max")
     if shipped:
-        ax.scatter([], [], s=180, facecolors="none", edgecolors="black", label=f"shipped ({shipped})")
+        ax.scatter([], [], s=180, facecolors="none", edgecolors="black", label=f"{shipped_label} ({shipped})")
     if tried:
         ax.set_yscale("log")
     ax.set_xlabel("GGUF size (MiB)")
