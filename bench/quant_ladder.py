@@ -15,7 +15,9 @@ llama-perplexity scores only the second half of each n_ctx chunk, on every token
 parsing special tokens; verify scores the assistant tokens of each eval text. So the comparison is made on
 llama-perplexity's own tokens and positions (read back from its base file): our KL code (tasks/verify.py
 eval_agreement) with the F16 GGUF's log-probs as the base (peer_base_kl_mean: like for like, the target is
-within 5% of peer_kl_mean) and with the merged HF model's, as verify does (peer_positions_kl_mean).
+within 5% of peer_kl_mean), under llama-perplexity's own storage of the base (peer_rules_kl_mean), and with the
+merged HF model's as the base, as verify does (peer_positions_kl_mean). llama-perplexity runs with flash
+attention off, as verify's llama-cpp-python does: left on ("auto"), it alone moved a Q6_K's KLD by 3.5%.
 
     .venv/bin/python bench/quant_ladder.py --out bench/results/quant_ladder.json
 """
@@ -40,6 +42,9 @@ LADDER = ["IQ3_M", "Q3_K_M", "Q3_K_L", "IQ4_XS", "Q4_K_S", "Q4_K_M", "Q5_K_S", "
 
 
 PEER_CTX = 128  # llama-perplexity's chunk: 4 chunks of the demo's eval texts, 63 scored positions each
+# Flash attention off, as verify's llama-cpp-python runs (its default): on, llama-perplexity's KLD of the same
+# Q6_K file moved by 3.5% (0.00650 -> 0.00673), which is the size of the differences being measured.
+PEER_ARGS = ("-c", str(PEER_CTX), "-b", str(PEER_CTX), "-fa", "off")
 
 
 def config_for(model: Path, root: Path, quantizations: list[str], imatrix: bool = True):
@@ -78,7 +83,7 @@ def peer_kl(perplexity: Path, gguf: Path, base: Path) -> dict:
     import re
 
     done = subprocess.run([str(perplexity), "-m", str(gguf), "--kl-divergence-base", str(base), "--kl-divergence",
-                           "-c", str(PEER_CTX), "-b", str(PEER_CTX), "-t", str(os.cpu_count() or 2)],
+                           *PEER_ARGS, "-t", str(os.cpu_count() or 2)],
                           capture_output=True, text=True, timeout=1800)
     text = done.stdout + done.stderr
     mean = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", text)
@@ -104,7 +109,7 @@ class PeerPositions:
         self.text.write_text("\n".join(r["text"] for r in reference["eval"]) + "\n")
         self.base = root / "peer-base.kld"
         done = subprocess.run([str(perplexity), "-m", str(f16), "-f", str(self.text), "--kl-divergence-base",
-                               str(self.base), "-c", str(PEER_CTX), "-b", str(PEER_CTX)],
+                               str(self.base), *PEER_ARGS],
                               capture_output=True, text=True, timeout=1800)
         if done.returncode != 0 or not self.base.is_file():
             raise RuntimeError(f"llama-perplexity --kl-divergence-base failed:\n{(done.stdout + done.stderr)[-2000:]}")
@@ -273,7 +278,7 @@ def main() -> None:
         "note": "the packaged weights were Q4_1 before transformers dequantized them, so they sit on a 4-bit grid "
                 "(plus 4 LoRA steps merged in bf16): re-quantizing them errs differently from a bf16 checkpoint's; "
                 "llama.cpp's Llama-3-8B scoreboard (loraship/constants.py) is the other anchor",
-        "peer_note": (f"llama-perplexity -c {PEER_CTX}: the eval texts verify scores, joined, read without special-token "
+        "peer_note": (f"llama-perplexity {' '.join(PEER_ARGS)}: the eval texts verify scores, joined, read without special-token "
                       "parsing, chunks of PEER_CTX tokens, the second half of each scored over every token; "
                       "peer_base_kl_mean is tasks/verify.py's eval_agreement on exactly those tokens and positions "
                       "with the F16 GGUF as the base, as llama-perplexity has it (ours_vs_peer: its relative "
