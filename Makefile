@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml deploy/requirements-ci.txt
 	$(PY) -m pip install --quiet -e '.[train,merge,convert,verify,orchestrate,dev]'
 	$(PY) -m pip install --quiet -r deploy/requirements-ci.txt
 	$(PY) -m loraship.cli fetch-converter
+	$(PY) -m loraship.cli build-tools
 	touch $@
 
 venv: $(VENV)/.installed

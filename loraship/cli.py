@@ -588,6 +588,15 @@ def fetch_converter() -> None:
         out.print(str(converter_dir()))
 
 
+@app.command("build-tools", epilog=_example("loraship build-tools"))
+def build_tools() -> None:
+    """Build llama.cpp's llama-imatrix, llama-quantize and llama-perplexity from the pinned source into the cache."""
+    from loraship.llamacpp.tools import tools_dir
+
+    with _user_errors():
+        out.print(str(tools_dir()))
+
+
 @app.command(epilog=_example("loraship gitops --from ${{ github.event.before }} --to ${{ github.sha }}",
                              "loraship gitops --from HEAD~1 --dry-run"))
 def gitops(

@@ -171,6 +171,20 @@ class Config(BaseModel):
         "'auto': the smallest of the ladder IQ3_M, Q3_K_M, IQ4_XS, Q4_K_M, Q5_K_M, Q6_K, Q8_0 that passes every "
         "verify gate (each under its own limits) and fits target_gpu_memory_gib at target_context is shipped alone.",
     )
+    imatrix: bool = Field(
+        True,
+        description="Quantize with an importance matrix computed from this run's own training texts (chat template "
+        "applied, special tokens parsed) by llama.cpp's llama-imatrix over the F16 GGUF, once per run, and used by "
+        "every quantization through llama-quantize --imatrix; both tools are built once from the pinned llama.cpp "
+        "(needs cmake and a C++ compiler; `loraship build-tools`). false: quantize with llama-cpp-python's binding, "
+        "no importance matrix.",
+    )
+    imatrix_min_tokens: int = Field(
+        1024, ge=128,
+        description="Fewest training-text tokens the importance matrix may be computed from; fewer fails the quantize "
+        "stage naming the count (add training data, lower this, or set imatrix: false). llama-imatrix reads them in "
+        "chunks of min(512, imatrix_min_tokens / 2) tokens.",
+    )
     golden_prompts: str | None = Field(
         None, description="A local JSONL of {'messages': [...]} or {'prompt': ...}: greedy answers must agree between HF "
         "and llama.cpp."

@@ -18,9 +18,14 @@ LOSS_HISTORY_FILE = "loss_history.jsonl"
 # The train stage's pictures (loraship/publishing/plots.py), outputs of its manifest.
 LOSS_PLOT_FILE = "loss_curves.png"
 MEMORY_PLOT_FILE = "memory_plan.png"
+# verify's picture of the quantizations it verified (quantization auto or several listed): size against KL.
+LADDER_PLOT_FILE = "quant_ladder.png"
 MERGED_DIR = "merged"
 PROBE_FILE = "probe.json"
 F16_GGUF = "model-F16.gguf"
+# quantize's importance matrix (llama-imatrix's GGUF format) and the training texts it was computed from.
+IMATRIX_FILE = "imatrix.gguf"
+IMATRIX_TEXT_FILE = "imatrix-calibration.txt"
 REFERENCE_FILE = "reference.json"  # HF token ids, greedy answers + margins, tokenizer facts
 REFERENCE_TOPK_FILE = "eval_topk.npz"  # HF top-k log-probs at every scored eval position
 VERIFY_FILE = "verify.json"

@@ -22,7 +22,7 @@ from loraship.publishing import hub
 
 from loraship.llamacpp import ollama
 from loraship.constants import (
-    ADAPTER_DIR, ADAPTER_GGUF, GGUF_METADATA_FILE, LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD,
+    ADAPTER_DIR, ADAPTER_GGUF, GGUF_METADATA_FILE, LADDER_PLOT_FILE, LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD,
     MODELFILE, OLLAMA_FILE, PLAN_FILE, STAGES, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
 )
 from loraship.errors import OutputError
@@ -112,6 +112,21 @@ def shipped_pictures(train_manifest: dict) -> list[str]:
     return [name for name in PICTURES if name in train_manifest.get("outputs", {})]
 
 
+def imatrix_line(quant: dict) -> str:
+    """How the GGUFs were quantized: with the run's own importance matrix (what it was computed from) or without."""
+    made = quant.get("imatrix")
+    if not made:
+        return ("Quantized without an importance matrix (`imatrix: false`: llama-cpp-python's quantize binding).")
+    return (f"Quantized with an importance matrix computed by llama.cpp's `llama-imatrix` over this run's own "
+            f"training texts ({made['text_tokens']:,} tokens in {made['texts']} texts, chat template applied, "
+            f"{made['chunks']} chunks of {made['chunk_tokens']} tokens; sha256 `{made['sha256'][:16]}…`) and "
+            "`llama-quantize --imatrix`, both built from the same pinned llama.cpp.")
+
+
+def ladder_picture(verify_manifest: dict) -> str:
+    return LADDER_PLOT_FILE if LADDER_PLOT_FILE in verify_manifest.get("outputs", {}) else ""
+
+
 def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, facts: dict, metadata: dict) -> str:
     """README.md of the artifact: a huggingface_hub ModelCard (YAML front matter + text)."""
     from huggingface_hub import ModelCard
@@ -168,6 +183,10 @@ def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, fac
     picture_lines = "".join(f"\n![{PICTURES[name]}]({name})\n" for name in pictures)
     picture_files = (f"- {', '.join(f'`{name}`' for name in pictures)}: loss curves and the memory plan against the "
                      "measured peak\n") if pictures else ""
+    ladder_block = (f"\n![each quantization's size against its KL divergence; passed green, failed red]"
+                    f"({ladder_picture(manifests['verify'])})\n") if ladder_picture(manifests["verify"]) else ""
+    if ladder_picture(manifests["verify"]):
+        picture_files += f"- `{LADDER_PLOT_FILE}`: each verified quantization's size against its KL divergence\n"
     adapter_block = (
         f"The adapter alone (`{ADAPTER_GGUF}`) on the base model quantized the same way (verify gated the pair "
         f"against the merged GGUF):\n\n```bash\n{commands['llama_server_adapter']}\n```\n\n"
@@ -217,11 +236,12 @@ trained, predicted reserved {_gib(train.get('predicted_reserved_gib'))}, {measur
 {picture_lines}
 ## Quantizations
 Each made from the same F16 GGUF and verified against the merged HF model on the eval split.
+{imatrix_line(quant)}
 
 | quantization | file | size | perplexity ratio | KL mean | same top token | verify |
 |---|---|---|---|---|---|---|
 {quant_rows}
-{ladder_table(verify)}
+{ladder_table(verify)}{ladder_block}
 ## Verification gates
 | gate | result | value | threshold |
 |---|---|---|---|
@@ -259,6 +279,8 @@ def stage_artifact(config, ctx) -> Path:
     shutil.copy(ctx.upstream_dir("verify") / VERIFY_FILE, root / VERIFY_FILE)
     for picture in shipped_pictures(ctx.upstream["train"]):
         shutil.copy(ctx.upstream_dir("train") / picture, root / picture)
+    if ladder_picture(ctx.upstream["verify"]):
+        shutil.copy(ctx.upstream_dir("verify") / LADDER_PLOT_FILE, root / LADDER_PLOT_FILE)
     if config.adapter_gguf:
         for name in (ADAPTER_GGUF, base_gguf_name(config.primary_quantization)):
             _link_or_copy(ctx.upstream_dir("convert") / name, root / name)
@@ -391,7 +413,7 @@ def send(root: Path, files: dict, destination: str, cache: DigestCache, run_name
 CONSUMES = {
     "plan": (PLAN_FILE,), "train": (ADAPTER_DIR, *PICTURES), "merge": (),
     "convert": (GGUF_METADATA_FILE, OLLAMA_FILE),
-    "verify": (VERIFY_FILE,),
+    "verify": (VERIFY_FILE, LADDER_PLOT_FILE),
 }
 
 

@@ -1,22 +1,30 @@
-"""Quantize: F16 GGUF -> Q4_K_M (or any of config.Quantization; several in one run) with llama-cpp-python's
-llama_model_quantize.
+"""Quantize: F16 GGUF -> Q4_K_M (or any of config.Quantization; several in one run).
 
-The binding is the same llama.cpp that verify loads. It runs in a child process with a
-timeout, so a hang or crash in native code cannot wedge the flow. Adding a quantization to the
-list re-runs this stage, but a GGUF the last run made from the same F16 GGUF with the same
-llama-cpp-python, still intact, is kept rather than made again.
+imatrix: true (the default): llama.cpp's llama-imatrix computes an importance matrix over this run's own
+training texts (rendered with the chat template, special tokens parsed) on the F16 GGUF, once, and
+llama-quantize --imatrix makes every quantization with it; both tools are built from the pinned llama.cpp
+(loraship/llamacpp/tools.py). imatrix: false: llama-cpp-python's llama_model_quantize binding, which cannot
+take an importance matrix.
+
+Either way the quantizer is the llama.cpp that verify loads, and runs in a child process with a timeout, so
+a hang or crash in native code cannot wedge the flow. Adding a quantization to the list re-runs this stage,
+but a GGUF (or importance matrix) the last run made from the same F16 GGUF with the same llama.cpp and the
+same importance matrix, still intact, is kept rather than made again.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
-from loraship.constants import F16_GGUF, GGUF_FILE_TYPES, GGUF_KEY_FILE_TYPE, quantized_gguf_name
-from loraship.errors import IntegrityError
+from loraship.constants import (
+    F16_GGUF, GGUF_FILE_TYPES, GGUF_KEY_FILE_TYPE, IMATRIX_FILE, IMATRIX_TEXT_FILE, MERGED_DIR, quantized_gguf_name,
+)
+from loraship.errors import DataError, IntegrityError
 from loraship.llamacpp.gguf_info import read_gguf, read_gguf_of_type
-from loraship.runtime.manifest import check_outputs, library_versions, read_manifest
+from loraship.runtime.manifest import atomic_path, check_outputs, library_versions, read_manifest, sha256_file
 from loraship.runtime.proc import write_with_tool
 from loraship.runtime.progress import LlamaCppProgress, artifact_key
 from loraship.planning.resources import cpu_count
@@ -25,7 +33,10 @@ from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "quantize"
 UPSTREAM = ("convert",)
-FIELDS = ("quantization",)
+FIELDS = ("quantization", "imatrix", "imatrix_min_tokens")
+# With imatrix: the training texts are its input, rendered with the merged model's tokenizer and template.
+IMATRIX_FIELDS = ("datasets", "eval_datasets", "val_set_size", "seed", "chat_template")
+IMATRIX_CHUNK_MAX = 512  # llama-imatrix's own default context
 TIMEOUT_S = 4 * 3600
 log = logging.getLogger("loraship.quantize")
 
@@ -91,34 +102,135 @@ def check_loads(path: Path, lora: Path | None = None) -> None:
     )
 
 
-def quantize(src: Path, dst: Path, quantization: str, progress_key: str | None = None) -> None:
-    """progress_key: the Prefect progress artifact's key (loraship/runtime/progress.py) inside a flow run."""
+def quantize(src: Path, dst: Path, quantization: str, progress_key: str | None = None,
+             imatrix: Path | None = None) -> None:
+    """progress_key: the Prefect progress artifact's key (loraship/runtime/progress.py) inside a flow run.
+    imatrix: llama-quantize --imatrix with this file; None: llama-cpp-python's binding, no importance matrix."""
     progress = LlamaCppProgress(f"{STAGE} {quantization}", log, key=progress_key)
     # Threads from the CPU quota and affinity, not the host's core count: in a pod limited to 8 CPUs
     # on a 128-core node, 128 threads would thrash.
-    write_with_tool(
-        lambda tmp: [sys.executable, "-c", _WORKER, str(src), str(tmp), str(GGUF_FILE_TYPES[quantization]),
-                     str(cpu_count())],
-        dst, f"llama_model_quantize to {quantization}", TIMEOUT_S, on_line=progress,
-    )
+    if imatrix is None:
+        write_with_tool(
+            lambda tmp: [sys.executable, "-c", _WORKER, str(src), str(tmp), str(GGUF_FILE_TYPES[quantization]),
+                         str(cpu_count())],
+            dst, f"llama_model_quantize to {quantization}", TIMEOUT_S, on_line=progress,
+        )
+    else:
+        from loraship.llamacpp.tools import tool
+
+        write_with_tool(
+            lambda tmp: [str(tool("llama-quantize")), "--imatrix", str(imatrix), str(src), str(tmp), quantization,
+                         str(cpu_count())],
+            dst, f"llama-quantize --imatrix {imatrix.name} to {quantization}", TIMEOUT_S, on_line=progress,
+        )
     progress.close()
 
 
-def reusable(ctx, quantizations: list[str]) -> list[str]:
-    """Outputs of the last run of this stage that are exactly what this run would make: the same
-    F16 GGUF (by sha256), the same llama-cpp-python, and the file still matching its manifest."""
+def calibration_texts(config, merged_dir: Path) -> tuple[list[str], int]:
+    """The training split's texts as training saw them (chat rows rendered with the merged model's template,
+    special tokens as text) and their token count, from the same cached encoding the train stage used."""
+    from transformers import AutoTokenizer
+
+    from loraship.data import encoded_splits
+
+    tokenizer = AutoTokenizer.from_pretrained(merged_dir)
+    train, _ = encoded_splits(config, tokenizer)
+    return [record["text"] for _, record in train], sum(len(record["input_ids"]) for _, record in train)
+
+
+def imatrix_chunk(config) -> int:
+    """llama-imatrix's context: its default 512, less where imatrix_min_tokens allows a shorter text (it needs two
+    chunks at least)."""
+    return min(IMATRIX_CHUNK_MAX, config.imatrix_min_tokens // 2)
+
+
+def check_imatrix_tokens(config, tokens: int) -> None:
+    if tokens < config.imatrix_min_tokens:
+        raise DataError(
+            f"imatrix: the training texts are {tokens} tokens, fewer than imatrix_min_tokens "
+            f"{config.imatrix_min_tokens}; an importance matrix from so little text would tune the quantization to a "
+            "few sentences. Add training data, lower imatrix_min_tokens (at least 128), or set imatrix: false")
+
+
+def compute_imatrix(config, src: Path, out: Path, texts: list[str], tokens: int) -> dict:
+    """llama-imatrix over the training texts on the F16 GGUF into out (GGUF); what it was made from."""
+    from loraship.llamacpp.tools import tool
+
+    check_imatrix_tokens(config, tokens)
+    text_file = out.with_name(IMATRIX_TEXT_FILE)
+    with atomic_path(text_file) as tmp:
+        tmp.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    chunk = imatrix_chunk(config)
+    # --parse-special: the template's markers (<|im_start|>, ...) are the special tokens training saw, not text;
+    # -c = -b: one chunk per batch; --no-ppl: the perplexity of the calibration text is not needed.
+    write_with_tool(
+        lambda tmp: [str(tool("llama-imatrix")), "-m", str(src), "-f", str(text_file), "-o", str(tmp),
+                     "--output-format", "gguf", "--parse-special", "-c", str(chunk), "-b", str(chunk), "--no-ppl",
+                     "-t", str(cpu_count()), "--output-frequency", "1000000"],
+        out, f"llama-imatrix over {text_file.name}", TIMEOUT_S,
+        on_line=lambda line: log.debug("llama-imatrix: %s", line.rstrip()),
+    )
+    return describe_imatrix(out) | {"text_tokens": tokens, "texts": len(texts), "text_sha256": sha256_file(text_file)}
+
+
+def describe_imatrix(path: Path) -> dict:
+    """An importance matrix read back with gguf-py: how many chunks of how many tokens, how many weight tensors it
+    has statistics for; one llama-imatrix wrote with no statistics is refused."""
+    from gguf import GGUFReader
+
     try:
-        last = read_manifest(ctx.dir)
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise IntegrityError(f"{path}: not a readable importance matrix ({e}); delete it and run quantize again") from e
+
+    def scalar(key):
+        field = reader.get_field(key)
+        return None if field is None else int(field.parts[field.data[0]][0])
+
+    weights = sorted({t.name.rsplit(".", 1)[0] for t in reader.tensors if t.name.endswith(".in_sum2")})
+    if not weights:
+        raise IntegrityError(f"{path}: llama-imatrix wrote no statistics for any weight; run quantize again, or set "
+                             "imatrix: false")
+    return {"file": path.name, "sha256": sha256_file(path), "chunks": scalar("imatrix.chunk_count"),
+            "chunk_tokens": scalar("imatrix.chunk_size"), "weights": len(weights), "bytes": path.stat().st_size}
+
+
+def last_manifest(ctx) -> dict | None:
+    try:
+        return read_manifest(ctx.dir)
     except IntegrityError:
-        return []
+        return None
+
+
+def same_source(ctx, last: dict | None) -> bool:
+    """The last run of this stage read the same F16 GGUF (by sha256) with the same llama-cpp-python."""
     if last is None:
-        return []
+        return False
     f16 = ctx.upstream["convert"]["outputs"].get(F16_GGUF, {}).get("sha256")
-    same_input = (last.get("inputs", {}).get("convert", {}).get("outputs", {}).get(F16_GGUF, {}).get("sha256") == f16
-                  and last.get("versions", {}).get("llama-cpp-python") == library_versions().get("llama-cpp-python"))
-    if not same_input:
+    return (last.get("inputs", {}).get("convert", {}).get("outputs", {}).get(F16_GGUF, {}).get("sha256") == f16
+            and last.get("versions", {}).get("llama-cpp-python") == library_versions().get("llama-cpp-python"))
+
+
+def reusable_imatrix(ctx, last: dict | None, text_sha256: str) -> dict | None:
+    """The last run's importance matrix, if it was computed from the same F16 GGUF and the same training texts
+    and is still intact."""
+    made = ((last or {}).get("metrics") or {}).get("imatrix")
+    if not (made and same_source(ctx, last) and made.get("text_sha256") == text_sha256
+            and IMATRIX_FILE in last.get("outputs", {}) and not check_outputs(last, ctx.dir, only=(IMATRIX_FILE,))):
+        return None
+    return made
+
+
+def reusable(ctx, quantizations: list[str], imatrix_sha256: str | None = None) -> list[str]:
+    """Outputs of the last run of this stage that are exactly what this run would make: the same
+    F16 GGUF (by sha256), the same llama-cpp-python, the same importance matrix (or none), and the file still
+    matching its manifest."""
+    last = last_manifest(ctx)
+    if not same_source(ctx, last):
         return []
-    names = [q for q in quantizations if quantized_gguf_name(q) in last.get("outputs", {})]
+    made = (last.get("metrics") or {}).get("quantizations") or {}
+    names = [q for q in quantizations if quantized_gguf_name(q) in last.get("outputs", {})
+             and (made.get(q) or {}).get("imatrix_sha256") == imatrix_sha256]
     return [q for q in names if not check_outputs(last, ctx.dir, only=(quantized_gguf_name(q),))]
 
 
@@ -129,16 +241,54 @@ def describe(out: Path, quantization: str, f16_bytes: int) -> dict:
             "tensor_count": info["tensor_count"], "bytes": size, "compression_vs_f16": round(f16_bytes / size, 3)}
 
 
+def merge_tokenizer_files(config) -> tuple[str, ...]:
+    """The merged model's files other than its weights: what imatrix's calibration texts are rendered with."""
+    from loraship.runtime.stage import stage_dir
+
+    merge = read_manifest(stage_dir(config, "merge"))
+    if merge is None:
+        raise IntegrityError(f"stage 'merge' has no manifest in {stage_dir(config, 'merge')}; run it first "
+                             "(imatrix: true renders the training texts with the merged model's tokenizer)")
+    return tuple(rel for rel in merge["outputs"] if rel.startswith(MERGED_DIR + "/")
+                 and not rel.endswith((".safetensors", ".bin", ".pt", ".index.json")))
+
+
 @exclusive
 def run(config) -> dict:
-    ctx = open_stage(config, STAGE, UPSTREAM, FIELDS)
+    from loraship.runtime.stage import stage_dir
+
+    f16 = stage_dir(config, "convert") / F16_GGUF
+    if f16.is_file():
+        read_gguf(f16)  # a truncated input is named before anything else is asked of the run (the merge stage)
+    # imatrix: the merged tokenizer (not its weights) and the data fields are inputs too.
+    merge = {"merge": merge_tokenizer_files(config)} if config.imatrix else {}
+    ctx = open_stage(config, STAGE, UPSTREAM + tuple(merge), FIELDS + (IMATRIX_FIELDS if merge else ()),
+                     consumes=merge, depends_on=merge)
     if ctx.done:
         return ctx.done
     quantizations = config.quantizations
-    kept = reusable(ctx, quantizations)
-    reset_dir(ctx, keep=tuple(quantized_gguf_name(q) for q in kept))
     src = ctx.upstream_dir("convert") / F16_GGUF
     read_gguf(src)  # refuses a truncated input with the file's name before any work
+    imatrix, imatrix_path = None, None
+    if config.imatrix:
+        texts, tokens = calibration_texts(config, stage_dir(config, "merge") / MERGED_DIR)
+        check_imatrix_tokens(config, tokens)
+        text_sha256 = calibration_sha256(texts)
+        imatrix = reusable_imatrix(ctx, last_manifest(ctx), text_sha256)
+        imatrix_path = ctx.dir / IMATRIX_FILE
+    # A matrix still to be computed has no sha256 yet, and no GGUF of the last run was made with it.
+    kept = [] if config.imatrix and imatrix is None else reusable(ctx, quantizations, imatrix["sha256"] if imatrix else None)
+    keep_imatrix = (IMATRIX_FILE, IMATRIX_TEXT_FILE) if imatrix else ()
+    reset_dir(ctx, keep=tuple(quantized_gguf_name(q) for q in kept) + keep_imatrix)
+    if config.imatrix and imatrix is None:
+        check_free_disk(ctx.dir, src.stat().st_size * 0.1, "quantize (importance matrix)")
+        started = time.time()
+        imatrix = compute_imatrix(config, src, imatrix_path, texts, tokens)
+        imatrix["seconds"] = round(time.time() - started, 1)
+        log.info("quantize: importance matrix from %d training tokens (%d chunks of %d) in %.0f s", tokens,
+                 imatrix["chunks"] or 0, imatrix["chunk_tokens"] or 0, imatrix["seconds"])
+    elif imatrix:
+        log.info("quantize: keeping the importance matrix the last run computed from the same F16 GGUF and texts")
     todo = [q for q in quantizations if q not in kept]
     if kept:
         log.info("quantize: keeping %s, made from the same F16 GGUF by the last run", ", ".join(kept))
@@ -146,12 +296,27 @@ def run(config) -> dict:
         check_free_disk(ctx.dir, src.stat().st_size * 0.6 * len(todo), f"quantize ({', '.join(todo)})")
     for quantization in todo:
         quantize(src, ctx.dir / quantized_gguf_name(quantization), quantization,
-                 progress_key=artifact_key(config.run_name, STAGE, "progress"))
+                 progress_key=artifact_key(config.run_name, STAGE, "progress"), imatrix=imatrix_path)
         check_loads(ctx.dir / quantized_gguf_name(quantization))
-    each = {q: {**describe(ctx.dir / quantized_gguf_name(q), q, src.stat().st_size), "reused": q in kept}
+    quantizer = tools_quantizer() if imatrix else "llama-cpp-python llama_model_quantize"
+    each = {q: {**describe(ctx.dir / quantized_gguf_name(q), q, src.stat().st_size), "reused": q in kept,
+                "quantizer": quantizer, "imatrix_sha256": imatrix["sha256"] if imatrix else None}
             for q in quantizations}
     # The primary's figures stay at the top level, where one-quantization runs always had them.
-    return ctx.finish({**each[quantizations[0]], "quantizations": each})
+    return ctx.finish({**each[quantizations[0]], "quantizations": each, "imatrix": imatrix})
+
+
+def calibration_sha256(texts: list[str]) -> str:
+    """The calibration file's sha256 before it is written: compute_imatrix writes exactly this text."""
+    import hashlib
+
+    return hashlib.sha256(("\n".join(texts) + "\n").encode("utf-8")).hexdigest()
+
+
+def tools_quantizer() -> str:
+    from loraship.constants import LLAMA_CPP_PYTHON_VERSION
+
+    return f"llama-quantize --imatrix (llama.cpp of llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}, built from its sdist)"
 
 
 if __name__ == "__main__":

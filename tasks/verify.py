@@ -48,7 +48,7 @@ from pathlib import Path
 from loraship.planning import inference_memory as im
 from loraship.constants import (
     ADAPTER_GGUF, GGUF_FILE_TYPES, GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_EOS, GGUF_KEY_FILE_TYPE,
-    REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
+    LADDER_PLOT_FILE, REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
 )
 from loraship.errors import IntegrityError, LorashipError
 from loraship.llamacpp.gguf_info import read_gguf_apart
@@ -811,6 +811,8 @@ def run(config) -> dict:
     gates = all_gates(sections)
     passed = all(g["passed"] for g in gates.values())
     head = sections[primary]
+    draw_ladder(ctx, config, [ladder_row(q, sections[q]) for q in config.quantizations], shipped=primary,
+                shipped_label="primary")
     verdict = {**head, "passed": passed, "gates": gates, "quantizations": sections,
                "verify_seconds": round(time.time() - ctx.started, 2)}
     atomic_write_json(ctx.dir / VERIFY_FILE, verdict)
@@ -850,6 +852,25 @@ def ladder_row(quantization: str, section: dict | None) -> dict:
             "failed_gates": [k for k, g in section["gates"].items() if not g["passed"]]}
 
 
+def draw_ladder(ctx, config, ladder: list[dict], shipped: str | None, shipped_label: str = "shipped") -> None:
+    """LADDER_PLOT_FILE when more than one quantization was asked for (auto or a list): each tried rung's size
+    against its KL, passed or failed, beside its kl_mean_max. The picture is a reading aid, so a verify image
+    without matplotlib logs that and goes on."""
+    if len(config.quantizations) < 2:
+        return
+    from loraship.publishing.plots import quant_ladder
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log.warning("matplotlib is not installed, so %s is not drawn; install the verify extra: "
+                    "pip install 'loraship[verify]'", LADDER_PLOT_FILE)
+        return
+    rows = [{**r, "kl_mean_max": config.gate_limits(r["quant"])["kl_mean_max"]} for r in ladder]
+    quant_ladder(rows, ctx.dir / LADDER_PLOT_FILE, shipped=shipped, shipped_label=shipped_label,
+                 title=f"{config.run_name}: quantizations verified against the merged model")
+
+
 def run_ladder(ctx, config, reference: dict, device: str) -> dict:
     """quantization: auto. Verify the ladder smallest first and stop at the first rung that passes every
     gate under its own limits, the target-GPU fit included: that one is shipped, alone. Larger rungs
@@ -864,6 +885,7 @@ def run_ladder(ctx, config, reference: dict, device: str) -> dict:
             chosen = q
             break
     ladder = [ladder_row(q, sections.get(q)) for q in config.quantizations]
+    draw_ladder(ctx, config, ladder, shipped=chosen)
     head = sections[chosen] if chosen else sections[config.quantizations[-1]]
     verdict = {**head, "passed": chosen is not None, "quantization_auto": True, "shipped_quantization": chosen,
                "ladder": ladder, "quantizations": sections, "verify_seconds": round(time.time() - ctx.started, 2)}

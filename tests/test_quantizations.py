@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from loraship.config import parse_config
-from loraship.constants import GGUF_FILE_TYPES, MANIFEST_NAME, MODEL_CARD, MODELFILE, STAGES, VERIFY_FILE, quantized_gguf_name
+from loraship.constants import GGUF_FILE_TYPES, LADDER_PLOT_FILE, MANIFEST_NAME, MODEL_CARD, MODELFILE, STAGES, VERIFY_FILE, quantized_gguf_name
 from loraship.llamacpp.gguf_info import read_gguf
 from loraship.llamacpp.gguf_tools import gguf_file
 from loraship.runtime.manifest import sha256_file
@@ -53,6 +53,9 @@ def test_two_quantizations_are_made_verified_and_shipped(pipeline_run):
         card = (root / MODEL_CARD).read_text(encoding="utf-8")
         assert f"| Q4_K_M (primary) | `{q4}` |" in card and f"| Q8_0 | `{quantized_gguf_name('Q8_0')}` |" in card
         assert f"llama-server -m {q4} --jinja" in card
+        # Several quantizations: verify drew the ladder, publish ships it and the card shows it.
+        assert (stage_dir(both, "verify") / LADDER_PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (root / LADDER_PLOT_FILE).is_file() and f"]({LADDER_PLOT_FILE})" in card
         assert gguf_file(root).name == q4  # what `loraship chat ARTIFACT` opens
     finally:
         # Back to the fixture's one quantization: its GGUF is kept again, and Q8_0 leaves the artifact.
@@ -110,6 +113,7 @@ def test_auto_ships_the_smallest_rung_that_passes_every_gate(pipeline_run):
         assert (root / MODELFILE).read_text(encoding="utf-8").startswith(f"FROM ./{quantized_gguf_name(chosen)}\n")
         card = (root / MODEL_CARD).read_text(encoding="utf-8")
         assert "`quantization: auto` verified the ladder" in card and f"| {chosen} |" in card and "| shipped |" in card
+        assert (root / LADDER_PLOT_FILE).is_file() and f"]({LADDER_PLOT_FILE})" in card
     finally:
         run_all(config)
 

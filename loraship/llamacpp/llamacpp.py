@@ -85,6 +85,18 @@ def fetch_converter(folder: Path) -> Path:
     runs its build backend), so a tampered or substituted file never executes and never reaches
     the cache; the folder already there is left as it was.
     """
+    return fetch_vendored(folder, lambda top: top in (*_VENDORED, LORA_CONVERTER))
+
+
+def fetch_source(folder: Path) -> Path:
+    """The whole vendor/llama.cpp of the pinned sdist (to build llama.cpp's tools), fetched and checked as
+    fetch_converter's part is."""
+    return fetch_vendored(folder, lambda top: True)
+
+
+def fetch_vendored(folder: Path, wanted) -> Path:
+    """Unpack the entries of the pinned sdist's vendor/llama.cpp/ whose first path part `wanted` accepts
+    into folder, which appears whole or not at all."""
     version = LLAMA_CPP_PYTHON_VERSION
     expected = SDIST_SHA256.get(version)
     if expected is None:
@@ -111,13 +123,14 @@ def fetch_converter(folder: Path) -> Path:
             )
         if result.returncode != 0 or not sdists:
             raise LorashipError(
-                f"could not download the llama-cpp-python=={version} sdist for its converter:\n"
+                f"could not download the llama-cpp-python=={version} sdist for its llama.cpp:\n"
                 f"{result.stderr.strip()[-2000:]}\nSet LORASHIP_LLAMA_CPP_DIR to an unpacked vendor/llama.cpp instead."
             )
         staging = Path(tmp) / "staging"
         prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
         with tarfile.open(sdists[0]) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.name[len(prefix):].split("/")[0] in (*_VENDORED, LORA_CONVERTER)]
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.name[len(prefix):]
+                       and wanted(m.name[len(prefix):].split("/")[0])]
             for m in members:
                 m.name = m.name[len(prefix):]
             tar.extractall(staging, members=members, filter="data")

@@ -109,3 +109,36 @@ def memory_plan(predicted: dict, measured: dict, out: Path, *, budget_gib: float
     ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=7, loc="center left",
               bbox_to_anchor=(1.01, 0.5))
     return _save(fig, out)
+
+
+def quant_ladder(rows: list[dict], out: Path, *, shipped: str | None = None, shipped_label: str = "shipped",
+                 title: str = "") -> Path:
+    """Each verified quantization's size against its mean KL divergence from the merged model (verify's ladder rows:
+    quant, bytes, kl_mean, passed); passed green, failed red, the shipped (or primary) one ringed, the gate limit per rung as a
+    dash (kl_mean_max, where the row has it). KL on a log axis: Q8_0 and IQ3_M differ by two orders."""
+    from matplotlib.figure import Figure
+
+    tried = [r for r in rows if r.get("tried", True) and r.get("bytes") and r.get("kl_mean") is not None]
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.subplots()
+    for r in tried:
+        x, y = r["bytes"] / 2**20, max(r["kl_mean"], 1e-6)
+        ax.scatter([x], [y], s=45, color="tab:green" if r["passed"] else "tab:red", zorder=3)
+        if r.get("kl_mean_max"):
+            ax.plot([x], [r["kl_mean_max"]], marker="_", markersize=14, color="grey", zorder=2)
+        if r["quant"] == shipped:
+            ax.scatter([x], [y], s=180, facecolors="none", edgecolors="black", linewidths=1.4, zorder=4)
+        ax.annotate(r["quant"], (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.scatter([], [], color="tab:green", label="passed every gate")
+    ax.scatter([], [], color="tab:red", label="failed a gate")
+    ax.plot([], [], marker="_", markersize=14, linestyle="none", color="grey", label="its kl_mean_max")
+    if shipped:
+        ax.scatter([], [], s=180, facecolors="none", edgecolors="black", label=f"{shipped_label} ({shipped})")
+    if tried:
+        ax.set_yscale("log")
+    ax.set_xlabel("GGUF size (MiB)")
+    ax.set_ylabel("mean KL(merged HF || GGUF), nats/token")
+    ax.set_title(title or "quantizations: size against KL divergence")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return _save(fig, out)

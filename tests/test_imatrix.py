@@ -1,0 +1,151 @@
+"""imatrix: true (the default): the importance matrix from the run's own training texts, made by llama.cpp's
+llama-imatrix and used by llama-quantize --imatrix, both built from the pinned source (loraship/llamacpp/tools.py);
+imatrix: false keeps llama-cpp-python's quantize binding."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loraship.config import parse_config
+from loraship.constants import IMATRIX_FILE, IMATRIX_TEXT_FILE, MODEL_CARD, quantized_gguf_name
+from loraship.errors import ConfigError, DataError, LorashipError
+from loraship.runtime.manifest import sha256_file
+from loraship.runtime.stage import stage_dir
+
+
+@pytest.fixture(scope="session")
+def llama_tools() -> Path:
+    """The three tools, built once per llama.cpp version into LORASHIP_CACHE (minutes on a cold cache) and shared
+    by every test and run of the session."""
+    from loraship.llamacpp.tools import tools_dir
+
+    return tools_dir()
+
+
+def copy_of_run(config, tmp_path: Path, **changes):
+    """The session pipeline's stage folders copied, with a config that differs in `changes`: a stage run here cannot
+    disturb the run the other tests share."""
+    shutil.copytree(Path(config.workdir) / config.run_name, tmp_path / "work" / config.run_name, symlinks=True)
+    return parse_config({**config.model_dump(mode="json"), "workdir": str(tmp_path / "work"),
+                         "output": str(tmp_path / "artifacts"), **changes})
+
+
+def test_tools_are_built_from_the_pinned_source(llama_tools):
+    from loraship.constants import LLAMA_CPP_PYTHON_VERSION
+    from loraship.llamacpp.tools import TOOLS, build_info
+
+    for name in TOOLS:
+        assert (llama_tools / name).is_file()
+    info = build_info()
+    if info:  # absent only for tools given by LORASHIP_LLAMA_CPP_TOOLS_DIR
+        assert info["llama_cpp_python"] == LLAMA_CPP_PYTHON_VERSION and info["tools"] == list(TOOLS)
+        assert "-DBUILD_SHARED_LIBS=OFF" in info["cmake_args"]
+
+
+def test_the_importance_matrix_is_computed_once_and_used_by_every_quantization(llama_tools, pipeline_run):
+    from gguf import GGUFReader
+
+    config, manifests = pipeline_run
+    assert config.imatrix  # the default
+    made = manifests["quantize"]["metrics"]
+    imatrix = made["imatrix"]
+    folder = stage_dir(config, "quantize")
+    assert imatrix["sha256"] == sha256_file(folder / IMATRIX_FILE)
+    assert IMATRIX_FILE in manifests["quantize"]["outputs"]  # resumable like every stage output
+    # llama-imatrix's GGUF, read back with gguf-py: sums of squared activations and counts per weight it saw.
+    reader = GGUFReader(folder / IMATRIX_FILE)
+    sums = {t.name.removesuffix(".in_sum2"): t for t in reader.tensors if t.name.endswith(".in_sum2")}
+    counts = {t.name.removesuffix(".counts") for t in reader.tensors if t.name.endswith(".counts")}
+    assert sums and set(sums) == counts and len(sums) == imatrix["weights"]
+    assert all(name.startswith("blk.") for name in sums)  # output.weight is left out, as llama.cpp advises
+    assert all((t.data >= 0).all() and t.data.sum() > 0 for t in sums.values())
+    assert imatrix["chunks"] >= 2 and imatrix["chunk_tokens"] == min(512, config.imatrix_min_tokens // 2)
+    assert imatrix["text_tokens"] >= config.imatrix_min_tokens
+    # The training texts as training saw them: the chat template's markers are in the calibration text.
+    text = (folder / IMATRIX_TEXT_FILE).read_text(encoding="utf-8")
+    assert imatrix["texts"] == sum(1 for _ in open(config.datasets[0].path, encoding="utf-8"))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stage_dir(config, "merge") / "merged")
+    marker = tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id)
+    assert marker in text
+    for q, each in made["quantizations"].items():
+        assert each["imatrix_sha256"] == imatrix["sha256"] and each["quantizer"].startswith("llama-quantize --imatrix")
+    card = (Path(config.output) / config.run_name / MODEL_CARD).read_text(encoding="utf-8")
+    assert "Quantized with an importance matrix computed by llama.cpp's `llama-imatrix`" in card
+    assert f"{imatrix['text_tokens']:,} tokens" in card
+
+
+def test_imatrix_false_quantizes_with_the_binding(pipeline_run, tmp_path):
+    config, manifests = pipeline_run
+    plain = copy_of_run(config, tmp_path, imatrix=False)
+    made = importlib.import_module("loraship.stages.quantize").run(plain)
+    assert not made.get("_skipped") and made["metrics"]["imatrix"] is None
+    q4 = made["metrics"]["quantizations"]["Q4_K_M"]
+    assert q4["quantizer"] == "llama-cpp-python llama_model_quantize" and q4["imatrix_sha256"] is None
+    assert not q4["reused"]  # a GGUF made with the importance matrix is not what imatrix: false makes
+    assert not (stage_dir(plain, "quantize") / IMATRIX_FILE).exists()
+    # The importance matrix changed the weights: the two Q4_K_M files differ.
+    name = quantized_gguf_name("Q4_K_M")
+    assert made["outputs"][name]["sha256"] != manifests["quantize"]["outputs"][name]["sha256"]
+    # Back to imatrix: true in the same folder: the binding's GGUF is not kept as if made with the matrix.
+    again = importlib.import_module("loraship.stages.quantize").run(
+        parse_config({**plain.model_dump(mode="json"), "imatrix": True}))
+    q4 = again["metrics"]["quantizations"]["Q4_K_M"]
+    assert not q4["reused"] and q4["quantizer"].startswith("llama-quantize --imatrix")
+    assert again["outputs"][name]["sha256"] != made["outputs"][name]["sha256"]
+
+
+def test_rerun_keeps_the_importance_matrix_and_the_ggufs_made_with_it(pipeline_run, tmp_path):
+    config, manifests = pipeline_run
+    both = copy_of_run(config, tmp_path, quantization=["Q4_K_M", "Q8_0"])
+    made = importlib.import_module("loraship.stages.quantize").run(both)["metrics"]
+    assert made["imatrix"]["sha256"] == manifests["quantize"]["metrics"]["imatrix"]["sha256"]
+    assert made["imatrix"].get("seconds") == manifests["quantize"]["metrics"]["imatrix"].get("seconds")  # not made again
+    assert made["quantizations"]["Q4_K_M"]["reused"] and not made["quantizations"]["Q8_0"]["reused"]
+    assert made["quantizations"]["Q8_0"]["imatrix_sha256"] == made["imatrix"]["sha256"]
+
+
+def test_too_little_training_text_names_the_count_and_the_fix(pipeline_run, tmp_path):
+    config, manifests = pipeline_run
+    tokens = manifests["quantize"]["metrics"]["imatrix"]["text_tokens"]
+    short = copy_of_run(config, tmp_path, imatrix_min_tokens=tokens + 1)
+    with pytest.raises(DataError) as caught:
+        importlib.import_module("loraship.stages.quantize").run(short)
+    message = str(caught.value)
+    assert f"the training texts are {tokens} tokens, fewer than imatrix_min_tokens {tokens + 1}" in message
+    assert "lower imatrix_min_tokens" in message and "imatrix: false" in message
+
+
+def test_a_machine_without_cmake_is_told_what_to_install(monkeypatch, tmp_path):
+    from loraship.llamacpp import tools
+
+    monkeypatch.setenv("LORASHIP_CACHE", str(tmp_path))  # nothing built here
+    monkeypatch.delenv("LORASHIP_LLAMA_CPP_TOOLS_DIR", raising=False)
+    real_which = shutil.which
+    monkeypatch.setattr(tools.shutil, "which", lambda name: None if name == "cmake" else real_which(name))
+    with pytest.raises(LorashipError) as caught:
+        tools.tools_dir()
+    message = str(caught.value)
+    assert "needs cmake" in message and "apt-get install cmake g++ make" in message
+    assert "LORASHIP_LLAMA_CPP_TOOLS_DIR" in message and "imatrix: false" in message
+    assert not (tmp_path / "llama.cpp-src-0.3.36").exists()  # refused before downloading anything
+
+
+def test_tools_dir_from_the_environment_must_hold_the_tools(monkeypatch, tmp_path):
+    from loraship.llamacpp import tools
+
+    monkeypatch.setenv("LORASHIP_LLAMA_CPP_TOOLS_DIR", str(tmp_path))
+    with pytest.raises(LorashipError, match="does not hold the executables llama-imatrix, llama-quantize"):
+        tools.tools_dir()
+
+
+def test_imatrix_min_tokens_below_two_chunks_of_128_is_refused():
+    base = {"base_model": "org/model", "datasets": [{"path": "train.jsonl", "type": "chat"}]}
+    with pytest.raises(ConfigError, match="imatrix_min_tokens"):
+        parse_config({**base, "imatrix_min_tokens": 100})
+    assert parse_config(base).imatrix is True
