@@ -54,7 +54,7 @@ find_wheel() {  # find_wheel GLOB -> first match in the usual places
 
 start=$SECONDS
 rm -rf "$CTX"
-mkdir -p "$CTX"/{src,requirements,sdist,tools,wheels/torch,wheels/llama,wheels/extra}
+mkdir -p "$CTX"/{src,requirements,sdist,wheels/torch,wheels/llama,wheels/extra}
 
 # Source: only what the stages import and the configs they may read.
 for path in pyproject.toml README.md loraship tasks flows configs; do
@@ -92,21 +92,6 @@ if [[ -z "$sdist" ]]; then
   "$PY" -m pip download --no-binary :all: --no-deps -d "$CTX/sdist" "llama-cpp-python==${LLAMA_VERSION}"
 else
   link "$sdist" "$CTX/sdist/$sdist_name"
-fi
-# llama.cpp's tools as `loraship build-tools` built them on the host (make test does): the convert image copies
-# them rather than compiling llama.cpp again; without them its llama-tools stage builds them.
-# Looked up in $LORASHIP_CACHE, the project's own cache (the Makefile's) and ~/.cache/loraship.
-tools=""
-for cache in "${LORASHIP_CACHE:-}" "$ROOT/.loraship/cache" "$HOME/.cache/loraship"; do
-  cand="$cache/llama.cpp-tools-${LLAMA_VERSION}/bin"
-  if [[ -z "$tools" && -n "$cache" && -x "$cand/llama-imatrix" && -x "$cand/llama-quantize" && -x "$cand/llama-perplexity" ]]; then
-    tools="$cand"
-  fi
-done
-if [[ -n "$tools" ]]; then
-  for t in llama-imatrix llama-quantize llama-perplexity; do link "$tools/$t" "$CTX/tools/$t"; done
-else
-  echo "no llama.cpp tools built on this host: the convert image will build them from the sdist"
 fi
 echo "context ready in $((SECONDS - start)) s: TORCH_SPEC=$TORCH_SPEC BASE_IMAGE=$BASE_IMAGE TAG=$TAG"
 

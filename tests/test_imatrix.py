@@ -1,6 +1,6 @@
-"""imatrix: true (the default): the importance matrix from the run's own training texts, made by llama.cpp's
-llama-imatrix and used by llama-quantize --imatrix, both built from the pinned source (loraship/llamacpp/tools.py);
-imatrix: false keeps llama-cpp-python's quantize binding."""
+"""imatrix: true: the importance matrix from the run's own training texts, made by llama.cpp's llama-imatrix and used
+by llama-quantize --imatrix, both built from the pinned source (loraship/llamacpp/tools.py); imatrix: false (the
+default, see the README's quantization section) keeps llama-cpp-python's quantize binding."""
 
 from __future__ import annotations
 
@@ -26,6 +26,16 @@ def llama_tools() -> Path:
     return tools_dir()
 
 
+@pytest.fixture(scope="module")
+def imatrix_run(llama_tools, pipeline_run, tmp_path_factory):
+    """The session's demo run quantized, verified and published again with imatrix: true, in a copy of its folders."""
+    config, _ = pipeline_run
+    config = copy_of_run(config, tmp_path_factory.mktemp("imatrix"), imatrix=True)
+    manifests = {stage: importlib.import_module(f"loraship.stages.{stage}").run(config)
+                 for stage in ("quantize", "verify", "publish")}
+    return config, manifests
+
+
 def copy_of_run(config, tmp_path: Path, **changes):
     """The session pipeline's stage folders copied, with a config that differs in `changes`: a stage run here cannot
     disturb the run the other tests share."""
@@ -46,11 +56,11 @@ def test_tools_are_built_from_the_pinned_source(llama_tools):
         assert "-DBUILD_SHARED_LIBS=OFF" in info["cmake_args"]
 
 
-def test_the_importance_matrix_is_computed_once_and_used_by_every_quantization(llama_tools, pipeline_run):
+def test_the_importance_matrix_is_computed_once_and_used_by_every_quantization(imatrix_run):
     from gguf import GGUFReader
 
-    config, manifests = pipeline_run
-    assert config.imatrix  # the default
+    config, manifests = imatrix_run
+    assert not manifests["quantize"].get("_skipped")
     made = manifests["quantize"]["metrics"]
     imatrix = made["imatrix"]
     folder = stage_dir(config, "quantize")
@@ -80,8 +90,14 @@ def test_the_importance_matrix_is_computed_once_and_used_by_every_quantization(l
     assert f"{imatrix['text_tokens']:,} tokens" in card
 
 
-def test_imatrix_false_quantizes_with_the_binding(pipeline_run, tmp_path):
-    config, manifests = pipeline_run
+def test_imatrix_false_quantizes_with_the_binding(pipeline_run, imatrix_run, tmp_path):
+    default_config, default_manifests = pipeline_run
+    assert not default_config.imatrix  # the default
+    assert default_manifests["quantize"]["metrics"]["imatrix"] is None
+    assert default_manifests["quantize"]["metrics"]["quantizations"]["Q4_K_M"]["quantizer"] == \
+        "llama-cpp-python llama_model_quantize"
+    # In the folder of a run made with the matrix, imatrix: false makes the binding's GGUF anew.
+    config, manifests = imatrix_run
     plain = copy_of_run(config, tmp_path, imatrix=False)
     made = importlib.import_module("loraship.stages.quantize").run(plain)
     assert not made.get("_skipped") and made["metrics"]["imatrix"] is None
@@ -100,8 +116,8 @@ def test_imatrix_false_quantizes_with_the_binding(pipeline_run, tmp_path):
     assert again["outputs"][name]["sha256"] != made["outputs"][name]["sha256"]
 
 
-def test_rerun_keeps_the_importance_matrix_and_the_ggufs_made_with_it(pipeline_run, tmp_path):
-    config, manifests = pipeline_run
+def test_rerun_keeps_the_importance_matrix_and_the_ggufs_made_with_it(imatrix_run, tmp_path):
+    config, manifests = imatrix_run
     both = copy_of_run(config, tmp_path, quantization=["Q4_K_M", "Q8_0"])
     made = importlib.import_module("loraship.stages.quantize").run(both)["metrics"]
     assert made["imatrix"]["sha256"] == manifests["quantize"]["metrics"]["imatrix"]["sha256"]
@@ -110,8 +126,8 @@ def test_rerun_keeps_the_importance_matrix_and_the_ggufs_made_with_it(pipeline_r
     assert made["quantizations"]["Q8_0"]["imatrix_sha256"] == made["imatrix"]["sha256"]
 
 
-def test_too_little_training_text_names_the_count_and_the_fix(pipeline_run, tmp_path):
-    config, manifests = pipeline_run
+def test_too_little_training_text_names_the_count_and_the_fix(imatrix_run, tmp_path):
+    config, manifests = imatrix_run
     tokens = manifests["quantize"]["metrics"]["imatrix"]["text_tokens"]
     short = copy_of_run(config, tmp_path, imatrix_min_tokens=tokens + 1)
     with pytest.raises(DataError) as caught:
@@ -148,4 +164,5 @@ def test_imatrix_min_tokens_below_two_chunks_of_128_is_refused():
     base = {"base_model": "org/model", "datasets": [{"path": "train.jsonl", "type": "chat"}]}
     with pytest.raises(ConfigError, match="imatrix_min_tokens"):
         parse_config({**base, "imatrix_min_tokens": 100})
-    assert parse_config(base).imatrix is True
+    assert parse_config(base).imatrix is False
+    assert parse_config({**base, "imatrix": True}).imatrix is True
