@@ -1,10 +1,10 @@
 """Quantize: F16 GGUF -> Q4_K_M (or any of config.Quantization; several in one run).
 
-imatrix: true (the default): llama.cpp's llama-imatrix computes an importance matrix over this run's own
+imatrix: true: llama.cpp's llama-imatrix computes an importance matrix over this run's own
 training texts (rendered with the chat template, special tokens parsed) on the F16 GGUF, once, and
 llama-quantize --imatrix makes every quantization with it; both tools are built from the pinned llama.cpp
-(loraship/llamacpp/tools.py). imatrix: false: llama-cpp-python's llama_model_quantize binding, which cannot
-take an importance matrix.
+(loraship/llamacpp/tools.py). imatrix: false (the default): llama-cpp-python's llama_model_quantize binding,
+which cannot take an importance matrix.
 
 Either way the quantizer is the llama.cpp that verify loads, and runs in a child process with a timeout, so
 a hang or crash in native code cannot wedge the flow. Adding a quantization to the list re-runs this stage,
