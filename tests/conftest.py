@@ -43,6 +43,14 @@ def demo_config_dict(tiny_model: Path, root: Path, **overrides) -> dict:
     return data
 
 
+def loss_and_grads(model, ids):
+    """One forward and backward on ids (as labels too): the loss and a copy of every trainable gradient."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
 @pytest.fixture(scope="session")
 def pipeline_run(tiny_model, tmp_path_factory):
     """The demo pipeline, stage by stage without Prefect, in a private folder."""

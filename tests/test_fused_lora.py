@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import loss_and_grads
+
 
 def _peft_model(model_dir, targets="all-linear", dropout=0.0, quantized=False):
     from peft import LoraConfig, get_peft_model
@@ -33,19 +35,12 @@ def _peft_model(model_dir, targets="all-linear", dropout=0.0, quantized=False):
     return model
 
 
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-
-
 IDS = torch.tensor([[1, 3, 40, 41, 42, 43, 4, 50, 51, 2], [1, 7, 8, 9, 10, 11, 12, 13, 14, 2]])
 
 
 def _assert_same(reference, fused, ids=IDS):
-    loss_ref, grads_ref = _loss_and_grads(reference, ids)
-    loss, grads = _loss_and_grads(fused, ids)
+    loss_ref, grads_ref = loss_and_grads(reference, ids)
+    loss, grads = loss_and_grads(fused, ids)
     assert abs(loss - loss_ref) < 1e-5 * max(1.0, abs(loss_ref))
     assert grads.keys() == grads_ref.keys() and any("lora_A" in n for n in grads)
     for name in grads:

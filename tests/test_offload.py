@@ -8,6 +8,8 @@ import weakref
 import pytest
 import torch
 
+from tests.conftest import loss_and_grads
+
 
 def _model(tiny_model):
     from peft import LoraConfig, get_peft_model
@@ -22,14 +24,6 @@ def _model(tiny_model):
     return model
 
 
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-    return loss.item(), grads
-
-
 @pytest.mark.parametrize("n_layers", [1, 2])  # the tiny model has 2 layers: 2 offloads layer 0 too
 def test_offloaded_layers_train_identically(tiny_model, n_layers):
     from loraship.training.offload import offload_frozen_layers
@@ -42,7 +36,7 @@ def test_offloaded_layers_train_identically(tiny_model, n_layers):
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     state = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    loss_ref, grads_ref = _loss_and_grads(reference, ids)
+    loss_ref, grads_ref = loss_and_grads(reference, ids)
 
     offloaded = _model(tiny_model)
     with torch.no_grad():
@@ -54,7 +48,7 @@ def test_offloaded_layers_train_identically(tiny_model, n_layers):
     frozen = [m for m in last.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad]
     assert frozen and all(m.weight.numel() == 0 and hasattr(m, "_loraship_cpu_weight") for m in frozen)
     for _ in range(2):  # a second step: the prefetch state from the first must not leak into it
-        loss, grads = _loss_and_grads(offloaded, ids)
+        loss, grads = loss_and_grads(offloaded, ids)
         assert loss == torch.tensor(loss_ref).item() or abs(loss - loss_ref) < 1e-6
         assert grads.keys() == grads_ref.keys()
         for name in grads:
@@ -137,7 +131,7 @@ IDS = torch.tensor([[5, 9, 17, 33, 65, 100, 3, 7, 11, 13, 2, 1]])
 
 def test_prefetch_walks_up_in_forward_and_down_in_the_recompute():
     reference = _generated_model()
-    loss_ref, grads_ref = _loss_and_grads(reference, IDS)
+    loss_ref, grads_ref = loss_and_grads(reference, IDS)
     model = _generated_model()  # same seed: same weights
     transfer = _offload_recording(model, 3)  # layers 1, 2, 3 offloaded; layer 0 resident
     for _ in range(2):
