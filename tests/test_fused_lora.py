@@ -140,3 +140,66 @@ def test_what_fused_lora_leaves_to_peft(tiny_model):
     assert not torch.allclose(on, off)
     with torch.no_grad(), model.disable_adapter():
         torch.testing.assert_close(base_only(input_ids=IDS).logits, off)
+
+
+def test_swiglu_down_node_matches_peft(tiny_qwen):
+    """The MLP node (gate and up kept, h = silu(gate) * up rebuilt in backward) gives PEFT's loss and gradients."""
+    from loraship.training.fused_lora import fuse_lora_linears
+
+    reference, fused = _peft_model(tiny_qwen), _peft_model(tiny_qwen)
+    fused.load_state_dict(reference.state_dict())
+    report = fuse_lora_linears(fused, only_liger=False)
+    assert report["swiglu_down"] == fused.config.num_hidden_layers
+    _assert_same(reference, fused)
+    # Adapters disabled: the MLP's own forward runs, gradients still reach the input.
+    with fused.disable_adapter():
+        loss = fused(input_ids=IDS, labels=IDS).loss
+    with reference.disable_adapter():
+        loss_ref = reference(input_ids=IDS, labels=IDS).loss
+    assert abs(loss.item() - loss_ref.item()) < 1e-5
+
+
+def test_swiglu_down_node_with_dropout():
+    """With dropout on down's LoRA: the mask the node drew over h gives the hand-written result and gradients."""
+    from loraship.training.fused_lora import SwiGLUDownLora
+
+    torch.manual_seed(0)
+    tokens, f, h_out, r, p, s = 6, 20, 12, 4, 0.25, 2.0
+    gate, up = torch.randn(tokens, f, requires_grad=True), torch.randn(tokens, f, requires_grad=True)
+    weight, a, b = torch.randn(h_out, f), torch.randn(r, f, requires_grad=True), torch.randn(h_out, r, requires_grad=True)
+    torch.manual_seed(1)
+    out = SwiGLUDownLora.apply(gate, up, weight, None, None, a, b, s, p, torch.float32)
+    out.pow(2).sum().backward()
+    torch.manual_seed(1)
+    mask = torch.empty(tokens, f, dtype=torch.bool).bernoulli_(1 - p)
+    g2, u2, a2, b2 = (t.detach().clone().requires_grad_() for t in (gate, up, a, b))
+    hidden = torch.nn.functional.silu(g2) * u2
+    ref = hidden @ weight.t() + (hidden * mask / (1 - p)) @ a2.t() @ b2.t() * s
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(out, ref)
+    for mine, theirs in ((gate, g2), (up, u2), (a, a2), (b, b2)):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-4)  # sums of products near 10
+
+
+def test_swiglu_down_keeps_gate_and_up_not_h(tiny_qwen):
+    """What the MLP keeps for backward: gate and up, and no other tensor of their size (h is rebuilt)."""
+    from loraship.training.fused_lora import fuse_lora_linears
+
+    def intermediate_sized_saves(model):
+        tokens, f, seen = 20, model.config.intermediate_size, []
+
+        def pack(t):
+            if t.numel() == tokens * f:
+                seen.append(t)
+            return t
+
+        mlp = model.base_model.model.model.layers[0].mlp
+        x = torch.randn(2, tokens // 2, model.config.hidden_size, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mlp(x).sum().backward()
+        return len({t.data_ptr() for t in seen})
+
+    reference, fused = _peft_model(tiny_qwen), _peft_model(tiny_qwen)
+    fuse_lora_linears(reference)  # LoRA Linears fused, the MLP as it is (no Liger on the CPU): h kept for down
+    fuse_lora_linears(fused, only_liger=False)
+    assert intermediate_sized_saves(fused) == 2 < intermediate_sized_saves(reference)

@@ -11,6 +11,10 @@ CPU too (tests/test_fused_lora.py checks it against PEFT's own forward and backw
 Dropout keeps a 1-byte mask per input feature instead of PEFT's dropped-out copy of the input (2 bytes in
 bf16) plus its mask: the dropped input is rebuilt from the kept input in backward.
 
+Under Liger's SwiGLU MLP (the train stage's on CUDA), down_proj's node also takes the activation: it keeps gate
+and up, which the SwiGLU keeps anyway, and rebuilds h = silu(gate) * up in backward (SwiGLUDownLora), where the
+separate nodes kept h as well.
+
 What the fused node keeps for backward: the input (shared with whatever else reads it), the rank-r
 product x A^T, bf16 casts of A and B (r x features, small), the dropout mask; the frozen weight is kept by
 reference (QLoRA: the packed 4-bit weight, dequantized again in backward, as bitsandbytes' MatMul4Bit does).
@@ -34,6 +38,56 @@ def _dequantized(weight, quant_state):
     return bnbf.dequantize_4bit(weight, quant_state)
 
 
+def _lora_forward(x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype):
+    """x2 [tokens, in] in compute dtype -> (out, xa, a, b, mask): out = x2 W^T (+ bias) + s (drop(x2) A^T) B^T."""
+    w = _dequantized(weight, quant_state)
+    if w.dtype != compute_dtype:
+        w = w.to(compute_dtype)
+    a, b = lora_a.to(compute_dtype), lora_b.to(compute_dtype)
+    if bias is not None:
+        out = torch.addmm(bias.to(compute_dtype), x2, w.t())
+    else:
+        out = torch.mm(x2, w.t())
+    mask = None
+    if dropout_p > 0:
+        # Drawn straight into a bool tensor: no float tensor of random numbers the size of the input.
+        mask = torch.empty_like(x2, dtype=torch.bool).bernoulli_(1.0 - dropout_p)
+        xa = torch.mm((x2 * mask).mul_(1.0 / (1.0 - dropout_p)), a.t())
+    else:
+        xa = torch.mm(x2, a.t())
+    out.addmm_(xa, b.t(), alpha=scaling)  # the LoRA term added inside the GEMM, no extra pass
+    return out, xa, a, b, mask
+
+
+def _lora_backward(ctx, g, x2, xa, a, b, weight, mask, needs_x: bool, needs_a: bool, needs_b: bool):
+    """Gradients (x2's in compute dtype, A's and B's in their masters' dtypes) from g = d out [tokens, out]."""
+    s = ctx.scaling
+    if g.dtype != xa.dtype:
+        g = g.to(xa.dtype)
+    grad_x = grad_a = grad_b = None
+    d_xa = torch.mm(g, b).mul_(s)  # [tokens, r]
+    if needs_b:
+        grad_b = torch.mm(g.t(), xa).mul_(s).to(ctx.master_dtypes[1])
+    if needs_a:
+        dropped = x2 if mask is None else (x2 * mask).mul_(1.0 / (1.0 - ctx.dropout_p))
+        grad_a = torch.mm(d_xa.t(), dropped).to(ctx.master_dtypes[0])
+    if needs_x:
+        w = _dequantized(weight, ctx.quant_state)
+        if w.dtype != g.dtype:
+            w = w.to(g.dtype)
+        grad_x = torch.mm(g, w)
+        if mask is None:
+            grad_x.addmm_(d_xa, a)  # dx's LoRA part added inside the GEMM too
+        else:
+            grad_x.add_(torch.mm(d_xa, a).mul_(mask).mul_(1.0 / (1.0 - ctx.dropout_p)))
+    return grad_x, grad_a, grad_b
+
+
+def _keep_lora_state(ctx, quant_state, scaling, dropout_p, lora_a, lora_b):
+    ctx.quant_state, ctx.scaling, ctx.dropout_p = quant_state, scaling, dropout_p
+    ctx.master_dtypes = (lora_a.dtype, lora_b.dtype)
+
+
 class FusedLoraLinear(torch.autograd.Function):
     """out = x W^T (+ bias) + scaling * (dropout(x) A^T) B^T; gradients for x, A and B (W and bias frozen)."""
 
@@ -43,53 +97,78 @@ class FusedLoraLinear(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != compute_dtype:
             x2 = x2.to(compute_dtype)
-        w = _dequantized(weight, quant_state)
-        if w.dtype != compute_dtype:
-            w = w.to(compute_dtype)
-        a, b = lora_a.to(compute_dtype), lora_b.to(compute_dtype)
-        if bias is not None:
-            out = torch.addmm(bias.to(compute_dtype), x2, w.t())
-        else:
-            out = torch.mm(x2, w.t())
-        mask = None
-        if dropout_p > 0:
-            # Drawn straight into a bool tensor: no float tensor of random numbers the size of the input.
-            mask = torch.empty_like(x2, dtype=torch.bool).bernoulli_(1.0 - dropout_p)
-            xa = torch.mm((x2 * mask).mul_(1.0 / (1.0 - dropout_p)), a.t())
-        else:
-            xa = torch.mm(x2, a.t())
-        out.addmm_(xa, b.t(), alpha=scaling)  # the LoRA term added inside the GEMM, no extra pass
+        out, xa, a, b, mask = _lora_forward(x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p,
+                                            compute_dtype)
         ctx.save_for_backward(x2, xa, a, b, weight, mask)
-        ctx.quant_state, ctx.scaling, ctx.dropout_p = quant_state, scaling, dropout_p
+        _keep_lora_state(ctx, quant_state, scaling, dropout_p, lora_a, lora_b)
         ctx.x_shape, ctx.x_dtype = shape, x.dtype
-        ctx.master_dtypes = (lora_a.dtype, lora_b.dtype)
         return out.view(*shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         x2, xa, a, b, weight, mask = ctx.saved_tensors
-        s = ctx.scaling
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        if g.dtype != xa.dtype:
-            g = g.to(xa.dtype)
-        grad_x = grad_a = grad_b = None
-        d_xa = torch.mm(g, b).mul_(s)  # [tokens, r]
-        if ctx.needs_input_grad[5]:
-            grad_b = torch.mm(g.t(), xa).mul_(s).to(ctx.master_dtypes[1])
-        if ctx.needs_input_grad[4]:
-            dropped = x2 if mask is None else (x2 * mask).mul_(1.0 / (1.0 - ctx.dropout_p))
-            grad_a = torch.mm(d_xa.t(), dropped).to(ctx.master_dtypes[0])
-        if ctx.needs_input_grad[0]:
-            w = _dequantized(weight, ctx.quant_state)
-            if w.dtype != g.dtype:
-                w = w.to(g.dtype)
-            grad_x = torch.mm(g, w)
-            if mask is None:
-                grad_x.addmm_(d_xa, a)  # dx's LoRA part added inside the GEMM too
-            else:
-                grad_x.add_(torch.mm(d_xa, a).mul_(mask).mul_(1.0 / (1.0 - ctx.dropout_p)))
+        grad_x, grad_a, grad_b = _lora_backward(ctx, g, x2, xa, a, b, weight, mask, ctx.needs_input_grad[0],
+                                                ctx.needs_input_grad[4], ctx.needs_input_grad[5])
+        if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
         return grad_x, None, None, None, grad_a, grad_b, None, None, None
+
+
+def _swiglu(gate, up):
+    """silu(gate) * up: Liger's Triton kernel on the GPU (the one its SwiGLU MLP runs), torch's ops elsewhere."""
+    if gate.is_cuda:
+        from liger_kernel.ops.swiglu import swiglu_forward
+
+        return swiglu_forward(gate, up)[2]
+    return torch.nn.functional.silu(gate) * up
+
+
+def _swiglu_backward(gate, up, grad_h):
+    """(d gate, d up) of h = silu(gate) * up. On the GPU Liger's kernel writes them over gate and up."""
+    if gate.is_cuda:
+        from liger_kernel.ops.swiglu import swiglu_backward
+
+        return swiglu_backward(gate, up, grad_h)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    return grad_h * up * sig * (1 + gate * (1 - sig)), grad_h * silu
+
+
+class SwiGLUDownLora(torch.autograd.Function):
+    """out = down(silu(gate) * up) with down a LoRA Linear, as one node that keeps gate and up only.
+
+    Liger's SwiGLU keeps gate and up, and down's LoRA needs its input h = silu(gate) * up for A's gradient:
+    separately, h is kept too (2 bytes per intermediate feature per token, a quarter of a Qwen2-7B all-linear
+    layer's saved activations). Here h is rebuilt from gate and up in backward (one elementwise kernel), as
+    Unsloth's LoRA_MLP does (its fast_lora.py recomputes the activation in backward)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype):
+        shape = gate.shape
+        g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
+        if g2.dtype != compute_dtype:
+            g2, u2 = g2.to(compute_dtype), u2.to(compute_dtype)
+        h = _swiglu(g2, u2)
+        out, xa, a, b, mask = _lora_forward(h, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p,
+                                            compute_dtype)
+        del h
+        ctx.save_for_backward(g2, u2, xa, a, b, weight, mask)
+        _keep_lora_state(ctx, quant_state, scaling, dropout_p, lora_a, lora_b)
+        ctx.in_shape, ctx.in_dtypes = shape, (gate.dtype, up.dtype)
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        g2, u2, xa, a, b, weight, mask = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        h = _swiglu(g2, u2)
+        grad_h, grad_a, grad_b = _lora_backward(ctx, g, h, xa, a, b, weight, mask, True, ctx.needs_input_grad[5],
+                                                ctx.needs_input_grad[6])
+        del h
+        grad_gate, grad_up = _swiglu_backward(g2, u2, grad_h)
+        return (grad_gate.view(ctx.in_shape).to(ctx.in_dtypes[0]), grad_up.view(ctx.in_shape).to(ctx.in_dtypes[1]),
+                None, None, None, grad_a, grad_b, None, None, None)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -125,22 +204,75 @@ def fusable(module) -> str | None:
     return None
 
 
+def _lora_args(module, x) -> tuple | None:
+    """What the fused nodes take after the input: (weight, quant_state, bias, A, B, scaling, dropout p, compute
+    dtype); None where PEFT must run it (merged or disabled adapters)."""
+    if module.merged or module.disable_adapters:
+        return None
+    name = module.active_adapters[0]
+    dropout = module.lora_dropout[name]
+    p = dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
+    # Looked up per call: weights streamed from CPU memory may be set up after this (offload_frozen_layers).
+    weight, quant_state = _base_weight(module.base_layer)(x.device)
+    return (weight, quant_state, module.base_layer.bias, module.lora_A[name].weight, module.lora_B[name].weight,
+            module.scaling[name], p, _compute_dtype(x))
+
+
 def _fused_forward(module):
     peft_forward = module.forward
 
     def forward(x, *args, **kwargs):
         # Anything PEFT does beyond plain LoRA (merged or disabled adapters, mixed batches) goes its own way.
-        if args or kwargs or module.merged or module.disable_adapters:
+        lora = None if args or kwargs else _lora_args(module, x)
+        if lora is None:
             return peft_forward(x, *args, **kwargs)
-        name = module.active_adapters[0]
-        dropout = module.lora_dropout[name]
-        p = dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
-        # Looked up per call: weights streamed from CPU memory may be set up after this (offload_frozen_layers).
-        weight, quant_state = _base_weight(module.base_layer)(x.device)
-        return FusedLoraLinear.apply(x, weight, quant_state, module.base_layer.bias, module.lora_A[name].weight,
-                                     module.lora_B[name].weight, module.scaling[name], p, _compute_dtype(x))
+        return FusedLoraLinear.apply(x, *lora)
 
     return forward
+
+
+def _swiglu_down_forward(mlp):
+    """forward of a Liger SwiGLU MLP whose down_proj is a fused LoRA Linear: down's node keeps gate and up, not h."""
+
+    own_forward = mlp.forward
+
+    def forward(x):
+        lora = _lora_args(mlp.down_proj, x)  # x: the same device and autocast state as down's input
+        if lora is None:
+            return own_forward(x)
+        return SwiGLUDownLora.apply(mlp.gate_proj(x), mlp.up_proj(x), *lora)
+
+    return forward
+
+
+def _is_liger_swiglu(mlp) -> bool:
+    """Liger's SwiGLU MLP forward (down(silu(gate(x)) * up(x)), the train stage's on CUDA), bound to this module."""
+    try:
+        from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    except ImportError:
+        return False
+    return getattr(getattr(mlp, "forward", None), "__func__", None) is LigerSwiGLUMLP.forward
+
+
+def fuse_swiglu_down(model, only_liger: bool = True) -> int:
+    """Run every SwiGLU MLP whose down_proj took the fused LoRA path through SwiGLUDownLora; how many.
+
+    Only MLPs running Liger's SwiGLU forward unless only_liger=False (the tests, on the CPU, where the train stage
+    applies no Liger kernel): an MLP forward of another shape (Gemma's GELU, Phi-3's fused gate_up_proj) is not
+    silu(gate) * up and keeps its own."""
+    n = 0
+    for mlp in model.modules():
+        if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+            continue
+        if not getattr(mlp.down_proj, "_loraship_fused", False):
+            continue
+        if only_liger and not _is_liger_swiglu(mlp):
+            continue
+        if not only_liger and getattr(getattr(mlp, "config", None), "hidden_act", "silu") not in ("silu", "swish"):
+            continue
+        mlp.forward = _swiglu_down_forward(mlp)
+        n += 1
+    return n
 
 
 def fused_lora_wanted() -> bool:
@@ -151,8 +283,9 @@ def fused_lora_wanted() -> bool:
     return os.environ.get("LORASHIP_FUSED_LORA", "1") != "0"
 
 
-def fuse_lora_linears(model) -> dict:
-    """Route every PEFT LoRA Linear that can take it through FusedLoraLinear; {fused: n, unfused: {why: n}}."""
+def fuse_lora_linears(model, only_liger: bool = True) -> dict:
+    """Route every PEFT LoRA Linear that can take it through FusedLoraLinear, and each SwiGLU MLP whose down_proj
+    took it through SwiGLUDownLora (fuse_swiglu_down); {fused: n, unfused: {why: n}, swiglu_down: n}."""
     from peft.tuners.lora.layer import LoraLayer
 
     fused, unfused = 0, {}
@@ -166,7 +299,9 @@ def fuse_lora_linears(model) -> dict:
             unfused[why] = unfused.get(why, 0) + 1
             continue
         module.forward = _fused_forward(module)  # an instance attribute: nn.Module.__call__ runs it
+        module._loraship_fused = True
         fused += 1
+    mlps = fuse_swiglu_down(model, only_liger)
     if unfused:
         log.info("train: %d LoRA Linears fused; left to PEFT: %s", fused, unfused)
-    return {"fused": fused, "unfused": unfused}
+    return {"fused": fused, "unfused": unfused, "swiglu_down": mlps}
