@@ -24,10 +24,11 @@ starts (60 GiB for the seven rungs of a 7B), more than the lent machine's disk h
 clears the last rung's GGUF, measured by then, so one rung at a time is on disk. The base model goes once merged,
 the merged weights once converted, the F16 GGUF after the last rung (bench/verify_gpu.py prune; --keep keeps them).
 
-Rungs run in the order given: by default Q4_K_M first (bench/results/verify_gpu.json measured it), then from the
-cheapest to quantize to the dearest (bench/results/quantize_cost.json: IQ4_XS and IQ3_M cost 3x and 5x Q4_K_M).
-With --deadline-s a rung starts only if it is expected to end in time (expected_quantize_seconds); those that would
-not are listed as skipped, with the plan's figures only. The JSON is rewritten after every step.
+Rungs run in the order given: by default Q4_K_M first (bench/results/verify_gpu.json measured it), then the rungs
+either side of the default 6 GiB target at 4096 tokens (Q5_K_M, Q6_K), Q8_0, Q3_K_M, and the importance quants last:
+they cost llama.cpp's quantizer 3x (IQ4_XS) and 5x (IQ3_M) Q4_K_M's time (bench/results/quantize_cost.json). With
+--deadline-s a rung starts only if it is expected to end in time (expected_quantize_seconds); those that would not
+are listed as skipped, with the plan's figures only. The JSON is rewritten after every step.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
 
 GIB = 2**30
-DEFAULT_ORDER = ("Q4_K_M", "Q8_0", "Q6_K", "Q3_K_M", "Q5_K_M", "IQ4_XS", "IQ3_M")
+DEFAULT_ORDER = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "IQ4_XS", "IQ3_M")
 # llama_model_quantize's time per rung relative to Q4_K_M on a Qwen2-7B-shaped GGUF
 # (bench/results/quantize_cost.json, one thread; two threads scale the same).
 QUANTIZE_COST = {"IQ3_M": 4.88, "Q3_K_M": 0.57, "IQ4_XS": 3.0, "Q4_K_M": 1.0, "Q5_K_M": 0.86, "Q6_K": 0.51,
@@ -416,13 +417,14 @@ def main() -> None:
     prompt_file = root / "prompt.txt"
     peer_text(prompt_file)  # the demo's chat rows as plain text
     prompt_text = prompt_file.read_text()
+    result["skipped"].update({q: "not in --quants" for q in AUTO_LADDER if q not in args.quants})
     done_seconds: dict[str, float] = {}
     for quantization in args.quants:
         expected = expected_quantize_seconds(quantization, done_seconds)
         elapsed = time.perf_counter() - started_all
         if args.deadline_s and expected is not None and elapsed + expected + MEASURE_ALLOWANCE_S > args.deadline_s:
             result["skipped"][quantization] = (f"--deadline-s {args.deadline_s:g}: at {elapsed:.0f} s, quantizing is "
-                                               f"expected to take {expected:.0f} s")
+                                               f"expected to take {expected:.0f} s, measuring {MEASURE_ALLOWANCE_S} s")
             print(f"{quantization}: skipped, {result['skipped'][quantization]}", flush=True)
             save()
             continue
