@@ -219,18 +219,30 @@ def measure_rung(config, quantization: str, gguf: Path, work: Path, device: str,
            "gen_tokens": gen_tokens}
     work.mkdir(parents=True, exist_ok=True)
     log = io.StringIO()
-    verbose = os.environ.get("LORASHIP_LLAMA_VERBOSE")
-    os.environ["LORASHIP_LLAMA_VERBOSE"] = "1"  # llama.cpp's buffer sizes, read back from its log
+    # The child imports this module by name; verbose, llama.cpp logs its buffer sizes (read back from the log).
+    child = {"PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")])),
+             "LORASHIP_LLAMA_VERBOSE": "1"}
     try:
-        with contextlib.redirect_stderr(log):
+        with environ(child), contextlib.redirect_stderr(log):
             measured = measure_apart(SimpleNamespace(dir=work), job, entry="speed_and_memory", module=Path(__file__).stem)
     finally:
         (work / f"{quantization}.log").write_text(log.getvalue())
-        if verbose is None:
-            os.environ.pop("LORASHIP_LLAMA_VERBOSE")
-        else:
-            os.environ["LORASHIP_LLAMA_VERBOSE"] = verbose
     return {"memory": memory, "measured": measured, **llama_log_facts(log.getvalue())}
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str]):
+    """os.environ with these values while the block runs (measure_apart's child inherits them)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def wait_for_build(built: Path) -> float:
@@ -329,8 +341,6 @@ def main() -> None:
     unknown = [q for q in args.quants if q not in AUTO_LADDER]
     if unknown:
         raise SystemExit(f"--quants: {unknown} are not rungs of quantization auto's ladder {AUTO_LADDER}")
-    # verify's child imports this module by name to run speed_and_memory
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))
     root = args.root
     root.mkdir(parents=True, exist_ok=True)
     logs = root / "logs"
@@ -461,7 +471,7 @@ def main() -> None:
         row.update(measure_seconds=measure_seconds, lock_waited_s=waited, load_seconds=measured["load_seconds"],
                    prompt_seconds=measured["prompt_seconds"], predicted_components=found["memory"]["predicted"],
                    llama_cpp_buffers=found["llama_cpp_buffers"], flash_attn=found["flash_attn"],
-                   offloaded=found["offloaded"],
+                   offloaded=found["offloaded"], llama_cpp_gpu_offload=measured["gpu_offload"],
                    **{k: measured[k] for k in ("nvml_lists_this_process", "nvml_device_used_gib") if k in measured})
         rows[quantization] = row
         result["stage_seconds"][f"measure/{quantization}"] = round(time.perf_counter() - started, 1)
