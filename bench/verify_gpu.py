@@ -40,28 +40,50 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def build_random_model(shape: str, tokenizer_dir: Path, out: Path, layers: int | None = None) -> None:
+def build_random_model(shape: str, tokenizer_dir: Path, out: Path, layers: int | None = None, device: str = "cuda",
+                       overrides: dict | None = None) -> None:
+    """overrides: config.json fields to change (a CPU dry run shrinks the widths; the vocabulary must stay Qwen's)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(REPO / "examples" / "models" / shape)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     if layers:
         config.num_hidden_layers = layers
         if getattr(config, "layer_types", None):  # transformers checks one entry per block
             config.layer_types = config.layer_types[:layers]
     config.bos_token_id, config.eos_token_id = 151643, 151645
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out, max_shard_size="5GB")
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
                  "chat_template.jinja"):
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out / name)
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643}))
+
+
+def chain_config(run_name: str, base: Path, root: Path, target_gib: float, n_ctx: int, quantization,
+                 device: str = "cuda", max_steps: int = 3) -> dict:
+    """The run's config: the demo's chat data, a few LoRA steps at a high learning rate (so that an adapter
+    exists), the target GPU and context verify measures against."""
+    return {
+        "run_name": run_name, "base_model": str(base), "workdir": str(root / "work"),
+        "output": str(root / "artifacts"), "device": device,
+        "datasets": [{"path": str(REPO / "data/demo/train.jsonl"), "type": "chat"}],
+        "eval_datasets": [{"path": str(REPO / "data/demo/eval.jsonl"), "type": "chat"}],
+        "golden_prompts": str(REPO / "data/demo/golden.jsonl"),
+        "lora_r": 16, "lora_target_modules": ["q_proj", "v_proj"], "sequence_len": 256, "micro_batch_size": 4,
+        "gradient_accumulation_steps": 1, "max_steps": max_steps, "learning_rate": 5e-3, "save_steps": 100,
+        "max_new_tokens": 32,
+        "target_gpu_memory_gib": target_gib, "target_context": n_ctx, "quantization": quantization,
+    }
 
 
 def llama_buffers(log: str) -> dict:
@@ -169,17 +191,7 @@ def main() -> None:
         build_random_model(args.shape, args.tokenizer, base, args.layers)
     row["build_seconds"] = round(time.perf_counter() - started, 1)
     save()
-    config = parse_config({
-        "run_name": args.shape, "base_model": str(base), "workdir": str(args.root / "work"),
-        "output": str(args.root / "artifacts"), "device": "cuda",
-        "datasets": [{"path": str(REPO / "data/demo/train.jsonl"), "type": "chat"}],
-        "eval_datasets": [{"path": str(REPO / "data/demo/eval.jsonl"), "type": "chat"}],
-        "golden_prompts": str(REPO / "data/demo/golden.jsonl"),
-        "lora_r": 16, "lora_target_modules": ["q_proj", "v_proj"], "sequence_len": 256, "micro_batch_size": 4,
-        "gradient_accumulation_steps": 1, "max_steps": 3, "learning_rate": 5e-3, "save_steps": 100,
-        "max_new_tokens": 32,
-        "target_gpu_memory_gib": args.target_gib, "target_context": args.n_ctx, "quantization": "Q4_K_M",
-    })
+    config = parse_config(chain_config(args.shape, base, args.root, args.target_gib, args.n_ctx, "Q4_K_M"))
     # Each stage in its own process, as in its container: torch's CUDA libraries and llama.cpp's in
     # one process crashed verify here (a segfault at load).
     args.root.mkdir(parents=True, exist_ok=True)  # --base-dir elsewhere leaves it uncreated

@@ -637,9 +637,10 @@ open(sys.argv[3], "w", encoding="utf-8").write(json.dumps(result, default=float)
 """
 
 
-def measure_apart(ctx, job: dict, entry: str = "measure") -> dict:
-    """measure(job) (or another function of this module) in a fresh child process: a native crash
-    there is reported, not fatal to the stage."""
+def measure_apart(ctx, job: dict, entry: str = "measure", module: str | None = None) -> dict:
+    """measure(job) (or another function of this module, or of `module`) in a fresh child process: a
+    native crash there is reported, not fatal to the stage. bench/quant_ladder_gpu.py loads each rung
+    here, as verify does, and times it with its own entry."""
     import json
     import sys
 
@@ -653,7 +654,8 @@ def measure_apart(ctx, job: dict, entry: str = "measure") -> dict:
         llama.update(lora_path=job["lora"], lora_scale=1.0)
     job_file.write_text(json.dumps({**job, "llama": llama}), encoding="utf-8")
     result_file.unlink(missing_ok=True)
-    module = __spec__.name if __spec__ is not None else __name__  # loraship.stages.verify, also under python -m
+    # loraship.stages.verify, also under python -m
+    module = module or (__spec__.name if __spec__ is not None else __name__)
     keep = {k: os.environ[k] for k in ("LORASHIP_LLAMA_VERBOSE", "PYTHONUNBUFFERED") if k in os.environ}
     done = run_child([sys.executable, "-c", _MEASURE, module, str(job_file), str(result_file), entry],
                      MEASURE_TIMEOUT_S, f"verify's llama.cpp run on {Path(job['gguf']).name}", extra_env=keep)

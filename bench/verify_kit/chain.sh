@@ -5,10 +5,15 @@
 # through `loraship tiny-model`, qwen2-base through loraship.fixtures.families); convert -> quantize -> verify wait
 # for the build and run one run at a time (bench/verify_served_gpu.py --wait-for, --lock).
 # Writes /tmp/vstate/verify_served_gpu.json at the end, progress lines to /tmp/vstate/progress.
+# LADDER=1: also bench/quant_ladder_gpu.py (quantization auto's ladder on a random-weight Qwen2-7B) beside the two runs,
+# its convert waiting for the build like theirs, each rung's GPU measurement under their lock; LADDER=only: the ladder
+# alone. Into /tmp/vstate/quant_ladder_gpu.json; it starts no rung expected to end later than LADDER_DEADLINE_S
+# (default 1100) after this script started (two calls of <= 590 s), LADDER_ARGS go to it as they are.
 # A CPU dry run of the chain itself (here, with python3 on PATH being a venv that has loraship's extras and a CPU
 # llama-cpp-python): VSTATE=/tmp/x VS=/tmp/y INSTALL=skip LLAMA_BUILD=skip DEVICE=cpu MAX_STEPS=2 \
 #   EXTRA_PYTHONPATH=<a sitecustomize folder, if any> bash bench/verify_kit/chain.sh
 set -x
+T0=$(date +%s)
 S=${VSTATE:-/tmp/vstate}; R=${VS:-/tmp/vs}; K=.whl-verify; mkdir -p $S $R; export VSTATE=$S
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 { nproc; free -g; df -h / /tmp; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvcc --version | tail -2
@@ -75,10 +80,20 @@ family() {
     --out $S/qwen2-base.json $DRIVER > $S/qwen2-base.log 2>&1
   echo "qwen2-base rc=$? $(date +%T)" >> $S/progress
 }
-demo & family & wait
+ladder() {
+  local left=$(( ${LADDER_DEADLINE_S:-1100} - ($(date +%s) - T0) ))
+  python3 bench/quant_ladder_gpu.py --root $R/ladder --out $S/quant_ladder_gpu.json --wait-for $BUILT \
+    --lock $S/phase_b.lock --device ${DEVICE:-cuda} --deadline-s $left $LADDER_ARGS > $S/ladder.log 2>&1
+  echo "ladder rc=$? $(date +%T)" >> $S/progress
+}
+case "$LADDER" in
+  only) ladder ;;
+  1) demo & family & ladder & wait ;;
+  *) demo & family & wait ;;
+esac
 # the build's archive is waited for too (a run that failed early must not cut it off)
 while [ ! -f $BUILT ] && [ ! -f $BUILT.failed ]; do sleep 2; done
-python3 - <<'PY'
+[ "$LADDER" = only ] || python3 - <<'PY'
 import datetime, json, os
 from pathlib import Path
 S = Path(os.environ["VSTATE"])
