@@ -83,6 +83,16 @@ else
 fi
 for w in "$ROOT"/.whl/*.whl; do [[ -e "$w" ]] && link "$w" "$CTX/wheels/extra/$(basename "$w")"; done
 
+# llama.cpp's tools (quantize's imatrix: true): the host's build from `loraship build-tools`, reused as the wheel is;
+# without one the llama-tools stage builds them from the sdist.
+mkdir -p "$CTX/tools"
+tools="${LORASHIP_LLAMA_CPP_TOOLS_DIR:-${LORASHIP_CACHE:-$HOME/.cache/loraship}/llama.cpp-tools-${LLAMA_VERSION}/bin}"
+if [[ -x "$tools/llama-imatrix" && -x "$tools/llama-quantize" && -x "$tools/llama-perplexity" ]]; then
+  for f in llama-imatrix llama-quantize llama-perplexity build.json; do [[ -e "$tools/$f" ]] && link "$tools/$f" "$CTX/tools/$f"; done
+else
+  echo "no llama.cpp tools built for ${LLAMA_VERSION} in $tools: the images will build them from the sdist"
+fi
+
 sdist_name="llama_cpp_python-${LLAMA_VERSION}.tar.gz"
 sdist="${LORASHIP_LLAMA_SDIST:-}"
 for cand in "${LORASHIP_CACHE:-$HOME/.cache/loraship}/$sdist_name" "/tmp/llsdist/$sdist_name"; do
