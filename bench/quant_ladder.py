@@ -159,7 +159,7 @@ class PeerPositions:
     """llama-perplexity's tokens and scored positions (second half of each chunk, last position excluded as it
     predicts nothing) as verify's records, with the merged HF model's and the F16 GGUF's log-probs there."""
 
-    def __init__(self, config, perplexity: Path, f16: Path, root: Path):
+    def __init__(self, config, perplexity: Path, f16: Path, root: Path, chunks: int | None = None):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -171,7 +171,7 @@ class PeerPositions:
         self.text.write_text("\n".join(r["text"] for r in reference["eval"]) + "\n")
         self.base = root / "peer-base.kld"
         done = subprocess.run([str(perplexity), "-m", str(f16), "-f", str(self.text), "--kl-divergence-base",
-                               str(self.base), *PEER_ARGS],
+                               str(self.base), *PEER_ARGS, *(("--chunks", str(chunks)) if chunks else ())],
                               capture_output=True, text=True, timeout=1800)
         if done.returncode != 0 or not self.base.is_file():
             raise RuntimeError(f"llama-perplexity --kl-divergence-base failed:\n{(done.stdout + done.stderr)[-2000:]}")
@@ -291,6 +291,10 @@ def main() -> None:
                         help="where the real SmolLM2 HF folder is (made there if missing)")
     parser.add_argument("--quants", nargs="+", default=LADDER)
     parser.add_argument("--no-peer", action="store_true", help="skip llama-perplexity's KL divergence")
+    # The --kl-divergence runs read the chunk count from the base file, so the cap applies to the base run alone.
+    parser.add_argument("--peer-chunks", type=int, default=None,
+                        help=f"llama-perplexity --chunks on the base run: the first N chunks of {PEER_CTX} tokens only "
+                             "(default: all); each costs every rung four passes over its tokens")
     parser.add_argument("--eval-source", choices=("demo", "pydoc"), default="demo",
                         help="what verify scores: the demo's eval.jsonl, or held-out real text from CPython's pydoc "
                              "topics (at least 2,048 scored tokens, every one with an exact KL)")
@@ -322,7 +326,8 @@ def main() -> None:
             imatrix_facts = json.loads((stage_dir(config, "quantize") / "manifest.json").read_text())["metrics"]["imatrix"]
         if perplexity is not None and peer is None:
             started = time.time()
-            peer = PeerPositions(config, perplexity, stage_dir(config, "convert") / "model-F16.gguf", root)
+            peer = PeerPositions(config, perplexity, stage_dir(config, "convert") / "model-F16.gguf", root,
+                                 args.peer_chunks)
             seconds["peer_setup"] = round(time.time() - started, 1)
         evaluation = eval_facts(config, args.eval_source)
         started = time.time()
@@ -354,7 +359,7 @@ def main() -> None:
                       "ours_rules_vs_peer); peer_positions_kl_mean the same with the merged HF model as the base, as verify "
                       "gates. kl_mean (verify's) is over the assistant tokens of each eval text, a different set"),
         "eval": evaluation,
-        "peer_tokens": peer.tokens if peer else None,
+        "peer_tokens": peer.tokens if peer else None, "peer_chunks": len(peer.records) if peer else None,
         "imatrix": imatrix_facts, "tools_build": build_info(),
         "stage_seconds": seconds, "f16_bytes": (stage_dir(config, "convert") / "model-F16.gguf").stat().st_size,
         "smallest_passing": {str(m).lower(): next((r["quant"] for r in sorted(rows, key=lambda r: r["bytes"])
