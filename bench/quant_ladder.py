@@ -24,10 +24,15 @@ tokens, far fewer than the 2,048 scored tokens reference_full_logprob_tokens ask
 English, one chat per topic of CPython's own documentation (pydoc_data.topics, every topic in name order, the
 first PYDOC_WORDS words of each as the answer), written under the run's folder; about 5,900 assistant tokens
 under SmolLM2's tokenizer, none truncated, every one with an exact full-vocabulary KL. Training (and so the
-importance matrix's calibration text) stays the demo's train.jsonl either way.
+importance matrix's calibration text) stays the demo's train.jsonl either way. verify's eval_loss_improved gate
+reads train's eval loss on the eval split, which a few steps on the demo's invented capitals do not lower on
+documentation text: with pydoc that gate fails on every rung, whatever the quantization (see failed_gates).
 
     .venv/bin/python bench/quant_ladder.py --out bench/results/quant_ladder.json
     .venv/bin/python bench/quant_ladder.py --eval-source pydoc --out bench/results/quant_ladder_2k.json
+
+(bench/results/quant_ladder_2k.json's run also had --peer-chunks 40 and seven rungs' --quants: its command is
+stamped in it.)
 """
 
 from __future__ import annotations
