@@ -86,11 +86,23 @@ for w in "$ROOT"/.whl/*.whl; do [[ -e "$w" ]] && link "$w" "$CTX/wheels/extra/$(
 # llama.cpp's tools (quantize's imatrix: true): the host's build from `loraship build-tools`, reused as the wheel is;
 # without one the llama-tools stage builds them from the sdist.
 mkdir -p "$CTX/tools"
-tools="${LORASHIP_LLAMA_CPP_TOOLS_DIR:-${LORASHIP_CACHE:-$HOME/.cache/loraship}/llama.cpp-tools-${LLAMA_VERSION}/bin}"
-if [[ -x "$tools/llama-imatrix" && -x "$tools/llama-quantize" && -x "$tools/llama-perplexity" ]]; then
-  for f in llama-imatrix llama-quantize llama-perplexity build.json; do [[ -e "$tools/$f" ]] && link "$tools/$f" "$CTX/tools/$f"; done
+# Where they are looked for: LORASHIP_LLAMA_CPP_TOOLS_DIR, LORASHIP_CACHE's build, the repository's cache (make's
+# LORASHIP_CACHE), the user cache.
+tools=
+for cand in ${LORASHIP_LLAMA_CPP_TOOLS_DIR:+"$LORASHIP_LLAMA_CPP_TOOLS_DIR"} \
+    ${LORASHIP_CACHE:+"$LORASHIP_CACHE/llama.cpp-tools-${LLAMA_VERSION}/bin"} \
+    "$ROOT/.loraship/cache/llama.cpp-tools-${LLAMA_VERSION}/bin" "$HOME/.cache/loraship/llama.cpp-tools-${LLAMA_VERSION}/bin"; do
+  if [[ -z "$tools" && -x "$cand/llama-imatrix" && -x "$cand/llama-quantize" && -x "$cand/llama-perplexity" ]]; then
+    tools="$cand"
+  fi
+done
+if [[ -n "$tools" ]]; then
+  for f in llama-imatrix llama-quantize llama-perplexity build.json; do
+    if [[ -e "$tools/$f" ]]; then link "$tools/$f" "$CTX/tools/$f"; fi
+  done
+  echo "llama.cpp tools from $tools"
 else
-  echo "no llama.cpp tools built for ${LLAMA_VERSION} in $tools: the images will build them from the sdist"
+  echo "no llama.cpp tools built for ${LLAMA_VERSION} here: the images will build them from the sdist"
 fi
 
 sdist_name="llama_cpp_python-${LLAMA_VERSION}.tar.gz"
