@@ -218,7 +218,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     # GEMMs add the LoRA term (loraship/training/fused_lora.py); what it cannot run stays PEFT's.
     from loraship.training.fused_lora import fuse_lora_linears, fused_lora_wanted
 
-    model._loraship_fused_lora = fuse_lora_linears(model) if fused_lora_wanted() else {"fused": 0, "unfused": {}}
+    model._loraship_fused_lora = fuse_lora_linears(model) if fused_lora_wanted() else {"fused": 0, "unfused": {}, "swiglu_down": 0}
     # from_pretrained returns eval mode, where HF silently skips gradient checkpointing
     # (seen on the H200: 67.6 GiB instead of 23.5). Train mode, always.
     model.train()

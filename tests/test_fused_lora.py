@@ -71,15 +71,19 @@ def test_fused_lora_matches_peft_on_a_4bit_base(tiny_qwen):
     _assert_same(reference, fused)
 
 
-def test_fused_lora_streams_offloaded_weights(tiny_model):
-    """Offloaded layers' LoRA Linears take the fused path on the streamed copy of their weight."""
+@pytest.mark.parametrize("swiglu_down", [False, True])
+def test_fused_lora_streams_offloaded_weights(tiny_model, swiglu_down):
+    """Offloaded layers' LoRA Linears take the fused path on the streamed copy of their weight; so does the MLP node,
+    which asks for down_proj's copy before gate's and up's."""
     from loraship.training.fused_lora import fuse_lora_linears
     from loraship.training.offload import offload_frozen_layers
 
     reference, fused = _peft_model(tiny_model), _peft_model(tiny_model)
     fused.load_state_dict(reference.state_dict())
     offload_frozen_layers(fused, 1)
-    assert fuse_lora_linears(fused)["fused"] == 7 * fused.config.num_hidden_layers
+    report = fuse_lora_linears(fused, only_liger=not swiglu_down)
+    assert report["fused"] == 7 * fused.config.num_hidden_layers
+    assert report["swiglu_down"] == (fused.config.num_hidden_layers if swiglu_down else 0)
     for _ in range(2):
         _assert_same(reference, fused)
 

@@ -245,13 +245,13 @@ def _swiglu_down_forward(mlp):
     return forward
 
 
-def _is_liger_swiglu(mlp) -> bool:
-    """Liger's SwiGLU MLP forward (down(silu(gate(x)) * up(x)), the train stage's on CUDA), bound to this module."""
+def _liger_swiglu_forward():
+    """Liger's SwiGLU MLP forward (down(silu(gate(x)) * up(x)), the train stage's on CUDA); None without Liger."""
     try:
         from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
     except ImportError:
-        return False
-    return getattr(getattr(mlp, "forward", None), "__func__", None) is LigerSwiGLUMLP.forward
+        return None
+    return LigerSwiGLUMLP.forward
 
 
 def fuse_swiglu_down(model, only_liger: bool = True) -> int:
@@ -260,13 +260,13 @@ def fuse_swiglu_down(model, only_liger: bool = True) -> int:
     Only MLPs running Liger's SwiGLU forward unless only_liger=False (the tests, on the CPU, where the train stage
     applies no Liger kernel): an MLP forward of another shape (Gemma's GELU, Phi-3's fused gate_up_proj) is not
     silu(gate) * up and keeps its own."""
-    n = 0
+    n, liger_forward = 0, _liger_swiglu_forward() if only_liger else None
     for mlp in model.modules():
         if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
             continue
         if not getattr(mlp.down_proj, "_loraship_fused", False):
             continue
-        if only_liger and not _is_liger_swiglu(mlp):
+        if only_liger and (liger_forward is None or getattr(mlp.forward, "__func__", None) is not liger_forward):
             continue
         if not only_liger and getattr(getattr(mlp, "config", None), "hidden_act", "silu") not in ("silu", "swish"):
             continue
