@@ -83,6 +83,9 @@ def chain_config(run_name: str, base: Path, root: Path, target_gib: float, n_ctx
         "gradient_accumulation_steps": 1, "max_steps": max_steps, "learning_rate": 5e-3, "save_steps": 100,
         "max_new_tokens": 32,
         "target_gpu_memory_gib": target_gib, "target_context": n_ctx, "quantization": quantization,
+        # The device kit builds no llama.cpp tools; an importance matrix changes neither a GGUF's size nor its memory
+        # (its quality effect is measured on real weights: bench/results/quant_ladder_2k.json).
+        "imatrix": False,
     }
 
 

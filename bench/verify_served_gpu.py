@@ -53,7 +53,8 @@ def config_dict(name: str, model: Path, root: Path, family: str | None, device: 
     data.update(run_name=name, base_model=str(model), workdir=str(root / "work"), output=str(root / "artifacts"),
                 datasets=[{"path": str(REPO / "data/demo/train.jsonl"), "type": "chat"}],
                 eval_datasets=[{"path": str(REPO / "data/demo/eval.jsonl"), "type": "chat"}],
-                golden_prompts=str(REPO / "data/demo/golden.jsonl"), device=device)
+                golden_prompts=str(REPO / "data/demo/golden.jsonl"), device=device,
+                imatrix=False)  # the device kit builds no llama.cpp tools: the binding quantizes
     if family:
         from loraship.fixtures.families import FAMILIES
         from tests.test_families import FAMILY_OVERRIDES, SEQUENCE_LEN

@@ -172,19 +172,19 @@ class Config(BaseModel):
         "verify gate (each under its own limits) and fits target_gpu_memory_gib at target_context is shipped alone.",
     )
     imatrix: bool = Field(
-        False,
+        True,
         description="Quantize with an importance matrix computed from this run's own training texts (chat template "
         "applied, special tokens parsed) by llama.cpp's llama-imatrix over the F16 GGUF, once per run, and used by "
         "every quantization through llama-quantize --imatrix; both tools are built once from the pinned llama.cpp "
-        "(needs cmake and a C++ compiler; `loraship build-tools`). false (the default): quantize with llama-cpp-python's "
-        "binding, no importance matrix. Off by default because on the one real model measured here it made the "
-        "default Q4_K_M worse (README, quantization section) while it helped 3-bit quantizations.",
+        "(needs cmake and a C++ compiler; `loraship build-tools`). On by default: on 5,859 held-out tokens of the real "
+        "model measured here it lowered mean KL at every rung, Q4_K_M 0.061 -> 0.040 (README, quantization section). "
+        "false: quantize with llama-cpp-python's binding, no importance matrix, no tools to build.",
     )
     imatrix_min_tokens: int = Field(
         1024, ge=128,
-        description="Fewest training-text tokens the importance matrix may be computed from; fewer fails the quantize "
-        "stage naming the count (add training data, lower this, or set imatrix: false). llama-imatrix reads them in "
-        "chunks of min(512, imatrix_min_tokens / 2) tokens.",
+        description="Fewest training-text tokens the importance matrix may be computed from; fewer fails the plan "
+        "stage, before training (and quantize, which counts again), naming the count (add training data, lower this, "
+        "or set imatrix: false). llama-imatrix reads them in chunks of min(512, imatrix_min_tokens / 2) tokens.",
     )
     golden_prompts: str | None = Field(
         None, description="A local JSONL of {'messages': [...]} or {'prompt': ...}: greedy answers must agree between HF "

@@ -1,9 +1,9 @@
 """Quantize: F16 GGUF -> Q4_K_M (or any of config.Quantization; several in one run).
 
-imatrix: true: llama.cpp's llama-imatrix computes an importance matrix over this run's own
+imatrix: true (the default): llama.cpp's llama-imatrix computes an importance matrix over this run's own
 training texts (rendered with the chat template, special tokens parsed) on the F16 GGUF, once, and
 llama-quantize --imatrix makes every quantization with it; both tools are built from the pinned llama.cpp
-(loraship/llamacpp/tools.py). imatrix: false (the default): llama-cpp-python's llama_model_quantize binding,
+(loraship/llamacpp/tools.py). imatrix: false: llama-cpp-python's llama_model_quantize binding,
 which cannot take an importance matrix.
 
 Either way the quantizer is the llama.cpp that verify loads, and runs in a child process with a timeout, so
@@ -28,7 +28,7 @@ from loraship.runtime.manifest import atomic_path, check_outputs, library_versio
 from loraship.runtime.proc import write_with_tool
 from loraship.runtime.progress import LlamaCppProgress, artifact_key
 from loraship.planning.resources import cpu_count
-from loraship.planning.preflight import check_free_disk
+from loraship.planning.preflight import check_free_disk, imatrix_text_problem
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "quantize"
@@ -145,11 +145,9 @@ def imatrix_chunk(config) -> int:
 
 
 def check_imatrix_tokens(config, tokens: int) -> None:
-    if tokens < config.imatrix_min_tokens:
-        raise DataError(
-            f"imatrix: the training texts are {tokens} tokens, fewer than imatrix_min_tokens "
-            f"{config.imatrix_min_tokens}; an importance matrix from so little text would tune the quantization to a "
-            "few sentences. Add training data, lower imatrix_min_tokens (at least 128), or set imatrix: false")
+    problem = imatrix_text_problem(config, tokens)
+    if problem:
+        raise DataError(problem)
 
 
 def compute_imatrix(config, src: Path, out: Path, texts: list[str], tokens: int) -> dict:

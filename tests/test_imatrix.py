@@ -1,6 +1,6 @@
-"""imatrix: true: the importance matrix from the run's own training texts, made by llama.cpp's llama-imatrix and used
-by llama-quantize --imatrix, both built from the pinned source (loraship/llamacpp/tools.py); imatrix: false (the
-default, see the README's quantization section) keeps llama-cpp-python's quantize binding."""
+"""imatrix: true (the default, see the README's quantization section): the importance matrix from the run's own
+training texts, made by llama.cpp's llama-imatrix and used by llama-quantize --imatrix, both built from the pinned
+source (loraship/llamacpp/tools.py); imatrix: false keeps llama-cpp-python's quantize binding."""
 
 from __future__ import annotations
 
@@ -27,12 +27,10 @@ def llama_tools() -> Path:
 
 
 @pytest.fixture(scope="module")
-def imatrix_run(llama_tools, pipeline_run, tmp_path_factory):
-    """The session's demo run quantized, verified and published again with imatrix: true, in a copy of its folders."""
-    config, _ = pipeline_run
-    config = copy_of_run(config, tmp_path_factory.mktemp("imatrix"), imatrix=True)
-    manifests = {stage: importlib.import_module(f"loraship.stages.{stage}").run(config)
-                 for stage in ("quantize", "verify", "publish")}
+def imatrix_run(llama_tools, pipeline_run):
+    """The session's demo run, made with the default imatrix: true."""
+    config, manifests = pipeline_run
+    assert config.imatrix  # the default
     return config, manifests
 
 
@@ -90,12 +88,7 @@ def test_the_importance_matrix_is_computed_once_and_used_by_every_quantization(i
     assert f"{imatrix['text_tokens']:,} tokens" in card
 
 
-def test_imatrix_false_quantizes_with_the_binding(pipeline_run, imatrix_run, tmp_path):
-    default_config, default_manifests = pipeline_run
-    assert not default_config.imatrix  # the default
-    assert default_manifests["quantize"]["metrics"]["imatrix"] is None
-    assert default_manifests["quantize"]["metrics"]["quantizations"]["Q4_K_M"]["quantizer"] == \
-        "llama-cpp-python llama_model_quantize"
+def test_imatrix_false_quantizes_with_the_binding(imatrix_run, tmp_path):
     # In the folder of a run made with the matrix, imatrix: false makes the binding's GGUF anew.
     config, manifests = imatrix_run
     plain = copy_of_run(config, tmp_path, imatrix=False)
@@ -137,6 +130,22 @@ def test_too_little_training_text_names_the_count_and_the_fix(imatrix_run, tmp_p
     assert "lower imatrix_min_tokens" in message and "imatrix: false" in message
 
 
+def test_the_plan_refuses_too_little_text_before_training(imatrix_run, tmp_path):
+    """The plan counts the training split's tokens as quantize does, and stops the run before any GPU hour; with
+    imatrix: false the same data passes."""
+    from loraship.planning.preflight import check_inputs
+
+    config, manifests = imatrix_run
+    tokens = manifests["quantize"]["metrics"]["imatrix"]["text_tokens"]
+    check_inputs(copy_of_run(config, tmp_path / "enough", imatrix_min_tokens=tokens))
+    with pytest.raises(ConfigError) as caught:
+        check_inputs(copy_of_run(config, tmp_path / "short", imatrix_min_tokens=tokens + 1))
+    message = str(caught.value)
+    assert f"the training texts are {tokens} tokens, fewer than imatrix_min_tokens {tokens + 1}" in message
+    assert "Add training data" in message and "imatrix: false" in message
+    check_inputs(copy_of_run(config, tmp_path / "off", imatrix_min_tokens=tokens + 1, imatrix=False))
+
+
 def test_a_machine_without_cmake_is_told_what_to_install(monkeypatch, tmp_path):
     from loraship.llamacpp import tools
 
@@ -164,5 +173,5 @@ def test_imatrix_min_tokens_below_two_chunks_of_128_is_refused():
     base = {"base_model": "org/model", "datasets": [{"path": "train.jsonl", "type": "chat"}]}
     with pytest.raises(ConfigError, match="imatrix_min_tokens"):
         parse_config({**base, "imatrix_min_tokens": 100})
-    assert parse_config(base).imatrix is False
-    assert parse_config({**base, "imatrix": True}).imatrix is True
+    assert parse_config(base).imatrix is True
+    assert parse_config({**base, "imatrix": False}).imatrix is False

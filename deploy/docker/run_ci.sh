@@ -139,29 +139,21 @@ for pair in $stage_images; do
   fi
   grep -m1 "skipped (up to date) ->" <<<"$out" || { echo "$out" >&2; exit 1; }
 done
-step "quantize with imatrix: true in its image (llama.cpp's tools from images/Dockerfile's llama-tools stage)"
-# The finished run's quantize again, importance matrix on: llama-imatrix and llama-quantize run inside the convert
-# image (LORASHIP_LLAMA_CPP_TOOLS_DIR), and the manifest records the matrix.
-manifest="$(python - "$mountpoint" <<'EOF3'
-import sys, yaml
+step "quantize's importance matrix was made in its image (llama.cpp's tools from images/Dockerfile's llama-tools stage)"
+# imatrix is on by default: the flow's quantize ran llama-imatrix and llama-quantize inside the convert image
+# (LORASHIP_LLAMA_CPP_TOOLS_DIR), and its manifest records the matrix and the quantizer.
+python - "$mountpoint" <<'EOF3'
+import json, sys, yaml
 from pathlib import Path
 mount = Path(sys.argv[1])
 config = yaml.safe_load(open(mount / "demo.yaml"))
-config["imatrix"] = True
-yaml.safe_dump(config, open(mount / "demo-imatrix.yaml", "w"), sort_keys=False)
 work = Path(config["workdir"])
-print(mount / work.relative_to("/shared") / config["run_name"] / "quantize" / "manifest.json")
-EOF3
-)"
-chown 1000:1000 "$mountpoint/demo-imatrix.yaml"
-"$DOCKER" run --rm --network none -v "$VOLUME:/shared" --entrypoint python loraship-convert:0.1.0 \
-  -m loraship.stages.quantize /shared/demo-imatrix.yaml >"$LOGS/quantize-imatrix.log" 2>&1 \
-  || { tail -30 "$LOGS/quantize-imatrix.log" >&2; exit 1; }
-python - "$manifest" <<'EOF4'
-import json, sys
-metrics = json.load(open(sys.argv[1]))["metrics"]
+manifest = mount / work.relative_to("/shared") / config["run_name"] / "quantize" / "manifest.json"
+metrics = json.load(open(manifest))["metrics"]
 matrix = metrics.get("imatrix") or {}
 assert matrix.get("sha256") and matrix.get("chunks"), f"quantize in the container made no importance matrix: {matrix}"
+quantizers = {q: each["quantizer"] for q, each in metrics["quantizations"].items()}
+assert all(v.startswith("llama-quantize --imatrix") for v in quantizers.values()), quantizers
 print(f"imatrix in the convert image: {matrix['chunks']} chunks, sha256 {matrix['sha256'][:12]}")
-EOF4
+EOF3
 step "docker deployment OK"

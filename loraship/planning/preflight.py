@@ -194,7 +194,34 @@ def template_problems(config: Config, model_dir: Path) -> list[str]:
                     render(tokenizer, row["messages"], add_generation_prompt=True)
         except LorashipError as e:
             problems.append(f"golden prompts: {e}")
+    if not problems:
+        problems += imatrix_problems(config, tokenizer)
     return problems
+
+
+def imatrix_text_problem(config: Config, tokens: int) -> str | None:
+    """Too little training text for the importance matrix: the plan says so before training, quantize again."""
+    if tokens >= config.imatrix_min_tokens:
+        return None
+    return (f"imatrix: the training texts are {tokens} tokens, fewer than imatrix_min_tokens "
+            f"{config.imatrix_min_tokens}; an importance matrix from so little text would tune the quantization to a "
+            "few sentences. Add training data, lower imatrix_min_tokens (at least 128), or set imatrix: false")
+
+
+def imatrix_problems(config: Config, tokenizer) -> list[str]:
+    """The training split's tokens, as quantize will count them, against imatrix_min_tokens; encoding stops once
+    there are enough, so a large dataset costs the plan only its first rows."""
+    if not config.imatrix:
+        return []
+    from loraship.data import encode_row, split_rows
+
+    train, _ = split_rows(config)
+    tokens = 0
+    for kind, row in train:
+        tokens += len(encode_row(row, kind, tokenizer)["input_ids"])
+        if tokens >= config.imatrix_min_tokens:
+            return []
+    return [imatrix_text_problem(config, tokens)]
 
 
 def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
