@@ -186,6 +186,12 @@ class Config(BaseModel):
         "stage, before training (and quantize, which counts again), naming the count (add training data, lower this, "
         "or set imatrix: false). llama-imatrix reads them in chunks of min(512, imatrix_min_tokens / 2) tokens.",
     )
+    imatrix_max_tokens: int = Field(
+        32768, ge=256,
+        description="Most training-text tokens the importance matrix is computed from (64 chunks of 512): llama-imatrix "
+        "runs the F16 model on the CPU, about linear in tokens, so a large dataset is sampled (whole rows, seeded by "
+        "`seed`, spread over the split) rather than read in full. Raise it for a finer matrix at that cost.",
+    )
     golden_prompts: str | None = Field(
         None, description="A local JSONL of {'messages': [...]} or {'prompt': ...}: greedy answers must agree between HF "
         "and llama.cpp."
@@ -347,6 +353,9 @@ class Config(BaseModel):
     def _cross_field(self):
         if self.warmup_steps and self.max_steps and self.warmup_steps >= self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps})")
+        if self.imatrix_max_tokens < self.imatrix_min_tokens:
+            raise ValueError(f"imatrix_max_tokens ({self.imatrix_max_tokens}) is below imatrix_min_tokens "
+                             f"({self.imatrix_min_tokens}); raise imatrix_max_tokens or lower imatrix_min_tokens")
         if self.adapter_gguf and self.auto_quantization:
             raise ValueError("adapter_gguf quantizes the adapter's base like the shipped GGUF, which quantization 'auto' "
                              "chooses only at verify; name the quantization (e.g. quantization: Q4_K_M) or set "

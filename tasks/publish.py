@@ -117,8 +117,11 @@ def imatrix_line(quant: dict) -> str:
     made = quant.get("imatrix")
     if not made:
         return ("Quantized without an importance matrix (`imatrix: false`: llama-cpp-python's quantize binding).")
+    split = made.get("split_texts")
+    drawn = (f", drawn by seed from the split's {split} texts of {made['split_tokens']:,} tokens"
+             if split and split > made["texts"] else "")
     return (f"Quantized with an importance matrix computed by llama.cpp's `llama-imatrix` over this run's own "
-            f"training texts ({made['text_tokens']:,} tokens in {made['texts']} texts, chat template applied, "
+            f"training texts ({made['text_tokens']:,} tokens in {made['texts']} texts{drawn}, chat template applied, "
             f"{made['chunks']} chunks of {made['chunk_tokens']} tokens; sha256 `{made['sha256'][:16]}…`) and "
             "`llama-quantize --imatrix`, both built from the same pinned llama.cpp.")
 

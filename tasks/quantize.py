@@ -33,7 +33,7 @@ from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "quantize"
 UPSTREAM = ("convert",)
-FIELDS = ("quantization", "imatrix", "imatrix_min_tokens")
+FIELDS = ("quantization", "imatrix", "imatrix_min_tokens", "imatrix_max_tokens")
 # With imatrix: the training texts are its input, rendered with the merged model's tokenizer and template.
 IMATRIX_FIELDS = ("datasets", "eval_datasets", "val_set_size", "seed", "chat_template")
 IMATRIX_CHUNK_MAX = 512  # llama-imatrix's own default context
@@ -126,16 +126,34 @@ def quantize(src: Path, dst: Path, quantization: str, progress_key: str | None =
     progress.close()
 
 
-def calibration_texts(config, merged_dir: Path) -> tuple[list[str], int]:
+def calibration_texts(config, merged_dir: Path) -> tuple[list[str], int, dict]:
     """The training split's texts as training saw them (chat rows rendered with the merged model's template,
-    special tokens as text) and their token count, from the same cached encoding the train stage used."""
+    special tokens as text), from the same cached encoding the train stage used: all of them where they hold at most
+    imatrix_max_tokens, else whole rows drawn in a seeded order until that many tokens. Returns the texts, their
+    tokens and what they were drawn from."""
+    import random
+
     from transformers import AutoTokenizer
 
     from loraship.data import encoded_splits
 
     tokenizer = AutoTokenizer.from_pretrained(merged_dir)
     train, _ = encoded_splits(config, tokenizer)
-    return [record["text"] for _, record in train], sum(len(record["input_ids"]) for _, record in train)
+    sizes = [len(record["input_ids"]) for _, record in train]
+    total = sum(sizes)
+    chosen = list(range(len(train)))
+    if total > config.imatrix_max_tokens:
+        # A seeded draw over the whole split, not its first rows: datasets are often sorted by source or topic.
+        random.Random(config.seed).shuffle(chosen)
+        taken, tokens = [], 0
+        for i in chosen:
+            if tokens >= config.imatrix_max_tokens:
+                break
+            taken.append(i)
+            tokens += sizes[i]
+        chosen = sorted(taken)
+    texts = [train[i][1]["text"] for i in chosen]
+    return texts, sum(sizes[i] for i in chosen), {"split_texts": len(train), "split_tokens": total}
 
 
 def imatrix_chunk(config) -> int:
@@ -269,7 +287,7 @@ def run(config) -> dict:
     read_gguf(src)  # refuses a truncated input with the file's name before any work
     imatrix, imatrix_path = None, None
     if config.imatrix:
-        texts, tokens = calibration_texts(config, stage_dir(config, "merge") / MERGED_DIR)
+        texts, tokens, drawn_from = calibration_texts(config, stage_dir(config, "merge") / MERGED_DIR)
         check_imatrix_tokens(config, tokens)
         text_sha256 = calibration_sha256(texts)
         imatrix = reusable_imatrix(ctx, last_manifest(ctx), text_sha256)
@@ -281,10 +299,11 @@ def run(config) -> dict:
     if config.imatrix and imatrix is None:
         check_free_disk(ctx.dir, src.stat().st_size * 0.1, "quantize (importance matrix)")
         started = time.time()
-        imatrix = compute_imatrix(config, src, imatrix_path, texts, tokens)
+        imatrix = compute_imatrix(config, src, imatrix_path, texts, tokens) | drawn_from
         imatrix["seconds"] = round(time.time() - started, 1)
-        log.info("quantize: importance matrix from %d training tokens (%d chunks of %d) in %.0f s", tokens,
-                 imatrix["chunks"] or 0, imatrix["chunk_tokens"] or 0, imatrix["seconds"])
+        log.info("quantize: importance matrix from %d training tokens in %d of %d texts (%d chunks of %d) in %.0f s",
+                 tokens, len(texts), drawn_from["split_texts"], imatrix["chunks"] or 0, imatrix["chunk_tokens"] or 0,
+                 imatrix["seconds"])
     elif imatrix:
         log.info("quantize: keeping the importance matrix the last run computed from the same F16 GGUF and texts")
     todo = [q for q in quantizations if q not in kept]

@@ -130,6 +130,40 @@ def test_too_little_training_text_names_the_count_and_the_fix(imatrix_run, tmp_p
     assert "lower imatrix_min_tokens" in message and "imatrix: false" in message
 
 
+def test_a_large_split_is_sampled_down_to_imatrix_max_tokens(imatrix_run, tmp_path):
+    """Past imatrix_max_tokens whole training rows are drawn in a seeded order (not the split's first rows) until
+    that many tokens; the manifest and the card say what they were drawn from."""
+    from loraship.stages import quantize
+
+    config, manifests = imatrix_run
+    full = manifests["quantize"]["metrics"]["imatrix"]
+    small = copy_of_run(config, tmp_path / "a", imatrix_min_tokens=256, imatrix_max_tokens=512)
+    made = quantize.run(small)["metrics"]["imatrix"]
+    assert made["split_texts"] == full["texts"] and made["split_tokens"] == full["text_tokens"]
+    assert 512 <= made["text_tokens"] < full["text_tokens"] and made["texts"] < full["texts"]
+    # Each row drawn was needed: without any one of them the draw was still short of the cap.
+    from transformers import AutoTokenizer
+
+    from loraship.data import encoded_splits
+
+    train, _ = encoded_splits(small, AutoTokenizer.from_pretrained(stage_dir(small, "merge") / "merged"))
+    assert made["text_tokens"] - max(len(record["input_ids"]) for _, record in train) < 512
+    # Seeded: the same config draws the same rows; another seed draws others.
+    again = quantize.run(copy_of_run(config, tmp_path / "b", imatrix_min_tokens=256, imatrix_max_tokens=512))
+    assert again["metrics"]["imatrix"]["text_sha256"] == made["text_sha256"]
+    other = quantize.run(copy_of_run(config, tmp_path / "c", imatrix_min_tokens=256, imatrix_max_tokens=512, seed=7))
+    assert other["metrics"]["imatrix"]["text_sha256"] != made["text_sha256"]
+    from loraship.stages.publish import imatrix_line
+
+    assert f"drawn by seed from the split's {full['texts']} texts" in imatrix_line(quantize.run(small)["metrics"])
+
+
+def test_imatrix_max_tokens_below_the_minimum_is_refused():
+    base = {"base_model": "org/model", "datasets": [{"path": "train.jsonl", "type": "chat"}]}
+    with pytest.raises(ConfigError, match="imatrix_max_tokens .600. is below imatrix_min_tokens .1024."):
+        parse_config({**base, "imatrix_max_tokens": 600})
+
+
 def test_the_plan_refuses_too_little_text_before_training(imatrix_run, tmp_path):
     """The plan counts the training split's tokens as quantize does, and stops the run before any GPU hour; with
     imatrix: false the same data passes."""
