@@ -121,6 +121,8 @@ if [[ "$BASE_IMAGE" == loraship-base:bookworm ]]; then
   "$ROOT/images/build_base.sh" "$BASE_IMAGE"
 fi
 
+# The llama-tools stage builds (when the context has no tools) with the flags `loraship build-tools` uses.
+TOOLS_CMAKE_ARGS="$("$PY" -c 'from loraship.llamacpp.tools import CMAKE_ARGS; print(" ".join(CMAKE_ARGS))')"
 builder_args=()
 [[ -n "${BUILDER_IMAGE:-}" ]] && builder_args=(--build-arg "BUILDER_IMAGE=$BUILDER_IMAGE")
 for image in "${STAGE_IMAGES[@]}"; do
@@ -130,6 +132,7 @@ for image in "${STAGE_IMAGES[@]}"; do
     --build-arg "BASE_IMAGE=$BASE_IMAGE" \
     --build-arg "TORCH_SPEC=$TORCH_SPEC" \
     --build-arg "LLAMA_CPP_PYTHON_VERSION=$LLAMA_VERSION" \
+    --build-arg "LLAMA_TOOLS_CMAKE_ARGS=$TOOLS_CMAKE_ARGS" \
     "${builder_args[@]}" \
     -t "loraship-${image}:${TAG}" "$CTX"
   echo "built loraship-${image}:${TAG} in $((SECONDS - t0)) s"

@@ -114,7 +114,8 @@ class Config(BaseModel):
         "speed", description="What the plan spends the training GPU on; the one switch for how training uses it. "
         "'speed': the fastest strategy that fits gpu_memory_gib with its safety margin (as few of the first layers "
         "checkpointed as fit, checkpointed activations in CPU memory only where that is what makes it fit). 'memory': "
-        "the least GPU memory (every layer checkpointed, their inputs in pinned CPU memory), at some speed. "
+        "the least GPU memory (every layer checkpointed, their inputs in pinned CPU memory; the last one only where "
+        "that saves memory), at some speed. "
         "gradient_checkpointing and offload_activations, where set, override it.")
     gradient_checkpointing: bool | None = Field(
         None, description="Unset: as `optimize` says. true: recompute every decoder layer's activations in backward. "

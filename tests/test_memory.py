@@ -629,3 +629,29 @@ def test_a_gemma2_whose_query_scale_llama_cpp_would_not_apply_is_refused_at_plan
     assert bool(problems) == refused
     if refused:
         assert "query_pre_attn_scalar" in problems[0] and "llama.cpp" in problems[0]
+
+
+def test_optimize_memory_leaves_the_last_layer_unckeckpointed_only_where_it_costs_no_memory():
+    """optimize: memory checkpoints every layer but the last where the last one's activations, held through the
+    loss, fit under one layer's backward (the estimate's total is not larger): its recompute is saved for nothing.
+    gradient_checkpointing: true still means every layer."""
+    L = memory.parse_model_config(QWEN2_7B).L
+    seen = set()
+    for targets in (["q_proj", "v_proj", "o_proj"], "all-linear"):
+        for adapter in ("lora", "qlora"):
+            c = cfg(**{**FAST_7B, "gradient_checkpointing": None, "lora_target_modules": targets}, optimize="memory",
+                    adapter=adapter, gpu_memory_gib=32)
+            user = memory.strategy_from_config(c, L)
+            every = memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, L))["predicted_total_gib"]
+            but_last = memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, L - 1))["predicted_total_gib"]
+            plan = memory.plan_training(QWEN2_7B, c)
+            free = but_last <= every
+            seen.add(free)
+            assert plan["strategy"]["checkpointed_layers"] == (L - 1 if free else L), (targets, adapter)
+            assert plan["strategy"]["offload_activations"]  # the checkpointed inputs still go to CPU memory
+            assert ("the last layer is not checkpointed" in plan["reason"]) == free
+            assert plan["memory"]["predicted_total_gib"] == round(min(every, but_last), 2)
+            explicit = memory.plan_training(QWEN2_7B, cfg(**{**FAST_7B, "gradient_checkpointing": True,
+                                                             "lora_target_modules": targets}, adapter=adapter))
+            assert explicit["strategy"]["checkpointed_layers"] == L
+    assert seen == {True, False}  # both outcomes occur on these four shapes
