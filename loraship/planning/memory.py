@@ -320,6 +320,33 @@ def lora_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progra
     return inputs + 2 * cfg.lora_r * len(targets)
 
 
+def layer_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], program: str, liger: bool) -> float:
+    """Bytes per token one decoder layer without checkpointing keeps for backward, HF Llama/Qwen2 code with SDPA.
+
+    Two RMSNorms keep their fp32 input (4h each); attention keeps rotated q, k, v and its output (bf16); SwiGLU keeps
+    gate, silu(gate) and up (bf16, 3 x 2f); the LoRA modules keep their inputs (lora_saved_per_token). With the fused
+    loss the train stage applies every Liger kernel (tasks/train.py): Liger's RMSNorm keeps its bf16 input (2h, not
+    4h) and its SwiGLU keeps gate and up only (4f; silu is recomputed in backward). Gemma 2 has four norms per layer
+    and GELU-tanh where Llama has SiLU (gate, gelu(gate), up kept the same way; Liger's GEGLU keeps gate and up).
+    Counted with autograd's saved-tensor hooks on one CPU decoder layer of each (transformers 5.25, bf16): these
+    terms plus < 4% (rotary cos/sin, per-row norm statistics); tests/test_layer_saved_bytes.py recounts the train
+    stage's Qwen2 path (fused LoRA nodes, Liger's autograd functions) against this.
+    """
+    norms, swiglu = (2 * s.norms * s.h, 4 * s.f) if liger else (4 * s.norms * s.h, 6 * s.f)
+    attention = 4 * s.q + 4 * s.kv
+    if s.fused:
+        # Phi-3's v is a view of qkv_proj's output, so SDPA keeping v keeps all of it (q + 2kv, bf16).
+        attention += 2 * s.q + 2 * s.kv
+    if s.attn_softcap:
+        # Eager attention (transformers' Gemma 2 runs it: SDPA takes no softcap) keeps q, and k and v repeated to
+        # every query head (2q each), and per head and key position of the padded row the tanh output (bf16),
+        # softmax's fp32 output and its bf16 copy for the product with v: 8 bytes, on sliding layers too (the
+        # window only masks). Its backward holds the scores' fp32 gradient into and out of softmax (8 bytes more)
+        # while those are still kept (estimate()'s scores_bwd).
+        attention = 6 * s.q + 8 * s.heads * cfg.sequence_len
+    return norms + attention + swiglu + lora_saved_per_token(s, cfg, targets, program, liger)
+
+
 def fused_loss_transient(T: int, s: Shape) -> float:
     """Bytes Liger's fused linear cross-entropy holds while it runs (liger_kernel ops/fused_linear_cross_entropy.py):
     the final norm's bf16 output it reads, the bf16 input gradient it fills, and one chunk of logits (bf16 product,
@@ -362,31 +389,9 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     lora_g = lora_params * LORA_BYTES_PER_PARAM["grad"]
     opt = lora_params * LORA_BYTES_PER_PARAM["optimizer"]
 
-    # One decoder layer's saved activations per token (bytes), HF Llama/Qwen2 code with SDPA:
-    # two RMSNorms keep their fp32 input (4h each); attention keeps rotated q, k, v and its output (bf16);
-    # SwiGLU keeps gate, silu(gate) and up (bf16, 3 x 2f); the LoRA modules keep their inputs
-    # (lora_saved_per_token). With the fused loss the train stage applies every Liger kernel (tasks/train.py):
-    # Liger's RMSNorm keeps its bf16 input (2h, not 4h) and its SwiGLU keeps gate and up only (4f; silu is
-    # recomputed in backward).
-    # Gemma 2 has four norms per layer and GELU-tanh where Llama has SiLU (gate, gelu(gate), up kept the same way;
-    # Liger's GEGLU keeps gate and up). Counted with autograd's saved-tensor hooks on one CPU decoder layer of each
-    # (transformers 5.25, bf16): these terms plus < 4% (rotary cos/sin, per-row norm statistics).
     liger = strategy["fused_loss"] and program == "train-stage"
-    norms, swiglu = (2 * s.norms * s.h, 4 * s.f) if liger else (4 * s.norms * s.h, 6 * s.f)
-    attention = 4 * s.q + 4 * s.kv
-    if s.fused:
-        # Phi-3's v is a view of qkv_proj's output, so SDPA keeping v keeps all of it (q + 2kv, bf16).
-        attention += 2 * s.q + 2 * s.kv
-    scores_bwd = 0.0
-    if s.attn_softcap:
-        # Eager attention (transformers' Gemma 2 runs it: SDPA takes no softcap) keeps q, and k and v repeated to
-        # every query head (2q each), and per head and key position of the padded row the tanh output (bf16),
-        # softmax's fp32 output and its bf16 copy for the product with v: 8 bytes, on sliding layers too (the
-        # window only masks). Its backward holds the scores' fp32 gradient into and out of softmax (8 bytes more)
-        # while those are still kept.
-        attention = 6 * s.q + 8 * s.heads * cfg.sequence_len
-        scores_bwd = T * 8 * s.heads * cfg.sequence_len
-    per_tok = norms + attention + swiglu + lora_saved_per_token(s, cfg, targets, program, liger)
+    per_tok = layer_saved_per_token(s, cfg, targets, program, liger)
+    scores_bwd = T * 8 * s.heads * cfg.sequence_len if s.attn_softcap else 0.0
     layer_saved = CAL["layer"] * T * per_tok
     layer_bwd = CAL["layer_backward"] * layer_saved + scores_bwd
     dequant = max(i * o for i, o in lin.values()) * 2 if qlora else 0  # bnb dequantizes one matrix at a time
