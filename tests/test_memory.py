@@ -629,3 +629,26 @@ def test_a_gemma2_whose_query_scale_llama_cpp_would_not_apply_is_refused_at_plan
     assert bool(problems) == refused
     if refused:
         assert "query_pre_attn_scalar" in problems[0] and "llama.cpp" in problems[0]
+
+
+def test_lora_gradients_are_not_at_a_peak_that_comes_before_backward_writes_them():
+    # tasks/train.py sets gradients to None after each step: with k < L layers checkpointed and no accumulation the
+    # peak (the loss, the last layer's backward) holds none; every layer checkpointed, or accumulating, it holds them.
+    c = cfg(**{**FAST_7B, "gradient_accumulation_steps": 1})
+    L = memory.parse_model_config(QWEN2_7B).L
+    base = memory.strategy_from_config(c, L)
+    lora_g = memory.estimate(QWEN2_7B, c, base)["components_gib"]["lora_weights"]  # gradients: as many bytes (fp32)
+
+    def gap(k, accumulation=1, program="train-stage"):
+        st = {**memory.with_checkpointing(base, k), "gradient_accumulation_steps": accumulation}
+        est = memory.estimate(QWEN2_7B, c, st, program=program)
+        parts = est["components_gib"]
+        return est["predicted_allocated_gib"] - sum(parts[n] for n in ("frozen_weights", "lora_weights", "optimizer_state",
+                                                                       "lora_gradients")), parts["lora_gradients"]
+
+    for k in (0, 14):
+        (rest, grads), (rest_acc, grads_acc) = gap(k), gap(k, accumulation=2)
+        assert grads == 0 and grads_acc == pytest.approx(lora_g, abs=1e-3)
+        assert rest == pytest.approx(rest_acc, abs=2e-3)  # only the gradients differ
+    assert gap(L)[1] == pytest.approx(lora_g, abs=1e-3)
+    assert gap(14, program="harness")[1] == pytest.approx(lora_g, abs=1e-3)  # the harness's fit counted them

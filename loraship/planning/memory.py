@@ -431,9 +431,18 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
             # Gemma 2's cap on the bf16 logits: tanh keeps its output and the capped copy goes to the loss (2 x 2 B).
             # Liger's fused loss caps inside its chunks (tasks/train.py applies it), at no cost here.
             loss += 4 * T * s.V
-    static = weights + lora_w + lora_g + opt
+    # The train stage sets the LoRA gradients to None after each optimizer step (tasks/train.py zero_grad(set_to_none=
+    # True)): with k < L the peak, at the loss or the last layer's backward, comes before any is written. Not so with
+    # every layer checkpointed (the peak recurs at each recompute, the last one after nearly all gradients were
+    # written), nor with accumulation (later micro-batches hold the earlier ones'). The first recompute (k > 0) comes
+    # after the gradients of the L - k later layers: counted whole there, with one layer's activations instead of L - k.
     act_peak = max(loss, layer_peak + dequant + streamed)
-    allocated = static + kept + act_peak
+    grads_before_peak = (program == "train-stage" and k < s.L and strategy["gradient_accumulation_steps"] == 1)
+    at_peak = kept + act_peak + (0.0 if grads_before_peak else lora_g)
+    if grads_before_peak and k:
+        at_peak = max(at_peak, kept_ckpt + layer_saved + layer_bwd + dequant + streamed + lora_g)
+    static = weights + lora_w + opt
+    allocated = static + at_peak
     # Fragmentation follows the largest one-layer transient that happens at all: a recompute's whenever k > 0.
     layer_transient = (layer_saved + layer_bwd if k else layer_bwd) + dequant
     reclaimable = 0.0
@@ -452,7 +461,8 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     else:
         acts = {"checkpointed_activations": kept_ckpt, "saved_activations_other_layers": kept_full}
     comps = {
-        "frozen_weights": weights, "lora_weights": lora_w, "lora_gradients": lora_g, "optimizer_state": opt,
+        "frozen_weights": weights, "lora_weights": lora_w,
+        "lora_gradients": 0.0 if grads_before_peak and at_peak == kept + act_peak else lora_g, "optimizer_state": opt,
         **acts,
         **({"streamed_layer_copies": streamed} if n_off else {}),
         "one_layer_recompute_and_backward": layer_peak + dequant,
