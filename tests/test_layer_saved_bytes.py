@@ -50,6 +50,12 @@ def _cpu_bodies_for_liger(monkeypatch):
             x.copy_(x * c + torch.cat((-x2, x1), -1) * s)
         return q.transpose(1, 2), k.transpose(1, 2), cos, sin
 
+    # Liger patches transformers' Qwen2 module itself (its RoPE, RMSNorm and MLP classes): undone after the test, or
+    # every later Qwen2 in the session would run Triton kernels on the CPU.
+    from transformers.models.qwen2 import modeling_qwen2
+
+    for name in ("apply_rotary_pos_emb", "Qwen2RMSNorm", "Qwen2MLP"):
+        monkeypatch.setattr(modeling_qwen2, name, getattr(modeling_qwen2, name))
     monkeypatch.setattr(liger_rms, "rms_norm_forward", rms_norm_forward)
     monkeypatch.setattr(liger_swiglu, "swiglu_forward", swiglu_forward)
     monkeypatch.setattr(liger_rope, "rope_forward", rope_forward)
