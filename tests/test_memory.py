@@ -652,3 +652,11 @@ def test_lora_gradients_are_not_at_a_peak_that_comes_before_backward_writes_them
         assert rest == pytest.approx(rest_acc, abs=2e-3)  # only the gradients differ
     assert gap(L)[1] == pytest.approx(lora_g, abs=1e-3)
     assert gap(14, program="harness")[1] == pytest.approx(lora_g, abs=1e-3)  # the harness's fit counted them
+
+
+def test_fused_loss_transient_is_bf16_logits_of_one_chunk_and_three_hidden_sized_tensors():
+    # Liger's fused linear cross-entropy: 8192 rows / ceil(152064 / 3584) = 191 -> one chunk of 256 rows of bf16
+    # logits, whose gradient its kernel writes in place (no fp32 copy); the final norm's input (kept for its backward)
+    # and output, and the input gradient: bf16, T x h each.
+    s = memory.parse_model_config(QWEN2_7B)
+    assert memory.fused_loss_transient(8192, s) == 256 * 152064 * 2 + 3 * 2 * 8192 * 3584

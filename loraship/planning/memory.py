@@ -349,10 +349,13 @@ def layer_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progr
 
 def fused_loss_transient(T: int, s: Shape) -> float:
     """Bytes Liger's fused linear cross-entropy holds while it runs (liger_kernel ops/fused_linear_cross_entropy.py):
-    the final norm's bf16 output it reads, the bf16 input gradient it fills, and one chunk of logits (bf16 product,
-    fp32 working copy) of the rows it picks, next_power_of_2(T / ceil(V / h))."""
+    the final norm's bf16 output it reads, the bf16 input gradient it fills, and one chunk of bf16 logits of the rows it
+    picks, next_power_of_2(T / ceil(V / h)); its cross-entropy kernel writes the chunk's gradient over the logits in
+    place (no fp32 copy: 2 bytes per entry, not 2 + 4 as counted before, which over-predicted issue #24's partially
+    checkpointed rows, bench/results/planner_rescore.json). Also the final norm's bf16 input, which Liger's RMSNorm
+    keeps for backward and no decoder layer's term counts (layer_saved_per_token counts each layer's own input)."""
     rows = min(T, 1 << max(0, math.ceil(T / math.ceil(s.V / s.h)) - 1).bit_length())
-    return 2 * 2 * T * s.h + rows * s.V * (2 + 4)
+    return 3 * 2 * T * s.h + rows * s.V * 2
 
 
 def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "train-stage") -> dict:
