@@ -587,7 +587,8 @@ def test_optimize_memory_gives_the_least_memory():
     speed = memory.plan_training(QWEN2_7B, mode(**LEAN_7B, gpu_memory_gib=32))
     lean = memory.plan_training(QWEN2_7B, mode(**LEAN_7B, gpu_memory_gib=32, optimize="memory"))
     st = lean["strategy"]
-    assert st["checkpointed_layers"] == 28 and st["offload_activations"] is True and st["micro_batch_size"] == 2
+    # every layer checkpointed but the last, which costs nothing here (the test above)
+    assert st["checkpointed_layers"] == 27 and st["offload_activations"] is True and st["micro_batch_size"] == 2
     assert lean["memory"]["predicted_total_gib"] < speed["memory"]["predicted_total_gib"]
     # nothing on the ladder of the same adapter and batch predicts less
     c = mode(**LEAN_7B, gpu_memory_gib=32, optimize="memory")
@@ -631,27 +632,62 @@ def test_a_gemma2_whose_query_scale_llama_cpp_would_not_apply_is_refused_at_plan
         assert "query_pre_attn_scalar" in problems[0] and "llama.cpp" in problems[0]
 
 
-def test_optimize_memory_leaves_the_last_layer_unckeckpointed_only_where_it_costs_no_memory():
+def test_optimize_memory_leaves_the_last_layer_unckeckpointed_only_where_it_costs_no_memory(monkeypatch):
     """optimize: memory checkpoints every layer but the last where the last one's activations, held through the
     loss, fit under one layer's backward (the estimate's total is not larger): its recompute is saved for nothing.
-    gradient_checkpointing: true still means every layer."""
+    gradient_checkpointing: true still means every layer; a loss larger than one layer's backward keeps it."""
     L = memory.parse_model_config(QWEN2_7B).L
-    seen = set()
-    for targets in (["q_proj", "v_proj", "o_proj"], "all-linear"):
-        for adapter in ("lora", "qlora"):
-            c = cfg(**{**FAST_7B, "gradient_checkpointing": None, "lora_target_modules": targets}, optimize="memory",
-                    adapter=adapter, gpu_memory_gib=32)
-            user = memory.strategy_from_config(c, L)
-            every = memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, L))["predicted_total_gib"]
-            but_last = memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, L - 1))["predicted_total_gib"]
-            plan = memory.plan_training(QWEN2_7B, c)
-            free = but_last <= every
-            seen.add(free)
-            assert plan["strategy"]["checkpointed_layers"] == (L - 1 if free else L), (targets, adapter)
-            assert plan["strategy"]["offload_activations"]  # the checkpointed inputs still go to CPU memory
-            assert ("the last layer is not checkpointed" in plan["reason"]) == free
-            assert plan["memory"]["predicted_total_gib"] == round(min(every, but_last), 2)
-            explicit = memory.plan_training(QWEN2_7B, cfg(**{**FAST_7B, "gradient_checkpointing": True,
-                                                             "lora_target_modules": targets}, adapter=adapter))
-            assert explicit["strategy"]["checkpointed_layers"] == L
-    assert seen == {True, False}  # both outcomes occur on these four shapes
+
+    def plans():
+        for targets in (["q_proj", "v_proj", "o_proj"], "all-linear"):
+            for adapter in ("lora", "qlora"):
+                c = cfg(**{**FAST_7B, "gradient_checkpointing": None, "lora_target_modules": targets},
+                        optimize="memory", adapter=adapter, gpu_memory_gib=32)
+                user = memory.strategy_from_config(c, L)
+                every = memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, L))["predicted_total_gib"]
+                but_last = memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, L - 1))["predicted_total_gib"]
+                plan = memory.plan_training(QWEN2_7B, c)
+                free = but_last <= every
+                assert plan["strategy"]["checkpointed_layers"] == (L - 1 if free else L), (targets, adapter)
+                assert plan["strategy"]["offload_activations"]  # the checkpointed inputs still go to CPU memory
+                assert ("the last layer is not checkpointed" in plan["reason"]) == free
+                assert plan["memory"]["predicted_total_gib"] == round(min(every, but_last), 2)
+                explicit = memory.plan_training(QWEN2_7B, cfg(**{**FAST_7B, "gradient_checkpointing": True,
+                                                                 "lora_target_modules": targets}, adapter=adapter))
+                assert explicit["strategy"]["checkpointed_layers"] == L
+                yield free
+
+    assert all(plans())  # Liger's loss needs less than one 7B layer's backward at 2 x 8192
+    monkeypatch.setattr(memory, "fused_loss_transient", lambda T, s: 4 * memory.GIB)
+    assert not any(plans())
+
+
+def test_lora_gradients_are_not_at_a_peak_that_comes_before_backward_writes_them():
+    # tasks/train.py sets gradients to None after each step: with k < L layers checkpointed and no accumulation the
+    # peak (the loss, the last layer's backward) holds none; every layer checkpointed, or accumulating, it holds them.
+    c = cfg(**{**FAST_7B, "gradient_accumulation_steps": 1})
+    L = memory.parse_model_config(QWEN2_7B).L
+    base = memory.strategy_from_config(c, L)
+    lora_g = memory.estimate(QWEN2_7B, c, base)["components_gib"]["lora_weights"]  # gradients: as many bytes (fp32)
+
+    def gap(k, accumulation=1, program="train-stage"):
+        st = {**memory.with_checkpointing(base, k), "gradient_accumulation_steps": accumulation}
+        est = memory.estimate(QWEN2_7B, c, st, program=program)
+        parts = est["components_gib"]
+        return est["predicted_allocated_gib"] - sum(parts[n] for n in ("frozen_weights", "lora_weights", "optimizer_state",
+                                                                       "lora_gradients")), parts["lora_gradients"]
+
+    for k in (0, 14):
+        (rest, grads), (rest_acc, grads_acc) = gap(k), gap(k, accumulation=2)
+        assert grads == 0 and grads_acc == pytest.approx(lora_g, abs=1e-3)
+        assert rest == pytest.approx(rest_acc, abs=2e-3)  # only the gradients differ
+    assert gap(L)[1] == pytest.approx(lora_g, abs=1e-3)
+    assert gap(14, program="harness")[1] == pytest.approx(lora_g, abs=1e-3)  # the harness's fit counted them
+
+
+def test_fused_loss_transient_is_bf16_logits_of_one_chunk_and_three_hidden_sized_tensors():
+    # Liger's fused linear cross-entropy: 8192 rows / ceil(152064 / 3584) = 191 -> one chunk of 256 rows of bf16
+    # logits, whose gradient its kernel writes in place (no fp32 copy); the final norm's input (kept for its backward)
+    # and output, and the input gradient: bf16, T x h each.
+    s = memory.parse_model_config(QWEN2_7B)
+    assert memory.fused_loss_transient(8192, s) == 256 * 152064 * 2 + 3 * 2 * 8192 * 3584

@@ -555,8 +555,11 @@ def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_t
     import loraship.stages.train as train
     from loraship.planning import memory
 
+    # Accumulating: without it the configured plan holds no LoRA gradients at its peak (memory.estimate), and every
+    # smaller micro-batch of this tiny model, accumulating and so holding them, comes within the same 0.01 GiB, which
+    # replan_after_oom does not take as smaller.
     config = parse_config(demo_config_dict(tiny_qwen, tmp_path, run_name="precision", max_steps=4, save_steps=2,
-                                           micro_batch_size=8, gradient_accumulation_steps=1, warmup_steps=0))
+                                           micro_batch_size=8, gradient_accumulation_steps=2, warmup_steps=0))
     real_save, real_replan = train.save_checkpoint, memory.replan_after_oom
     attempts = []
 

@@ -320,12 +320,42 @@ def lora_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progra
     return inputs + 2 * cfg.lora_r * len(targets)
 
 
+def layer_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], program: str, liger: bool) -> float:
+    """Bytes per token one decoder layer without checkpointing keeps for backward, HF Llama/Qwen2 code with SDPA.
+
+    Two RMSNorms keep their fp32 input (4h each); attention keeps rotated q, k, v and its output (bf16); SwiGLU keeps
+    gate, silu(gate) and up (bf16, 3 x 2f); the LoRA modules keep their inputs (lora_saved_per_token). With the fused
+    loss the train stage applies every Liger kernel (tasks/train.py): Liger's RMSNorm keeps its bf16 input (2h, not
+    4h) and its SwiGLU keeps gate and up only (4f; silu is recomputed in backward). Gemma 2 has four norms per layer
+    and GELU-tanh where Llama has SiLU (gate, gelu(gate), up kept the same way; Liger's GEGLU keeps gate and up).
+    Counted with autograd's saved-tensor hooks on one CPU decoder layer of each (transformers 5.25, bf16): these
+    terms plus < 4% (rotary cos/sin, per-row norm statistics); tests/test_layer_saved_bytes.py recounts the train
+    stage's Qwen2 path (fused LoRA nodes, Liger's autograd functions) against this.
+    """
+    norms, swiglu = (2 * s.norms * s.h, 4 * s.f) if liger else (4 * s.norms * s.h, 6 * s.f)
+    attention = 4 * s.q + 4 * s.kv
+    if s.fused:
+        # Phi-3's v is a view of qkv_proj's output, so SDPA keeping v keeps all of it (q + 2kv, bf16).
+        attention += 2 * s.q + 2 * s.kv
+    if s.attn_softcap:
+        # Eager attention (transformers' Gemma 2 runs it: SDPA takes no softcap) keeps q, and k and v repeated to
+        # every query head (2q each), and per head and key position of the padded row the tanh output (bf16),
+        # softmax's fp32 output and its bf16 copy for the product with v: 8 bytes, on sliding layers too (the
+        # window only masks). Its backward holds the scores' fp32 gradient into and out of softmax (8 bytes more)
+        # while those are still kept (estimate()'s scores_bwd).
+        attention = 6 * s.q + 8 * s.heads * cfg.sequence_len
+    return norms + attention + swiglu + lora_saved_per_token(s, cfg, targets, program, liger)
+
+
 def fused_loss_transient(T: int, s: Shape) -> float:
     """Bytes Liger's fused linear cross-entropy holds while it runs (liger_kernel ops/fused_linear_cross_entropy.py):
-    the final norm's bf16 output it reads, the bf16 input gradient it fills, and one chunk of logits (bf16 product,
-    fp32 working copy) of the rows it picks, next_power_of_2(T / ceil(V / h))."""
+    the final norm's bf16 output it reads, the bf16 input gradient it fills, and one chunk of bf16 logits of the rows it
+    picks, next_power_of_2(T / ceil(V / h)); its cross-entropy kernel writes the chunk's gradient over the logits in
+    place (no fp32 copy: 2 bytes per entry, not 2 + 4 as counted before, which over-predicted issue #24's partially
+    checkpointed rows, bench/results/planner_rescore.json). Also the final norm's bf16 input, which Liger's RMSNorm
+    keeps for backward and no decoder layer's term counts (layer_saved_per_token counts each layer's own input)."""
     rows = min(T, 1 << max(0, math.ceil(T / math.ceil(s.V / s.h)) - 1).bit_length())
-    return 2 * 2 * T * s.h + rows * s.V * (2 + 4)
+    return 3 * 2 * T * s.h + rows * s.V * 2
 
 
 def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "train-stage") -> dict:
@@ -362,31 +392,9 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     lora_g = lora_params * LORA_BYTES_PER_PARAM["grad"]
     opt = lora_params * LORA_BYTES_PER_PARAM["optimizer"]
 
-    # One decoder layer's saved activations per token (bytes), HF Llama/Qwen2 code with SDPA:
-    # two RMSNorms keep their fp32 input (4h each); attention keeps rotated q, k, v and its output (bf16);
-    # SwiGLU keeps gate, silu(gate) and up (bf16, 3 x 2f); the LoRA modules keep their inputs
-    # (lora_saved_per_token). With the fused loss the train stage applies every Liger kernel (tasks/train.py):
-    # Liger's RMSNorm keeps its bf16 input (2h, not 4h) and its SwiGLU keeps gate and up only (4f; silu is
-    # recomputed in backward).
-    # Gemma 2 has four norms per layer and GELU-tanh where Llama has SiLU (gate, gelu(gate), up kept the same way;
-    # Liger's GEGLU keeps gate and up). Counted with autograd's saved-tensor hooks on one CPU decoder layer of each
-    # (transformers 5.25, bf16): these terms plus < 4% (rotary cos/sin, per-row norm statistics).
     liger = strategy["fused_loss"] and program == "train-stage"
-    norms, swiglu = (2 * s.norms * s.h, 4 * s.f) if liger else (4 * s.norms * s.h, 6 * s.f)
-    attention = 4 * s.q + 4 * s.kv
-    if s.fused:
-        # Phi-3's v is a view of qkv_proj's output, so SDPA keeping v keeps all of it (q + 2kv, bf16).
-        attention += 2 * s.q + 2 * s.kv
-    scores_bwd = 0.0
-    if s.attn_softcap:
-        # Eager attention (transformers' Gemma 2 runs it: SDPA takes no softcap) keeps q, and k and v repeated to
-        # every query head (2q each), and per head and key position of the padded row the tanh output (bf16),
-        # softmax's fp32 output and its bf16 copy for the product with v: 8 bytes, on sliding layers too (the
-        # window only masks). Its backward holds the scores' fp32 gradient into and out of softmax (8 bytes more)
-        # while those are still kept.
-        attention = 6 * s.q + 8 * s.heads * cfg.sequence_len
-        scores_bwd = T * 8 * s.heads * cfg.sequence_len
-    per_tok = norms + attention + swiglu + lora_saved_per_token(s, cfg, targets, program, liger)
+    per_tok = layer_saved_per_token(s, cfg, targets, program, liger)
+    scores_bwd = T * 8 * s.heads * cfg.sequence_len if s.attn_softcap else 0.0
     layer_saved = CAL["layer"] * T * per_tok
     layer_bwd = CAL["layer_backward"] * layer_saved + scores_bwd
     dequant = max(i * o for i, o in lin.values()) * 2 if qlora else 0  # bnb dequantizes one matrix at a time
@@ -426,9 +434,18 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
             # Gemma 2's cap on the bf16 logits: tanh keeps its output and the capped copy goes to the loss (2 x 2 B).
             # Liger's fused loss caps inside its chunks (tasks/train.py applies it), at no cost here.
             loss += 4 * T * s.V
-    static = weights + lora_w + lora_g + opt
+    # The train stage sets the LoRA gradients to None after each optimizer step (tasks/train.py zero_grad(set_to_none=
+    # True)): with k < L the peak, at the loss or the last layer's backward, comes before any is written. Not so with
+    # every layer checkpointed (the peak recurs at each recompute, the last one after nearly all gradients were
+    # written), nor with accumulation (later micro-batches hold the earlier ones'). The first recompute (k > 0) comes
+    # after the gradients of the L - k later layers: counted whole there, with one layer's activations instead of L - k.
     act_peak = max(loss, layer_peak + dequant + streamed)
-    allocated = static + kept + act_peak
+    grads_before_peak = (program == "train-stage" and k < s.L and strategy["gradient_accumulation_steps"] == 1)
+    at_peak = kept + act_peak + (0.0 if grads_before_peak else lora_g)
+    if grads_before_peak and k:
+        at_peak = max(at_peak, kept_ckpt + layer_saved + layer_bwd + dequant + streamed + lora_g)
+    static = weights + lora_w + opt
+    allocated = static + at_peak
     # Fragmentation follows the largest one-layer transient that happens at all: a recompute's whenever k > 0.
     layer_transient = (layer_saved + layer_bwd if k else layer_bwd) + dequant
     reclaimable = 0.0
@@ -447,7 +464,8 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     else:
         acts = {"checkpointed_activations": kept_ckpt, "saved_activations_other_layers": kept_full}
     comps = {
-        "frozen_weights": weights, "lora_weights": lora_w, "lora_gradients": lora_g, "optimizer_state": opt,
+        "frozen_weights": weights, "lora_weights": lora_w,
+        "lora_gradients": 0.0 if grads_before_peak and at_peak == kept + act_peak else lora_g, "optimizer_state": opt,
         **acts,
         **({"streamed_layer_copies": streamed} if n_off else {}),
         "one_layer_recompute_and_backward": layer_peak + dequant,
