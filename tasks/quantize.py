@@ -269,6 +269,12 @@ def merge_tokenizer_files(config) -> tuple[str, ...]:
                  and not rel.endswith((".safetensors", ".bin", ".pt", ".index.json")))
 
 
+def depends_on(config) -> dict[str, tuple[str, ...]]:
+    """The upstream files this run's result depends on beyond convert's: with imatrix, the merged model's tokenizer
+    files (what the calibration texts are rendered with), not its weights. `loraship status` asks the same."""
+    return {"merge": merge_tokenizer_files(config)} if config.imatrix else {}
+
+
 @exclusive
 def run(config) -> dict:
     from loraship.runtime.stage import stage_dir
@@ -277,7 +283,7 @@ def run(config) -> dict:
     if f16.is_file():
         read_gguf(f16)  # a truncated input is named before anything else is asked of the run (the merge stage)
     # imatrix: the merged tokenizer (not its weights) and the data fields are inputs too.
-    merge = {"merge": merge_tokenizer_files(config)} if config.imatrix else {}
+    merge = depends_on(config)
     ctx = open_stage(config, STAGE, UPSTREAM + tuple(merge), FIELDS + (IMATRIX_FIELDS if merge else ()),
                      consumes=merge, depends_on=merge)
     if ctx.done:

@@ -83,6 +83,11 @@ def stage_status(config, stage: str, states: dict[str, dict]) -> dict:
     module = stage_module(stage)
     reasons += [f"config key {key} is new to this stage" for key in getattr(module, "FIELDS", ()) if key not in recorded]
     keyed = getattr(module, "DEPENDS_ON", {})
+    if callable(getattr(module, "depends_on", None)):  # files that depend on the config (quantize's imatrix)
+        try:
+            keyed = {**keyed, **module.depends_on(config)}
+        except LorashipError:
+            pass  # its upstream has no manifest: said below
     ups = {}
     for up, record in manifest.get("inputs", {}).items():
         if states.get(up, {}).get("state") != "done":
