@@ -441,9 +441,15 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     # after the gradients of the L - k later layers: counted whole there, with one layer's activations instead of L - k.
     act_peak = max(loss, layer_peak + dequant + streamed)
     grads_before_peak = (program == "train-stage" and k < s.L and strategy["gradient_accumulation_steps"] == 1)
-    at_peak = kept + act_peak + (0.0 if grads_before_peak else lora_g)
-    if grads_before_peak and k:
-        at_peak = max(at_peak, kept_ckpt + layer_saved + layer_bwd + dequant + streamed + lora_g)
+    at_peak, grads_at_peak = kept + act_peak, lora_g
+    if not grads_before_peak:
+        at_peak += lora_g
+    else:
+        first_recompute = kept_ckpt + layer_saved + layer_bwd + dequant + streamed + lora_g if k else 0.0
+        if first_recompute > at_peak:
+            at_peak = first_recompute
+        else:
+            grads_at_peak = 0.0
     static = weights + lora_w + opt
     allocated = static + at_peak
     # Fragmentation follows the largest one-layer transient that happens at all: a recompute's whenever k > 0.
@@ -465,7 +471,7 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
         acts = {"checkpointed_activations": kept_ckpt, "saved_activations_other_layers": kept_full}
     comps = {
         "frozen_weights": weights, "lora_weights": lora_w,
-        "lora_gradients": 0.0 if grads_before_peak and at_peak == kept + act_peak else lora_g, "optimizer_state": opt,
+        "lora_gradients": grads_at_peak, "optimizer_state": opt,
         **acts,
         **({"streamed_layer_copies": streamed} if n_off else {}),
         "one_layer_recompute_and_backward": layer_peak + dequant,
