@@ -11,13 +11,17 @@ TINY_MODEL := .loraship/models/tiny-llama
 
 .PHONY: venv demo test tiny-model clean
 
+# llama-cpp-python is compiled here (about 10 minutes) for any x86-64 with AVX2, not for this CPU: a native build
+# (-march=native) on a CPU with AMX runs ggml's AMX matmul, which crashed every llama.cpp decode on such a machine
+# (SIGSEGV in ggml_backend_amx_mul_mat); the images build with GGML_NATIVE off too (images/Dockerfile).
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF
 # torch 2.13.0 first and pinned: it is the CPU build on this machine's disk; a bare `torch`
 # requirement would pull a multi-GB CUDA build. The extras' wider ranges then install nothing more.
 $(VENV)/.installed: pyproject.toml deploy/requirements-ci.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[train,merge,convert,verify,orchestrate,dev]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet -e '.[train,merge,convert,verify,orchestrate,dev]'
 	$(PY) -m pip install --quiet -r deploy/requirements-ci.txt
 	$(PY) -m loraship.cli fetch-converter
 	$(PY) -m loraship.cli build-tools
