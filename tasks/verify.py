@@ -644,6 +644,7 @@ def measure_apart(ctx, job: dict, entry: str = "measure", module: str | None = N
     import json
     import sys
 
+    from loraship.llamacpp.llama_child import native_crash_hint
     from loraship.runtime.proc import run_child
 
     job_file, result_file = ctx.dir / ".measure-job.json", ctx.dir / ".measure-result.json"
@@ -668,7 +669,7 @@ def measure_apart(ctx, job: dict, entry: str = "measure", module: str | None = N
             f"llama.cpp failed while loading or running {job['gguf']} ({how}):\n{tail}\n"
             "A GGUF that llama-cpp-python cannot load is a llama.cpp version mismatch or a broken file: run the "
             "convert and quantize stages again with this image's llama-cpp-python; out of memory: lower target_context"
-        )
+            + native_crash_hint(done.returncode))
     result = json.loads(result_file.read_text(encoding="utf-8"))
     job_file.unlink(missing_ok=True)
     result_file.unlink(missing_ok=True)

@@ -105,6 +105,18 @@ def test_chat_and_verify_load_llama_cpp_in_a_child_not_in_the_cli(tiny_gguf):
     assert done.stdout.rstrip().endswith("you> True False")  # numpy here, llama.cpp only in the child
 
 
+def test_a_native_crash_names_the_llama_cpp_build_as_a_cause(tmp_path):
+    """SIGSEGV/SIGILL in the llama.cpp child: besides a broken GGUF, the message names a llama-cpp-python built for
+    another CPU (a -march=native build crashed in ggml's AMX matmul on every decode) and the reinstall that fixes it;
+    an ordinary exit does not."""
+    from loraship.llamacpp.llama_child import _crashed
+
+    segv = str(_crashed(tmp_path / "m.gguf", -11, "ggml_backend_amx_mul_mat"))
+    assert "killed by signal 11" in segv and "CMAKE_ARGS=-DGGML_NATIVE=OFF" in segv and "--from convert" in segv
+    assert "GGML_NATIVE" in str(_crashed(tmp_path / "m.gguf", -4, ""))
+    assert "GGML_NATIVE" not in str(_crashed(tmp_path / "m.gguf", 1, "Traceback"))
+
+
 def test_a_gguf_llama_cpp_cannot_load_is_a_failed_check(tiny_gguf, tmp_path):
     """A GGUF that reads, but names an architecture llama.cpp does not know: the child's load failure comes back
     as the failed check (verify) or one error (chat), not a traceback."""

@@ -66,12 +66,21 @@ def _load_failed(path: Path, reason: str) -> LorashipError:
                          "than the pinned one; convert it again with `loraship run CONFIG --from convert`")
 
 
+def native_crash_hint(returncode: int) -> str:
+    """For a child killed by SIGSEGV or SIGILL: the llama-cpp-python build itself may be at fault."""
+    if returncode not in (-4, -11):
+        return ""
+    return ("; a crash in every file points at the llama-cpp-python build instead: one compiled for its build machine's "
+            "CPU (-march=native) crashed in ggml's AMX matmul on an AMX CPU; reinstall it with "
+            "CMAKE_ARGS=-DGGML_NATIVE=OFF pip install --force-reinstall --no-cache-dir llama-cpp-python")
+
+
 def _crashed(path: Path, returncode: int, stderr: str) -> LorashipError:
     how = f"killed by signal {-returncode}" if returncode < 0 else f"exit {returncode}"
     tail = "\n".join(stderr.strip().splitlines()[-8:])
     return LorashipError(f"{path}: the llama.cpp process ended ({how}):\n{tail}\nA GGUF that llama-cpp-python cannot "
                          "load is a llama.cpp version mismatch or a broken file: convert it again with "
-                         "`loraship run CONFIG --from convert`")
+                         f"`loraship run CONFIG --from convert`{native_crash_hint(returncode)}")
 
 
 def run_loaded(path: Path, n_ctx: int, entry: str, job: dict, what: str) -> dict:
