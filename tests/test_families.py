@@ -33,8 +33,10 @@ SEQUENCE_LEN = {"qwen2-base": 96, "smollm2": 96}
 # Mistral v0.3's tiny model (the least fitted of the families: pre-training loss 0.44) answered one golden
 # prompt outside the reply format after 8 and after 16 steps, the merged HF model itself ("Answer: T
 # Lengan.", golden_format 11/12); 32 pass every gate, and its 32k vocabulary keeps steps cheap. Gemma 2's
-# likewise after 8 (twice "Answer:pa.", golden_format 10/12, its GGUF equal 12/12); 32 pass every gate.
-STEPS = {"mistral-v03": 32, "gemma2": 32}
+# likewise after 8 (twice "Answer:pa.", golden_format 10/12, its GGUF equal 12/12); 32 pass every gate. Mistral
+# NeMo's on an AMX CPU (another torch numerics path) after 8 ("Answer: KaganAnswer: Vigan Kagan.", 10/12) and
+# 16 ("Answer: Mib Qu.", 11/12), the merged model itself each time; 32 pass every gate.
+STEPS = {"mistral-v03": 32, "gemma2": 32, "mistral-nemo": 32}
 
 
 def run_family(model: Path, family: Family, root: Path, run_name: str | None = None, **more):
