@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loraship.errors import ConfigError
-from loraship.constants import AUTO_LADDER, QUANT_GATE_FIELDS, QUANT_GATES
+from loraship.constants import AUTO_LADDER, IMATRIX_UNUSED, QUANT_GATE_FIELDS, QUANT_GATES
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -381,6 +381,11 @@ class Config(BaseModel):
         """Every quantization to make and verify, the primary first (also for a copy made with a plain
         string); for 'auto' the ladder, smallest first."""
         return list(AUTO_LADDER) if self.auto_quantization else self.quantizations_as_given
+
+    @property
+    def imatrix_in_use(self) -> bool:
+        """imatrix: true and at least one quantization the importance matrix changes (not Q8_0 or F16 alone)."""
+        return self.imatrix and any(q not in IMATRIX_UNUSED for q in self.quantizations)
 
     def gate_limits(self, quantization: str) -> dict[str, float]:
         """verify's quality limits for one quantization: what the config sets, else that quantization's

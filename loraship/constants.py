@@ -93,6 +93,11 @@ QUANT_GATES = {
 }
 QUANT_GATE_FIELDS = ("kl_mean_max", "kl_p99_max", "same_top_min", "perplexity_ratio_max", "decisive_flips_max")
 
+# Quantizations whose GGUF an importance matrix cannot change: llama.cpp's quantize_q8_0 ignores its quant_weights
+# ("(void)quant_weights; // not used", ggml/src/ggml-quants.c of the pinned sdist) and F16 is not quantized, so a run
+# that makes only these skips llama-imatrix.
+IMATRIX_UNUSED = frozenset({"Q8_0", "F16"})
+
 # quantization: auto tries these, smallest file first (BITS_PER_WEIGHT), and ships the first that passes.
 AUTO_LADDER = ("IQ3_M", "Q3_K_M", "IQ4_XS", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 

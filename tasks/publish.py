@@ -115,6 +115,8 @@ def shipped_pictures(train_manifest: dict) -> list[str]:
 def imatrix_line(quant: dict) -> str:
     """How the GGUFs were quantized: with the run's own importance matrix (what it was computed from) or without."""
     made = quant.get("imatrix")
+    if not made and quant.get("imatrix_unused"):
+        return f"Quantized with llama-cpp-python's quantize binding, {quant['imatrix_unused']}."
     if not made:
         return ("Quantized without an importance matrix (`imatrix: false`: llama-cpp-python's quantize binding).")
     split = made.get("split_texts")

@@ -272,7 +272,7 @@ def merge_tokenizer_files(config) -> tuple[str, ...]:
 def depends_on(config) -> dict[str, tuple[str, ...]]:
     """The upstream files this run's result depends on beyond convert's: with imatrix, the merged model's tokenizer
     files (what the calibration texts are rendered with), not its weights. `loraship status` asks the same."""
-    return {"merge": merge_tokenizer_files(config)} if config.imatrix else {}
+    return {"merge": merge_tokenizer_files(config)} if config.imatrix_in_use else {}
 
 
 @exclusive
@@ -292,17 +292,18 @@ def run(config) -> dict:
     src = ctx.upstream_dir("convert") / F16_GGUF
     read_gguf(src)  # refuses a truncated input with the file's name before any work
     imatrix, imatrix_path = None, None
-    if config.imatrix:
+    use_imatrix = config.imatrix_in_use
+    if use_imatrix:
         texts, tokens, drawn_from = calibration_texts(config, stage_dir(config, "merge") / MERGED_DIR)
         check_imatrix_tokens(config, tokens)
         text_sha256 = calibration_sha256(texts)
         imatrix = reusable_imatrix(ctx, last_manifest(ctx), text_sha256)
         imatrix_path = ctx.dir / IMATRIX_FILE
     # A matrix still to be computed has no sha256 yet, and no GGUF of the last run was made with it.
-    kept = [] if config.imatrix and imatrix is None else reusable(ctx, quantizations, imatrix["sha256"] if imatrix else None)
+    kept = [] if use_imatrix and imatrix is None else reusable(ctx, quantizations, imatrix["sha256"] if imatrix else None)
     keep_imatrix = (IMATRIX_FILE, IMATRIX_TEXT_FILE) if imatrix else ()
     reset_dir(ctx, keep=tuple(quantized_gguf_name(q) for q in kept) + keep_imatrix)
-    if config.imatrix and imatrix is None:
+    if use_imatrix and imatrix is None:
         check_free_disk(ctx.dir, src.stat().st_size * 0.1, "quantize (importance matrix)")
         started = time.time()
         imatrix = compute_imatrix(config, src, imatrix_path, texts, tokens) | drawn_from
@@ -325,8 +326,11 @@ def run(config) -> dict:
     each = {q: {**describe(ctx.dir / quantized_gguf_name(q), q, src.stat().st_size), "reused": q in kept,
                 "quantizer": quantizer, "imatrix_sha256": imatrix["sha256"] if imatrix else None}
             for q in quantizations}
+    # imatrix: true where no quantization asked for can use the matrix: said, not silently dropped.
+    unused = (f"no importance matrix: {', '.join(quantizations)} cannot use one (llama.cpp's Q8_0 ignores it)"
+              if config.imatrix and not use_imatrix else None)
     # The primary's figures stay at the top level, where one-quantization runs always had them.
-    return ctx.finish({**each[quantizations[0]], "quantizations": each, "imatrix": imatrix})
+    return ctx.finish({**each[quantizations[0]], "quantizations": each, "imatrix": imatrix, "imatrix_unused": unused})
 
 
 def calibration_sha256(texts: list[str]) -> str:

@@ -209,3 +209,35 @@ def test_imatrix_min_tokens_below_two_chunks_of_128_is_refused():
         parse_config({**base, "imatrix_min_tokens": 100})
     assert parse_config(base).imatrix is True
     assert parse_config({**base, "imatrix": False}).imatrix is False
+
+
+def test_a_q8_0_only_run_skips_the_matrix_it_could_not_use(imatrix_run, tmp_path):
+    """llama.cpp's Q8_0 ignores an importance matrix: a run making only Q8_0 computes none, asks the plan for no
+    minimum of text, says why in the manifest, and its Q8_0 tensors are those the matrix run made."""
+    from gguf import GGUFReader
+
+    from loraship.planning.preflight import check_inputs
+
+    config, manifests = imatrix_run
+    tokens = manifests["quantize"]["metrics"]["imatrix"]["text_tokens"]
+    both = copy_of_run(config, tmp_path / "both", quantization=["Q4_K_M", "Q8_0"])
+    with_matrix = importlib.import_module("loraship.stages.quantize").run(both)
+    assert with_matrix["metrics"]["quantizations"]["Q8_0"]["imatrix_sha256"]  # a mixed run passes it to Q8_0 too
+    q8 = copy_of_run(config, tmp_path / "q8", quantization="Q8_0", imatrix_min_tokens=tokens + 1)
+    assert q8.imatrix and not q8.imatrix_in_use
+    assert copy_of_run(config, tmp_path / "auto", quantization="auto").imatrix_in_use  # the ladder has K- and I-quants
+    check_inputs(q8)  # too little text for a matrix, but none is needed
+    made = importlib.import_module("loraship.stages.quantize").run(q8)
+    metrics = made["metrics"]
+    assert metrics["imatrix"] is None and "Q8_0 cannot use one" in metrics["imatrix_unused"]
+    assert metrics["quantizer"] == "llama-cpp-python llama_model_quantize"
+    assert not (stage_dir(q8, "quantize") / IMATRIX_FILE).exists()
+    name = quantized_gguf_name("Q8_0")
+
+    def tensors(path):
+        return {t.name: bytes(t.data.tobytes()) for t in GGUFReader(path).tensors}
+
+    assert tensors(stage_dir(q8, "quantize") / name) == tensors(stage_dir(both, "quantize") / name)
+    from loraship.stages.publish import imatrix_line
+
+    assert "Q8_0 cannot use one" in imatrix_line(metrics)

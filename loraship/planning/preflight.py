@@ -211,7 +211,7 @@ def imatrix_text_problem(config: Config, tokens: int) -> str | None:
 def imatrix_problems(config: Config, tokenizer) -> list[str]:
     """The training split's tokens, as quantize will count them, against imatrix_min_tokens; encoding stops once
     there are enough, so a large dataset costs the plan only its first rows."""
-    if not config.imatrix:
+    if not config.imatrix_in_use:
         return []
     from loraship.data import encode_row, split_rows
 
