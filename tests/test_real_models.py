@@ -161,12 +161,11 @@ def test_config_chat_template_reaches_the_gguf(tiny_qwen, tmp_path):
     from loraship.chat import NAMED_TEMPLATES
     from loraship.llamacpp.gguf_info import read_gguf
 
-    config = qwen_config(tiny_qwen, tmp_path, run_name="chatml", chat_template="chatml", max_steps=40,
-                         golden_match_min=0.5)
-    try:
-        run_stages(config, STAGES[:-1])
-    except LorashipError as e:  # a 2-layer model may answer differently; the template must still be there
-        assert "verify failed" in str(e), e
+    # Where the template goes is the question, not what the model answers: plan -> quantize, a few steps (reference
+    # and verify judge answers; they run on this vocabulary in the chat and alpaca runs above).
+    config = qwen_config(tiny_qwen, tmp_path, run_name="chatml", chat_template="chatml", max_steps=4, save_steps=4,
+                         warmup_steps=1, imatrix=False)
+    run_stages(config, ("plan", "train", "merge", "convert", "quantize"))
     adapter_template = json.loads((stage_dir(config, "train") / "adapter" / "tokenizer_config.json").read_text())
     saved = adapter_template.get("chat_template") or (stage_dir(config, "train") / "adapter" / "chat_template.jinja").read_text()
     assert saved == NAMED_TEMPLATES["chatml"]
