@@ -22,7 +22,12 @@ $PY -m pip download -q --no-deps $PLAT -d $K $(for p in fastapi uvicorn sse-star
 # build does not read: .git, docs, benches, the UI's tests and the vocab GGUFs (76 MB -> 11 MB).
 SDIST=${SDIST:-$($PY -c 'from loraship.llamacpp.llamacpp import cache_root; print(cache_root())')/packages/llama_cpp_python-0.3.36.tar.gz}
 if [ ! -f $K/llama_cpp_python-0.3.36-stripped.tgz ]; then
-  T=$(mktemp -d); tar xzf "$SDIST" -C $T; S=$T/llama_cpp_python-0.3.36
+  T=$(mktemp -d)
+  # `loraship fetch-converter` unpacks the sdist without keeping it: fetch it from the index then.
+  if [ ! -f "$SDIST" ]; then
+    $PY -m pip download -q --no-binary :all: --no-deps -d $T llama-cpp-python==0.3.36; SDIST=$T/llama_cpp_python-0.3.36.tar.gz
+  fi
+  tar xzf "$SDIST" -C $T; S=$T/llama_cpp_python-0.3.36
   rm -rf $S/.git $S/vendor/llama.cpp/.git $S/vendor/llama.cpp/docs $S/vendor/llama.cpp/benches $S/vendor/llama.cpp/tools/ui/tests
   find $S/vendor/llama.cpp/models -name '*.gguf' -delete
   tar czf $K/llama_cpp_python-0.3.36-stripped.tgz -C $T llama_cpp_python-0.3.36; rm -rf $T
