@@ -235,7 +235,7 @@ def test_a_q8_0_only_run_skips_the_matrix_it_could_not_use(imatrix_run, tmp_path
     name = quantized_gguf_name("Q8_0")
 
     def tensors(path):
-        return {t.name: bytes(t.data.tobytes()) for t in GGUFReader(path).tensors}
+        return {t.name: t.data.tobytes() for t in GGUFReader(path).tensors}
 
     assert tensors(stage_dir(q8, "quantize") / name) == tensors(stage_dir(both, "quantize") / name)
     from loraship.stages.publish import imatrix_line
