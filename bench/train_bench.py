@@ -127,7 +127,33 @@ def machine_stamp() -> dict:
         out["gpus"] = smi
     except (OSError, subprocess.SubprocessError):
         out["gpus"] = []
+    if out["gpus"]:
+        out["host_to_device_gbps"] = host_to_device_gbps()
     return out
+
+
+# Pinned host -> GPU copies of 1 GiB, as loraship/training/offload.py streams weights: the rate the planner assumes as
+# PLAN_HOST_TO_DEVICE_GBPS (loraship/planning/memory.py). In a child process, so this one starts no CUDA context.
+H2D_PROBE = """
+import json, time, torch
+src = torch.empty(2**29, dtype=torch.bfloat16).pin_memory()
+dst = torch.empty_like(src, device="cuda")
+rates = []
+for _ in range(6):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    dst.copy_(src, non_blocking=True); torch.cuda.synchronize()
+    rates.append(src.numel() * 2 / (time.perf_counter() - t) / 1e9)
+print(json.dumps(sorted(rates[1:])[len(rates[1:]) // 2]))
+"""
+
+
+def host_to_device_gbps() -> float | None:
+    """The median pinned host-to-device copy rate of the first GPU, GB/s (the first copy is warm-up), or None."""
+    try:
+        done = subprocess.run([sys.executable, "-c", H2D_PROBE], capture_output=True, text=True, timeout=120, check=True)
+        return round(float(json.loads(done.stdout.strip().splitlines()[-1])), 1)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def versions(*names: str) -> dict:

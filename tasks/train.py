@@ -190,6 +190,13 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     if offload:
         from loraship.training.offload import offload_frozen_layers
 
+        n_layers = len(decoder_layers(model))
+        if memory.checkpointed_layers(strategy, n_layers) < min(offload, n_layers):
+            # A streamed layer that is not recomputed keeps its weight's GPU copy from forward to backward.
+            raise LorashipError(f"the plan streams {offload} layers but checkpoints only "
+                                f"{memory.checkpointed_layers(strategy, n_layers)}: streamed layers must be among the "
+                                "checkpointed ones (a plan edited by hand?); re-plan")
+
         log.info("train: %.2f GiB of frozen weights kept in CPU memory", offload_frozen_layers(model, offload) / 2**30)
         model.to("cuda")
     if device == "cuda" and strategy["fused_loss"]:

@@ -213,6 +213,43 @@ def test_14b_bf16_lora_on_32gib_offloads_by_default_and_keeps_bf16(fused):
     assert plan["fallback"] == ["offload", "qlora"]
 
 
+def test_14b_bf16_lora_under_optimize_speed_streams_more_layers_to_checkpoint_fewer():
+    """optimize: speed (gradient_checkpointing unset): the least offload that fits checkpoints every layer; streaming
+    more layers frees room for later layers' activations, whose recompute is saved, while the copies still hide
+    behind the matmuls at the planning rates."""
+    c = cfg(**{**LORA_14B, "gradient_checkpointing": None, "gradient_accumulation_steps": 1}, fused_loss="on")
+    plan = memory.plan_training(QWEN2_14B_EXAMPLE, c)
+    st, L = plan["strategy"], 48
+    n, k = st["offload_layers"], st["checkpointed_layers"]
+    assert plan["fits"] and st["adapter"] == "lora" and 0 < n <= k < L
+    least = next(s for s, _ in memory._ladder(QWEN2_14B_EXAMPLE, c)
+                 if s["offload_layers"] and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"])
+    assert least["checkpointed_layers"] == L and least["offload_layers"] < n
+    chosen, rung = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (st, least))
+    assert chosen["step_s"] < 0.99 * rung["step_s"] and chosen["copy_s"] <= chosen["step_s"]
+    # The fewest checkpointed layers at that offload: one fewer does not fit.
+    assert not memory.estimate(QWEN2_14B_EXAMPLE, c, memory.with_checkpointing(st, k - 1))["fits"]
+    assert f"streaming {n} layers instead of {least['offload_layers']}" in plan["reason"]
+    assert f"room for {L - k} layers' activations" in plan["reason"]
+
+
+def test_streaming_stops_where_the_copies_would_take_longer_than_the_matmuls(monkeypatch):
+    c = cfg(**{**LORA_14B, "gradient_checkpointing": None, "gradient_accumulation_steps": 1}, fused_loss="on")
+    fast = memory.plan_training(QWEN2_14B_EXAMPLE, c)["strategy"]["offload_layers"]
+    monkeypatch.setattr(memory, "PLAN_HOST_TO_DEVICE_GBPS", 2.5)  # a tenth of the bandwidth: streaming more never pays
+    slow = memory.plan_training(QWEN2_14B_EXAMPLE, c)["strategy"]
+    least = next(s for s, _ in memory._ladder(QWEN2_14B_EXAMPLE, c)
+                 if s["offload_layers"] and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"])
+    assert slow["offload_layers"] == least["offload_layers"] < fast
+
+
+def test_optimize_memory_and_explicit_checkpointing_keep_every_layer_checkpointed_under_offload():
+    for extra in ({"optimize": "memory", "gradient_checkpointing": None}, {"gradient_checkpointing": True}):
+        c = cfg(**{**LORA_14B, **extra, "gradient_accumulation_steps": 1}, fused_loss="on")
+        st = memory.plan_training(QWEN2_14B_EXAMPLE, c)["strategy"]
+        assert st["adapter"] == "lora" and st["offload_layers"] and st["checkpointed_layers"] == 48, extra
+
+
 def test_14b_fallback_qlora_switches_to_qlora_without_offload():
     plan = memory.plan_training(QWEN2_14B_EXAMPLE, cfg(**LORA_14B, fused_loss="on", fallback=["qlora"]))
     assert plan["fits"] and plan["strategy"]["adapter"] == "qlora" and plan["strategy"]["offload_layers"] == 0

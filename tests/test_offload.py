@@ -24,7 +24,7 @@ def _model(tiny_model):
     return model
 
 
-@pytest.mark.parametrize("n_layers", [1, 2])  # the tiny model has 2 layers: 2 offloads layer 0 too
+@pytest.mark.parametrize("n_layers", [1, 2])  # the tiny model has 2 layers: 2 offloads the last layer too
 def test_offloaded_layers_train_identically(tiny_model, n_layers):
     from loraship.training.offload import offload_frozen_layers
 
@@ -44,8 +44,8 @@ def test_offloaded_layers_train_identically(tiny_model, n_layers):
             p.copy_(state[n])
     kept = offload_frozen_layers(offloaded, n_layers)
     assert kept > 0
-    last = offloaded.get_base_model().model.layers[-1]
-    frozen = [m for m in last.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad]
+    first = offloaded.get_base_model().model.layers[0]  # the first n layers stream (the checkpointed ones)
+    frozen = [m for m in first.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad]
     assert frozen and all(m.weight.numel() == 0 and hasattr(m, "_loraship_cpu_weight") for m in frozen)
     for _ in range(2):  # a second step: the prefetch state from the first must not leak into it
         loss, grads = loss_and_grads(offloaded, ids)
@@ -129,41 +129,71 @@ def _offload_recording(model, n_layers):
 IDS = torch.tensor([[5, 9, 17, 33, 65, 100, 3, 7, 11, 13, 2, 1]])
 
 
-def test_prefetch_walks_up_in_forward_and_down_in_the_recompute():
+def _checkpoint_first(model, k):
+    """What tasks/train.py checkpoint_first_layers does: only the first k decoder layers recompute."""
+    for i, layer in enumerate(model.get_base_model().model.layers):
+        layer.gradient_checkpointing = i < k
+
+
+def _step_schedule(model, transfer, reference_grads, loss_ref):
+    """One training step: (layers prefetched in forward, in backward); checks the gradients on the way."""
+    transfer.prefetched.clear()
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=IDS, labels=IDS).loss
+    forward = list(transfer.prefetched)
+    transfer.prefetched.clear()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert abs(loss.item() - loss_ref) < 1e-6 and grads.keys() == reference_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], reference_grads[name], rtol=1e-5, atol=1e-7)
+    return forward, list(transfer.prefetched)
+
+
+@pytest.mark.parametrize("streamed, checkpointed, forward, backward", [
+    # All 4 streamed: the last layer, once forward is done with it, is copied again for its recompute, the first
+    # thing backward does; recomputing i copies i - 1.
+    (4, 4, [0, 1, 2, 3, 3], [2, 1, 0]),
+    # 3 streamed, every layer checkpointed: layer 3 (resident) recomputes first; its recompute copies layer 2.
+    (3, 4, [0, 1, 2], [2, 1, 0]),
+    # 2 streamed, 3 checkpointed: layer 3 keeps its activations (no recompute); layer 2's recompute copies layer 1.
+    (2, 3, [0, 1], [1, 0]),
+])
+def test_prefetch_walks_up_in_forward_and_down_in_the_recompute(streamed, checkpointed, forward, backward):
     reference = _generated_model()
+    _checkpoint_first(reference, checkpointed)
     loss_ref, grads_ref = loss_and_grads(reference, IDS)
     model = _generated_model()  # same seed: same weights
-    transfer = _offload_recording(model, 3)  # layers 1, 2, 3 offloaded; layer 0 resident
-    for _ in range(2):
-        transfer.prefetched.clear()
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=IDS, labels=IDS).loss
-        # Step start copies the first offloaded layer; layer i copies i + 1; the last layer, once forward
-        # is done with it, is copied again for its recompute, the first thing backward does.
-        assert transfer.prefetched == [1, 2, 3, 3]
-        transfer.prefetched.clear()
-        loss.backward()
-        # Backward recomputes 3, 2, 1: recomputing i copies i - 1 (layer 0 is resident: nothing).
-        assert transfer.prefetched == [2, 1]
-        # Every weight was prefetched: no copy on the spot.
-        assert transfer.fallbacks == 0
-        # Current + next: never more than two layers' copies alive, whoever holds them.
-        assert transfer.peak <= 2
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        assert abs(loss.item() - loss_ref) < 1e-6 and grads.keys() == grads_ref.keys()
-        for name in grads:
-            torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-5, atol=1e-7)
+    _checkpoint_first(model, checkpointed)
+    transfer = _offload_recording(model, streamed)
+    for _ in range(2):  # a second step: the prefetch state from the first must not leak into it
+        assert _step_schedule(model, transfer, grads_ref, loss_ref) == (forward, backward)
+        assert transfer.fallbacks == 0  # every weight was prefetched: no copy on the spot
+        assert transfer.peak <= 2  # current + next: never more than two layers' copies alive, whoever holds them
+
+
+def test_streaming_every_checkpointed_layer_costs_one_copy_on_the_spot():
+    """k == n: the layer after the streamed ones is not recomputed, so nothing announces the last streamed layer's
+    recompute; it is copied when it starts, and waited for (the result is the same)."""
+    reference = _generated_model()
+    _checkpoint_first(reference, 2)
+    loss_ref, grads_ref = loss_and_grads(reference, IDS)
+    model = _generated_model()
+    _checkpoint_first(model, 2)
+    transfer = _offload_recording(model, 2)
+    assert _step_schedule(model, transfer, grads_ref, loss_ref) == ([0, 1], [1, 0])
+    assert model.get_base_model().model._loraship_prefetcher.late == 1 and transfer.fallbacks == 0 and transfer.peak <= 2
 
 
 def test_unconsumed_prefetch_is_dropped_at_the_next_step():
     model = _generated_model()
-    transfer = _offload_recording(model, 2)
+    transfer = _offload_recording(model, 4)
     model(input_ids=IDS, labels=IDS)  # a training forward with no backward: layer 3's recompute copy waits
     assert transfer.alive() == {3}
     with torch.no_grad():  # e.g. an eval step; no recompute follows, so nothing is left behind
         model(input_ids=IDS)
     assert transfer.alive() == set() and transfer.dropped == 1
-    assert transfer.prefetched == [2, 3, 3, 2, 3]
+    assert transfer.prefetched == [0, 1, 2, 3, 3, 0, 1, 2, 3]
     assert transfer.peak <= 2
 
 
@@ -171,7 +201,7 @@ def test_without_checkpointing_nothing_is_copied_for_a_recompute():
     model = _generated_model(checkpointing=False)
     transfer = _offload_recording(model, 2)
     model(input_ids=IDS, labels=IDS).loss.backward()
-    assert transfer.prefetched == [2, 3] and transfer.fallbacks == 0
+    assert transfer.prefetched == [0, 1] and transfer.fallbacks == 0
 
 
 def test_a_wrong_guess_costs_a_copy_never_a_wrong_weight():
@@ -192,4 +222,4 @@ def test_a_wrong_guess_costs_a_copy_never_a_wrong_weight():
         module = layers[i][k]
         assert torch.equal(prefetcher.weight(i, module, cpu), module._loraship_cpu_weight)
         assert len(prefetcher.held) <= 2
-    assert transfer.fallbacks > 0  # the jumps were not prefetched; they were copied on the spot
+    assert prefetcher.late > 0  # the jumps were not prefetched; they were copied when they came

@@ -56,6 +56,14 @@ def train_flops_per_token(model_config: dict, cfg, seq_len: float) -> float:
     return 4 * frozen + 6 * lora + attention
 
 
+def recompute_flops_per_layer_token(model_config: dict, cfg, seq_len: float) -> float:
+    """FLOPs one checkpointed decoder layer adds per token: its forward again (frozen and LoRA matmuls, attention)."""
+    s = memory.parse_model_config(model_config)
+    linears = s.linears()
+    lora = sum(cfg.lora_r * sum(linears[name]) for name in memory.target_names(cfg, s))
+    return 2 * s.layer_linear_params + 2 * lora + 2 * s.q * seq_len
+
+
 def mfu(tokens_per_s: float | None, flops_per_token: float, device_name: str | None) -> tuple[float | None, str]:
     """(MFU as a fraction of the bf16 peak, or None, and the words that say how it was taken or why not)."""
     peak = bf16_peak_tflops(device_name)

@@ -66,6 +66,15 @@ CAL = {
 SAFETY_MARGIN_FRACTION = 0.08
 SAFETY_MARGIN_MIN_GIB = 0.5
 
+# Speed, for one choice only: how many layers to stream when offload must (plan_training's _stream_for_speed). A step
+# runs its matmuls and its host-to-device copies side by side, so it takes the longer of the two. Assumed rates of the
+# fastest card loraship plans for, where copies hide least: executed bf16 FLOP/s (recomputes included) of the
+# qwen2-14b-lora default row of bench/results/train_bench.json on the H200 (6,187 tokens/s at 61.9 GFLOP per token
+# plus 46 recomputed layers: ~550 TFLOP/s), and half of PCIe 5.0 x16's ~50 GB/s for pinned copies (not yet measured
+# here: bench/train_bench.py records the card's rate). Slower cards compute longer per copied byte.
+PLAN_EXECUTED_TFLOPS = 550.0
+PLAN_HOST_TO_DEVICE_GBPS = 25.0
+
 # How plans, manifests and model cards name offload_activations (bench/train_bench.py reads it back from them).
 ACTIVATIONS_IN_CPU = "checkpointed activations in CPU memory"
 
@@ -382,10 +391,12 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     rest_bytes = 2 * (s.n_params - s.L * s.layer_linear_params)
     n_off = min(strategy.get("offload_layers", 0), s.L)
     weights = (s.L - n_off) * layer_lin_bytes + rest_bytes
-    # Offloaded layers stream back one at a time: two copies on the GPU (current + prefetch) while a decoder
-    # layer runs; none at the fused loss, which runs after the last layer's forward released its copy and
-    # before backward prefetches (loraship/training/offload.py).
+    # The first n layers stream back one at a time (loraship/training/offload.py): two copies on the GPU (current +
+    # prefetch) while one of them runs or recomputes. At the loss only where every layer streams: the last one is
+    # copied again for its recompute as soon as its forward is done; otherwise the last streamed layer is copied
+    # when backward reaches the layer after it.
     streamed = min(2, n_off) * layer_lin_bytes
+    streamed_at_loss = layer_lin_bytes if n_off and n_off == s.L else 0.0
 
     lora_params = s.L * sum(cfg.lora_r * (lin[n][0] + lin[n][1]) for n in targets)
     lora_w = lora_params * LORA_BYTES_PER_PARAM["weight"]
@@ -439,7 +450,10 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     # every layer checkpointed (the peak recurs at each recompute, the last one after nearly all gradients were
     # written), nor with accumulation (later micro-batches hold the earlier ones'). The first recompute (k > 0) comes
     # after the gradients of the L - k later layers: counted whole there, with one layer's activations instead of L - k.
-    act_peak = max(loss, layer_peak + dequant + streamed)
+    # With k < L the layer peak is the last layer's plain backward, before any streamed layer (all among the first k,
+    # recomputed later) is copied back; the first recompute below counts the copies.
+    streamed_at_layer = streamed if k == s.L else 0.0
+    act_peak = max(loss + streamed_at_loss, layer_peak + dequant + streamed_at_layer)
     grads_before_peak = (program == "train-stage" and k < s.L and strategy["gradient_accumulation_steps"] == 1)
     at_peak, grads_at_peak = kept + act_peak, lora_g
     if not grads_before_peak:
@@ -483,7 +497,8 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     total = reserved - reclaimable + ctx
     return {
         "components_gib": {k: round(v / GIB, 3) for k, v in comps.items()},
-        "peak_phase": "cross-entropy" if loss >= layer_peak + dequant + streamed else "one layer's backward",
+        "peak_phase": ("cross-entropy" if loss + streamed_at_loss >= layer_peak + dequant + streamed_at_layer
+                       else "one layer's backward"),
         "predicted_allocated_gib": allocated / GIB,
         "predicted_reserved_gib": reserved / GIB,
         "cuda_context_gib": ctx / GIB,
@@ -569,9 +584,9 @@ def _ladder(model_config: dict, cfg: Config, fallback: list[str] | None = None) 
             # Every micro-batch streams the offloaded weights again (forward and recompute), so the cost per
             # optimizer step is n x eff / mb: the least n / mb first, then the fewest layers.
             pairs = sorted(((n, mb) for mb in mbs for n in range(1, s.L + 1)), key=lambda p: (p[0] / p[1], p[0]))
-            # Offload keeps every layer checkpointed: loraship/training/offload.py streams the last n layers' weights
-            # per matmul, and autograd keeps each streamed copy until backward unless the layer is
-            # recomputed; the estimate's two resident offloaded layers assume that.
+            # Rungs checkpoint every layer: loraship/training/offload.py streams the first n layers' weights per matmul,
+            # and autograd keeps each streamed copy until backward unless the layer is recomputed. Once one fits,
+            # plan_training may stream more layers to checkpoint fewer (_stream_for_speed).
             for n, mb in pairs:
                 out.append(step("lora", mb, n, s.L, f"bf16 LoRA, micro-batch {mb} x {eff // mb}, with {n} of {s.L} decoder "
                                                "layers' frozen weights streamed from CPU memory (fallback: offload keeps bf16)"))
@@ -704,6 +719,7 @@ def plan_training(model_config: dict, cfg: Config) -> dict:
             else:
                 why = f"as configured fits: {est['predicted_total_gib']:.1f} GiB of {cfg.gpu_memory_gib:g} GiB"
             strat, est, why = _last_layer_free(model_config, cfg, strat, est, why)
+            strat, est, why = _stream_for_speed(model_config, cfg, strat, est, why)
             return _plan(model_config, cfg, strat, est, why, _alternatives(model_config, cfg, strat))
         tried.append((strat, why, est))
     if cfg.device != "cpu":
@@ -728,6 +744,54 @@ def _last_layer_free(model_config: dict, cfg: Config, strat: dict, est: dict, wh
         return strat, est, why
     return lighter, lighter_est, (f"{why}; the last layer is not checkpointed: its activations fit under one "
                                   "layer's backward at no extra memory, and its recompute is saved")
+
+
+def step_seconds(model_config: dict, cfg: Config, strategy: dict) -> dict:
+    """Predicted seconds of one micro-batch at PLAN_EXECUTED_TFLOPS and PLAN_HOST_TO_DEVICE_GBPS: matmuls (recomputes
+    included) and host-to-device copies (streamed weights, forward and recompute; offloaded checkpoints coming
+    back), which overlap, so the step takes the longer."""
+    from loraship.planning import flops
+
+    s = parse_model_config(model_config)
+    T = strategy["micro_batch_size"] * cfg.sequence_len
+    k = checkpointed_layers(strategy, s.L)
+    n = min(strategy.get("offload_layers", 0), s.L)
+    compute = T * (flops.train_flops_per_token(model_config, cfg, cfg.sequence_len)
+                   + k * flops.recompute_flops_per_layer_token(model_config, cfg, cfg.sequence_len))
+    copied = 2 * n * s.layer_linear_params * 2  # bf16 (offload is bf16 LoRA only)
+    if strategy.get("offload_activations"):
+        copied += k * T * 2 * s.h
+    compute_s, copy_s = compute / (PLAN_EXECUTED_TFLOPS * 1e12), copied / (PLAN_HOST_TO_DEVICE_GBPS * 1e9)
+    return {"compute_s": compute_s, "copy_s": copy_s, "step_s": max(compute_s, copy_s)}
+
+
+def _stream_for_speed(model_config: dict, cfg: Config, strat: dict, est: dict, why: str) -> tuple[dict, dict, str]:
+    """Where offload had to stream n layers with every layer checkpointed (the ladder's rung), stream more where that
+    is faster: each streamed layer frees its weights for the saved activations of a later layer, which then skips its
+    recompute (a third of its work); the copies cost nothing while the matmuls take longer. optimize: speed only."""
+    s = parse_model_config(model_config)
+    n = strat.get("offload_layers", 0)
+    if not n or checkpoint_every_layer(cfg) or cfg.gradient_checkpointing is not None:
+        return strat, est, why
+    best = (step_seconds(model_config, cfg, strat)["step_s"], strat, est)
+    first = best[0]
+    for more in range(n, s.L + 1):
+        for k in range(more, s.L + 1):  # streamed layers are among the checkpointed (offload.py)
+            cand = with_checkpointing({**strat, "offload_layers": more}, k)
+            cand_est = estimate(model_config, cfg, cand)
+            if cand_est["fits"]:
+                t = step_seconds(model_config, cfg, cand)["step_s"]
+                if t < best[0] * 0.99:  # a gain within the model's error is no reason to copy more
+                    best = (t, cand, cand_est)
+                break  # more checkpointed layers would only be slower
+    t, chosen, chosen_est = best
+    if chosen is strat:
+        return strat, est, why
+    k = checkpointed_layers(chosen, s.L)
+    return chosen, chosen_est, (
+        f"{why}; streaming {chosen['offload_layers']} layers instead of {n} leaves room for {s.L - k} layers' "
+        f"activations, whose recompute is saved: predicted {t:.2f} s a micro-batch instead of {first:.2f} s "
+        f"(at {PLAN_EXECUTED_TFLOPS:g} TFLOP/s and {PLAN_HOST_TO_DEVICE_GBPS:g} GB/s host to device)")
 
 
 def _alternatives(model_config: dict, cfg: Config, chosen: dict) -> list[dict]:

@@ -1,20 +1,25 @@
 """Partial CPU offload of frozen base weights for bf16 LoRA training.
 
-The last N decoder layers keep their frozen Linear weights in pinned CPU memory; each forward
+The first N decoder layers keep their frozen Linear weights in pinned CPU memory; each forward
 (and each recompute under gradient checkpointing) copies the weight to the GPU just for that
 matmul, and autograd frees the copy once backward no longer needs it. LoRA weights, norms,
 embeddings and every other layer stay on the GPU.
+
+Why the first N: the train stage checkpoints the first k layers (tasks/train.py), and a streamed layer must be
+one of them (otherwise autograd keeps its copy from forward to backward). Streaming the first layers lets a plan
+stream n and checkpoint only k >= n of L: the memory streaming frees pays for the later layers' saved activations,
+whose recompute is then saved (loraship/planning/memory.py trades the two).
 
 Overlap: the copies are prefetched. When an offloaded layer starts, its weights were already
 copied on a side CUDA stream, and the copy of the layer that runs next starts, so the PCIe
 transfer runs while the current layer computes. Forward visits the offloaded layers in ascending
 order; non-reentrant gradient checkpointing recomputes them in descending order during backward,
-so the prefetch follows that direction there (the last layer's recompute comes first, so it is
-copied again as soon as forward is done with it). At most two layers' copies are waiting at once,
-the current one and the next: loraship/planning/memory.py budgets exactly two layers on the GPU. A prefetch
-is only a head start: a weight that was not prefetched is copied on the spot, on the compute
-stream, as before, so a wrong guess costs time, never correctness. The speed-up is not measured
-yet: no GPU run since this change; the offload rows of bench/train_bench.py will measure it.
+so the prefetch follows that direction there. The last streamed layer's recompute is copied ahead
+when backward starts recomputing the layer after it (or, where every layer is streamed, as soon as
+forward is done with the last one, whose recompute is backward's first work). At most two layers'
+copies are waiting at once, the current one and the next: loraship/planning/memory.py budgets exactly two
+layers on the GPU. A prefetch is only a head start: a layer that was not prefetched is copied when
+it starts, and waited for, so a wrong guess costs time, never correctness.
 
 Why not accelerate's device_map={"...": "cpu"}: its offload hooks leave the weights on the meta
 device, PEFT then creates the layers' LoRA weights there too, and training fails (seen on the
@@ -86,37 +91,53 @@ class Prefetcher:
     below the previous one in the same step is a recompute: backward is walking down.
     """
 
-    def __init__(self, layers, recompute_follows, transfer=None):
+    def __init__(self, layers, recompute_follows, transfer=None, ends_model=True):
         self.layers = layers
         self.recompute_follows = recompute_follows  # () -> bool: will backward recompute these layers?
         self.transfer = transfer or Transfer()
+        # Whether the last streamed layer is the model's last decoder layer: then backward starts with its
+        # recompute; otherwise with the layers after it, and next_layer_ran() says when to copy it ahead.
+        self.ends_model = ends_model
         self.held = {}  # layer -> ({module: copy}, done): copied, not used yet
         self.current, self.backward, self.used = None, False, set()
+        self.next_layer_runs = 0
+        self.late = 0  # passes whose layer was not copied ahead (each then waits for its copy)
 
     def step(self, device):
         """A new forward pass: drop what the previous one copied and never used; copy the first layer."""
         for k in list(self.held):
             self._drop(k)
         self.current, self.backward, self.used = None, False, set()
+        self.next_layer_runs = 0
         self._prefetch(0, device)
+
+    def next_layer_ran(self, device):
+        """The decoder layer after the streamed ones starts: its forward, then (when checkpointed) its recompute in
+        backward, which comes right before the last streamed layer's own recompute: copy that one now."""
+        self.next_layer_runs += 1
+        if self.next_layer_runs == 2 and self.recompute_follows():
+            self._prefetch(len(self.layers) - 1, device)
 
     def weight(self, i, module, device):
         """The weight of `module` (in offloaded layer i) on `device`, ready for the current stream."""
         if i != self.current or module in self.used:
             self.backward = self.current is not None and i <= self.current
             self.current, self.used = i, set()
+            if i not in self.held:  # not foreseen: the whole layer now, in one go, rather than a matmul at a time
+                self.late += 1
+                self._prefetch(i, device)
             self._prefetch(i - 1 if self.backward else i + 1, device)
         self.used.add(module)
         copies, done = self.held.get(i, ({}, None))
         copy = copies.pop(module, None)  # let go of it: from here autograd alone keeps it alive
         if not copies:
             self.held.pop(i, None)
-        if copy is None:  # not prefetched (a guess that missed): copy it now, on the compute stream
+        if copy is None:  # a module asked twice in one pass: copy it now, on the compute stream
             weight = self.transfer.now(module._loraship_cpu_weight, device)
         else:
             weight = self.transfer.ready(copy, done)
-        if (not self.backward and i == len(self.layers) - 1 and len(self.used) == len(self.layers[i])
-                and self.recompute_follows()):
+        if (self.ends_model and not self.backward and i == len(self.layers) - 1
+                and len(self.used) == len(self.layers[i]) and self.recompute_follows()):
             self._prefetch(i, device)  # backward starts with this layer's recompute
         return weight
 
@@ -145,15 +166,17 @@ def _streaming_forward(module, prefetcher, i):
 
 
 def offload_frozen_layers(model, n_layers: int, transfer: Transfer | None = None) -> int:
-    """Move the frozen Linear weights of the last n decoder layers to pinned CPU memory.
+    """Move the frozen Linear weights of the first n decoder layers to pinned CPU memory.
 
-    Call on the PEFT model while it is still on the CPU, before `model.to("cuda")`.
-    Returns the number of bytes kept off the GPU. `transfer` replaces the copy mechanism (tests).
+    Call on the PEFT model while it is still on the CPU, before `model.to("cuda")`. Those n layers must be among the
+    checkpointed ones (the first k >= n). Returns the number of bytes kept off the GPU. `transfer` replaces the copy
+    mechanism (tests).
     """
     import torch
 
     stack = model.get_base_model().model
-    decoder_layers = list(stack.layers)[len(stack.layers) - n_layers:] if n_layers > 0 else []
+    all_layers = list(stack.layers)
+    decoder_layers = all_layers[:n_layers] if n_layers > 0 else []
     kept, streamed = 0, []
     for layer in decoder_layers:
         modules = [m for m in layer.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad]
@@ -171,7 +194,9 @@ def offload_frozen_layers(model, n_layers: int, transfer: Transfer | None = None
         layer = decoder_layers[-1]
         return getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
 
-    prefetcher = Prefetcher(streamed, recompute_follows, transfer)
+    ends_model = len(decoder_layers) == len(all_layers)
+    prefetcher = Prefetcher(streamed, recompute_follows, transfer, ends_model=ends_model)
+    stack._loraship_prefetcher = prefetcher  # for tests and logs: its `late` count
     for i, modules in enumerate(streamed):
         for module in modules:
             module.forward = _streaming_forward(module, prefetcher, i)
@@ -181,4 +206,12 @@ def offload_frozen_layers(model, n_layers: int, transfer: Transfer | None = None
     first = next(m for modules in streamed for m in modules)
     # The decoder stack runs once per forward pass (only the layers inside it are recomputed).
     stack.register_forward_pre_hook(lambda mod, args: prefetcher.step(first.weight.device))
+    if not ends_model:
+        # transformers' checkpointing recomputes a layer's forward without its module hooks, but its submodules run
+        # through theirs: the input norm starts the layer in forward and again in its recompute, right before the
+        # last streamed layer's. A layer without one (no family loraship trains) only loses the head start.
+        after = all_layers[len(decoder_layers)]
+        norm = getattr(after, "input_layernorm", None)
+        if isinstance(norm, torch.nn.Module):
+            norm.register_forward_pre_hook(lambda mod, args: prefetcher.next_layer_ran(first.weight.device))
     return kept
