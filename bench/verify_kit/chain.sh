@@ -1,6 +1,7 @@
 #!/bin/bash
 # verify's served check on one GPU machine (started detached by call.sh; from the repository root):
-# install the kit, build llama-cpp-python 0.3.36 with CUDA (sm_90; GGML_NATIVE off as in images/Dockerfile) in the background unless a build was carried,
+# install the kit, build llama-cpp-python 0.3.36 with CUDA (sm_90; GGML_NATIVE off as in images/Dockerfile; without the multimodal
+# library, which only the LLaVA chat handler imports, as `make venv` builds it) in the background unless a build was carried,
 # and meanwhile build the two base models and run their stages up to reference side by side (the demo's tiny Llama
 # through `loraship tiny-model`, qwen2-base through loraship.fixtures.families); convert -> quantize -> verify wait
 # for the build and run one run at a time (bench/verify_served_gpu.py --wait-for, --lock).
@@ -26,7 +27,7 @@ BUILT=$S/llama.built
 build() {
   local t0=$(date +%s)
   mkdir -p /tmp/src && tar xzf $K/llama_cpp_python-0.3.36-stripped.tgz -C /tmp/src
-  if CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=off -DCMAKE_CUDA_ARCHITECTURES=90" CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-16} \
+  if CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=off -DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=90" CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-16} \
       python3 -m pip install -v --no-build-isolation --no-deps --no-cache-dir --target /tmp/llama \
       /tmp/src/llama_cpp_python-0.3.36 > $S/build.log 2>&1 \
       && python3 -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 3)" >> $S/build.log 2>&1; then
