@@ -159,12 +159,18 @@ def _step_schedule(model, transfer, reference_grads, loss_ref):
     # 2 streamed, 3 checkpointed: layer 3 keeps its activations (no recompute); layer 2's recompute copies layer 1.
     (2, 3, [0, 1], [1, 0]),
 ])
-def test_prefetch_walks_up_in_forward_and_down_in_the_recompute(streamed, checkpointed, forward, backward):
+@pytest.mark.parametrize("activations_in_cpu", [False, True])
+def test_prefetch_walks_up_in_forward_and_down_in_the_recompute(streamed, checkpointed, forward, backward,
+                                                                 activations_in_cpu):
+    from loraship.training.activation_offload import offload_checkpointed_activations
+
     reference = _generated_model()
     _checkpoint_first(reference, checkpointed)
     loss_ref, grads_ref = loss_and_grads(reference, IDS)
     model = _generated_model()  # same seed: same weights
     _checkpoint_first(model, checkpointed)
+    if activations_in_cpu:  # tasks/train.py's order: the checkpointing function first, then the weights
+        offload_checkpointed_activations(list(model.get_base_model().model.layers), checkpointed)
     transfer = _offload_recording(model, streamed)
     for _ in range(2):  # a second step: the prefetch state from the first must not leak into it
         assert _step_schedule(model, transfer, grads_ref, loss_ref) == (forward, backward)

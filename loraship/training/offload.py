@@ -189,10 +189,17 @@ def offload_frozen_layers(model, n_layers: int, transfer: Transfer | None = None
     if not any(streamed):
         return kept
 
+    grad_at_step = {"enabled": False}  # autograd's mode when the decoder stack started this forward
+
     def recompute_follows():
-        # The conditions under which transformers' GradientCheckpointingLayer checkpoints a layer.
+        # The conditions under which transformers' GradientCheckpointingLayer checkpoints a layer. Grad mode as the
+        # stack started: loraship/training/activation_offload.py runs a checkpointed layer's forward without autograd.
         layer = decoder_layers[-1]
-        return getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()
+        return getattr(layer, "gradient_checkpointing", False) and layer.training and grad_at_step["enabled"]
+
+    def start_step(device):
+        grad_at_step["enabled"] = torch.is_grad_enabled()
+        prefetcher.step(device)
 
     ends_model = len(decoder_layers) == len(all_layers)
     prefetcher = Prefetcher(streamed, recompute_follows, transfer, ends_model=ends_model)
@@ -205,7 +212,7 @@ def offload_frozen_layers(model, n_layers: int, transfer: Transfer | None = None
             module._loraship_weight_on = (lambda m, k: lambda device: (prefetcher.weight(k, m, device), None))(module, i)
     first = next(m for modules in streamed for m in modules)
     # The decoder stack runs once per forward pass (only the layers inside it are recomputed).
-    stack.register_forward_pre_hook(lambda mod, args: prefetcher.step(first.weight.device))
+    stack.register_forward_pre_hook(lambda mod, args: start_step(first.weight.device))
     if not ends_model:
         # transformers' checkpointing recomputes a layer's forward without its module hooks, but its submodules run
         # through theirs: the input norm starts the layer in forward and again in its recompute, right before the
