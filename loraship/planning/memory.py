@@ -70,8 +70,8 @@ SAFETY_MARGIN_MIN_GIB = 0.5
 # runs its matmuls and its host-to-device copies side by side, so it takes the longer of the two. Assumed rates of the
 # fastest card loraship plans for, where copies hide least: executed bf16 FLOP/s (recomputes included) of the
 # qwen2-14b-lora default row of bench/results/train_bench.json on the H200 (6,187 tokens/s at 61.9 GFLOP per token
-# plus 46 recomputed layers: ~550 TFLOP/s), and half of PCIe 5.0 x16's ~50 GB/s for pinned copies (not yet measured
-# here: bench/train_bench.py records the card's rate). Slower cards compute longer per copied byte.
+# plus 48 recomputed layers at 0.59 each: ~558 TFLOP/s), and half of PCIe 5.0 x16's ~50 GB/s for pinned copies (not
+# yet measured here: bench/train_bench.py records the card's rate). Slower cards compute longer per copied byte.
 PLAN_EXECUTED_TFLOPS = 550.0
 PLAN_HOST_TO_DEVICE_GBPS = 25.0
 
