@@ -226,7 +226,7 @@ def test_14b_bf16_lora_under_optimize_speed_streams_more_layers_to_checkpoint_fe
                  if s["offload_layers"] and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"])
     assert least["checkpointed_layers"] == L and least["offload_layers"] < n
     chosen, rung = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (st, least))
-    assert chosen["step_s"] < 0.99 * rung["step_s"] and chosen["copy_s"] <= chosen["step_s"]
+    assert chosen["step_s"] < 0.99 * rung["step_s"] and chosen["compute_s"] < rung["compute_s"]
     # The fewest checkpointed layers at that offload: one fewer does not fit.
     assert not memory.estimate(QWEN2_14B_EXAMPLE, c, memory.with_checkpointing(st, k - 1))["fits"]
     assert f"streaming {n} layers instead of {least['offload_layers']}" in plan["reason"]
@@ -241,6 +241,24 @@ def test_streaming_stops_where_the_copies_would_take_longer_than_the_matmuls(mon
     least = next(s for s, _ in memory._ladder(QWEN2_14B_EXAMPLE, c)
                  if s["offload_layers"] and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"])
     assert slow["offload_layers"] == least["offload_layers"] < fast
+
+
+def test_step_model_hides_copies_behind_compute_until_they_are_longer(monkeypatch):
+    c = cfg(**{**LORA_14B, "gradient_accumulation_steps": 1}, fused_loss="on")
+    st = memory.with_checkpointing({**memory.strategy_from_config(c, 48), "offload_layers": 10}, 48)
+    monkeypatch.setattr(memory, "PLAN_HOST_TO_DEVICE_GBPS", 1e6)  # copies take no time: the matmuls alone
+    fast = memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)
+    assert fast["step_s"] == pytest.approx(fast["compute_s"])
+    # The same plan with every layer checkpointed costs one more forward per layer than with none.
+    from loraship.planning import flops
+
+    none = memory.step_seconds(QWEN2_14B_EXAMPLE, c, memory.with_checkpointing({**st, "offload_layers": 0}, 0))
+    forward = 2 * 4096 * flops.recompute_flops_per_layer_token(QWEN2_14B_EXAMPLE, c, 4096) / (memory.PLAN_EXECUTED_TFLOPS * 1e12)
+    assert fast["compute_s"] - none["compute_s"] == pytest.approx(48 * forward)
+    monkeypatch.setattr(memory, "PLAN_HOST_TO_DEVICE_GBPS", 0.5)  # copies far slower: 10 layers, each copied twice
+    slow = memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)
+    layer_bytes = memory.parse_model_config(QWEN2_14B_EXAMPLE).layer_linear_params * 2
+    assert slow["step_s"] > 2 * 10 * layer_bytes / 0.5e9 > fast["step_s"]
 
 
 def test_optimize_memory_and_explicit_checkpointing_keep_every_layer_checkpointed_under_offload():

@@ -66,14 +66,14 @@ CAL = {
 SAFETY_MARGIN_FRACTION = 0.08
 SAFETY_MARGIN_MIN_GIB = 0.5
 
-# Speed, for one choice only: how many layers to stream when offload must (plan_training's _stream_for_speed). A step
-# runs its matmuls and its host-to-device copies side by side, so it takes the longer of the two. Assumed rates of the
-# fastest card loraship plans for, where copies hide least: executed bf16 FLOP/s (recomputes included) of the
-# qwen2-14b-lora default row of bench/results/train_bench.json on the H200 (6,187 tokens/s at 61.9 GFLOP per token
-# plus 48 recomputed layers at 0.59 each: ~558 TFLOP/s), and half of PCIe 5.0 x16's ~50 GB/s for pinned copies (not
-# yet measured here: bench/train_bench.py records the card's rate). Slower cards compute longer per copied byte.
+# Speed, for one choice only: how many layers to stream when offload must (plan_training's _stream_for_speed; the
+# model: step_seconds). Rates of the fastest cards loraship plans for, where copies hide least: executed bf16 FLOP/s
+# (recomputes included) of the qwen2-14b-lora default row of bench/results/train_bench.json on the H200 (6,187 tokens/s
+# at 61.9 GFLOP per token plus 48 recomputed layers at 0.59 each: ~558 TFLOP/s), and pinned host-to-device copies as
+# measured on the H100 of bench/results/train_bench_14b_lora_h100.json (52.9 GB/s, PCIe 5.0 x16). A card that computes
+# slower hides the copies better; a PCIe 4.0 host with a card this fast would hide them less than planned.
 PLAN_EXECUTED_TFLOPS = 550.0
-PLAN_HOST_TO_DEVICE_GBPS = 25.0
+PLAN_HOST_TO_DEVICE_GBPS = 50.0
 
 # How plans, manifests and model cards name offload_activations (bench/train_bench.py reads it back from them).
 ACTIVATIONS_IN_CPU = "checkpointed activations in CPU memory"
@@ -747,22 +747,30 @@ def _last_layer_free(model_config: dict, cfg: Config, strat: dict, est: dict, wh
 
 
 def step_seconds(model_config: dict, cfg: Config, strategy: dict) -> dict:
-    """Predicted seconds of one micro-batch at PLAN_EXECUTED_TFLOPS and PLAN_HOST_TO_DEVICE_GBPS: matmuls (recomputes
-    included) and host-to-device copies (streamed weights, forward and recompute; offloaded checkpoints coming
-    back), which overlap, so the step takes the longer."""
+    """Predicted seconds of one micro-batch at PLAN_EXECUTED_TFLOPS and PLAN_HOST_TO_DEVICE_GBPS, layer by layer and
+    phase by phase: a streamed layer's copy overlaps the compute before it (loraship/training/offload.py prefetches one
+    layer ahead), so a streamed layer's forward takes the longer of its matmuls and its weights' copy, and its recompute
+    + backward the longer of those and the copy again (plus its offloaded input coming back)."""
     from loraship.planning import flops
 
     s = parse_model_config(model_config)
     T = strategy["micro_batch_size"] * cfg.sequence_len
     k = checkpointed_layers(strategy, s.L)
     n = min(strategy.get("offload_layers", 0), s.L)
-    compute = T * (flops.train_flops_per_token(model_config, cfg, cfg.sequence_len)
-                   + k * flops.recompute_flops_per_layer_token(model_config, cfg, cfg.sequence_len))
-    copied = 2 * n * s.layer_linear_params * 2  # bf16 (offload is bf16 LoRA only)
-    if strategy.get("offload_activations"):
-        copied += k * T * 2 * s.h
-    compute_s, copy_s = compute / (PLAN_EXECUTED_TFLOPS * 1e12), copied / (PLAN_HOST_TO_DEVICE_GBPS * 1e9)
-    return {"compute_s": compute_s, "copy_s": copy_s, "step_s": max(compute_s, copy_s)}
+    rate, bw = PLAN_EXECUTED_TFLOPS * 1e12, PLAN_HOST_TO_DEVICE_GBPS * 1e9
+    forward = T * flops.recompute_flops_per_layer_token(model_config, cfg, cfg.sequence_len) / rate
+    head = T * 4 * s.V * s.h / rate  # lm_head's matmul and its input gradient
+    backward = T * flops.train_flops_per_token(model_config, cfg, cfg.sequence_len) / rate - head - s.L * forward
+    backward /= s.L
+    weights = s.layer_linear_params * 2 / bw  # bf16 (offload is bf16 LoRA only)
+    checkpoint = T * 2 * s.h / bw if strategy.get("offload_activations") else 0.0
+    total = head
+    for i in range(s.L):
+        copy_in = weights if i < n else 0.0  # the first n layers stream
+        total += max(forward, copy_in)
+        total += max(backward + forward, copy_in + checkpoint) if i < k else backward
+    compute = head + s.L * (forward + backward) + k * forward
+    return {"compute_s": compute, "step_s": total, "copy_bound_s": total - compute}
 
 
 def _stream_for_speed(model_config: dict, cfg: Config, strat: dict, est: dict, why: str) -> tuple[dict, dict, str]:
@@ -773,19 +781,19 @@ def _stream_for_speed(model_config: dict, cfg: Config, strat: dict, est: dict, w
     n = strat.get("offload_layers", 0)
     if not n or checkpoint_every_layer(cfg) or cfg.gradient_checkpointing is not None:
         return strat, est, why
-    best = (step_seconds(model_config, cfg, strat)["step_s"], strat, est)
-    first = best[0]
+    first = step_seconds(model_config, cfg, strat)["step_s"]
+    options = [(first, strat, est)]
     for more in range(n, s.L + 1):
         for k in range(more, s.L + 1):  # streamed layers are among the checkpointed (offload.py)
             cand = with_checkpointing({**strat, "offload_layers": more}, k)
             cand_est = estimate(model_config, cfg, cand)
             if cand_est["fits"]:
-                t = step_seconds(model_config, cfg, cand)["step_s"]
-                if t < best[0] * 0.99:  # a gain within the model's error is no reason to copy more
-                    best = (t, cand, cand_est)
+                options.append((step_seconds(model_config, cfg, cand)["step_s"], cand, cand_est))
                 break  # more checkpointed layers would only be slower
-    t, chosen, chosen_est = best
-    if chosen is strat:
+    fastest = min(t for t, _, _ in options)
+    # The fewest streamed layers within 1% of the fastest: a gain inside the model's error is no reason to copy more.
+    t, chosen, chosen_est = next(o for o in options if o[0] <= fastest * 1.01)
+    if chosen is strat or t > first * 0.99:
         return strat, est, why
     k = checkpointed_layers(chosen, s.L)
     return chosen, chosen_est, (
