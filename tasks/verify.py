@@ -644,7 +644,7 @@ def measure_apart(ctx, job: dict, entry: str = "measure", module: str | None = N
     import json
     import sys
 
-    from loraship.llamacpp.llama_child import native_crash_hint
+    from loraship.llamacpp.llama_child import child_death, native_crash_hint
     from loraship.runtime.proc import run_child
 
     job_file, result_file = ctx.dir / ".measure-job.json", ctx.dir / ".measure-result.json"
@@ -663,10 +663,8 @@ def measure_apart(ctx, job: dict, entry: str = "measure", module: str | None = N
     if keep.get("LORASHIP_LLAMA_VERBOSE") == "1" or done.returncode != 0:
         sys.stderr.write(done.stderr)
     if done.returncode != 0 or not result_file.is_file():
-        how = f"killed by signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
-        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
         raise LorashipError(
-            f"llama.cpp failed while loading or running {job['gguf']} ({how}):\n{tail}\n"
+            f"llama.cpp failed while loading or running {job['gguf']} {child_death(done.returncode, done.stderr)}\n"
             "A GGUF that llama-cpp-python cannot load is a llama.cpp version mismatch or a broken file: run the "
             "convert and quantize stages again with this image's llama-cpp-python; out of memory: lower target_context"
             + native_crash_hint(done.returncode))

@@ -75,11 +75,16 @@ def native_crash_hint(returncode: int) -> str:
             "CMAKE_ARGS=-DGGML_NATIVE=OFF pip install --force-reinstall --no-cache-dir llama-cpp-python")
 
 
-def _crashed(path: Path, returncode: int, stderr: str) -> LorashipError:
+def child_death(returncode: int, stderr: str) -> str:
+    """How a llama.cpp child ended and the last lines it wrote: "(killed by signal 11):\n<tail>"."""
     how = f"killed by signal {-returncode}" if returncode < 0 else f"exit {returncode}"
     tail = "\n".join(stderr.strip().splitlines()[-8:])
-    return LorashipError(f"{path}: the llama.cpp process ended ({how}):\n{tail}\nA GGUF that llama-cpp-python cannot "
-                         "load is a llama.cpp version mismatch or a broken file: convert it again with "
+    return f"({how}):\n{tail}"
+
+
+def _crashed(path: Path, returncode: int, stderr: str) -> LorashipError:
+    return LorashipError(f"{path}: the llama.cpp process ended {child_death(returncode, stderr)}\nA GGUF that "
+                         "llama-cpp-python cannot load is a llama.cpp version mismatch or a broken file: convert it again with "
                          f"`loraship run CONFIG --from convert`{native_crash_hint(returncode)}")
 
 
