@@ -583,6 +583,7 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
         "last_loss": history[-1]["loss"] if history else None,
         "packing": {"packed": packed, "why": packing_why},
         "fused_lora_linears": model._loraship_fused_lora,
+        "host_copies": host_copy_stats(model),
         "train_tokens_this_run": tokens_seen,
         # Steady state (warm-up steps left out), the rate the run sustains; the whole run's rate next to it.
         "tokens_per_s": steady,
@@ -592,6 +593,21 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
         "seconds": round(seconds, 2),
         "measured_memory": measured,
     }
+
+
+def host_copy_stats(model) -> dict | None:
+    """How the prefetches of what lives in CPU memory went over the run (None when nothing does): streamed weights'
+    layer passes and those not copied ahead (loraship/training/offload.py); checkpointed inputs found still on the GPU,
+    prefetched in time, or copied when backward needed them (loraship/training/activation_offload.py)."""
+    out = {}
+    prefetcher = getattr(model.get_base_model().model, "_loraship_prefetcher", None)
+    if prefetcher is not None:
+        out["streamed_weights"] = {"layer_passes": prefetcher.passes, "not_copied_ahead": prefetcher.late}
+    acts = getattr(model.get_base_model(), "_loraship_activation_offload", None)
+    if acts is not None:
+        out["checkpointed_inputs"] = {"still_on_gpu": acts.resident, "prefetched": acts.prefetched,
+                                      "copied_when_needed": acts.synchronous}
+    return out or None
 
 
 def evaluate_base(model, examples, batch_size, pad_id, device, progress: Progress | None = None):

@@ -176,6 +176,8 @@ def test_prefetch_walks_up_in_forward_and_down_in_the_recompute(streamed, checkp
         assert _step_schedule(model, transfer, grads_ref, loss_ref) == (forward, backward)
         assert transfer.fallbacks == 0  # every weight was prefetched: no copy on the spot
         assert transfer.peak <= 2  # current + next: never more than two layers' copies alive, whoever holds them
+    prefetcher = model.get_base_model().model._loraship_prefetcher
+    assert (prefetcher.passes, prefetcher.late) == (2 * 2 * streamed, 0)  # 2 steps: forward + recompute of each
 
 
 def test_streaming_every_checkpointed_layer_costs_one_copy_on_the_spot():

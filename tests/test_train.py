@@ -373,7 +373,13 @@ def test_the_train_stage_records_activations_in_cpu_memory_and_trains_the_same(t
     metrics = run_stages(on, ["plan", "train"])["train"]["metrics"]
     assert metrics["strategy"]["offload_activations"] is True
     assert metrics["trained_as"].endswith("checkpointed activations in CPU memory")
-    run_stages(off, ["plan", "train"])
+    # Where each checkpointed input came back from, over 3 steps (+ the evals, which keep nothing): every one counted.
+    inputs = metrics["host_copies"]["checkpointed_inputs"]
+    layers = metrics["strategy"]["checkpointed_layers"]
+    assert sum(inputs.values()) == 3 * layers and inputs["still_on_gpu"] >= 3, inputs
+    assert "streamed_weights" not in metrics["host_copies"]  # offload streams weights on CUDA only
+    off_metrics = run_stages(off, ["plan", "train"])["train"]["metrics"]
+    assert off_metrics["host_copies"] is None
     for x, y in zip(curve(on), curve(off), strict=True):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-7), (x, y)
 

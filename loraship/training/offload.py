@@ -101,7 +101,9 @@ class Prefetcher:
         self.held = {}  # layer -> ({module: copy}, done): copied, not used yet
         self.current, self.backward, self.used = None, False, set()
         self.next_layer_runs = 0
-        self.late = 0  # passes whose layer was not copied ahead (each then waits for its copy)
+        # Since the start, for the train manifest: layer passes (a forward or a recompute of one streamed layer) and
+        # those whose layer was not copied ahead (each then waits for its copy).
+        self.passes, self.late = 0, 0
 
     def step(self, device):
         """A new forward pass: drop what the previous one copied and never used; copy the first layer."""
@@ -123,6 +125,7 @@ class Prefetcher:
         if i != self.current or module in self.used:
             self.backward = self.current is not None and i <= self.current
             self.current, self.used = i, set()
+            self.passes += 1
             if i not in self.held:  # not foreseen: the whole layer now, in one go, rather than a matmul at a time
                 self.late += 1
                 self._prefetch(i, device)
