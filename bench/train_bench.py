@@ -390,6 +390,7 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
             "predicted_reserved_gib": metrics["predicted_reserved_gib"], "strategy_detail": st,
             # what the train stage itself reports (steady state, its own warm-up rule), next to the bench's clock
             "stage_tokens_per_s": metrics.get("tokens_per_s"), "stage_mfu": metrics.get("mfu"),
+            "host_copies": metrics.get("host_copies"),
             "peer_version": {"loraship": source_stamp()["commit"], **versions("torch", "transformers", "peft", "liger-kernel",
                                                                              "bitsandbytes")},
             "autocast": "torch.autocast(cuda, bfloat16) around every forward (tasks/train.py compute)" if device == "cuda"
