@@ -135,7 +135,7 @@ class Prefetcher:
         copy = copies.pop(module, None)  # let go of it: from here autograd alone keeps it alive
         if not copies:
             self.held.pop(i, None)
-        if copy is None:  # a module asked twice in one pass: copy it now, on the compute stream
+        if copy is None:  # a safety net (a pass copies its whole layer): copy it now, on the compute stream
             weight = self.transfer.now(module._loraship_cpu_weight, device)
         else:
             weight = self.transfer.ready(copy, done)
