@@ -36,6 +36,14 @@ def test_flops_per_token_counts_each_term(tmp_path):
     attention = 2 * 6 * 8 * 10  # 6 x q x n per layer at attention length 10
     assert flops.train_flops_per_token(TOY, cfg, 10) == frozen + lora + attention
     assert flops.attention_length([10, 10]) == 10 and flops.attention_length([2, 6]) == (4 + 36) / 8
+    # A checkpointed layer's recompute: its forward again (frozen 2, LoRA 2 per parameter, attention 2 x q x n).
+    assert flops.recompute_flops_per_layer_token(TOY, cfg, 10) == 2 * 576 + 2 * 2 * ((8 + 8) + (8 + 4)) + 2 * 8 * 10
+    # Gemma 2 style: every other layer attends to a sliding window of 4 keys at most.
+    sliding = {**TOY, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "sliding_window": 4}
+    s = flops.memory.parse_model_config(sliding)
+    assert s.sliding_layers == 1
+    assert flops.recompute_flops_per_layer_token(sliding, cfg, 10) == pytest.approx(
+        2 * s.layer_linear_params + 2 * 2 * ((8 + 8) + (8 + 4)) + 2 * s.q * (10 + 4) / 2)
 
 
 def test_mfu_against_the_card_peak_or_none_with_a_reason():

@@ -57,11 +57,14 @@ def train_flops_per_token(model_config: dict, cfg, seq_len: float) -> float:
 
 
 def recompute_flops_per_layer_token(model_config: dict, cfg, seq_len: float) -> float:
-    """FLOPs one checkpointed decoder layer adds per token: its forward again (frozen and LoRA matmuls, attention)."""
+    """FLOPs one checkpointed decoder layer adds per token: its forward again (frozen and LoRA matmuls, attention;
+    the attention averaged over the layers where some attend to a sliding window, as train_flops_per_token does)."""
     s = memory.parse_model_config(model_config)
     linears = s.linears()
     lora = sum(cfg.lora_r * sum(linears[name]) for name in memory.target_names(cfg, s))
-    return 2 * s.layer_linear_params + 2 * lora + 2 * s.q * seq_len
+    window = min(seq_len, s.sliding_window) if s.sliding_window else seq_len
+    keys = ((s.L - s.sliding_layers) * seq_len + s.sliding_layers * window) / s.L
+    return 2 * s.layer_linear_params + 2 * lora + 2 * s.q * keys
 
 
 def mfu(tokens_per_s: float | None, flops_per_token: float, device_name: str | None) -> tuple[float | None, str]:
