@@ -42,29 +42,30 @@ def attention_length(lengths: list[int]) -> float:
     return sum(n * n for n in lengths) / total if total else 0.0
 
 
-def train_flops_per_token(model_config: dict, cfg, seq_len: float) -> float:
-    """Model FLOPs of one trained token of LoRA/QLoRA training (forward + backward, no recompute) at attention
-    length `seq_len` (attention_length of the examples)."""
-    s = memory.parse_model_config(model_config)
-    linears = s.linears()
-    frozen = s.L * s.layer_linear_params + s.V * s.h  # decoder matmuls + lm_head (the embedding is a lookup)
-    lora = s.L * sum(cfg.lora_r * sum(linears[name]) for name in memory.target_names(cfg, s))
-    # Gemma 2's sliding layers attend to at most sliding_window keys (an approximation for mixed lengths: the
-    # average length capped, not each example's).
-    window = min(seq_len, s.sliding_window) if s.sliding_window else seq_len
-    attention = 6 * s.q * ((s.L - s.sliding_layers) * seq_len + s.sliding_layers * window)
-    return 4 * frozen + 6 * lora + attention
-
-
-def recompute_flops_per_layer_token(model_config: dict, cfg, seq_len: float) -> float:
-    """FLOPs one checkpointed decoder layer adds per token: its forward again (frozen and LoRA matmuls, attention;
-    the attention averaged over the layers where some attend to a sliding window, as train_flops_per_token does)."""
+def _layer_terms(model_config: dict, cfg, seq_len: float) -> tuple:
+    """(shape, LoRA parameters of one decoder layer, keys attended summed over the layers). Gemma 2's sliding layers
+    attend to at most sliding_window keys (an approximation for mixed lengths: the average length capped, not each
+    example's)."""
     s = memory.parse_model_config(model_config)
     linears = s.linears()
     lora = sum(cfg.lora_r * sum(linears[name]) for name in memory.target_names(cfg, s))
     window = min(seq_len, s.sliding_window) if s.sliding_window else seq_len
-    keys = ((s.L - s.sliding_layers) * seq_len + s.sliding_layers * window) / s.L
-    return 2 * s.layer_linear_params + 2 * lora + 2 * s.q * keys
+    return s, lora, (s.L - s.sliding_layers) * seq_len + s.sliding_layers * window
+
+
+def train_flops_per_token(model_config: dict, cfg, seq_len: float) -> float:
+    """Model FLOPs of one trained token of LoRA/QLoRA training (forward + backward, no recompute) at attention
+    length `seq_len` (attention_length of the examples)."""
+    s, lora, keys = _layer_terms(model_config, cfg, seq_len)
+    frozen = s.L * s.layer_linear_params + s.V * s.h  # decoder matmuls + lm_head (the embedding is a lookup)
+    return 4 * frozen + 6 * s.L * lora + 6 * s.q * keys
+
+
+def recompute_flops_per_layer_token(model_config: dict, cfg, seq_len: float) -> float:
+    """FLOPs one checkpointed decoder layer adds per token: its forward again (frozen and LoRA matmuls, attention
+    averaged over the layers)."""
+    s, lora, keys = _layer_terms(model_config, cfg, seq_len)
+    return 2 * s.layer_linear_params + 2 * lora + 2 * s.q * keys / s.L
 
 
 def mfu(tokens_per_s: float | None, flops_per_token: float, device_name: str | None) -> tuple[float | None, str]:
