@@ -151,6 +151,14 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     offload = strategy.get("offload_layers", 0) if device == "cuda" else 0
     if offload and strategy["adapter"] == "qlora":
         raise LorashipError("the plan combines QLoRA with CPU offload, which loraship does not support; re-plan")
+    # Streamed layers are the first n, and must be among the checkpointed first k: a streamed layer that is not
+    # recomputed keeps its weight's GPU copy from forward to backward. Checked before the weights load.
+    checkpointed = strategy.get("checkpointed_layers")
+    if checkpointed is None:  # a plan from before the key: every layer or none
+        checkpointed = offload if strategy["gradient_checkpointing"] else 0
+    if offload and checkpointed < offload:
+        raise LorashipError(f"the plan streams {offload} layers but checkpoints only {checkpointed}: streamed layers "
+                            "must be among the checkpointed ones (a plan edited by hand?); re-plan")
     if device == "cuda" and not offload:
         kwargs["device_map"] = {"": 0}
     # With offload the model is assembled on the CPU and moved to the GPU after the frozen
@@ -189,13 +197,6 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     model = get_peft_model(model, lora)
     if offload:
         from loraship.training.offload import offload_frozen_layers
-
-        n_layers = len(decoder_layers(model))
-        if memory.checkpointed_layers(strategy, n_layers) < min(offload, n_layers):
-            # A streamed layer that is not recomputed keeps its weight's GPU copy from forward to backward.
-            raise LorashipError(f"the plan streams {offload} layers but checkpoints only "
-                                f"{memory.checkpointed_layers(strategy, n_layers)}: streamed layers must be among the "
-                                "checkpointed ones (a plan edited by hand?); re-plan")
 
         log.info("train: %.2f GiB of frozen weights kept in CPU memory", offload_frozen_layers(model, offload) / 2**30)
         model.to("cuda")

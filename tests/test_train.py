@@ -384,6 +384,21 @@ def test_the_train_stage_records_activations_in_cpu_memory_and_trains_the_same(t
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-7), (x, y)
 
 
+def test_a_plan_streaming_layers_it_does_not_recompute_is_refused_before_the_weights_load(tiny_model, tmp_path):
+    """Streamed layers (the first n) must be among the checkpointed first k; a hand-edited plan that breaks this
+    is refused by name before any weight is read (the check runs ahead of from_pretrained, so no GPU is needed)."""
+    from loraship.errors import LorashipError
+
+    train = importlib.import_module("loraship.stages.train")
+    config = parse_config(demo_config_dict(tiny_model, tmp_path))
+    bad = {"adapter": "lora", "offload_layers": 2, "micro_batch_size": 1, "gradient_accumulation_steps": 1,
+           "fused_loss": False, "gradient_checkpointing": True, "checkpointed_layers": 1}
+    with pytest.raises(LorashipError, match="streams 2 layers but checkpoints only 1.*re-plan"):
+        train.load_model(tiny_model, config, bad, "cuda")
+    with pytest.raises(LorashipError, match="checkpoints only 0"):
+        train.load_model(tiny_model, config, {**bad, "gradient_checkpointing": False, "checkpointed_layers": None}, "cuda")
+
+
 def test_activation_offload_refuses_inputs_without_grad(four_layers, tmp_path):
     from loraship.training.activation_offload import ActivationOffload
 
