@@ -396,7 +396,7 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     # copied again for its recompute as soon as its forward is done; otherwise the last streamed layer is copied
     # when backward reaches the layer after it.
     streamed = min(2, n_off) * layer_lin_bytes
-    streamed_at_loss = layer_lin_bytes if n_off and n_off == s.L else 0.0
+    streamed_at_loss = layer_lin_bytes if n_off == s.L else 0.0
 
     lora_params = s.L * sum(cfg.lora_r * (lin[n][0] + lin[n][1]) for n in targets)
     lora_w = lora_params * LORA_BYTES_PER_PARAM["weight"]

@@ -206,7 +206,7 @@ def offload_frozen_layers(model, n_layers: int, transfer: Transfer | None = None
 
     ends_model = len(decoder_layers) == len(all_layers)
     prefetcher = Prefetcher(streamed, recompute_follows, transfer, ends_model=ends_model)
-    stack._loraship_prefetcher = prefetcher  # for tests and logs: its `late` count
+    stack._loraship_prefetcher = prefetcher  # its passes and late counts: the train manifest's host_copies
     for i, modules in enumerate(streamed):
         for module in modules:
             module.forward = _streaming_forward(module, prefetcher, i)
