@@ -227,10 +227,25 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     from loraship.training.fused_lora import fuse_lora_linears, fused_lora_wanted
 
     model._loraship_fused_lora = fuse_lora_linears(model) if fused_lora_wanted() else {"fused": 0, "unfused": {}, "swiglu_down": 0}
+    # Then the checkpointed layers' recompute leaves out down_proj's GEMM, whose output it never reads
+    # (loraship/training/recompute.py).
+    model._loraship_recompute_skips = 0
+    if strategy["gradient_checkpointing"] and recompute_skip_wanted():
+        from loraship.training.recompute import skip_down_proj_in_recompute
+
+        layers = decoder_layers(model)
+        model._loraship_recompute_skips = skip_down_proj_in_recompute(
+            layers, memory.checkpointed_layers(strategy, len(layers)), bool(strategy.get("offload_activations")))
     # from_pretrained returns eval mode, where HF silently skips gradient checkpointing
     # (seen on the H200: 67.6 GiB instead of 23.5). Train mode, always.
     model.train()
     return model
+
+
+def recompute_skip_wanted() -> bool:
+    """LORASHIP_RECOMPUTE_SKIP=0 recomputes down_proj's GEMM as before: for comparing the two (bench/train_bench.py's
+    loraship-full-recompute rows) and for ruling the skip out when a run misbehaves."""
+    return os.environ.get("LORASHIP_RECOMPUTE_SKIP", "1") != "0"
 
 
 def compute(device: str):
@@ -584,6 +599,9 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
         "last_loss": history[-1]["loss"] if history else None,
         "packing": {"packed": packed, "why": packing_why},
         "fused_lora_linears": model._loraship_fused_lora,
+        # Checkpointed layers whose recompute leaves out down_proj's GEMM by loraship's mark (a frozen down_proj whose
+        # layer input stays on the GPU is left out by torch's early stop, not counted here).
+        "down_proj_skipped_in_recompute": model._loraship_recompute_skips,
         "host_copies": host_copy_stats(model),
         "train_tokens_this_run": tokens_seen,
         # Steady state (warm-up steps left out), the rate the run sustains; the whole run's rate next to it.

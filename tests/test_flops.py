@@ -36,14 +36,37 @@ def test_flops_per_token_counts_each_term(tmp_path):
     attention = 2 * 6 * 8 * 10  # 6 x q x n per layer at attention length 10
     assert flops.train_flops_per_token(TOY, cfg, 10) == frozen + lora + attention
     assert flops.attention_length([10, 10]) == 10 and flops.attention_length([2, 6]) == (4 + 36) / 8
-    # A checkpointed layer's recompute: its forward again (frozen 2, LoRA 2 per parameter, attention 2 x q x n).
-    assert flops.recompute_flops_per_layer_token(TOY, cfg, 10) == 2 * 576 + 2 * 2 * ((8 + 8) + (8 + 4)) + 2 * 8 * 10
-    # Gemma 2 style: every other layer attends to a sliding window of 4 keys at most.
+    # A layer's forward: frozen 2, LoRA 2 per parameter, attention 2 x q x n. A checkpointed Qwen2 layer's recompute
+    # is that less down_proj's 16 x 8 GEMM, whose output nothing reads (loraship/training/recompute.py).
+    forward = 2 * 576 + 2 * 2 * ((8 + 8) + (8 + 4)) + 2 * 8 * 10
+    assert flops.forward_flops_per_layer_token(TOY, cfg, 10) == forward
+    assert flops.recompute_flops_per_layer_token(TOY, cfg, 10) == forward - 2 * 16 * 8
+    # down_proj adapted too: its LoRA B product (r x 8) is skipped with it; A's (16 x r) is not (B's gradient needs it).
+    all_linear = parse_config(demo_config_dict(tmp_path, tmp_path, lora_r=2, lora_target_modules="all-linear"))
+    assert (flops.forward_flops_per_layer_token(TOY, all_linear, 10)
+            - flops.recompute_flops_per_layer_token(TOY, all_linear, 10)) == 2 * (16 * 8 + 2 * 8)
+    # Gemma 2 style: every other layer attends to a sliding window of 4 keys at most. Its MLP output goes through a
+    # norm that keeps it, so its recompute is the whole forward again.
     sliding = {**TOY, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "sliding_window": 4}
     s = flops.memory.parse_model_config(sliding)
     assert s.sliding_layers == 1
     assert flops.recompute_flops_per_layer_token(sliding, cfg, 10) == pytest.approx(
         2 * s.layer_linear_params + 2 * 2 * ((8 + 8) + (8 + 4)) + 2 * s.q * (10 + 4) / 2)
+
+
+def test_the_planner_skips_down_proj_in_the_recompute_where_the_train_stage_does():
+    """memory.RECOMPUTE_SKIPS_DOWN_TYPES (planner, no torch) names the families whose decoder layer classes
+    loraship/training/recompute.py marks; each has its layer class there, and no other supported family does."""
+    import importlib
+
+    from loraship.training.recompute import LAYERS_ENDING_IN_DOWN_PROJ
+
+    def layer_class(mt):
+        module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+        return next(n for n in dir(module) if n.endswith("DecoderLayer") and n.lower() == f"{mt}decoderlayer")
+
+    marked = {mt for mt in flops.memory.SUPPORTED if layer_class(mt) in LAYERS_ENDING_IN_DOWN_PROJ}
+    assert marked == set(flops.memory.RECOMPUTE_SKIPS_DOWN_TYPES)
 
 
 def test_mfu_against_the_card_peak_or_none_with_a_reason():

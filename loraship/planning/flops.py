@@ -61,11 +61,23 @@ def train_flops_per_token(model_config: dict, cfg, seq_len: float) -> float:
     return 4 * frozen + 6 * s.L * lora + 6 * s.q * keys
 
 
-def recompute_flops_per_layer_token(model_config: dict, cfg, seq_len: float) -> float:
-    """FLOPs one checkpointed decoder layer adds per token: its forward again (frozen and LoRA matmuls, attention
-    averaged over the layers)."""
+def forward_flops_per_layer_token(model_config: dict, cfg, seq_len: float) -> float:
+    """FLOPs of one decoder layer's forward per token (frozen and LoRA matmuls, attention averaged over the layers)."""
     s, lora, keys = _layer_terms(model_config, cfg, seq_len)
     return 2 * s.layer_linear_params + 2 * lora + 2 * s.q * keys / s.L
+
+
+def recompute_flops_per_layer_token(model_config: dict, cfg, seq_len: float) -> float:
+    """FLOPs one checkpointed decoder layer adds per token: its forward again, less down_proj's GEMM (and its LoRA
+    B product) where the layer ends in `residual + down_proj(h)`: nothing reads that output in a recompute, which
+    skips it (loraship/training/recompute.py)."""
+    s = memory.parse_model_config(model_config)
+    skipped = 0.0
+    if s.model_type in memory.RECOMPUTE_SKIPS_DOWN_TYPES:
+        f_in, h_out = s.linears()["down_proj"]
+        lora_b = cfg.lora_r * h_out if "down_proj" in memory.target_names(cfg, s) else 0
+        skipped = 2 * (f_in * h_out + lora_b)
+    return forward_flops_per_layer_token(model_config, cfg, seq_len) - skipped
 
 
 def mfu(tokens_per_s: float | None, flops_per_token: float, device_name: str | None) -> tuple[float | None, str]:

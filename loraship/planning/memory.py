@@ -301,6 +301,9 @@ KEPT_ANYWAY = {"attn_out"}
 # (loraship/training/fused_lora.py SwiGLUDownLora): h = silu(gate) * up is rebuilt in backward from gate and up, which
 # the SwiGLU keeps anyway. Liger's other MLPs (Phi-3's fused gate_up_proj, Gemma 2's GEGLU) keep their own forward.
 SWIGLU_DOWN_TYPES = ("llama", "qwen2", "mistral")
+# Where a decoder layer ends in `residual + down_proj(h)`, so a checkpointed layer's recompute skips down_proj's GEMM
+# (loraship/training/recompute.py LAYERS_ENDING_IN_DOWN_PROJ, the same families by their layer classes).
+RECOMPUTE_SKIPS_DOWN_TYPES = ("llama", "qwen2", "mistral")
 
 
 def lora_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], program: str, liger: bool = False) -> float:
@@ -758,7 +761,8 @@ def step_seconds(model_config: dict, cfg: Config, strategy: dict) -> dict:
     k = checkpointed_layers(strategy, s.L)
     n = min(strategy.get("offload_layers", 0), s.L)
     rate, bw = PLAN_EXECUTED_TFLOPS * 1e12, PLAN_HOST_TO_DEVICE_GBPS * 1e9
-    forward = T * flops.recompute_flops_per_layer_token(model_config, cfg, cfg.sequence_len) / rate
+    forward = T * flops.forward_flops_per_layer_token(model_config, cfg, cfg.sequence_len) / rate
+    recompute = T * flops.recompute_flops_per_layer_token(model_config, cfg, cfg.sequence_len) / rate
     head = T * 4 * s.V * s.h / rate  # lm_head's matmul and its input gradient
     backward = T * flops.train_flops_per_token(model_config, cfg, cfg.sequence_len) / rate - head - s.L * forward
     backward /= s.L
@@ -768,8 +772,8 @@ def step_seconds(model_config: dict, cfg: Config, strategy: dict) -> dict:
     for i in range(s.L):
         copy_in = weights if i < n else 0.0  # the first n layers stream
         total += max(forward, copy_in)
-        total += max(backward + forward, copy_in + checkpoint) if i < k else backward
-    compute = head + s.L * (forward + backward) + k * forward
+        total += max(backward + recompute, copy_in + checkpoint) if i < k else backward
+    compute = head + s.L * (forward + backward) + k * recompute
     return {"compute_s": compute, "step_s": total, "copy_bound_s": total - compute}
 
 

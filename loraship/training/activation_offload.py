@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from loraship.training.offload import Transfer
+from loraship.training.recompute import recomputing
 
 
 class _Saved:
@@ -154,7 +155,9 @@ class _OffloadedLayer(torch.autograd.Function):
         x = x.detach().requires_grad_(True)
         devices = [x.device] if x.is_cuda else []
         kind, dtype, enabled = ctx.autocast
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), torch.autocast(kind, dtype, enabled):
+        # recomputing(): a marked down_proj skips its GEMM, whose output nothing reads (loraship/training/recompute.py).
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), torch.autocast(kind, dtype, enabled), \
+                recomputing():
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, x.device)

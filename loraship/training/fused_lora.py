@@ -27,6 +27,8 @@ import logging
 
 import torch
 
+from loraship.training.recompute import output_unused
+
 log = logging.getLogger("loraship.train")
 
 
@@ -38,16 +40,22 @@ def _dequantized(weight, quant_state):
     return bnbf.dequantize_4bit(weight, quant_state)
 
 
-def _lora_forward(x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype):
-    """x2 [tokens, in] in compute dtype -> (out, xa, a, b, mask): out = x2 W^T (+ bias) + s (drop(x2) A^T) B^T."""
-    w = _dequantized(weight, quant_state)
-    if w.dtype != compute_dtype:
-        w = w.to(compute_dtype)
+def _lora_forward(x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype,
+                  output_unused=False):
+    """x2 [tokens, in] in compute dtype -> (out, xa, a, b, mask): out = x2 W^T (+ bias) + s (drop(x2) A^T) B^T.
+    output_unused (a recompute that never reads out: loraship/training/recompute.py): out is zeros, no GEMM; what
+    backward keeps (xa, the mask: same random draws) is computed as ever."""
     a, b = lora_a.to(compute_dtype), lora_b.to(compute_dtype)
-    if bias is not None:
-        out = torch.addmm(bias.to(compute_dtype), x2, w.t())
+    if output_unused:
+        out = x2.new_zeros(x2.shape[0], b.shape[0])
     else:
-        out = torch.mm(x2, w.t())
+        w = _dequantized(weight, quant_state)
+        if w.dtype != compute_dtype:
+            w = w.to(compute_dtype)
+        if bias is not None:
+            out = torch.addmm(bias.to(compute_dtype), x2, w.t())
+        else:
+            out = torch.mm(x2, w.t())
     mask = None
     if dropout_p > 0:
         # Drawn straight into a bool tensor: no float tensor of random numbers the size of the input.
@@ -55,7 +63,8 @@ def _lora_forward(x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropou
         xa = torch.mm((x2 * mask).mul_(1.0 / (1.0 - dropout_p)), a.t())
     else:
         xa = torch.mm(x2, a.t())
-    out.addmm_(xa, b.t(), alpha=scaling)  # the LoRA term added inside the GEMM, no extra pass
+    if not output_unused:
+        out.addmm_(xa, b.t(), alpha=scaling)  # the LoRA term added inside the GEMM, no extra pass
     return out, xa, a, b, mask
 
 
@@ -92,13 +101,14 @@ class FusedLoraLinear(torch.autograd.Function):
     """out = x W^T (+ bias) + scaling * (dropout(x) A^T) B^T; gradients for x, A and B (W and bias frozen)."""
 
     @staticmethod
-    def forward(ctx, x, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype):
+    def forward(ctx, x, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype,
+                output_unused=False):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != compute_dtype:
             x2 = x2.to(compute_dtype)
         out, xa, a, b, mask = _lora_forward(x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p,
-                                            compute_dtype)
+                                            compute_dtype, output_unused)
         ctx.save_for_backward(x2, xa, a, b, weight, mask)
         _keep_lora_state(ctx, quant_state, scaling, dropout_p, lora_a, lora_b)
         ctx.x_shape, ctx.x_dtype = shape, x.dtype
@@ -112,7 +122,7 @@ class FusedLoraLinear(torch.autograd.Function):
                                                 ctx.needs_input_grad[4], ctx.needs_input_grad[5])
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
-        return grad_x, None, None, None, grad_a, grad_b, None, None, None
+        return grad_x, None, None, None, grad_a, grad_b, None, None, None, None
 
 
 def _swiglu(gate, up):
@@ -144,14 +154,15 @@ class SwiGLUDownLora(torch.autograd.Function):
     Unsloth's LoRA_MLP does (its fast_lora.py recomputes the activation in backward)."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype):
+    def forward(ctx, gate, up, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype,
+                output_unused=False):
         shape = gate.shape
         g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
         if g2.dtype != compute_dtype:
             g2, u2 = g2.to(compute_dtype), u2.to(compute_dtype)
         h = _swiglu(g2, u2)
         out, xa, a, b, mask = _lora_forward(h, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p,
-                                            compute_dtype)
+                                            compute_dtype, output_unused)
         del h
         ctx.save_for_backward(g2, u2, xa, a, b, weight, mask)
         _keep_lora_state(ctx, quant_state, scaling, dropout_p, lora_a, lora_b)
@@ -168,7 +179,7 @@ class SwiGLUDownLora(torch.autograd.Function):
         del h
         grad_gate, grad_up = _swiglu_backward(g2, u2, grad_h)
         return (grad_gate.view(ctx.in_shape).to(ctx.in_dtypes[0]), grad_up.view(ctx.in_shape).to(ctx.in_dtypes[1]),
-                None, None, None, grad_a, grad_b, None, None, None)
+                None, None, None, grad_a, grad_b, None, None, None, None)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -226,7 +237,7 @@ def _fused_forward(module):
         lora = None if args or kwargs else _lora_args(module, x)
         if lora is None:
             return peft_forward(x, *args, **kwargs)
-        return FusedLoraLinear.apply(x, *lora)
+        return FusedLoraLinear.apply(x, *lora, output_unused(module))
 
     return forward
 
@@ -240,7 +251,7 @@ def _swiglu_down_forward(mlp):
         lora = _lora_args(mlp.down_proj, x)  # x: the same device and autocast state as down's input
         if lora is None:
             return own_forward(x)
-        return SwiGLUDownLora.apply(mlp.gate_proj(x), mlp.up_proj(x), *lora)
+        return SwiGLUDownLora.apply(mlp.gate_proj(x), mlp.up_proj(x), *lora, output_unused(mlp.down_proj))
 
     return forward
 
