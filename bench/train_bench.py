@@ -29,6 +29,8 @@ loraship's schedule (cosine, no warm-up, over --steps) and gradient clipping at 
 - loraship-lean: the same with `optimize: memory`.
 - loraship-unfused: loraship-default with PEFT's own LoRA Linears (LORASHIP_FUSED_LORA=0): what the fused LoRA
   nodes (loraship/training/fused_lora.py) are worth, in the same run.
+- loraship-lean-full-recompute: loraship-lean recomputing down_proj's GEMM too (LORASHIP_RECOMPUTE_SKIP=0): what
+  leaving it out of the recompute (loraship/training/recompute.py) is worth, in the same run.
 - loraship-packed / loraship-padded (case `packing`): packing on / off on variable-length chat rows.
 
 Timing: a global optimizer step hook synchronises and stamps each step; tokens/s is non-pad tokens of the steps after
@@ -84,7 +86,8 @@ ISSUE_CASES = ["qwen2-7b-lora", "qwen2-7b-lora-all-linear", "qwen2-7b-qlora", "q
 TRAINERS = {"packing": ["loraship-packed", "loraship-padded"], "qwen2-14b-lora-8k": ["loraship-default"]}
 PEERS = ["unsloth-sft", "unsloth-loop", "hf-liger"]
 # The order rows run in, when the budget may not cover them all: each phase over every case before the next phase.
-PHASES = [["unsloth-sft", "unsloth-loop", "loraship-default"], ["loraship-lean"], ["loraship-unfused"], ["hf-liger"]]
+PHASES = [["unsloth-sft", "unsloth-loop", "loraship-default"], ["loraship-lean"], ["loraship-unfused"],
+          ["loraship-lean-full-recompute"], ["hf-liger"]]
 SMOKE_SEQ = 128  # --smoke: the tiny shape at short rows, so the CPU check takes seconds
 LOSS_STEPS = 10  # the first losses every row keeps (`loss_curve`)
 
@@ -319,7 +322,7 @@ def loraship_config(case: str, trainer: str, model_dir: Path, data: Path, root: 
         "device": device,
         "target_gpu_memory_gib": 16,  # the 14B's Q4_K_M alone is 8.3 GiB: above the default 8 GiB inference target
     }
-    if trainer == "loraship-lean":
+    if trainer in ("loraship-lean", "loraship-lean-full-recompute"):
         out["optimize"] = "memory"
     if trainer in ("loraship-packed", "loraship-padded"):
         out["packing"] = "on" if trainer == "loraship-packed" else "off"
@@ -619,6 +622,8 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
     device = "cpu" if args.smoke else "cuda"
     if trainer == "loraship-unfused":  # the default with PEFT's own LoRA Linears: what fused_lora.py is worth
         os.environ["LORASHIP_FUSED_LORA"] = "0"
+    if trainer == "loraship-lean-full-recompute":  # lean with down_proj's GEMM recomputed: what recompute.py is worth
+        os.environ["LORASHIP_RECOMPUTE_SKIP"] = "0"
     if device == "cuda" and trainer.startswith("loraship"):
         # What the train stage sets itself, set here because the cap below starts CUDA first.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -675,7 +680,8 @@ def ratios(rows: list[dict]) -> list[dict]:
         for name, r in by.items():
             if not name.startswith("loraship"):
                 continue
-            for against in bases + (["loraship-unfused"] if name == "loraship-default" else []):
+            own = {"loraship-default": ["loraship-unfused"], "loraship-lean": ["loraship-lean-full-recompute"]}
+            for against in bases + own.get(name, []):
                 base = by.get(against)
                 if base is None or base is r:
                     continue

@@ -133,7 +133,8 @@ def test_train_bench_runs_phase_by_phase():
                          ("qwen2-14b-lora", "unsloth-loop"), ("qwen2-14b-lora", "loraship-default")]
     assert order[6:] == [("qwen2-7b-lora", "loraship-lean"), ("qwen2-14b-lora", "loraship-lean"),
                          ("qwen2-7b-lora", "loraship-unfused"), ("qwen2-14b-lora", "loraship-unfused"),
-                         ("qwen2-7b-lora", "hf-liger")]
+                         ("qwen2-7b-lora", "loraship-lean-full-recompute"),
+                         ("qwen2-14b-lora", "loraship-lean-full-recompute"), ("qwen2-7b-lora", "hf-liger")]
     assert tb.pairs(["packing"], None, []) == [("packing", "loraship-packed"), ("packing", "loraship-padded")]
 
 
