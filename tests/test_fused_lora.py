@@ -207,3 +207,39 @@ def test_swiglu_down_keeps_gate_and_up_not_h(tiny_qwen):
     fuse_lora_linears(reference)  # LoRA Linears fused, the MLP as it is (no Liger on the CPU): h kept for down
     fuse_lora_linears(fused, only_liger=False)
     assert intermediate_sized_saves(fused) == 2 < intermediate_sized_saves(reference)
+
+
+def test_swiglu_down_backward_lets_h_go_before_its_gradient_is_made(tiny_qwen, monkeypatch):
+    """In the MLP node's backward, h (rebuilt for A's gradient) is freed before down's input gradient, the other
+    tensor of gate's size, is allocated: one such transient at a time beyond gate and up."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from loraship.training import fused_lora
+
+    model = _peft_model(tiny_qwen)
+    fused_lora.fuse_lora_linears(model, only_liger=False)
+    rebuilt = []
+    swiglu = fused_lora._swiglu
+    monkeypatch.setattr(fused_lora, "_swiglu", lambda g, u: rebuilt.append(weakref.ref(h := swiglu(g, u))) or h)
+    tokens, f = 20, model.config.intermediate_size
+
+    class GateSizedMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.h_alive = []  # per matmul producing a gate-sized tensor after h was rebuilt: was h still alive?
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape == (tokens, f) and rebuilt:
+                self.h_alive.append(any(ref() is not None for ref in rebuilt))
+            return out
+
+    mlp = model.base_model.model.model.layers[0].mlp
+    x = torch.randn(2, tokens // 2, model.config.hidden_size, requires_grad=True)
+    loss = mlp(x).sum()
+    rebuilt.clear()  # the forward's h; backward rebuilds its own
+    with GateSizedMatmuls() as mode:
+        loss.backward()
+    assert rebuilt and mode.h_alive == [False]  # one gate-sized matmul (down's input gradient), h already gone

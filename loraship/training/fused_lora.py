@@ -173,10 +173,17 @@ class SwiGLUDownLora(torch.autograd.Function):
     def backward(ctx, grad_out):
         g2, u2, xa, a, b, weight, mask = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        h = _swiglu(g2, u2)
-        grad_h, grad_a, grad_b = _lora_backward(ctx, g, h, xa, a, b, weight, mask, True, ctx.needs_input_grad[5],
-                                                ctx.needs_input_grad[6])
-        del h
+        if g.dtype != xa.dtype:
+            g = g.to(xa.dtype)  # once, for both calls below
+        # h (for A's gradient) and h's gradient are each the size of gate: h goes before its gradient is made, so the
+        # layer's backward holds one such tensor beyond gate and up, not two (B's product g B is computed twice: r wide).
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[5] or ctx.needs_input_grad[6]:
+            h = _swiglu(g2, u2)
+            _, grad_a, grad_b = _lora_backward(ctx, g, h, xa, a, b, weight, mask, False, ctx.needs_input_grad[5],
+                                               ctx.needs_input_grad[6])
+            del h
+        grad_h, _, _ = _lora_backward(ctx, g, None, xa, a, b, weight, mask, True, False, False)
         grad_gate, grad_up = _swiglu_backward(g2, u2, grad_h)
         return (grad_gate.view(ctx.in_shape).to(ctx.in_dtypes[0]), grad_up.view(ctx.in_shape).to(ctx.in_dtypes[1]),
                 None, None, None, grad_a, grad_b, None, None, None, None)
