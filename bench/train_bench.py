@@ -394,6 +394,7 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
             # what the train stage itself reports (steady state, its own warm-up rule), next to the bench's clock
             "stage_tokens_per_s": metrics.get("tokens_per_s"), "stage_mfu": metrics.get("mfu"),
             "host_copies": metrics.get("host_copies"),
+            "down_proj_skipped_in_recompute": metrics.get("down_proj_skipped_in_recompute"),
             "peer_version": {"loraship": source_stamp()["commit"], **versions("torch", "transformers", "peft", "liger-kernel",
                                                                              "bitsandbytes")},
             "autocast": "torch.autocast(cuda, bfloat16) around every forward (tasks/train.py compute)" if device == "cuda"
