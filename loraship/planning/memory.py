@@ -303,7 +303,7 @@ KEPT_ANYWAY = {"attn_out"}
 SWIGLU_DOWN_TYPES = ("llama", "qwen2", "mistral")
 # Where a decoder layer ends in `residual + down_proj(h)`, so a checkpointed layer's recompute skips down_proj's GEMM
 # (loraship/training/recompute.py LAYERS_ENDING_IN_DOWN_PROJ, the same families by their layer classes).
-RECOMPUTE_SKIPS_DOWN_TYPES = ("llama", "qwen2", "mistral")
+RECOMPUTE_SKIPS_DOWN_TYPES = ("llama", "qwen2", "mistral", "phi3")
 
 
 def lora_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], program: str, liger: bool = False) -> float:

@@ -1,7 +1,7 @@
 """A checkpointed decoder layer's recompute leaves out its last GEMM, whose output nothing reads.
 
 Backward of a checkpointed layer runs the layer's forward again to rebuild what autograd saved, then backward through
-it; the output of that second forward is never read. Llama, Qwen2, Qwen3 and Mistral layers end with
+it; the output of that second forward is never read. Llama, Qwen2, Qwen3, Mistral and Phi-3 layers end with
 `residual + down_proj(h)`: the add saves nothing, and down_proj's backward needs only its weight (a LoRA down_proj also
 its rank-r product h A^T and h itself, for A's gradient). So down_proj's GEMM is wasted work in every recompute: on
 Qwen2-7B, 3584 x 18944 of a layer's ~233M frozen parameters, 29% of its matmuls.
@@ -28,9 +28,10 @@ import torch
 _state = threading.local()  # backward runs on autograd's own threads: each keeps its own depth
 
 # Decoder layers whose forward ends in `residual + mlp(x)` with the MLP ending in down_proj, so that nothing but that
-# add reads down_proj's output. Not Gemma 2 (a norm after the MLP saves its input) nor Phi-3 (no down_proj-only path).
+# add reads down_proj's output (Phi-3 puts a dropout between them, which keeps its mask, not its input). Not Gemma 2:
+# a norm after the MLP keeps its input.
 LAYERS_ENDING_IN_DOWN_PROJ = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-                                        "MistralDecoderLayer"})
+                                        "MistralDecoderLayer", "Phi3DecoderLayer"})
 
 
 def active() -> bool:
