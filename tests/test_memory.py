@@ -642,8 +642,8 @@ def test_optimize_memory_gives_the_least_memory():
     speed = memory.plan_training(QWEN2_7B, mode(**LEAN_7B, gpu_memory_gib=32))
     lean = memory.plan_training(QWEN2_7B, mode(**LEAN_7B, gpu_memory_gib=32, optimize="memory"))
     st = lean["strategy"]
-    # every layer checkpointed but the last, which costs nothing here (the test above)
-    assert st["checkpointed_layers"] == 27 and st["offload_activations"] is True and st["micro_batch_size"] == 2
+    # every layer checkpointed (the test below)
+    assert st["checkpointed_layers"] == 28 and st["offload_activations"] is True and st["micro_batch_size"] == 2
     assert lean["memory"]["predicted_total_gib"] < speed["memory"]["predicted_total_gib"]
     # nothing on the ladder of the same adapter and batch predicts less
     c = mode(**LEAN_7B, gpu_memory_gib=32, optimize="memory")
@@ -687,34 +687,21 @@ def test_a_gemma2_whose_query_scale_llama_cpp_would_not_apply_is_refused_at_plan
         assert "query_pre_attn_scalar" in problems[0] and "llama.cpp" in problems[0]
 
 
-def test_optimize_memory_leaves_the_last_layer_unckeckpointed_only_where_it_costs_no_memory(monkeypatch):
-    """optimize: memory checkpoints every layer but the last where the last one's activations, held through the
-    loss, fit under one layer's backward (the estimate's total is not larger): its recompute is saved for nothing.
-    gradient_checkpointing: true still means every layer; a loss larger than one layer's backward keeps it."""
+def test_optimize_memory_checkpoints_every_layer():
+    """optimize: memory is the least memory: every layer checkpointed, inputs in CPU memory, even the last, whose
+    activations the estimate once counted as free under the loss and which measured 0.06-0.16 GiB more on the GPU
+    (README, "A recompute without down_proj's GEMM"). gradient_checkpointing: true means the same."""
     L = memory.parse_model_config(QWEN2_7B).L
-
-    def plans():
-        for targets in (["q_proj", "v_proj", "o_proj"], "all-linear"):
-            for adapter in ("lora", "qlora"):
-                c = cfg(**{**FAST_7B, "gradient_checkpointing": None, "lora_target_modules": targets},
-                        optimize="memory", adapter=adapter, gpu_memory_gib=32)
-                user = memory.strategy_from_config(c, L)
-                every = memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, L))["predicted_total_gib"]
-                but_last = memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, L - 1))["predicted_total_gib"]
-                plan = memory.plan_training(QWEN2_7B, c)
-                free = but_last <= every
-                assert plan["strategy"]["checkpointed_layers"] == (L - 1 if free else L), (targets, adapter)
-                assert plan["strategy"]["offload_activations"]  # the checkpointed inputs still go to CPU memory
-                assert ("the last layer is not checkpointed" in plan["reason"]) == free
-                assert plan["memory"]["predicted_total_gib"] == round(min(every, but_last), 2)
-                explicit = memory.plan_training(QWEN2_7B, cfg(**{**FAST_7B, "gradient_checkpointing": True,
-                                                                 "lora_target_modules": targets}, adapter=adapter))
-                assert explicit["strategy"]["checkpointed_layers"] == L
-                yield free
-
-    assert all(plans())  # Liger's loss needs less than one 7B layer's backward at 2 x 8192
-    monkeypatch.setattr(memory, "fused_loss_transient", lambda T, s: 4 * memory.GIB)
-    assert not any(plans())
+    for targets in (["q_proj", "v_proj", "o_proj"], "all-linear"):
+        for adapter in ("lora", "qlora"):
+            c = cfg(**{**FAST_7B, "gradient_checkpointing": None, "lora_target_modules": targets},
+                    optimize="memory", adapter=adapter, gpu_memory_gib=32)
+            plan = memory.plan_training(QWEN2_7B, c)
+            assert plan["strategy"]["checkpointed_layers"] == L, (targets, adapter)
+            assert plan["strategy"]["offload_activations"]
+            explicit = memory.plan_training(QWEN2_7B, cfg(**{**FAST_7B, "gradient_checkpointing": True,
+                                                             "lora_target_modules": targets}, adapter=adapter))
+            assert explicit["strategy"]["checkpointed_layers"] == L
 
 
 def test_lora_gradients_are_not_at_a_peak_that_comes_before_backward_writes_them():

@@ -721,7 +721,6 @@ def plan_training(model_config: dict, cfg: Config) -> dict:
                 why = f"{_why_not(tried, cfg, n_layers)}; so: {why}"
             else:
                 why = f"as configured fits: {est['predicted_total_gib']:.1f} GiB of {cfg.gpu_memory_gib:g} GiB"
-            strat, est, why = _last_layer_free(model_config, cfg, strat, est, why)
             strat, est, why = _stream_for_speed(model_config, cfg, strat, est, why)
             return _plan(model_config, cfg, strat, est, why, _alternatives(model_config, cfg, strat))
         tried.append((strat, why, est))
@@ -730,23 +729,6 @@ def plan_training(model_config: dict, cfg: Config) -> dict:
     strat, _why, est = min(tried, key=lambda t: t[2]["predicted_total_gib"])
     why = f"device: cpu, so the GPU budget does not bind; on a GPU: {_refusal(model_config, cfg, tried)}"
     return _plan(model_config, cfg, strat, est, why, _alternatives(model_config, cfg, strat))
-
-
-def _last_layer_free(model_config: dict, cfg: Config, strat: dict, est: dict, why: str) -> tuple[dict, dict, str]:
-    """Under optimize: memory (every layer checkpointed, not asked for by gradient_checkpointing: true), the last
-    layer need not be: its saved activations are held through the loss and freed by its own backward, so they
-    add nothing where the loss is smaller than one layer's backward, which then comes first anyway, and its
-    recompute (one layer's forward) is saved. Kept only where the estimate's total is not larger."""
-    L = parse_model_config(model_config).L
-    if (cfg.gradient_checkpointing is not None or not checkpoint_every_layer(cfg) or L < 2
-            or checkpointed_layers(strat, L) != L or strat.get("offload_layers")):
-        return strat, est, why
-    lighter = with_checkpointing(strat, L - 1)
-    lighter_est = estimate(model_config, cfg, lighter)
-    if not lighter_est["fits"] or lighter_est["predicted_total_gib"] > est["predicted_total_gib"]:
-        return strat, est, why
-    return lighter, lighter_est, (f"{why}; the last layer is not checkpointed: its activations fit under one "
-                                  "layer's backward at no extra memory, and its recompute is saved")
 
 
 def step_seconds(model_config: dict, cfg: Config, strategy: dict) -> dict:
