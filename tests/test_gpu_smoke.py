@@ -191,6 +191,9 @@ def test_checkpointed_activations_in_cpu_memory(gpu_model, tmp_path):
                                                    **common), CAP_GIB)
     check(strategy, metrics, history, CAP_GIB, adapter="lora", offload_layers=0, offload_activations=True)
     assert "checkpointed activations in CPU memory" in metrics["trained_as"]
+    # Every checkpointed layer's recompute left down_proj's GEMM out (loraship/training/recompute.py); the losses
+    # below match torch's checkpointing all the same.
+    assert metrics["down_proj_skipped_in_recompute"] == strategy["checkpointed_layers"] > 0
     _, plain, plain_history = train(config_dict(gpu_model, tmp_path / "off", "plain", offload_activations="off",
                                                 gradient_checkpointing=True, **common), CAP_GIB)
     assert not plain["strategy"].get("offload_activations")
@@ -237,3 +240,55 @@ def test_fused_lora_nodes_match_peft_under_liger(gpu_model):
     worst = min(torch.nn.functional.cosine_similarity(grads[n].flatten(), grads_ref[n].flatten(), dim=0).item()
                 for n in grads)
     assert worst >= 0.999, worst
+
+
+@pytest.mark.parametrize("in_cpu", [True, False])
+def test_recompute_without_down_proj_matches_the_full_recompute_under_liger(gpu_model, in_cpu):
+    """The recompute skip (loraship/training/recompute.py) on CUDA: all-linear LoRA with the SwiGLU-down node under
+    Liger's kernels and bf16 autocast, every layer checkpointed (inputs in CPU memory or torch's non-reentrant
+    checkpoint): the same loss and LoRA gradients as the full recompute (cosine >= 0.9999: the same kernels on the
+    same values, so any gap is an error, not rounding)."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from loraship.training.activation_offload import offload_checkpointed_activations
+    from loraship.training.fused_lora import fuse_lora_linears
+    from loraship.training.recompute import skip_down_proj_in_recompute
+
+    L = DIMS["num_hidden_layers"]
+
+    def build(skip: bool):
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(gpu_model, dtype=torch.bfloat16).cuda()
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.enable_input_require_grads()
+        model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.02)
+        layers = list(model.get_base_model().model.layers)
+        if in_cpu:
+            offload_checkpointed_activations(layers, L)
+        _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True,
+                                        cross_entropy=False)
+        assert fuse_lora_linears(model)["swiglu_down"] == L
+        if skip:
+            assert skip_down_proj_in_recompute(layers, L, offloaded=in_cpu) == L
+        return model.train()
+
+    def loss_and_grads(model, ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+    ids = torch.randint(0, 30000, (2, SEQ), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    loss_ref, grads_ref = loss_and_grads(build(False), ids)
+    loss, grads = loss_and_grads(build(True), ids)
+    assert loss == pytest.approx(loss_ref, rel=1e-4)
+    assert grads.keys() == grads_ref.keys() and len(grads) == 2 * 7 * L
+    worst = min(torch.nn.functional.cosine_similarity(grads[n].flatten(), grads_ref[n].flatten(), dim=0).item()
+                for n in grads)
+    assert worst >= 0.9999, worst
