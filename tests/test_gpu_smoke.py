@@ -201,6 +201,19 @@ def test_checkpointed_activations_in_cpu_memory(gpu_model, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), (a, b)
 
 
+def bf16_loss_and_grads(model, ids):
+    """One forward and backward under bf16 autocast: the loss and every gradient in fp32."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def worst_cosine(grads: dict, grads_ref: dict) -> float:
+    return min(torch.nn.functional.cosine_similarity(grads[n].flatten(), grads_ref[n].flatten(), dim=0).item()
+               for n in grads)
+
+
 def test_fused_lora_nodes_match_peft_under_liger(gpu_model):
     """The fused LoRA Linears and the SwiGLU-down node (loraship/training/fused_lora.py) on CUDA, with Liger's kernels
     applied as the train stage applies them, under bf16 autocast: PEFT's loss and LoRA gradients on the same weights
@@ -223,22 +236,15 @@ def test_fused_lora_nodes_match_peft_under_liger(gpu_model):
                                         cross_entropy=False)
         return model.train()
 
-    def loss_and_grads(model, ids):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-
     reference, fused = build(), build()
     report = fuse_lora_linears(fused)
     assert report["fused"] == 7 * DIMS["num_hidden_layers"] and report["swiglu_down"] == DIMS["num_hidden_layers"]
     ids = torch.randint(0, 30000, (2, SEQ), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    loss_ref, grads_ref = loss_and_grads(reference, ids)
-    loss, grads = loss_and_grads(fused, ids)
+    loss_ref, grads_ref = bf16_loss_and_grads(reference, ids)
+    loss, grads = bf16_loss_and_grads(fused, ids)
     assert loss == pytest.approx(loss_ref, rel=1e-2)
     assert grads.keys() == grads_ref.keys() and len(grads) == 2 * 7 * DIMS["num_hidden_layers"]
-    worst = min(torch.nn.functional.cosine_similarity(grads[n].flatten(), grads_ref[n].flatten(), dim=0).item()
-                for n in grads)
+    worst = worst_cosine(grads, grads_ref)
     assert worst >= 0.999, worst
 
 
@@ -278,17 +284,10 @@ def test_recompute_without_down_proj_matches_the_full_recompute_under_liger(gpu_
             assert skip_down_proj_in_recompute(layers, L, offloaded=in_cpu) == L
         return model.train()
 
-    def loss_and_grads(model, ids):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-
     ids = torch.randint(0, 30000, (2, SEQ), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    loss_ref, grads_ref = loss_and_grads(build(False), ids)
-    loss, grads = loss_and_grads(build(True), ids)
+    loss_ref, grads_ref = bf16_loss_and_grads(build(False), ids)
+    loss, grads = bf16_loss_and_grads(build(True), ids)
     assert loss == pytest.approx(loss_ref, rel=1e-4)
     assert grads.keys() == grads_ref.keys() and len(grads) == 2 * 7 * L
-    worst = min(torch.nn.functional.cosine_similarity(grads[n].flatten(), grads_ref[n].flatten(), dim=0).item()
-                for n in grads)
+    worst = worst_cosine(grads, grads_ref)
     assert worst >= 0.9999, worst
