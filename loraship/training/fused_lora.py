@@ -80,6 +80,7 @@ def _lora_backward(ctx, g, x2, xa, a, b, weight, mask, needs_x: bool, needs_a: b
     if needs_a:
         dropped = x2 if mask is None else (x2 * mask).mul_(1.0 / (1.0 - ctx.dropout_p))
         grad_a = torch.mm(d_xa.t(), dropped).to(ctx.master_dtypes[0])
+        del dropped  # an input-sized copy under dropout: gone before the input gradient below is made
     if needs_x:
         w = _dequantized(weight, ctx.quant_state)
         if w.dtype != g.dtype:
