@@ -88,6 +88,8 @@ PEERS = ["unsloth-sft", "unsloth-loop", "hf-liger"]
 # The order rows run in, when the budget may not cover them all: each phase over every case before the next phase.
 PHASES = [["unsloth-sft", "unsloth-loop", "loraship-default"], ["loraship-lean"], ["loraship-unfused"],
           ["loraship-lean-full-recompute"], ["hf-liger"]]
+# loraship rows also compared with loraship's own variant that leaves one change out (what that change is worth).
+OWN_BASELINES = {"loraship-default": ["loraship-unfused"], "loraship-lean": ["loraship-lean-full-recompute"]}
 SMOKE_SEQ = 128  # --smoke: the tiny shape at short rows, so the CPU check takes seconds
 LOSS_STEPS = 10  # the first losses every row keeps (`loss_curve`)
 
@@ -681,8 +683,7 @@ def ratios(rows: list[dict]) -> list[dict]:
         for name, r in by.items():
             if not name.startswith("loraship"):
                 continue
-            own = {"loraship-default": ["loraship-unfused"], "loraship-lean": ["loraship-lean-full-recompute"]}
-            for against in bases + own.get(name, []):
+            for against in bases + OWN_BASELINES.get(name, []):
                 base = by.get(against)
                 if base is None or base is r:
                     continue

@@ -244,7 +244,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
 
 def recompute_skip_wanted() -> bool:
     """LORASHIP_RECOMPUTE_SKIP=0 recomputes down_proj's GEMM as before: for comparing the two (bench/train_bench.py's
-    loraship-full-recompute rows) and for ruling the skip out when a run misbehaves."""
+    loraship-lean-full-recompute rows) and for ruling the skip out when a run misbehaves."""
     return os.environ.get("LORASHIP_RECOMPUTE_SKIP", "1") != "0"
 
 

@@ -762,7 +762,7 @@ def step_seconds(model_config: dict, cfg: Config, strategy: dict) -> dict:
 def _stream_for_speed(model_config: dict, cfg: Config, strat: dict, est: dict, why: str) -> tuple[dict, dict, str]:
     """Where offload had to stream n layers with every layer checkpointed (the ladder's rung), stream more where that
     is faster: each streamed layer frees its weights for the saved activations of a later layer, which then skips its
-    recompute (a third of its work); the copies cost nothing while the matmuls take longer. optimize: speed only."""
+    recompute (loraship/planning/flops.py recompute_flops_per_layer_token); the copies cost nothing while the matmuls take longer. optimize: speed only."""
     s = parse_model_config(model_config)
     n = strat.get("offload_layers", 0)
     if not n or checkpoint_every_layer(cfg) or cfg.gradient_checkpointing is not None:
