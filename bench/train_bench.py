@@ -31,6 +31,9 @@ loraship's schedule (cosine, no warm-up, over --steps) and gradient clipping at 
   nodes (loraship/training/fused_lora.py) are worth, in the same run.
 - loraship-lean-full-recompute: loraship-lean recomputing down_proj's GEMM too (LORASHIP_RECOMPUTE_SKIP=0): what
   leaving it out of the recompute (loraship/training/recompute.py) is worth, in the same run.
+- loraship-contiguous: loraship-default streaming the first n layers rather than spreading them over the checkpointed
+  ones (LORASHIP_OFFLOAD_SPREAD=0): what the spread layout (loraship/planning/memory.py streamed_layers) is worth where
+  a plan streams weights (qwen2-14b-lora); elsewhere it plans as the default. Named with --trainers only.
 - loraship-packed / loraship-padded (case `packing`): packing on / off on variable-length chat rows.
 
 Timing: a global optimizer step hook synchronises and stamps each step; tokens/s is non-pad tokens of the steps after
@@ -89,7 +92,7 @@ PEERS = ["unsloth-sft", "unsloth-loop", "hf-liger"]
 PHASES = [["unsloth-sft", "unsloth-loop", "loraship-default"], ["loraship-lean"], ["loraship-unfused"],
           ["loraship-lean-full-recompute"], ["hf-liger"]]
 # loraship rows also compared with loraship's own variant that leaves one change out (what that change is worth).
-OWN_BASELINES = {"loraship-default": ["loraship-unfused"], "loraship-lean": ["loraship-lean-full-recompute"]}
+OWN_BASELINES = {"loraship-default": ["loraship-unfused", "loraship-contiguous"], "loraship-lean": ["loraship-lean-full-recompute"]}
 SMOKE_SEQ = 128  # --smoke: the tiny shape at short rows, so the CPU check takes seconds
 LOSS_STEPS = 10  # the first losses every row keeps (`loss_curve`)
 
@@ -627,6 +630,8 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
         os.environ["LORASHIP_FUSED_LORA"] = "0"
     if trainer == "loraship-lean-full-recompute":  # lean with down_proj's GEMM recomputed: what recompute.py is worth
         os.environ["LORASHIP_RECOMPUTE_SKIP"] = "0"
+    if trainer == "loraship-contiguous":  # the default with its streamed layers first: what the spread is worth
+        os.environ["LORASHIP_OFFLOAD_SPREAD"] = "0"
     if device == "cuda" and trainer.startswith("loraship"):
         # What the train stage sets itself, set here because the cap below starts CUDA first.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -151,8 +151,8 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     offload = strategy.get("offload_layers", 0) if device == "cuda" else 0
     if offload and strategy["adapter"] == "qlora":
         raise LorashipError("the plan combines QLoRA with CPU offload, which loraship does not support; re-plan")
-    # Streamed layers are the first n, and must be among the checkpointed first k: a streamed layer that is not
-    # recomputed keeps its weight's GPU copy from forward to backward. Checked before the weights load.
+    # Streamed layers (the first n, or n spread over the first k) must be among the checkpointed first k: one that is
+    # not recomputed keeps its weight's GPU copy from forward to backward. Checked before the weights load.
     checkpointed = strategy.get("checkpointed_layers")
     if checkpointed is None:  # a plan from before the key: every layer or none
         checkpointed = offload if strategy["gradient_checkpointing"] else 0
@@ -198,7 +198,9 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     if offload:
         from loraship.training.offload import offload_frozen_layers
 
-        log.info("train: %.2f GiB of frozen weights kept in CPU memory", offload_frozen_layers(model, offload) / 2**30)
+        streamed = memory.streamed_layers(strategy, len(decoder_layers(model)))
+        log.info("train: %.2f GiB of frozen weights kept in CPU memory (decoder layers %s)",
+                 offload_frozen_layers(model, streamed) / 2**30, ", ".join(map(str, streamed)))
         model.to("cuda")
     if device == "cuda" and strategy["fused_loss"]:
         # Patched once the model sits on the GPU: applied to a CPU-resident model (the offload
@@ -700,7 +702,8 @@ def describe_strategy(strategy: dict, n_layers: int | None) -> str:
     of = f" of {n_layers}" if n_layers else ""
     k = strategy.get("checkpointed_layers")
     ckpt = f"{k}{of} layers" if k is not None else ("on" if strategy["gradient_checkpointing"] else "off")
-    off = f", {strategy['offload_layers']}{of} decoder layers' frozen weights streamed from CPU memory" \
+    spread = f" (spread over the first {k})" if strategy.get("offload_spread") and k else ""
+    off = f", {strategy['offload_layers']}{of} decoder layers' frozen weights streamed from CPU memory{spread}" \
         if strategy.get("offload_layers") else ""
     acts = f", {memory.ACTIVATIONS_IN_CPU}" if strategy.get("offload_activations") else ""
     return (f"{base}{off}, micro-batch {strategy['micro_batch_size']} x {strategy['gradient_accumulation_steps']} "

@@ -733,3 +733,42 @@ def test_fused_loss_transient_is_bf16_logits_of_one_chunk_and_three_hidden_sized
     # and output, and the input gradient: bf16, T x h each.
     s = memory.parse_model_config(QWEN2_7B)
     assert memory.fused_loss_transient(8192, s) == 256 * 152064 * 2 + 3 * 2 * 8192 * 3584
+
+
+def test_streamed_layers_are_the_first_n_or_spread_evenly_over_the_checkpointed_ones():
+    base = {"adapter": "lora", "micro_batch_size": 1, "gradient_accumulation_steps": 1, "fused_loss": True}
+    first = memory.with_checkpointing({**base, "offload_layers": 5}, 12)
+    assert memory.streamed_layers(first, 48) == [0, 1, 2, 3, 4]
+    assert memory.streamed_layers({**first, "offload_layers": 0, "offload_spread": True}, 48) == []
+    assert memory.streamed_layers(memory.with_checkpointing({**first, "offload_spread": True}, 5), 48) == [0, 1, 2, 3, 4]
+    for n, k in [(5, 12), (17, 40), (21, 36), (47, 48), (1, 48)]:
+        spread = memory.streamed_layers(memory.with_checkpointing({**base, "offload_layers": n, "offload_spread": True},
+                                                                  k), 48)
+        gaps = [b - a for a, b in zip(spread, spread[1:])]
+        assert len(spread) == n and spread[0] == 0 and spread[-1] + 1 < k  # the layer after the last one recomputes
+        assert set(gaps) <= {k // n, -(-k // n)}, (n, k, gaps)  # as even as whole layers allow
+
+
+def test_spreading_the_streamed_layers_hides_copies_longer_than_one_layers_forward(monkeypatch):
+    c = cfg(**{**LORA_14B, "gradient_checkpointing": None, "gradient_accumulation_steps": 1}, fused_loss="on")
+    first = memory.with_checkpointing({**memory.strategy_from_config(c, 48), "offload_layers": 21}, 36)
+    spread = {**first, "offload_spread": True}
+    a, b = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (first, spread))
+    assert a["compute_s"] == b["compute_s"] and b["step_s"] < a["step_s"] - 0.02  # a 14B layer's copy > its forward
+    assert memory.estimate(QWEN2_14B_EXAMPLE, c, first) == memory.estimate(QWEN2_14B_EXAMPLE, c, spread)
+    monkeypatch.setattr(memory, "PLAN_HOST_TO_DEVICE_GBPS", 1e6)  # free copies: the layout does not matter
+    a, b = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (first, spread))
+    assert a["step_s"] == pytest.approx(b["step_s"]) == pytest.approx(a["compute_s"])
+
+
+def test_the_speed_plan_spreads_its_streamed_layers_unless_told_not_to(monkeypatch):
+    c = cfg(**{**LORA_14B, "gradient_checkpointing": None, "gradient_accumulation_steps": 1}, fused_loss="on")
+    plan = memory.plan_training(QWEN2_14B_EXAMPLE, c)
+    st = plan["strategy"]
+    assert st.get("offload_spread") is True and 0 < st["offload_layers"] < st["checkpointed_layers"] < 48
+    assert f"spread over the first {st['checkpointed_layers']}" in plan["reason"]
+    monkeypatch.setenv("LORASHIP_OFFLOAD_SPREAD", "0")  # bench/train_bench.py's loraship-contiguous
+    contiguous = memory.plan_training(QWEN2_14B_EXAMPLE, c)
+    assert "offload_spread" not in contiguous["strategy"] and "spread" not in contiguous["reason"]
+    assert (memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)["step_s"]
+            < memory.step_seconds(QWEN2_14B_EXAMPLE, c, contiguous["strategy"])["step_s"])

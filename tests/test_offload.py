@@ -115,11 +115,11 @@ def _generated_model(checkpointing=True):
     return model
 
 
-def _offload_recording(model, n_layers):
+def _offload_recording(model, layers):
     from loraship.training.offload import offload_frozen_layers
 
     transfer = RecordingTransfer()
-    offload_frozen_layers(model, n_layers, transfer=transfer)
+    offload_frozen_layers(model, layers, transfer=transfer)
     layers = model.get_base_model().model.layers
     transfer.layer_of = {id(m._loraship_cpu_weight): i for i, layer in enumerate(layers)
                          for m in layer.modules() if hasattr(m, "_loraship_cpu_weight")}
@@ -158,6 +158,11 @@ def _step_schedule(model, transfer, reference_grads, loss_ref):
     (3, 4, [0, 1, 2], [2, 1, 0]),
     # 2 streamed, 3 checkpointed: layer 3 keeps its activations (no recompute); layer 2's recompute copies layer 1.
     (2, 3, [0, 1], [1, 0]),
+    # Spread (memory.streamed_layers): layer 0 starting copies layer 2, which has layer 1's forward to hide behind;
+    # layer 3's recompute copies layer 2, layer 2's copies layer 0 (with layer 1's recompute and backward between).
+    ([0, 2], 4, [0, 2], [2, 0]),
+    # Spread up to the last layer: copied again for its recompute as forward ends; its recompute copies layer 1.
+    ([1, 3], 4, [1, 3, 3], [1]),
 ])
 @pytest.mark.parametrize("activations_in_cpu", [False, True])
 def test_prefetch_walks_up_in_forward_and_down_in_the_recompute(streamed, checkpointed, forward, backward,
@@ -177,10 +182,12 @@ def test_prefetch_walks_up_in_forward_and_down_in_the_recompute(streamed, checkp
         assert transfer.fallbacks == 0  # every weight was prefetched: no copy on the spot
         assert transfer.peak <= 2  # current + next: never more than two layers' copies alive, whoever holds them
     prefetcher = model.get_base_model().model._loraship_prefetcher
-    assert (prefetcher.passes, prefetcher.late) == (2 * 2 * streamed, 0)  # 2 steps: forward + recompute of each
+    n = streamed if isinstance(streamed, int) else len(streamed)
+    assert (prefetcher.passes, prefetcher.late) == (2 * 2 * n, 0)  # 2 steps: forward + recompute of each
 
 
-def test_streaming_every_checkpointed_layer_costs_one_copy_on_the_spot():
+@pytest.mark.parametrize("streamed", [2, [0, 1]])
+def test_streaming_every_checkpointed_layer_costs_one_copy_on_the_spot(streamed):
     """k == n: the layer after the streamed ones is not recomputed, so nothing announces the last streamed layer's
     recompute; it is copied when it starts, and waited for (the result is the same)."""
     reference = _generated_model()
@@ -188,7 +195,7 @@ def test_streaming_every_checkpointed_layer_costs_one_copy_on_the_spot():
     loss_ref, grads_ref = loss_and_grads(reference, IDS)
     model = _generated_model()
     _checkpoint_first(model, 2)
-    transfer = _offload_recording(model, 2)
+    transfer = _offload_recording(model, streamed)
     assert _step_schedule(model, transfer, grads_ref, loss_ref) == ([0, 1], [1, 0])
     assert model.get_base_model().model._loraship_prefetcher.late == 1 and transfer.fallbacks == 0 and transfer.peak <= 2
 
@@ -231,3 +238,10 @@ def test_a_wrong_guess_costs_a_copy_never_a_wrong_weight():
         assert torch.equal(prefetcher.weight(i, module, cpu), module._loraship_cpu_weight)
         assert len(prefetcher.held) <= 2
     assert prefetcher.late > 0  # the jumps were not prefetched; they were copied when they came
+
+
+def test_streamed_layers_outside_the_model_are_refused():
+    from loraship.training.offload import offload_frozen_layers
+
+    with pytest.raises(ValueError, match=r"streamed layers \[2, 4\] outside the model's 4 decoder layers"):
+        offload_frozen_layers(_generated_model(), [2, 4])

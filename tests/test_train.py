@@ -332,6 +332,23 @@ def test_checkpointing_some_layers_with_offloaded_layers_trains_identically(four
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_streamed_layers_spread_over_the_checkpointed_ones_train_identically(four_layers, tmp_path):
+    """The plan's spread layout (memory.streamed_layers) through load_model's fused LoRA nodes and recompute marks:
+    layers 0 and 2 streamed, all four checkpointed, the same loss and LoRA gradients as nothing streamed."""
+    from loraship.planning import memory
+
+    config = parse_config(demo_config_dict(four_layers, tmp_path, gradient_checkpointing=False, fused_loss="off"))
+    strategy = memory.with_checkpointing({**memory.strategy_from_config(config, 4), "offload_layers": 2,
+                                          "offload_spread": True}, 4)
+    assert memory.streamed_layers(strategy, 4) == [0, 2]
+    loss, grads, flags = _loss_and_lora_grads(four_layers, config, strategy, offload_layers=[0, 2])
+    ref_loss, ref_grads, _ = _loss_and_lora_grads(four_layers, config, strategy)
+    assert flags == [True] * 4
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("adapter,offload_layers", [("lora", 0), ("qlora", 0), ("lora", 2)])
 def test_checkpointed_activations_in_cpu_memory_train_identically(four_layers, tmp_path, adapter, offload_layers,
                                                                   monkeypatch):

@@ -615,8 +615,9 @@ def _rung(strategy: dict, user: dict) -> str:
 
 
 def _describe(strategy: dict) -> str:
-    off = f" with {strategy['offload_layers']} layers offloaded" if strategy["offload_layers"] else ""
     k = strategy.get("checkpointed_layers")
+    spread = f" (spread over the first {k})" if strategy.get("offload_spread") and k else ""
+    off = f" with {strategy['offload_layers']} layers offloaded{spread}" if strategy["offload_layers"] else ""
     ckpt = (f"{k} layers checkpointed" if k is not None
             else f"checkpointing {'on' if strategy['gradient_checkpointing'] else 'off'}")
     acts = f", {ACTIVATIONS_IN_CPU}" if strategy.get("offload_activations") else ""
@@ -731,17 +732,35 @@ def plan_training(model_config: dict, cfg: Config) -> dict:
     return _plan(model_config, cfg, strat, est, why, _alternatives(model_config, cfg, strat))
 
 
+def streamed_layers(strategy: dict, n_layers: int) -> list[int]:
+    """Which decoder layers stream their frozen weights from CPU memory (loraship/training/offload.py), ascending.
+
+    The first n; or, where the plan spreads them (`offload_spread`), n spaced evenly over the first k checkpointed
+    layers, so each prefetch has the forward of the layers between two streamed ones to hide behind, not one layer's.
+    Either way every streamed layer is checkpointed (autograd would otherwise keep its copy until backward).
+    """
+    n = min(strategy.get("offload_layers", 0), n_layers)
+    k = checkpointed_layers(strategy, n_layers)
+    if n <= 0:
+        return []
+    if not strategy.get("offload_spread") or k <= n:
+        return list(range(n))
+    return [j * k // n for j in range(n)]  # distinct, first 0, last below k - 1: the layer after it is recomputed
+
+
 def step_seconds(model_config: dict, cfg: Config, strategy: dict) -> dict:
-    """Predicted seconds of one micro-batch at PLAN_EXECUTED_TFLOPS and PLAN_HOST_TO_DEVICE_GBPS, layer by layer and
-    phase by phase: a streamed layer's copy overlaps the compute before it (loraship/training/offload.py prefetches one
-    layer ahead), so a streamed layer's forward takes the longer of its matmuls and its weights' copy, and its recompute
-    + backward the longer of those and the copy again (plus its offloaded input coming back)."""
+    """Predicted seconds of one micro-batch at PLAN_EXECUTED_TFLOPS and PLAN_HOST_TO_DEVICE_GBPS, simulated layer by
+    layer as loraship/training/offload.py schedules the copies: one at a time on a side stream, each starting when the
+    streamed layer before it (in that pass's direction) starts, or when the stack starts for the first; a streamed
+    layer waits for its copy. Backward walks down: a checkpointed layer's recompute + backward (its offloaded input
+    coming back beside it); the last streamed layer's copy starts with the recompute of the layer after it where that
+    one is checkpointed, as soon as its own forward is done where it is the model's last, else when it is reached."""
     from loraship.planning import flops
 
     s = parse_model_config(model_config)
     T = strategy["micro_batch_size"] * cfg.sequence_len
     k = checkpointed_layers(strategy, s.L)
-    n = min(strategy.get("offload_layers", 0), s.L)
+    streamed = streamed_layers(strategy, s.L)
     rate, bw = PLAN_EXECUTED_TFLOPS * 1e12, PLAN_HOST_TO_DEVICE_GBPS * 1e9
     forward = T * flops.forward_flops_per_layer_token(model_config, cfg, cfg.sequence_len) / rate
     recompute = T * flops.recompute_flops_per_layer_token(model_config, cfg, cfg.sequence_len) / rate
@@ -750,19 +769,53 @@ def step_seconds(model_config: dict, cfg: Config, strategy: dict) -> dict:
     backward /= s.L
     weights = s.layer_linear_params * 2 / bw  # bf16 (offload is bf16 LoRA only)
     checkpoint = T * 2 * s.h / bw if strategy.get("offload_activations") else 0.0
-    total = head
+    is_streamed = set(streamed)
+    last = streamed[-1] if streamed else None
+    t = side = announced = 0.0  # now; when the side stream is free; when the next streamed layer's copy may start
+
+    def arrive(t, announced, side):  # a streamed layer starts: its copy began at `announced`, after the one before
+        side = max(announced, side) + weights
+        return max(t, side), side
+
     for i in range(s.L):
-        copy_in = weights if i < n else 0.0  # the first n layers stream
-        total += max(forward, copy_in)
-        total += max(backward + recompute, copy_in + checkpoint) if i < k else backward
+        if i in is_streamed:
+            t, side = arrive(t, announced, side)
+            announced = t  # the next streamed layer's copy starts as this layer starts
+        t += forward
+        if i == last == s.L - 1:
+            announced = t  # copied again for its recompute, backward's first work
+    t += head
+    for i in reversed(range(s.L)):
+        if last is not None and i == last + 1 and i < k:
+            announced = t  # this recompute announces the last streamed layer's
+        if i in is_streamed:
+            if i == last and k <= last + 1 < s.L:
+                announced = t  # nothing announced it (the layer after it is not recomputed): copied when reached
+            t, side = arrive(t, announced, side)
+            announced = t
+        t += max(backward + recompute, checkpoint) if i < k else backward
     compute = head + s.L * (forward + backward) + k * recompute
-    return {"compute_s": compute, "step_s": total, "copy_bound_s": total - compute}
+    return {"compute_s": compute, "step_s": t, "copy_bound_s": t - compute}
+
+
+def _layouts(strategy: dict, n_layers: int) -> list[dict]:
+    """The ways to place a plan's streamed layers: the first n, and (unless LORASHIP_OFFLOAD_SPREAD=0, what the
+    spread is worth in bench/train_bench.py) spread over the checkpointed ones."""
+    import os
+
+    out = [{k: v for k, v in strategy.items() if k != "offload_spread"}]
+    n = min(strategy.get("offload_layers", 0), n_layers)
+    if os.environ.get("LORASHIP_OFFLOAD_SPREAD", "1") != "0" and 0 < n < checkpointed_layers(strategy, n_layers):
+        out.append({**out[0], "offload_spread": True})
+    return out
 
 
 def _stream_for_speed(model_config: dict, cfg: Config, strat: dict, est: dict, why: str) -> tuple[dict, dict, str]:
     """Where offload had to stream n layers with every layer checkpointed (the ladder's rung), stream more where that
     is faster: each streamed layer frees its weights for the saved activations of a later layer, which then skips its
-    recompute (loraship/planning/flops.py recompute_flops_per_layer_token); the copies cost nothing while the matmuls take longer. optimize: speed only."""
+    recompute (loraship/planning/flops.py recompute_flops_per_layer_token); the copies cost nothing while the matmuls
+    take longer, which spreading the streamed layers over the checkpointed ones helps (streamed_layers). The layout
+    changes no memory: the same layers' weights stay off the GPU, at most two copies on it. optimize: speed only."""
     s = parse_model_config(model_config)
     n = strat.get("offload_layers", 0)
     if not n or checkpoint_every_layer(cfg) or cfg.gradient_checkpointing is not None:
@@ -774,7 +827,10 @@ def _stream_for_speed(model_config: dict, cfg: Config, strat: dict, est: dict, w
             cand = with_checkpointing({**strat, "offload_layers": more}, k)
             cand_est = estimate(model_config, cfg, cand)
             if cand_est["fits"]:
-                options.append((step_seconds(model_config, cfg, cand)["step_s"], cand, cand_est))
+                # The faster layout of these layers (the first n on a tie); the memory is the same.
+                t, cand = min(((step_seconds(model_config, cfg, c)["step_s"], c) for c in _layouts(cand, s.L)),
+                              key=lambda o: o[0])
+                options.append((t, cand, cand_est))
                 break  # more checkpointed layers would only be slower
     fastest = min(t for t, _, _ in options)
     # The fewest streamed layers within 1% of the fastest: a gain inside the model's error is no reason to copy more.
@@ -782,8 +838,10 @@ def _stream_for_speed(model_config: dict, cfg: Config, strat: dict, est: dict, w
     if chosen is strat or t > first * 0.99:
         return strat, est, why
     k = checkpointed_layers(chosen, s.L)
+    spread = f", spread over the first {k} (one copy hidden behind more than one layer's forward)" \
+        if chosen.get("offload_spread") else ""
     return chosen, chosen_est, (
-        f"{why}; streaming {chosen['offload_layers']} layers instead of {n} leaves room for {s.L - k} layers' "
+        f"{why}; streaming {chosen['offload_layers']} layers instead of {n}{spread} leaves room for {s.L - k} layers' "
         f"activations, whose recompute is saved: predicted {t:.2f} s a micro-batch instead of {first:.2f} s "
         f"(at {PLAN_EXECUTED_TFLOPS:g} TFLOP/s and {PLAN_HOST_TO_DEVICE_GBPS:g} GB/s host to device)")
 

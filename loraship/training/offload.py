@@ -1,22 +1,24 @@
 """Partial CPU offload of frozen base weights for bf16 LoRA training.
 
-The first N decoder layers keep their frozen Linear weights in pinned CPU memory; each forward
+Some decoder layers keep their frozen Linear weights in pinned CPU memory; each forward
 (and each recompute under gradient checkpointing) copies the weight to the GPU just for that
 matmul, and autograd frees the copy once backward no longer needs it. LoRA weights, norms,
 embeddings and every other layer stay on the GPU.
 
-Why the first N: the train stage checkpoints the first k layers (tasks/train.py), and a streamed layer must be
-one of them (otherwise autograd keeps its copy from forward to backward). Streaming the first layers lets a plan
-stream n and checkpoint only k >= n of L: the memory streaming frees pays for the later layers' saved activations,
-whose recompute is then saved (loraship/planning/memory.py trades the two).
+Which layers: the train stage checkpoints the first k layers (tasks/train.py), and a streamed layer must be one
+of them (otherwise autograd keeps its copy from forward to backward). Streaming n of the first k lets a plan
+checkpoint only k of L: the memory streaming frees pays for the later layers' saved activations, whose recompute is
+then saved (loraship/planning/memory.py trades the two). The plan streams the first n, or spreads them evenly over
+the first k (memory.streamed_layers): then a copy has the forward of the layers between two streamed ones to hide
+behind, where one layer's forward can be shorter than its copy (a 14B layer on a PCIe 5.0 H100).
 
-Overlap: the copies are prefetched. When an offloaded layer starts, its weights were already
-copied on a side CUDA stream, and the copy of the layer that runs next starts, so the PCIe
-transfer runs while the current layer computes. Forward visits the offloaded layers in ascending
+Overlap: the copies are prefetched. When a streamed layer starts, its weights were already
+copied on a side CUDA stream, and the copy of the streamed layer that runs next starts, so the PCIe
+transfer runs while the layers up to it compute. Forward visits the streamed layers in ascending
 order; non-reentrant gradient checkpointing recomputes them in descending order during backward,
 so the prefetch follows that direction there. The last streamed layer's recompute is copied ahead
-when backward starts recomputing the layer after it (or, where every layer is streamed, as soon as
-forward is done with the last one, whose recompute is backward's first work). At most two layers'
+when backward starts recomputing the layer after it (or, where it is the model's last layer, as soon as
+forward is done with it, whose recompute is backward's first work). At most two layers'
 copies are waiting at once, the current one and the next: loraship/planning/memory.py budgets exactly two
 layers on the GPU. A prefetch is only a head start: a layer that was not prefetched is copied when
 it starts, and waited for, so a wrong guess costs time, never correctness.
@@ -114,7 +116,7 @@ class Prefetcher:
         self._prefetch(0, device)
 
     def next_layer_ran(self, device):
-        """The decoder layer after the streamed ones starts: its forward, then (when checkpointed) its recompute in
+        """The decoder layer after the last streamed one starts: its forward, then (when checkpointed) its recompute in
         backward, which comes right before the last streamed layer's own recompute: copy that one now."""
         self.next_layer_runs += 1
         if self.next_layer_runs == 2 and self.recompute_follows():
@@ -168,18 +170,21 @@ def _streaming_forward(module, prefetcher, i):
     return forward
 
 
-def offload_frozen_layers(model, n_layers: int, transfer: Transfer | None = None) -> int:
-    """Move the frozen Linear weights of the first n decoder layers to pinned CPU memory.
+def offload_frozen_layers(model, layers: int | list[int], transfer: Transfer | None = None) -> int:
+    """Move the frozen Linear weights of some decoder layers to pinned CPU memory.
 
-    Call on the PEFT model while it is still on the CPU, before `model.to("cuda")`. Those n layers must be among the
-    checkpointed ones (the first k >= n). Returns the number of bytes kept off the GPU. `transfer` replaces the copy
-    mechanism (tests).
+    `layers`: their indices (loraship/planning/memory.py streamed_layers), or n for the first n. Call on the PEFT model
+    while it is still on the CPU, before `model.to("cuda")`. Those layers must be among the checkpointed ones (the
+    first k). Returns the number of bytes kept off the GPU. `transfer` replaces the copy mechanism (tests).
     """
     import torch
 
     stack = model.get_base_model().model
     all_layers = list(stack.layers)
-    decoder_layers = all_layers[:n_layers] if n_layers > 0 else []
+    positions = list(range(layers)) if isinstance(layers, int) else sorted(set(layers))
+    if positions and not 0 <= positions[0] <= positions[-1] < len(all_layers):
+        raise ValueError(f"streamed layers {positions} outside the model's {len(all_layers)} decoder layers")
+    decoder_layers = [all_layers[i] for i in positions]
     kept, streamed = 0, []
     for layer in decoder_layers:
         modules = [m for m in layer.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad]
@@ -204,7 +209,7 @@ def offload_frozen_layers(model, n_layers: int, transfer: Transfer | None = None
         grad_at_step["enabled"] = torch.is_grad_enabled()
         prefetcher.step(device)
 
-    ends_model = len(decoder_layers) == len(all_layers)
+    ends_model = positions[-1] == len(all_layers) - 1
     prefetcher = Prefetcher(streamed, recompute_follows, transfer, ends_model=ends_model)
     stack._loraship_prefetcher = prefetcher  # its passes and late counts: the train manifest's host_copies
     for i, modules in enumerate(streamed):
@@ -220,7 +225,7 @@ def offload_frozen_layers(model, n_layers: int, transfer: Transfer | None = None
         # transformers' checkpointing recomputes a layer's forward without its module hooks, but its submodules run
         # through theirs: the input norm starts the layer in forward and again in its recompute, right before the
         # last streamed layer's. A layer without one (no family loraship trains) only loses the head start.
-        after = all_layers[len(decoder_layers)]
+        after = all_layers[positions[-1] + 1]
         norm = getattr(after, "input_layernorm", None)
         if isinstance(norm, torch.nn.Module):
             norm.register_forward_pre_hook(lambda mod, args: prefetcher.next_layer_ran(first.weight.device))
