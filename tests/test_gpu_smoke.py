@@ -193,7 +193,7 @@ def test_checkpointed_activations_in_cpu_memory(gpu_model, tmp_path):
     assert "checkpointed activations in CPU memory" in metrics["trained_as"]
     # Every checkpointed layer's recompute left down_proj's GEMM out (loraship/training/recompute.py); the losses
     # below match torch's checkpointing all the same.
-    assert metrics["down_proj_skipped_in_recompute"] == strategy["checkpointed_layers"] > 0
+    assert metrics["down_proj_skipped_in_recompute"] == strategy["strategy"]["checkpointed_layers"] > 0
     _, plain, plain_history = train(config_dict(gpu_model, tmp_path / "off", "plain", offload_activations="off",
                                                 gradient_checkpointing=True, **common), CAP_GIB)
     assert not plain["strategy"].get("offload_activations")
