@@ -394,7 +394,8 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     rest_bytes = 2 * (s.n_params - s.L * s.layer_linear_params)
     n_off = min(strategy.get("offload_layers", 0), s.L)
     weights = (s.L - n_off) * layer_lin_bytes + rest_bytes
-    # The first n layers stream back one at a time (loraship/training/offload.py): two copies on the GPU (current +
+    # n layers stream back one at a time (loraship/training/offload.py; which ones: streamed_layers, the same memory
+    # either way): two copies on the GPU (current +
     # prefetch) while one of them runs or recomputes. At the loss only where every layer streams: the last one is
     # copied again for its recompute as soon as its forward is done; otherwise the last streamed layer is copied
     # when backward reaches the layer after it.
@@ -587,7 +588,7 @@ def _ladder(model_config: dict, cfg: Config, fallback: list[str] | None = None) 
             # Every micro-batch streams the offloaded weights again (forward and recompute), so the cost per
             # optimizer step is n x eff / mb: the least n / mb first, then the fewest layers.
             pairs = sorted(((n, mb) for mb in mbs for n in range(1, s.L + 1)), key=lambda p: (p[0] / p[1], p[0]))
-            # Rungs checkpoint every layer: loraship/training/offload.py streams the first n layers' weights per matmul,
+            # Rungs checkpoint every layer: loraship/training/offload.py streams n layers' weights per matmul,
             # and autograd keeps each streamed copy until backward unless the layer is recomputed. Once one fits,
             # plan_training may stream more layers to checkpoint fewer (_stream_for_speed).
             for n, mb in pairs:
