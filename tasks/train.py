@@ -171,6 +171,10 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         for module in model.modules():
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
+    # The decoder layers, and how many of the first ones recompute: the same modules after PEFT wraps the model
+    # (it replaces Linears inside them, not the layers).
+    layers = decoder_layers(model)
+    k = memory.checkpointed_layers(strategy, len(layers))
     if strategy["gradient_checkpointing"]:
         # Not prepare_model_for_kbit_training: it upcasts embeddings/norms/lm_head to fp32,
         # which costs more memory than it saves. We take only what it does for
@@ -181,8 +185,6 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         if strategy.get("offload_activations"):
             from loraship.training.activation_offload import offload_checkpointed_activations
 
-            layers = decoder_layers(model)
-            k = memory.checkpointed_layers(strategy, len(layers))
             model._loraship_activation_offload = offload_checkpointed_activations(layers, k)
             log.info("train: the inputs of %d checkpointed layers kept in pinned CPU memory", k)
     model.config.use_cache = False
@@ -198,7 +200,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     if offload:
         from loraship.training.offload import offload_frozen_layers
 
-        streamed = memory.streamed_layers(strategy, len(decoder_layers(model)))
+        streamed = memory.streamed_layers(strategy, len(layers))
         log.info("train: %.2f GiB of frozen weights kept in CPU memory (decoder layers %s)",
                  offload_frozen_layers(model, streamed) / 2**30, ", ".join(map(str, streamed)))
         model.to("cuda")
@@ -235,9 +237,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     if strategy["gradient_checkpointing"] and recompute_skip_wanted():
         from loraship.training.recompute import skip_down_proj_in_recompute
 
-        layers = decoder_layers(model)
-        model._loraship_recompute_skips = skip_down_proj_in_recompute(
-            layers, memory.checkpointed_layers(strategy, len(layers)), bool(strategy.get("offload_activations")))
+        model._loraship_recompute_skips = skip_down_proj_in_recompute(layers, k, bool(strategy.get("offload_activations")))
     # from_pretrained returns eval mode, where HF silently skips gradient checkpointing
     # (seen on the H200: 67.6 GiB instead of 23.5). Train mode, always.
     model.train()
