@@ -322,6 +322,7 @@ def render_plan(plan: dict, disk: dict):
     head = Text.from_markup(
         f"[bold]Training plan[/]: {st['adapter']}"
         + (f" + {st['offload_layers']} layers offloaded" if st["offload_layers"] else "")
+        + (" (spread over the checkpointed layers)" if st["offload_layers"] and st.get("offload_spread") else "")
         + f", micro-batch {st['micro_batch_size']} x {st['gradient_accumulation_steps']} accumulation, "
         f"fused loss {'on' if st['fused_loss'] else 'off'}, {_checkpointing_words(st, plan.get('decoder_layers'))}"
         + (f", {ACTIVATIONS_IN_CPU}" if st.get("offload_activations") else "")

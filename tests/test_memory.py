@@ -767,6 +767,13 @@ def test_the_speed_plan_spreads_its_streamed_layers_unless_told_not_to(monkeypat
     st = plan["strategy"]
     assert st.get("offload_spread") is True and 0 < st["offload_layers"] < st["checkpointed_layers"] < 48
     assert f"spread over the first {st['checkpointed_layers']}" in plan["reason"]
+    from rich.console import Console
+
+    from loraship.cli import render_plan
+
+    con = Console(record=True, width=400)
+    con.print(render_plan(plan, memory.plan_disk_and_inference(QWEN2_14B_EXAMPLE, c)))
+    assert f"{st['offload_layers']} layers offloaded (spread over the checkpointed layers)" in con.export_text()
     monkeypatch.setenv("LORASHIP_OFFLOAD_SPREAD", "0")  # bench/train_bench.py's loraship-contiguous
     contiguous = memory.plan_training(QWEN2_14B_EXAMPLE, c)
     assert "offload_spread" not in contiguous["strategy"] and "spread" not in contiguous["reason"]
