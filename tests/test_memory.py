@@ -779,3 +779,22 @@ def test_the_speed_plan_spreads_its_streamed_layers_unless_told_not_to(monkeypat
     assert "offload_spread" not in contiguous["strategy"] and "spread" not in contiguous["reason"]
     assert (memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)["step_s"]
             < memory.step_seconds(QWEN2_14B_EXAMPLE, c, contiguous["strategy"])["step_s"])
+
+
+def test_the_least_memory_plan_spreads_its_streamed_layers_at_no_memory_cost(monkeypatch):
+    """optimize: memory streams the least that fits and checkpoints all 48 layers: spreading those few costs nothing
+    and hides their copies better, so the plan spreads them; with LORASHIP_OFFLOAD_SPREAD=0 it keeps the first n."""
+    c = cfg(**{**LORA_14B, "optimize": "memory", "gradient_checkpointing": None, "gradient_accumulation_steps": 1},
+            fused_loss="on")
+    plan = memory.plan_training(QWEN2_14B_EXAMPLE, c)
+    st = plan["strategy"]
+    n = st["offload_layers"]
+    assert st["offload_spread"] is True and st["checkpointed_layers"] == 48 and 0 < n < 48
+    assert memory.streamed_layers(st, 48) == [j * 48 // n for j in range(n)]
+    assert f"its {n} streamed layers spread over the first 48" in plan["reason"] and "the same memory" in plan["reason"]
+    monkeypatch.setenv("LORASHIP_OFFLOAD_SPREAD", "0")
+    first = memory.plan_training(QWEN2_14B_EXAMPLE, c)
+    assert first["strategy"] == {k: v for k, v in st.items() if k != "offload_spread"}
+    assert first["memory"] == plan["memory"]
+    assert (memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)["step_s"]
+            < memory.step_seconds(QWEN2_14B_EXAMPLE, c, first["strategy"])["step_s"])
