@@ -395,10 +395,9 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
     n_off = min(strategy.get("offload_layers", 0), s.L)
     weights = (s.L - n_off) * layer_lin_bytes + rest_bytes
     # n layers stream back one at a time (loraship/training/offload.py; which ones: streamed_layers, the same memory
-    # either way): two copies on the GPU (current +
-    # prefetch) while one of them runs or recomputes. At the loss only where every layer streams: the last one is
-    # copied again for its recompute as soon as its forward is done; otherwise the last streamed layer is copied
-    # when backward reaches the layer after it.
+    # either way): two copies on the GPU (current + prefetch) while one of them runs or recomputes. At the loss only
+    # where every layer streams: the last one is copied again for its recompute as soon as its forward is done;
+    # otherwise the last streamed layer is copied when backward reaches the layer after it.
     streamed = min(2, n_off) * layer_lin_bytes
     streamed_at_loss = layer_lin_bytes if n_off == s.L else 0.0
 
