@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from dataclasses import dataclass
 
 from loraship.config import Config
@@ -802,8 +803,6 @@ def step_seconds(model_config: dict, cfg: Config, strategy: dict) -> dict:
 def _layouts(strategy: dict, n_layers: int) -> list[dict]:
     """The ways to place a plan's streamed layers: the first n, and (unless LORASHIP_OFFLOAD_SPREAD=0, what the
     spread is worth in bench/train_bench.py) spread over the checkpointed ones."""
-    import os
-
     out = [{k: v for k, v in strategy.items() if k != "offload_spread"}]
     n = min(strategy.get("offload_layers", 0), n_layers)
     if os.environ.get("LORASHIP_OFFLOAD_SPREAD", "1") != "0" and 0 < n < checkpointed_layers(strategy, n_layers):
@@ -811,12 +810,16 @@ def _layouts(strategy: dict, n_layers: int) -> list[dict]:
     return out
 
 
-def _faster_layout(model_config: dict, cfg: Config, strat: dict) -> tuple[float, dict]:
-    """The predicted seconds of a micro-batch and the strategy, for the faster placement of its streamed layers (the
-    first n on a tie); the memory is the same either way."""
+def _layout_times(model_config: dict, cfg: Config, strat: dict) -> list[tuple[float, dict]]:
+    """(predicted seconds of a micro-batch, strategy) for each placement of its streamed layers, the first n first;
+    the memory is the same for all."""
     n_layers = parse_model_config(model_config).L
-    return min(((step_seconds(model_config, cfg, c)["step_s"], c) for c in _layouts(strat, n_layers)),
-               key=lambda o: o[0])
+    return [(step_seconds(model_config, cfg, c)["step_s"], c) for c in _layouts(strat, n_layers)]
+
+
+def _faster_layout(model_config: dict, cfg: Config, strat: dict) -> tuple[float, dict]:
+    """The faster placement of a plan's streamed layers (the first n on a tie), with its predicted seconds."""
+    return min(_layout_times(model_config, cfg, strat), key=lambda o: o[0])
 
 
 def _spread_if_faster(model_config: dict, cfg: Config, strat: dict, why: str) -> tuple[dict, str]:
@@ -824,10 +827,11 @@ def _spread_if_faster(model_config: dict, cfg: Config, strat: dict, why: str) ->
     them where the step model says that is faster: no more memory, the same copies, more compute to hide them."""
     if not strat.get("offload_layers") or strat.get("offload_spread"):
         return strat, why
-    t, chosen = _faster_layout(model_config, cfg, strat)
+    options = _layout_times(model_config, cfg, strat)
+    t, chosen = min(options, key=lambda o: o[0])
     if not chosen.get("offload_spread"):
         return strat, why
-    first = step_seconds(model_config, cfg, strat)["step_s"]
+    first = options[0][0]
     k = checkpointed_layers(chosen, parse_model_config(model_config).L)
     return chosen, (f"{why}; its {chosen['offload_layers']} streamed layers spread over the first {k} hide their copies "
                     f"better: predicted {t:.2f} s a micro-batch instead of {first:.2f} s, the same memory")

@@ -32,12 +32,13 @@ from loraship.training.recompute import output_unused
 log = logging.getLogger("loraship.train")
 
 
-def _dequantized(weight, quant_state):
-    if quant_state is None:
-        return weight
-    import bitsandbytes.functional as bnbf
+def _dequantized(weight, quant_state, dtype):
+    """The frozen weight as a matmul operand in `dtype` (a 4-bit weight dequantized first)."""
+    if quant_state is not None:
+        import bitsandbytes.functional as bnbf
 
-    return bnbf.dequantize_4bit(weight, quant_state)
+        weight = bnbf.dequantize_4bit(weight, quant_state)
+    return weight if weight.dtype == dtype else weight.to(dtype)
 
 
 def _lora_forward(x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype,
@@ -49,9 +50,7 @@ def _lora_forward(x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropou
     if output_unused:
         out = x2.new_zeros(x2.shape[0], b.shape[0])
     else:
-        w = _dequantized(weight, quant_state)
-        if w.dtype != compute_dtype:
-            w = w.to(compute_dtype)
+        w = _dequantized(weight, quant_state, compute_dtype)
         if bias is not None:
             out = torch.addmm(bias.to(compute_dtype), x2, w.t())
         else:
@@ -82,9 +81,7 @@ def _lora_backward(ctx, g, x2, xa, a, b, weight, mask, needs_x: bool, needs_a: b
         grad_a = torch.mm(d_xa.t(), dropped).to(ctx.master_dtypes[0])
         del dropped  # an input-sized copy under dropout: gone before the input gradient below is made
     if needs_x:
-        w = _dequantized(weight, ctx.quant_state)
-        if w.dtype != g.dtype:
-            w = w.to(g.dtype)
+        w = _dequantized(weight, ctx.quant_state, g.dtype)
         grad_x = torch.mm(g, w)
         if mask is None:
             grad_x.addmm_(d_xa, a)  # dx's LoRA part added inside the GEMM too

@@ -76,9 +76,7 @@ class GradientOnlyLinear(torch.autograd.Function):
         from loraship.training.fused_lora import _dequantized
 
         (weight,) = ctx.saved_tensors
-        w = _dequantized(weight, ctx.quant_state)
-        if w.dtype != grad_out.dtype:
-            w = w.to(grad_out.dtype)
+        w = _dequantized(weight, ctx.quant_state, grad_out.dtype)
         return torch.matmul(grad_out, w).to(ctx.x_dtype), None, None, None, None
 
 
