@@ -47,26 +47,29 @@ def test_flops_per_token_counts_each_term(tmp_path):
             - flops.recompute_flops_per_layer_token(TOY, all_linear, 10)) == 2 * (16 * 8 + 2 * 8)
     # Gemma 2 style: every other layer attends to a sliding window of 4 keys at most. Its MLP output goes through a
     # norm that keeps it, so its recompute is the whole forward again.
-    sliding = {**TOY, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "sliding_window": 4}
+    # head_dim given: Gemma2Config's default is 256, whatever hidden / heads is.
+    sliding = {**TOY, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "sliding_window": 4, "head_dim": 4}
     s = flops.memory.parse_model_config(sliding)
     assert s.sliding_layers == 1
     assert flops.recompute_flops_per_layer_token(sliding, cfg, 10) == pytest.approx(
         2 * s.layer_linear_params + 2 * 2 * ((8 + 8) + (8 + 4)) + 2 * s.q * (10 + 4) / 2)
 
 
-def test_the_planner_skips_down_proj_in_the_recompute_where_the_train_stage_does():
-    """memory.RECOMPUTE_SKIPS_DOWN_TYPES (planner, no torch) names the families whose decoder layer classes
-    loraship/training/recompute.py marks; each has its layer class there, and no other supported family does."""
-    import importlib
+# One small config of each family whose decoder layer the planner reads (model_type, extra keys).
+FAMILY_CONFIGS = {"llama": {}, "qwen2": {}, "mistral": {}, "phi3": {}, "qwen3": {"head_dim": 4}, "olmo2": {},
+                  "granite": {"residual_multiplier": 0.22}, "gemma2": {"head_dim": 4},
+                  "gemma3_text": {"head_dim": 4}}
 
+
+@pytest.mark.parametrize("mt", sorted(FAMILY_CONFIGS))
+def test_the_planner_skips_down_proj_in_the_recompute_where_the_train_stage_does(mt):
+    """Shape.recompute_skips_down, read off each layer class's forward (it returns `residual + mlp(x)` and the MLP
+    returns down_proj's output, a dropout or a float multiplier at most between), holds for exactly the layer classes
+    loraship/training/recompute.py marks: Granite's among them, not Gemma's nor OLMo 2's (a norm after the MLP)."""
     from loraship.training.recompute import LAYERS_ENDING_IN_DOWN_PROJ
 
-    def layer_class(mt):
-        module = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
-        return next(n for n in dir(module) if n.endswith("DecoderLayer") and n.lower() == f"{mt}decoderlayer")
-
-    marked = {mt for mt in flops.memory.SUPPORTED if layer_class(mt) in LAYERS_ENDING_IN_DOWN_PROJ}
-    assert marked == set(flops.memory.RECOMPUTE_SKIPS_DOWN_TYPES)
+    s = flops.memory.parse_model_config({**TOY, "model_type": mt, **FAMILY_CONFIGS[mt]})
+    assert s.recompute_skips_down == (s.layer_class in LAYERS_ENDING_IN_DOWN_PROJ), s.layer_class
 
 
 def test_mfu_against_the_card_peak_or_none_with_a_reason():

@@ -160,7 +160,8 @@ def test_head_dim_and_gqa_are_read():
     assert memory.parse_model_config(QWEN2_7B).kv == 4 * 128  # head_dim defaults to hidden / heads
 
 
-@pytest.mark.parametrize("mc,msg", [({**QWEN2_7B, "model_type": "gpt2"}, "not supported"),
+@pytest.mark.parametrize("mc,msg", [({**QWEN2_7B, "model_type": "gpt2"}, "GPT2Block of GPT2LMHeadModel has no nn.Linear"),
+                                    ({**QWEN2_7B, "model_type": "nosuch"}, "'nosuch' is not known to the installed transformers"),
                                     ({"model_type": "llama", "hidden_size": 4096}, "lacks")])
 def test_bad_model_config_says_why(mc, msg):
     with pytest.raises(ValueError, match=msg):

@@ -140,15 +140,51 @@ def fetch_vendored(folder: Path, wanted) -> Path:
     return folder
 
 
+def _registered_text_models(sources: list[Path]) -> set[str]:
+    """HF architecture names of `@ModelBase.register("...")` on the converter's text-model classes (not its mmproj
+    ones, which convert a vision tower into a separate file), read with ast: nothing of the converter is imported."""
+    import ast
+
+    bases: dict[str, list[str]] = {}
+    registered: dict[str, list[str]] = {}
+    for source in sources:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases[node.name] = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+            for dec in node.decorator_list:
+                if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute) and dec.func.attr == "register"
+                        and isinstance(dec.func.value, ast.Name) and dec.func.value.id == "ModelBase"):
+                    registered.setdefault(node.name, []).extend(
+                        a.value for a in dec.args if isinstance(a, ast.Constant) and isinstance(a.value, str))
+
+    def mmproj(name: str, seen: frozenset = frozenset()) -> bool:
+        if name == "MmprojModel":
+            return True
+        return any(mmproj(b, seen | {name}) for b in bases.get(name, []) if b not in seen)
+
+    return {arch for cls, archs in registered.items() if not mmproj(cls) for arch in archs}
+
+
 @lru_cache(maxsize=4)
 def supported_architectures(folder: Path | None = None) -> frozenset[str]:
-    """HF architectures the pinned converter registers (conversion/__init__.py's table)."""
+    """HF architectures the pinned converter turns into a text GGUF: those its model classes register with
+    `@ModelBase.register` (conversion/*.py, or convert_hf_to_gguf.py itself in older converters), and, where the
+    converter looks classes up through conversion/__init__.py's TEXT_MODEL_MAP, in that table too."""
+    import ast
+
     folder = folder or converter_dir()
-    text = (folder / "conversion" / "__init__.py").read_text(encoding="utf-8")
-    names = set(re.findall(r'^\s*"([A-Za-z0-9_]+)"\s*:\s*"[a-z0-9_]+"', text, flags=re.M))
-    if not names:  # older converters register with decorators in one file
-        text = (folder / "convert_hf_to_gguf.py").read_text(encoding="utf-8")
-        names = set(re.findall(r'"([A-Za-z0-9_]+(?:ForCausalLM|LMHeadModel|Model))"', text))
+    package = folder / "conversion"
+    sources = sorted(package.glob("*.py")) if package.is_dir() else []
+    names = _registered_text_models(sources or [folder / "convert_hf_to_gguf.py"])
+    init = package / "__init__.py"
+    if init.is_file():
+        for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
+            target = getattr(node, "target", None) or (node.targets[0] if isinstance(node, ast.Assign) else None)
+            if isinstance(target, ast.Name) and target.id == "TEXT_MODEL_MAP" and isinstance(node.value, ast.Dict):
+                table = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+                names = names & table if names else table
     return frozenset(names)
 
 

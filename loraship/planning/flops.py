@@ -73,7 +73,7 @@ def recompute_flops_per_layer_token(model_config: dict, cfg, seq_len: float) -> 
     skips it (loraship/training/recompute.py)."""
     s = memory.parse_model_config(model_config)
     skipped = 0.0
-    if s.model_type in memory.RECOMPUTE_SKIPS_DOWN_TYPES:
+    if s.recompute_skips_down:
         f_in, h_out = s.linears()["down_proj"]
         lora_b = cfg.lora_r * h_out if "down_proj" in memory.target_names(cfg, s) else 0
         skipped = 2 * (f_in * h_out + lora_b)

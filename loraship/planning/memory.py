@@ -14,12 +14,12 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
 
 from loraship.config import Config
 from loraship.constants import BITS_PER_WEIGHT
 from loraship.planning import inference_memory as im
 from loraship.errors import LorashipError
+from loraship.planning.shape import Shape, UnsupportedModel, shape_from_config  # noqa: F401 (memory.Shape)
 
 GIB = 2**30
 
@@ -81,101 +81,19 @@ ACTIVATIONS_IN_CPU = "checkpointed activations in CPU memory"
 
 QVO = ("q_proj", "v_proj", "o_proj")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SUPPORTED = ("llama", "qwen2", "mistral", "gemma2", "phi3")
 # Phi-3 computes q, k, v with one Linear (qkv_proj) and gate, up with another (gate_up_proj): the names of
-# ALL_LINEAR that a config may give (the default q, k, v, o) stand for the fused module that holds them.
+# ALL_LINEAR that a config may give (the default q, k, v, o) stand for the fused module that holds them
+# (Shape.fused_names, read off the model).
 FUSED_NAME = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
               "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-FUSED_TYPES = ("phi3",)
-
-
-@dataclass(frozen=True)
-class Shape:
-    model_type: str
-    h: int
-    L: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    f: int
-    V: int
-    tied: bool
-    qkv_bias: bool
-    fused: bool = False  # Phi-3: qkv_proj and gate_up_proj (FUSED_NAME)
-    norms: int = 2  # RMSNorms per decoder layer; Gemma 2 adds one after attention and one around the MLP (4)
-    # Gemma 2's attention logit softcapping, which torch's SDPA does not take: transformers runs its eager
-    # attention (tasks/train.py asks for it), which keeps the T x T scores of every head (estimate()).
-    attn_softcap: bool = False
-    final_softcap: bool = False  # Gemma 2's tanh cap on the logits (30.0): one more T x V tensor in the HF loss
-    sliding_window: int | None = None  # Gemma 2's on every other layer (sliding_layers)
-    sliding_layers: int = 0
-
-    @property
-    def q(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def linears(self) -> dict[str, tuple[int, int]]:
-        """Decoder Linear layers: name -> (in_features, out_features)."""
-        h, q, kv, f = self.h, self.q, self.kv, self.f
-        if self.fused:
-            return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * f), "down_proj": (f, h)}
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
-
-    @property
-    def layer_linear_params(self) -> int:
-        return sum(i * o for i, o in self.linears().values())
-
-    @property
-    def embedding_params(self) -> int:
-        return self.V * self.h
-
-    @property
-    def n_params(self) -> int:
-        bias = (self.q + 2 * self.kv) if self.qkv_bias else 0
-        per_layer = self.layer_linear_params + self.norms * self.h + bias
-        return self.L * per_layer + self.embedding_params * (1 if self.tied else 2) + self.h
 
 
 def parse_model_config(mc: dict) -> Shape:
-    """Read a Llama / Qwen2 / Mistral / Gemma 2 / Phi-3 config.json (a dict); nested text_config is followed."""
-    if "text_config" in mc and "hidden_size" not in mc:
-        mc = {**mc["text_config"], "model_type": mc["text_config"].get("model_type", mc.get("model_type"))}
-    mt = mc.get("model_type", "")
-    if mt not in SUPPORTED:
-        raise ValueError(f"config.json model_type {mt!r} is not supported; the planner knows {', '.join(SUPPORTED)}")
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-               if not mc.get(k)]
-    if missing:
-        raise ValueError(f"config.json lacks {', '.join(missing)}; pass the base model's own config.json")
-    heads = int(mc["num_attention_heads"])
-    L = int(mc["num_hidden_layers"])
-    gemma2 = mt == "gemma2"
-    window = mc.get("sliding_window") if gemma2 else None
-    if gemma2:
-        # transformers' Gemma2Config: layer_types, else sliding attention on the even layers (0, 2, ...).
-        types = mc.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)]
-        sliding = sum(t == "sliding_attention" for t in types) if window else 0
-    else:
-        sliding = 0
-    return Shape(
-        model_type=mt, h=int(mc["hidden_size"]), L=L, heads=heads,
-        kv_heads=int(mc.get("num_key_value_heads") or heads),
-        head_dim=int(mc.get("head_dim") or mc["hidden_size"] // heads),
-        f=int(mc["intermediate_size"]), V=int(mc["vocab_size"]),
-        # transformers' default is untied for Llama, Qwen2, Mistral and Phi-3, tied for Gemma 2 (Gemma2Config).
-        tied=bool(mc.get("tie_word_embeddings", gemma2)),
-        qkv_bias=bool(mc.get("attention_bias", mt == "qwen2")),
-        fused=mt in FUSED_TYPES, norms=4 if gemma2 else 2,
-        # Gemma2Config's defaults: both caps on (50.0 and 30.0) unless the config sets them to null.
-        attn_softcap=gemma2 and mc.get("attn_logit_softcapping", 50.0) is not None,
-        final_softcap=gemma2 and mc.get("final_logit_softcapping", 30.0) is not None,
-        sliding_window=int(window) if window else None, sliding_layers=sliding,
-    )
+    """The Shape of the decoder-only causal LM a config.json (a dict) describes, read from transformers' own model
+    class (loraship/planning/shape.py); a multimodal config's text_config is followed. Raises UnsupportedModel (a
+    ValueError) naming the class and the fix for what is no decoder-only causal LM that transformers and the pinned
+    llama.cpp converter both support."""
+    return shape_from_config(mc)
 
 
 def lora_modules(s: Shape, requested: list[str] | str) -> tuple[str, ...]:
@@ -190,7 +108,7 @@ def lora_modules(s: Shape, requested: list[str] | str) -> tuple[str, ...]:
         return names
     chosen, unknown = set(), []
     for n in requested:
-        m = n if n in names else FUSED_NAME.get(n) if s.fused else None
+        m = n if n in names else s.fused_names.get(n)
         if m in names:
             chosen.add(m)
         else:
@@ -208,7 +126,7 @@ def lora_target_note(s: Shape, requested: list[str] | str) -> str | None:
         return None
     wider = []
     for m in lora_modules(s, requested):
-        parts = [n for n, f in FUSED_NAME.items() if f == m]
+        parts = [n for n, f in s.fused_names.items() if f == m]
         named = [n for n in parts if n in requested]
         if named and len(named) < len(parts) and m not in requested:
             wider.append(f"{', '.join(named)} -> {m} (adapts {', '.join(parts)} together)")
@@ -289,22 +207,15 @@ def with_checkpointing(strategy: dict, k: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The estimate for one strategy
 # ---------------------------------------------------------------------------------------------
-# Which LoRA modules read the same input tensor, and whether a decoder layer keeps that tensor anyway:
-# q, k, v read the attention norm's output; o reads the attention output (kept by attention itself);
-# gate and up read the MLP norm's output; down reads SwiGLU's output.
-LORA_INPUTS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
-               "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_act",
-               "qkv_proj": "attn_in", "gate_up_proj": "mlp_in"}
+# Which LoRA modules read the same input tensor (Shape.reads, from where each Linear sits in the layer), and whether a
+# decoder layer keeps that tensor anyway: q, k, v read the attention norm's output; o reads the attention output (kept
+# by attention itself); gate and up read the MLP norm's output; down reads the activation's output.
 KEPT_ANYWAY = {"attn_out"}
-
-
-# Where the train stage's Liger SwiGLU MLP runs down_proj's LoRA as one node with the activation
-# (loraship/training/fused_lora.py SwiGLUDownLora): h = silu(gate) * up is rebuilt in backward from gate and up, which
-# the SwiGLU keeps anyway. Liger's other MLPs (Phi-3's fused gate_up_proj, Gemma 2's GEGLU) keep their own forward.
-SWIGLU_DOWN_TYPES = ("llama", "qwen2", "mistral")
-# Where a decoder layer ends in `residual + down_proj(h)`, so a checkpointed layer's recompute skips down_proj's GEMM
-# (loraship/training/recompute.py LAYERS_ENDING_IN_DOWN_PROJ, the same families by their layer classes).
-RECOMPUTE_SKIPS_DOWN_TYPES = ("llama", "qwen2", "mistral", "phi3")
+# Where the train stage's Liger SwiGLU MLP runs down_proj's LoRA as one node with the activation (Shape.swiglu_down:
+# separate gate_proj, up_proj, down_proj around SiLU; loraship/training/fused_lora.py SwiGLUDownLora): h = silu(gate)
+# * up is rebuilt in backward from gate and up, which the SwiGLU keeps anyway. Liger's other MLPs (Phi-3's fused
+# gate_up_proj, Gemma's GEGLU) keep their own forward. Where a decoder layer ends in `residual + down_proj(h)`
+# (Shape.recompute_skips_down), a checkpointed layer's recompute skips down_proj's GEMM (loraship/training/recompute.py).
 
 
 def lora_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], program: str, liger: bool = False) -> float:
@@ -321,12 +232,12 @@ def lora_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progra
     lin = s.linears()
     # Eager attention (Gemma 2) keeps the probabilities, not its output: o_proj's LoRA keeps its own input there.
     kept_anyway = set() if s.attn_softcap else set(KEPT_ANYWAY)
-    if liger and s.model_type in SWIGLU_DOWN_TYPES:
+    if liger and s.swiglu_down:
         kept_anyway.add("mlp_act")
     if program != "train-stage":
         per_input = CAL["lora_input_dropout"] if cfg.lora_dropout > 0 else 4
         return sum(per_input * lin[n][0] + 4 * cfg.lora_r for n in targets)
-    shared = {LORA_INPUTS[n]: lin[n][0] for n in targets if LORA_INPUTS[n] not in kept_anyway}
+    shared = {s.reads(n): lin[n][0] for n in targets if s.reads(n) not in kept_anyway}
     inputs = sum(2 * features for features in shared.values())
     if cfg.lora_dropout > 0:
         inputs += sum(lin[n][0] for n in targets)  # one dropout mask per module
@@ -350,6 +261,10 @@ def layer_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progr
     if s.fused:
         # Phi-3's v is a view of qkv_proj's output, so SDPA keeping v keeps all of it (q + 2kv, bf16).
         attention += 2 * s.q + 2 * s.kv
+    if s.qk_norm:
+        # Qwen3, Gemma 3, OLMo 2 norm q and k before RoPE (per head or over all heads alike): each norm keeps its
+        # input as the layer norms do, fp32 in transformers' RMSNorm, bf16 in Liger's.
+        attention += (2 if liger else 4) * (s.q + s.kv)
     if s.attn_softcap:
         # Eager attention (transformers' Gemma 2 runs it: SDPA takes no softcap) keeps q, and k and v repeated to
         # every query head (2q each), and per head and key position of the padded row the tanh output (bf16),
@@ -392,7 +307,8 @@ def estimate(model_config: dict, cfg: Config, strategy: dict, program: str = "tr
 
     # Frozen weights: NF4 quantizes only decoder Linears; embeddings, lm_head, norms, biases stay bf16.
     layer_lin_bytes = s.layer_linear_params * (NF4_BYTES_PER_PARAM if qlora else 2)
-    rest_bytes = 2 * (s.n_params - s.L * s.layer_linear_params)
+    # A multimodal wrapper loads its vision tower too (other_params), frozen and untrained.
+    rest_bytes = 2 * (s.n_params - s.L * s.layer_linear_params + s.other_params)
     n_off = min(strategy.get("offload_layers", 0), s.L)
     weights = (s.L - n_off) * layer_lin_bytes + rest_bytes
     # n layers stream back one at a time (loraship/training/offload.py; which ones: streamed_layers, the same memory
@@ -686,8 +602,12 @@ def _row(strategy: dict, est: dict) -> dict:
 
 
 def _plan(model_config: dict, cfg: Config, strategy: dict, est: dict, reason: str, alternatives: list[dict]) -> dict:
+    s = parse_model_config(model_config)
     return {
-        "strategy": strategy, "decoder_layers": parse_model_config(model_config).L,
+        "strategy": strategy, "decoder_layers": s.L,
+        # What was planned, as transformers builds it (loraship/planning/shape.py), and what the plan leaves out.
+        "model": {"class": s.architecture, "decoder_layer": s.layer_class, **({"wrapper": s.wrapper} if s.wrapper else {}),
+                  "notes": list(s.notes)},
         "fits": est["fits"], "budget_gib": cfg.gpu_memory_gib,
         "safety_margin_gib": round(safety_margin_gib(cfg.gpu_memory_gib), 2), "fallback": list(cfg.fallback),
         "reason": reason,
@@ -955,7 +875,7 @@ def plan_disk_and_inference(model_config: dict, cfg: Config) -> dict:
     """Disk for merge/convert/quantize and GPU memory of the shipped GGUF under llama.cpp."""
     s = parse_model_config(model_config)
     P = s.n_params
-    merged = 2 * P  # bf16 safetensors
+    merged = 2 * (P + s.other_params)  # bf16 safetensors, a multimodal wrapper's vision tower included
     f16 = 2 * P  # F16 GGUF
     # Every quantization takes disk; the primary (the one Ollama and chat open) is what the GPU figures are for.
     each = {q: BITS_PER_WEIGHT[q] / 8 * P for q in cfg.quantizations}
