@@ -11,9 +11,10 @@ ratio, mean and 99th-percentile KL divergence, same-top-token rate), plus:
 - golden prompts: free-running greedy answers equal HF's (golden_match_min), and with HF's answer
   teacher-forced llama.cpp picks HF's token wherever HF leads by golden_margin nats;
 - chat answers end with the template's turn-end token, greedy in HF and in llama.cpp alike;
-- served: the GGUF behind llama.cpp's OpenAI-compatible server, asked by the `openai` client, stops
-  by itself on every golden chat prompt with the reference's answer, streamed and whole, no template
-  marker in the content (loraship/llamacpp/served.py);
+- served: the GGUF behind llama.cpp's OpenAI-compatible server, asked by the `openai` client with the
+  sampling settings the artifact ships (loraship/sampling.py, recorded as verify.json's "sampling"), stops
+  by itself on every golden chat prompt with the GGUF's own greedy answer, streamed and whole, no template
+  marker in the content; what the server's defaults answer is reported beside it (loraship/llamacpp/served.py);
 - eval loss after training below the base model's;
 - GPU memory: predicted from the GGUF's tensors, and on a GPU measured through NVML, within
   target_gpu_memory_gib; where it does not fit, the largest context and the layers that do.
@@ -56,6 +57,7 @@ from loraship.llamacpp.gguf_tools import builtin_template_prompt
 from loraship.runtime.manifest import atomic_write_json
 from loraship.planning.resources import cpu_count
 from loraship.llamacpp.served import served_check
+from loraship.sampling import GREEDY
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir, stage_dir
 
 STAGE = "verify"
@@ -237,12 +239,34 @@ def turn_end_gate(golden: dict, reference: dict, config) -> dict:
     return gate(len(chats) - len(unended), len(chats), not unended, note, **_golden_prompts(len(chats), config))
 
 
+def parting_words(answer: dict, which: str, margin: float) -> str:
+    """How the served answer (`which`: whole or streamed) left the GGUF's own greedy one, in words. The
+    lead is llama.cpp's own (its greedy run outside the server) at the step where they part: a near-tie
+    only under golden_margin; at or above it the token was decided. The merged model's lead there is
+    named too where the GGUF's greedy answer is the merged model's, token for token."""
+    if answer[f"{which}_equal_to_gguf"]:
+        return "equal to it"
+    step, lead = answer.get(f"{which}_gguf_parted_at"), answer[f"{which}_gguf_lead_there"]
+    at = f"parted at step {step}" if step is not None else "parted"
+    if lead is None:
+        return f"{at}, past the GGUF's own answer and stop (no lead known there)"
+    merged = answer.get(f"{which}_merged_lead_there")
+    merged_words = (f"; the merged model, whose answer the GGUF's is, led by {merged:.2f}"
+                    if merged is not None else "")
+    if lead < margin:
+        return (f"{at} at a near-tie: llama.cpp's own top token led by {lead:.2f} nats < golden_margin "
+                f"{margin}{merged_words}")
+    return (f"{at} where it was decided: llama.cpp's own top token led by {lead:.2f} nats >= golden_margin "
+            f"{margin}{merged_words}")
+
+
 def served_gate(served: dict, config) -> dict:
-    """The GGUF behind llama.cpp's OpenAI-compatible server: every golden chat prompt stops by itself
-    (finish_reason "stop", whole and streamed), streams the text it returns whole, leaks no template
-    marker, and says what the same GGUF answers greedily outside the server (so the server's template,
-    tokenization and stop handling change nothing). How those greedy answers compare with the merged
-    model's is golden_match's question; equal_to_reference is reported, not gated twice."""
+    """The GGUF behind llama.cpp's OpenAI-compatible server, asked with the shipped sampling settings:
+    every golden chat prompt stops by itself (finish_reason "stop", whole and streamed), streams the text
+    it returns whole, leaks no template marker, and says what the same GGUF answers greedily outside the
+    server (so the server's template, tokenization, stop handling and sampling change nothing). How those
+    greedy answers compare with the merged model's is golden_match's question; equal_to_reference is
+    reported, not gated twice, and so is what the server's default settings answer (server_defaults)."""
     n = served["requests"]
     counts = {k: served[k] for k in ("finished_by_stop", "equal_to_gguf_greedy", "equal_to_reference",
                                      "streamed_equal", "without_markers")}
@@ -256,14 +280,16 @@ def served_gate(served: dict, config) -> dict:
     bad = [a for a in served["answers"] if not (a["finish_reason"] == a["streamed_finish_reason"] == "stop"
                                                 and same_as_gguf(a, "whole") and same_as_gguf(a, "streamed")
                                                 and not a["markers_leaked"])]
-    note = ""
+    defaults = served.get("server_defaults")
+    note = (f"{defaults['differ_from_gguf_greedy']} of {defaults['requests']} answers differ under the server's "
+            f"default settings ({defaults['settings']}), reported, not gated" if defaults else "")
     if bad:
         a = bad[0]
         note = (f"{len(bad)} of {n} failed, e.g. {a['prompt'][:40]!r}: served {a['served'][:60]!r}, streamed "
                 f"{a['streamed'][:60]!r} (finish {a['finish_reason']}, streamed {a['streamed_finish_reason']}, "
                 f"markers {a['markers_leaked']}), the GGUF's greedy answer outside the server {a['gguf_greedy'][:60]!r}; "
-                f"where they part, llama.cpp's top token led by {a['whole_gguf_lead_there']} / "
-                f"{a['streamed_gguf_lead_there']} nats (near-tie: < golden_margin {config.golden_margin})")
+                f"served: {parting_words(a, 'whole', config.golden_margin)}; streamed: "
+                f"{parting_words(a, 'streamed', config.golden_margin)}" + (f"; {note}" if note else ""))
     return gate(counts, {"each": n}, not bad, note, **_golden_prompts(n, config))
 
 
@@ -744,13 +770,17 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
         report["golden_accuracy_vs_reference"] = sum(a["gguf"] == a["reference"] for a in with_reference) / len(with_reference)
     report["builtin_template_engine"] = measured["builtin_template_engine"]
     # Each chat prompt with the same GGUF's own greedy answer (measure's, in llama.cpp outside the server).
-    chats = [{**r, "gguf_answer_text": a["gguf"], "gguf_own": a["gguf_own"]} for r, a in zip(reference["golden"], golden["answers"])
-             if r["kind"] == "chat"]
+    chats = [{**r, "gguf_answer_text": a["gguf"], "gguf_match": a["match"], "gguf_own": a["gguf_own"]}
+             for r, a in zip(reference["golden"], golden["answers"]) if r["kind"] == "chat"]
+    # What the served check sends and the artifact ships (the Modelfile, the card's commands): greedy,
+    # as verify's own argmax decoding above.
+    report["sampling"] = GREEDY.record()
     if chats:
         log.info("serving %s through llama.cpp's OpenAI-compatible server: %d golden chats, whole and streamed",
                  gguf_path.name, len(chats))
         report["served"] = served_check(gguf_path, chats, config.max_new_tokens, n_ctx, n_gpu_layers, cpu_count(),
-                                        reference["tokenizer"].get("markers", []), ctx.dir / f"server-{quantization}.log")
+                                        reference["tokenizer"].get("markers", []),
+                                        ctx.dir / f"server-{quantization}.log", GREEDY)
         gates["served"] = served_gate(report["served"], config)
 
     gates["eval_loss_improved"] = eval_loss_gate(ctx.upstream["train"]["metrics"])

@@ -124,8 +124,9 @@ def _served(n: int, **wrong) -> dict:
               "reference": "Answer: X.", "finish_reason": "stop",
               "streamed_finish_reason": "stop", "equal_to_reference": True, "equal_to_gguf_greedy": True,
               "streamed_equal": True, "markers_leaked": [],
-              "whole_equal_to_gguf": True, "whole_gguf_lead_there": None,
-              "streamed_equal_to_gguf": True, "streamed_gguf_lead_there": None}
+              "whole_equal_to_gguf": True, "whole_gguf_parted_at": None, "whole_gguf_lead_there": None,
+              "whole_merged_lead_there": None, "streamed_equal_to_gguf": True, "streamed_gguf_parted_at": None,
+              "streamed_gguf_lead_there": None, "streamed_merged_lead_there": None}
     answers = [dict(answer) for _ in range(n)]
     if answers:
         answers[0].update(wrong)
@@ -149,6 +150,34 @@ def test_served_gate_holds_serving_to_the_gguf():
     # A server answer that parts from the GGUF's own only where llama.cpp was at a near-tie passes.
     assert served_gate(_served(8, whole_equal_to_gguf=False, whole_gguf_lead_there=0.1), CONFIG)["passed"]
     assert not served_gate(_served(0), CONFIG)["passed"]  # nothing served is no pass
+
+
+def test_served_gate_calls_a_decided_token_decided_and_a_near_tie_a_near_tie():
+    # Issue #34's case: the served answer left the GGUF's greedy one, the merged model's, where llama.cpp led by
+    # 1.53 nats (golden_margin 1.0): decided, never a near-tie.
+    decided = served_gate(_served(10, served='{"country": "Ukraine", "capital": "Kyiv"}', equal_to_gguf_greedy=False,
+                                  whole_equal_to_gguf=False, whole_gguf_parted_at=4, whole_gguf_lead_there=1.53,
+                                  whole_merged_lead_there=1.71), CONFIG)
+    assert not decided["passed"]
+    assert ("served: parted at step 4 where it was decided: llama.cpp's own top token led by 1.53 nats >= golden_margin "
+            f"{CONFIG.golden_margin}; the merged model, whose answer the GGUF's is, led by 1.71") in decided["note"]
+    assert "near-tie" not in decided["note"] and "streamed: equal to it" in decided["note"]
+    # A stream cut short that parted at a near-tie too: each side named as what it was.
+    tie = served_gate(_served(10, streamed_finish_reason="length", streamed_equal_to_gguf=False,
+                              streamed_gguf_parted_at=2, streamed_gguf_lead_there=0.2), CONFIG)
+    assert not tie["passed"]
+    assert (f"streamed: parted at step 2 at a near-tie: llama.cpp's own top token led by 0.20 nats < golden_margin "
+            f"{CONFIG.golden_margin}") in tie["note"] and "merged model" not in tie["note"]
+    past = served_gate(_served(10, whole_equal_to_gguf=False, whole_gguf_parted_at=7), CONFIG)
+    assert "served: parted at step 7, past the GGUF's own answer and stop (no lead known there)" in past["note"]
+
+
+def test_server_defaults_are_reported_never_gated():
+    served = _served(10)
+    served["server_defaults"] = {"settings": {"repeat_penalty": 1.1, "top_k": 40}, "requests": 10,
+                                 "differ_from_gguf_greedy": 3}
+    verdict = served_gate(served, CONFIG)
+    assert verdict["passed"] and verdict["note"].startswith("3 of 10 answers differ under the server's default settings")
 
 
 def test_parting_from_maps_a_text_difference_to_the_greedy_step_and_its_lead():

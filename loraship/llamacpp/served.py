@@ -4,8 +4,12 @@ Users consume a GGUF through an OpenAI-style server (llama-server, Ollama), not 
 binding, and the threads users open about shipped models are about what happens there: answers that
 never stop, stop early, leak template markers, or differ when streamed. This starts llama-cpp-python's
 server (the pinned llama.cpp, with the GGUF's own chat template) on 127.0.0.1 in its own process,
-sends every golden chat prompt through the `openai` client at temperature 0, once whole and once
-streamed, and stops the server in every case.
+sends every golden chat prompt through the `openai` client with the sampling settings the artifact
+ships (loraship/sampling.py: greedy, repeat_penalty 1.0 and every other sampler off), once whole and
+once streamed, and stops the server in every case. It asks each prompt once more as a plain OpenAI
+request at temperature 0, every llama.cpp setting left to the server (repeat_penalty 1.1 there), and
+reports, without gating, how many answers that changes: what a user who does not send the shipped
+settings gets.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 
 from loraship.errors import LorashipError
 from loraship.runtime.proc import child_setup, kill_group, child_env
+from loraship.sampling import GREEDY, Sampling
 
 log = logging.getLogger("loraship.llamacpp.served")
 
@@ -81,9 +86,12 @@ def stop_server(proc: subprocess.Popen) -> None:
     kill_group(proc)
 
 
-def ask(client, messages: list[dict], max_tokens: int, stream: bool) -> dict:
-    """One chat completion at temperature 0: its text, finish reason and prompt token count."""
-    args = dict(model=MODEL_ALIAS, messages=messages, temperature=0, max_tokens=max_tokens, seed=0)
+def ask(client, messages: list[dict], max_tokens: int, stream: bool, sampling: Sampling | None = GREEDY) -> dict:
+    """One chat completion: its text, finish reason and prompt token count. sampling: the settings
+    sent, every one of them; None sends a plain OpenAI request at temperature 0 and leaves the rest
+    (repeat_penalty, top_k, min_p, ...) to the server's defaults."""
+    args = dict(model=MODEL_ALIAS, messages=messages, max_tokens=max_tokens, seed=0,
+                **(sampling.openai_request() if sampling is not None else {"temperature": 0}))
     if not stream:
         response = client.chat.completions.create(**args)
         choice = response.choices[0]
@@ -98,6 +106,15 @@ def ask(client, messages: list[dict], max_tokens: int, stream: bool) -> dict:
             parts.append(delta.content)
         finish = chunk.choices[0].finish_reason or finish
     return {"content": "".join(parts), "finish_reason": finish}
+
+
+def server_defaults() -> dict:
+    """What llama-cpp-python's server decodes a chat request with when the request leaves a setting
+    out (its request model's defaults), for the settings the shipped record names."""
+    from llama_cpp.server.types import CreateChatCompletionRequest
+
+    defaults = CreateChatCompletionRequest.model_fields
+    return {name: defaults[name].default for name in GREEDY.record() if name in defaults}
 
 
 def parting_from(text: str, own: dict) -> tuple[int | None, float | None]:
@@ -116,11 +133,23 @@ def parting_from(text: str, own: dict) -> tuple[int | None, float | None]:
     return step, (own["leads"][step] if step < len(own["leads"]) else None)
 
 
+def merged_lead(record: dict, step: int | None) -> float | None:
+    """The merged model's lead (the reference's teacher-forced margin) at the GGUF's greedy step `step`,
+    where the GGUF's greedy answer is the merged model's token for token, so both ran on the same
+    tokens up to it; None elsewhere (another prefix, or past the merged model's answer and stop)."""
+    margins = record.get("margins") or []
+    if step is None or not record.get("gguf_match") or step >= len(margins):
+        return None
+    return margins[step]
+
+
 def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int, n_gpu_layers: int, threads: int,
-                 markers: list[str], log_file: Path) -> dict:
-    """Every golden chat prompt through the server, whole and streamed, against the reference's greedy
-    answer and the same GGUF's own greedy answer outside the server. chats: reference golden records of
-    kind chat (messages, answer_text, prompt_ids), each with gguf_answer_text and gguf_own (parting_from)."""
+                 markers: list[str], log_file: Path, sampling: Sampling = GREEDY) -> dict:
+    """Every golden chat prompt through the server, whole and streamed, with `sampling` (the shipped
+    settings), against the reference's greedy answer and the same GGUF's own greedy answer outside the
+    server; then each once more with the server's defaults, reported as server_defaults. chats: reference
+    golden records of kind chat (messages, answer_text, prompt_ids, margins), each with gguf_answer_text,
+    gguf_match (the GGUF's greedy answer is the merged model's token for token) and gguf_own (parting_from)."""
     from openai import OpenAI
 
     proc, port = start_server(gguf, n_ctx, n_gpu_layers, threads, log_file)
@@ -129,11 +158,13 @@ def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int,
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="loraship", timeout=REQUEST_TIMEOUT_S,
                         max_retries=0)
         for record in chats:
-            whole = ask(client, record["messages"], max_new_tokens, stream=False)
-            streamed = ask(client, record["messages"], max_new_tokens, stream=True)
+            whole = ask(client, record["messages"], max_new_tokens, stream=False, sampling=sampling)
+            streamed = ask(client, record["messages"], max_new_tokens, stream=True, sampling=sampling)
+            default = ask(client, record["messages"], max_new_tokens, stream=False, sampling=None)
             content, streamed_content = whole["content"].strip(), streamed["content"].strip()
             whole_at, whole_lead = parting_from(content, record["gguf_own"])
             streamed_at, streamed_lead = parting_from(streamed_content, record["gguf_own"])
+            default_at, default_lead = parting_from(default["content"], record["gguf_own"])
             answers.append({
                 "prompt": record["messages"][-1]["content"], "reference": record["answer_text"], "served": content,
                 "streamed": streamed_content, "gguf_greedy": record["gguf_answer_text"],
@@ -142,15 +173,22 @@ def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int,
                 "equal_to_gguf_greedy": content == record["gguf_answer_text"],
                 "streamed_equal": streamed_content == content,
                 "whole_equal_to_gguf": whole_at is None, "whole_gguf_parted_at": whole_at, "whole_gguf_lead_there": whole_lead,
+                "whole_merged_lead_there": merged_lead(record, whole_at),
                 "streamed_equal_to_gguf": streamed_at is None, "streamed_gguf_parted_at": streamed_at,
                 "streamed_gguf_lead_there": streamed_lead,
+                "streamed_merged_lead_there": merged_lead(record, streamed_at),
                 "markers_leaked": [m for m in markers if m and m in whole["content"] + streamed["content"]],
                 "prompt_tokens": whole["prompt_tokens"], "reference_prompt_tokens": len(record["prompt_ids"]),
+                # Reported, not gated: the same prompt with every llama.cpp setting left to the server.
+                "server_defaults": {"served": default["content"].strip(), "equal_to_gguf": default_at is None,
+                                    "gguf_parted_at": default_at, "gguf_lead_there": default_lead},
             })
     finally:
         stop_server(proc)
+    differing = [a for a in answers if not a["server_defaults"]["equal_to_gguf"]]
     return {
         "api": "openai", "server": "llama_cpp.server (llama-cpp-python, the GGUF's chat template)",
+        "sampling": sampling.record(),
         "requests": len(answers),
         "finished_by_stop": sum(a["finish_reason"] == "stop" and a["streamed_finish_reason"] == "stop" for a in answers),
         "equal_to_reference": sum(a["equal_to_reference"] for a in answers),
@@ -158,5 +196,11 @@ def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int,
         "streamed_equal": sum(a["streamed_equal"] for a in answers),
         "without_markers": sum(not a["markers_leaked"] for a in answers),
         "prompt_tokens_equal": sum(a["prompt_tokens"] == a["reference_prompt_tokens"] for a in answers),
+        "server_defaults": {
+            "settings": server_defaults(), "requests": len(answers), "differ_from_gguf_greedy": len(differing),
+            "note": ("reported, not gated: each prompt once more as a plain OpenAI request at temperature 0, every "
+                     "other setting the server's default; answers that differ are what a client gets that does not "
+                     "send the shipped settings"),
+        },
         "answers": answers,
     }
