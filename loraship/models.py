@@ -219,9 +219,15 @@ def embedding_only_as_lm_head(folder: Path) -> bool:
 
 
 def ties_embeddings(model_config: dict) -> bool:
-    """config.json's tie_word_embeddings; absent means the architecture's default: untied for Llama, Qwen2, Mistral
-    and Phi-3, tied for Gemma 2 (transformers' Gemma2Config)."""
-    return model_config.get("tie_word_embeddings", model_config.get("model_type") == "gemma2") is True
+    """Whether the output layer is the input embedding in the model transformers builds from config.json
+    (loraship/planning/shape.py: tie_word_embeddings, else the class's default, e.g. tied for Gemma 2 and 3; a
+    multimodal config's language model). Where the planner cannot build it, config.json's tie_word_embeddings."""
+    from loraship.planning.shape import shape_from_config
+
+    try:
+        return shape_from_config(model_config, check_converter=False).tied
+    except ValueError:  # the plan refuses such a config.json with its own words
+        return model_config.get("tie_word_embeddings", model_config.get("model_type") == "gemma2") is True
 
 
 def embedding_problems(config: Config, folder: Path, model_config: dict) -> list[str]:

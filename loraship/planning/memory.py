@@ -261,6 +261,12 @@ def layer_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progr
     if s.fused:
         # Phi-3's v is a view of qkv_proj's output, so SDPA keeping v keeps all of it (q + 2kv, bf16).
         attention += 2 * s.q + 2 * s.kv
+    if s.sliding_layers and not s.attn_softcap and s.sliding_window < cfg.sequence_len:
+        # A sliding window shorter than the sequence runs SDPA with a mask (Gemma 3; packing: auto pads such a model):
+        # transformers then repeats k and v to every query head (enable_gqa only without a mask), and SDPA keeps the
+        # mask converted to bf16, S x S per sequence (2S bytes per token), in each sliding layer. Averaged over the
+        # layers; counted with saved-tensor hooks in tests/test_layer_saved_bytes.py.
+        attention += s.sliding_layers / s.L * (4 * (s.q - s.kv) + 2 * cfg.sequence_len)
     if s.qk_norm:
         # Qwen3, Gemma 3, OLMo 2 norm q and k before RoPE (per head or over all heads alike): each norm keeps its
         # input as the layer norms do, fp32 in transformers' RMSNorm, bf16 in Liger's.
