@@ -32,7 +32,7 @@ case "$PROFILE" in "") PROFILE_ARGS= ;; 1|all) PROFILE_ARGS=--profile ;; *) PROF
 bench() {
   python3 bench/train_bench.py --tokenizer $PWD/.loraship/models/tiny-llama --root /tmp/tb $MODELS \
     --steps ${STEPS:-10} --warmup 3 --timeout ${ROW_TIMEOUT:-240} --out $S/train_bench.json \
-    ${SKIP:+--skip $SKIP} ${TRAINERS:+--trainers $TRAINERS} $PROFILE_ARGS \
+    ${SKIP:+--skip $SKIP} ${TRAINERS:+--trainers $TRAINERS} $PROFILE_ARGS ${DROP_MODELS:+--drop-models} \
     --cases ${CASES:-qwen2-7b-lora qwen2-7b-lora-all-linear qwen2-7b-qlora qwen2-14b-qlora qwen2-14b-lora} "$@"
 }
 bench > $S/bench.log 2>&1
