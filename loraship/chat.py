@@ -45,6 +45,23 @@ NAMED_TEMPLATES: dict[str, str] = {
         "{% else %}{{ raise_exception('mistral template: unknown role ' + message['role']) }}{% endif %}"
         "{% endfor %}"
     ),
+    # Gemma's turns (user / model); no system role, so a system message opens the first user turn, as Gemma's own.
+    "gemma": (
+        "{{ bos_token }}{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' %}"
+        "{% for message in messages if message['role'] != 'system' %}"
+        "{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+        "{{ '<start_of_turn>' + role + '\\n' + ((system + '\\n\\n') if system and loop.first else '') "
+        "+ message['content'] | trim + '<end_of_turn>\\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+    ),
+    # Phi-3's <|role|> turns, each ended by <|end|>.
+    "phi3": (
+        "{% for message in messages %}"
+        "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    ),
     # Alpaca's instruction/response layout, for instruction data on a plain base model.
     "alpaca": (
         "{{ bos_token }}{% for message in messages %}"
@@ -80,6 +97,22 @@ def use_configured_template(tokenizer, configured: str | None):
     return tokenizer
 
 
+def template_kwargs(template: str | None, thinking: bool) -> dict:
+    """The variables the config passes to a chat template: enable_thinking (the config's `thinking`) to a template
+    that reads it (Qwen3's: False renders the empty <think> block into the generation prompt), nothing otherwise."""
+    return {"enable_thinking": thinking} if template and "enable_thinking" in template else {}
+
+
+def set_template_kwargs(tokenizer, kwargs: dict) -> None:
+    """Kept on the tokenizer, so that every rendering of it (training rows, their loss masks, the turn-end probe,
+    golden prompts) passes the same variables; part of data.tokenizer_fingerprint."""
+    tokenizer._loraship_template_kwargs = dict(kwargs)
+
+
+def template_kwargs_of(tokenizer) -> dict:
+    return dict(getattr(tokenizer, "_loraship_template_kwargs", {}))
+
+
 def template_of(tokenizer) -> str | None:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default one is what a runtime uses
@@ -103,7 +136,8 @@ def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = Fal
 
     try:
         return tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False,
+            **template_kwargs_of(tokenizer),
         )
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         raise DataError(f"chat template failed to render: {type(e).__name__}: {e}") from e
@@ -141,7 +175,8 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], l
 
         try:
             enc = tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                **template_kwargs_of(tokenizer),
             )
         except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
             raise DataError(f"chat template failed to render: {type(e).__name__}: {e}") from e

@@ -283,6 +283,14 @@ class Config(BaseModel):
         description="Chat template for training and the shipped GGUF: a name (chatml, llama3, mistral, alpaca) or Jinja "
         "text. Overrides the base model's template; required for chat/alpaca data on a base model that has none.",
     )
+    thinking: bool = Field(
+        False,
+        description="Passed as enable_thinking to a chat template that reads it (Qwen3's) wherever it is rendered: "
+        "training rows, the reference and verify golden prompts, and the served check (llama.cpp server's "
+        "chat_template_kwargs; serve the GGUF the same way). false, the default: the non-thinking form, each "
+        "assistant turn after the empty <think> block the template writes; true: the model thinks first. Templates "
+        "without enable_thinking are unaffected.",
+    )
 
     env_from_secrets: dict[str, str] = Field(
         default_factory=dict,

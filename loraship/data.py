@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraship.chat import render, require_template, template_of, tokenize_conversation
+from loraship.chat import render, require_template, template_kwargs_of, template_of, tokenize_conversation
 from loraship.config import DATASET_FIELDS, HUB_ID_PATTERN
 from loraship.errors import DataError
 
@@ -436,6 +436,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
         "probe": tokenizer("a b", add_special_tokens=True)["input_ids"],
         "eos": tokenizer.eos_token_id,
         "template": template_of(tokenizer),
+        "template_kwargs": template_kwargs_of(tokenizer),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 
-from loraship.chat import render, special_tokens, template_of, turn_end_id
+from loraship.chat import (
+    render, set_template_kwargs, special_tokens, template_kwargs, template_kwargs_of, template_of, turn_end_id,
+)
 from loraship.constants import MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE
 from loraship.data import eval_records, golden_rows
 from loraship.errors import LorashipError
@@ -31,7 +33,7 @@ STAGE = "reference"
 UPSTREAM = ("merge",)
 FIELDS = (
     "golden_prompts", "max_new_tokens", "verify_max_examples", "reference_top_k", "datasets", "eval_datasets",
-    "val_set_size", "sequence_len", "truncation", "seed", "device", "chat_template", "train_on_inputs",
+    "val_set_size", "sequence_len", "truncation", "seed", "device", "chat_template", "thinking", "train_on_inputs",
     "reference_full_logprob_tokens", "reference_full_logprob_mib", "base_model", "base_model_revision",
 )
 log = logging.getLogger("loraship.reference")
@@ -233,6 +235,7 @@ def run(config) -> dict:
     hf_offline_if_local(config)
     merged = ctx.upstream_dir("merge") / MERGED_DIR
     tokenizer = AutoTokenizer.from_pretrained(merged)
+    set_template_kwargs(tokenizer, template_kwargs(template_of(tokenizer), config.thinking))
     device = "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
     # bf16 on the GPU is what the merged model is; fp32 on the CPU, where bf16 matmuls are slow.
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -275,6 +278,8 @@ def run(config) -> dict:
             "turn_end_id": turn_end_id(tokenizer),
             "markers": template_markers(tokenizer),
             "chat_template": template_of(tokenizer),
+            # The variables every rendering passed the template (config `thinking`); the served check passes them too.
+            "template_kwargs": template_kwargs_of(tokenizer),
         },
         "eval": [{k: r[k] for k in ("kind", "text", "add_bos", "served_ids", "input_ids", "positions")} for r in evaluation],
         "golden": golden,

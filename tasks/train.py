@@ -29,7 +29,7 @@ from loraship.publishing import plots
 from loraship.constants import (
     ADAPTER_DIR, CHECKPOINTS_DIR, LOSS_HISTORY_FILE, LOSS_PLOT_FILE, MEMORY_PLOT_FILE, PLAN_FILE, STRATEGY_FILE,
 )
-from loraship.chat import use_configured_template
+from loraship.chat import set_template_kwargs, template_kwargs, template_of, use_configured_template
 from loraship.data import IGNORE_INDEX, load_splits
 from loraship.errors import LorashipError
 from loraship.runtime.manifest import aside_of, atomic_path, atomic_write_json, atomic_write_text, sha256_json
@@ -47,7 +47,7 @@ FIELDS = (
     "adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "sequence_len", "truncation",
     "micro_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler", "warmup_steps",
     "weight_decay", "num_epochs", "max_steps", "seed", "optimize", "gradient_checkpointing", "fused_loss", "datasets",
-    "eval_datasets", "val_set_size", "device", "packing", "fallback", "offload_activations", "chat_template",
+    "eval_datasets", "val_set_size", "device", "packing", "fallback", "offload_activations", "chat_template", "thinking",
     "train_on_inputs",
 )
 REPLANNED_FILE = "replanned.json"  # in the checkpoints folder: kept, like the checkpoints, for a rerun
@@ -118,6 +118,11 @@ def lora_target_note(model_config: dict, config) -> str | None:
         return memory.lora_target_note(memory.parse_model_config(model_config), config.lora_target_modules)
     except ValueError:
         return None
+
+
+# Model types liger-kernel maps but whose fused loss it refuses: Granite scales its logits (logits_scaling), which
+# LigerFusedLinearCrossEntropy has no term for (liger_kernel transformers/monkey_patch.py raises NotImplementedError).
+LIGER_NO_FUSED_LOSS = frozenset({"granite"})
 
 
 def attention_kwargs(model_dir: Path) -> dict:
@@ -213,8 +218,8 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         # Liger leaves a model type it has no kernels for untouched, with an info log: the HF loss would then run
         # where the plan budgeted the fused one. (Gemma 2's fused loss applies final_logit_softcapping: liger_kernel
         # transformers/model/gemma2.py passes it to the loss.)
-        if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-            raise LorashipError(f"the plan uses Liger's fused loss, but liger-kernel has no kernels for model_type "
+        if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN or model.config.model_type in LIGER_NO_FUSED_LOSS:
+            raise LorashipError(f"the plan uses Liger's fused loss, but liger-kernel has no fused loss for model_type "
                                 f"{model.config.model_type!r}; set fused_loss: off and plan again")
         _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False)
         model.loraship_fused_loss = True  # evaluate() asks for it too: Liger skips it in eval mode by default
@@ -750,6 +755,7 @@ def run(config) -> dict:
     tokenizer = use_configured_template(
         AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code), config.chat_template
     )
+    set_template_kwargs(tokenizer, template_kwargs(template_of(tokenizer), config.thinking))
     train, evaluation = load_splits(config, tokenizer)
     model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
 

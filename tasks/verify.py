@@ -780,7 +780,8 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
                  gguf_path.name, len(chats))
         report["served"] = served_check(gguf_path, chats, config.max_new_tokens, n_ctx, n_gpu_layers, cpu_count(),
                                         reference["tokenizer"].get("markers", []),
-                                        ctx.dir / f"server-{quantization}.log", GREEDY)
+                                        ctx.dir / f"server-{quantization}.log", GREEDY,
+                                        reference["tokenizer"].get("template_kwargs"))
         gates["served"] = served_gate(report["served"], config)
 
     gates["eval_loss_improved"] = eval_loss_gate(ctx.upstream["train"]["metrics"])

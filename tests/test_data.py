@@ -217,3 +217,43 @@ def test_axolotl_sharegpt_fields_and_train_on_inputs(tmp_path, tiny_model):
     assert keys["train_on_inputs"] is True and not ignored
     assert [d["type"] for d in keys["datasets"]] == ["sharegpt", "alpaca"]
     assert keys["datasets"][1]["fields"] == {"instruction": "q", "output": "a"}
+
+
+# -- template variables (Qwen3's enable_thinking) -----------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory):
+    from loraship.fixtures.families import write_folder_without_weights
+
+    folder = tmp_path_factory.mktemp("qwen3")
+    write_folder_without_weights("qwen3", folder)
+    return folder
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_thinking_switch_reaches_every_rendering(qwen3_folder, thinking):
+    """config `thinking` becomes Qwen3's enable_thinking wherever the template renders: the training text keeps the
+    template's empty <think> block in both forms; the loss covers it only when thinking (then the model writes it),
+    and the generation prompt carries it only when not; the tokenized cache tells the two apart."""
+    from transformers import AutoTokenizer
+
+    from loraship.chat import render, set_template_kwargs, template_kwargs, template_of
+
+    tok = AutoTokenizer.from_pretrained(qwen3_folder)
+    kwargs = template_kwargs(template_of(tok), thinking)
+    assert kwargs == {"enable_thinking": thinking}
+    plain = data.tokenizer_fingerprint(tok)
+    set_template_kwargs(tok, kwargs)
+    assert data.tokenizer_fingerprint(tok) != plain
+    record = data.encode_row({"messages": CHAT}, "chat", tok)
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\nKelmar.<|im_end|>" in record["text"]
+    learned = tok.decode([t for t, k in zip(record["input_ids"], record["learn"]) if k])
+    assert learned.rstrip("\n") == ("<think>\n\n</think>\n\nKelmar.<|im_end|>" if thinking else "Kelmar.<|im_end|>")
+    prompt = render(tok, CHAT[:1], add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n" if thinking else "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_templates_without_the_switch_get_no_variables(qwen_tokenizer):
+    from loraship.chat import template_kwargs, template_of
+
+    assert template_kwargs(template_of(qwen_tokenizer), True) == {}
+    assert template_kwargs(None, False) == {}

@@ -15,6 +15,7 @@ settings gets.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import subprocess
@@ -51,7 +52,8 @@ def _ready(port: int) -> bool:
         return False
 
 
-def start_server(gguf: Path, n_ctx: int, n_gpu_layers: int, threads: int, log_file: Path) -> tuple[subprocess.Popen, int]:
+def start_server(gguf: Path, n_ctx: int, n_gpu_layers: int, threads: int, log_file: Path,
+                 template_kwargs: dict | None = None) -> tuple[subprocess.Popen, int]:
     """llama-cpp-python's server on a free loopback port; (process, port). A port taken between
     choosing and binding it (another process, another verify) is retried on a fresh one."""
     last_tail = ""
@@ -60,6 +62,8 @@ def start_server(gguf: Path, n_ctx: int, n_gpu_layers: int, threads: int, log_fi
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", MODEL_ALIAS,
                "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), "--n_gpu_layers", str(n_gpu_layers),
                "--n_threads", str(threads), "--verbose", "False"]
+        if template_kwargs:  # the variables training rendered the template with (Qwen3's enable_thinking)
+            cmd += ["--chat_template_kwargs", json.dumps(template_kwargs)]
         with open(log_file, "ab") as sink:
             proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=child_env(),
                                     start_new_session=True, preexec_fn=child_setup)
@@ -144,7 +148,8 @@ def merged_lead(record: dict, step: int | None) -> float | None:
 
 
 def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int, n_gpu_layers: int, threads: int,
-                 markers: list[str], log_file: Path, sampling: Sampling = GREEDY) -> dict:
+                 markers: list[str], log_file: Path, sampling: Sampling = GREEDY,
+                 template_kwargs: dict | None = None) -> dict:
     """Every golden chat prompt through the server, whole and streamed, with `sampling` (the shipped
     settings), against the reference's greedy answer and the same GGUF's own greedy answer outside the
     server; then each once more with the server's defaults, reported as server_defaults. chats: reference
@@ -152,7 +157,7 @@ def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int,
     gguf_match (the GGUF's greedy answer is the merged model's token for token) and gguf_own (parting_from)."""
     from openai import OpenAI
 
-    proc, port = start_server(gguf, n_ctx, n_gpu_layers, threads, log_file)
+    proc, port = start_server(gguf, n_ctx, n_gpu_layers, threads, log_file, template_kwargs)
     answers = []
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="loraship", timeout=REQUEST_TIMEOUT_S,
