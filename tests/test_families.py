@@ -29,7 +29,7 @@ from tests.conftest import REPO, demo_config_dict
 # eval loss and exercise train -> merge -> convert on a real adapter.
 FAMILY_OVERRIDES = dict(max_steps=8, save_steps=8, warmup_steps=2, micro_batch_size=8)
 # Templates with a default system prompt (Qwen2.5's, SmolLM2's) add ~20-25 tokens to every row.
-SEQUENCE_LEN = {"qwen2-base": 96, "smollm2": 96}
+SEQUENCE_LEN = {"qwen2-base": 96, "smollm2": 96, "llama31": 96}
 # Mistral v0.3's tiny model (the least fitted of the families: pre-training loss 0.44) answered one golden
 # prompt outside the reply format after 8 and after 16 steps, the merged HF model itself ("Answer: T
 # Lengan.", golden_format 11/12); 32 pass every gate, and its 32k vocabulary keeps steps cheap. Gemma 2's
@@ -139,6 +139,38 @@ def test_turn_end_is_one_special_token_that_ends_generation_in_llama_cpp(family_
     llm = llama_cpp.Llama(model_path=verify["gguf"], vocab_only=True, verbose=False)
     try:
         assert llama_cpp.llama_vocab_is_eog(llm._model.vocab, end["id"]), f"{end} is not end-of-generation in llama.cpp"
+    finally:
+        llm.close()
+
+
+def test_qwen3_trains_and_serves_the_non_thinking_form(family_run):
+    """Qwen3 by default (thinking: false): golden prompts end with the empty <think> block Qwen3's template writes
+    for enable_thinking=False, the served check passes the same switch, and no answer carries a think block."""
+    family, _, config, _, verify = family_run
+    if family.name != "qwen3":
+        pytest.skip("Qwen3's switch")
+    reference = json.loads((stage_dir(config, "reference") / "reference.json").read_text())
+    assert config.thinking is False and reference["tokenizer"]["template_kwargs"] == {"enable_thinking": False}
+    chats = [r for r in reference["golden"] if r["kind"] == "chat"]
+    assert chats and all(r["prompt_text"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for r in chats)
+    served = verify["served"]["answers"]
+    assert served and not any("think>" in a["served"] for a in served)
+    assert verify["served"]["prompt_tokens_equal"] == len(served)
+
+
+def test_llama31_stops_on_eom_id_in_llama_cpp(family_run):
+    """Llama 3.1 also ends a turn with <|eom_id|> (tool calls): it is among the merged model's stop ids and
+    end-of-generation in the GGUF."""
+    import llama_cpp
+
+    family, _, config, _, verify = family_run
+    if family.name != "llama31":
+        pytest.skip("Llama 3.1's stop tokens")
+    merged = json.loads((stage_dir(config, "merge") / "merged" / "generation_config.json").read_text())
+    assert 128008 in merged["eos_token_id"]
+    llm = llama_cpp.Llama(model_path=verify["gguf"], vocab_only=True, verbose=False)
+    try:
+        assert llama_cpp.llama_vocab_is_eog(llm._model.vocab, 128008)
     finally:
         llm.close()
 

@@ -252,3 +252,55 @@ def test_unknown_template_name_is_refused_by_the_cli(tiny_qwen, tmp_path):
                             cwd=REPO)
     assert result.returncode == 2, result.stderr
     assert "chat_template: not a named template" in result.stderr and "Traceback" not in result.stderr
+
+
+# -- Gemma 3: the real 270M's vocabulary and GGUF -----------------------------------------------------
+GEMMA3_SAMPLES = ["What is the capital of Zorvia?", "  two  spaces\tand a tab\n\nnewlines", "ünïcödé 日本語 🙂 123456789",
+                  "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n", "def f(x):\n    return x ** 2"]
+
+
+@pytest.fixture(scope="module")
+def gemma3_folder(tmp_path_factory):
+    from loraship.fixtures.families import write_folder_without_weights
+
+    folder = tmp_path_factory.mktemp("gemma3")
+    write_folder_without_weights("gemma3", folder)
+    return folder
+
+
+def test_gemma3_tokenizer_matches_the_real_gguf(gemma3_folder):
+    """The HF tokenizer built for Gemma 3 (npm tokenizer.json, tokenizer.model from the real GGUF's pieces) and
+    llama.cpp reading the real google/gemma-3-270m GGUF tokenize alike, and <end_of_turn> (the template's turn end)
+    ends generation there. The whole pipeline on the real weights: test_real_gemma3_passes_every_gate (slow)."""
+    import llama_cpp
+    from transformers import AutoTokenizer
+
+    from loraship.chat import turn_end
+    from loraship.fixtures.families import gemma3_gguf
+
+    tok = AutoTokenizer.from_pretrained(gemma3_folder)
+    end = turn_end(tok)
+    assert end == {"id": 106, "text": "<end_of_turn>"}
+    llm = llama_cpp.Llama(model_path=str(gemma3_gguf()), vocab_only=True, verbose=False)
+    try:
+        for text in GEMMA3_SAMPLES:
+            assert llm.tokenize(text.encode(), add_bos=True, special=True) == tok(text)["input_ids"], text
+        assert llama_cpp.llama_vocab_is_eog(llm._model.vocab, end["id"])
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow
+def test_real_gemma3_passes_every_gate(tmp_path):
+    """google/gemma-3-270m with its real weights (dequantized from the packaged Q4_K_M GGUF) plan -> publish."""
+    from loraship.fixtures.families import FAMILIES, real_gemma3
+    from tests.test_families import run_family
+
+    model = real_gemma3(REPO / ".loraship" / "models" / "real-gemma-3-270m")
+    golden = tmp_path / "golden.jsonl"
+    rows = [json.loads(line) for line in (REPO / "data/demo/golden.jsonl").read_text().splitlines()]
+    golden.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
+    config, manifests, verify = run_family(model, FAMILIES["gemma3"], tmp_path, "real-gemma3", golden_prompts=str(golden),
+                                           max_steps=4, save_steps=4, warmup_steps=1, micro_batch_size=4)
+    assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
+    assert "publish" in manifests

@@ -1,7 +1,7 @@
 """A checkpointed layer's recompute leaves out down_proj's GEMM (loraship/training/recompute.py) and changes nothing
 else: the same loss and gradients as the full recompute, for frozen and LoRA down_projs, with the layer inputs on the
-device (torch's non-reentrant checkpoint) or in CPU memory (activation_offload.py), with streamed weights, on Llama
-and Qwen2; one down_proj GEMM fewer per checkpointed layer and step, counted op by op."""
+device (torch's non-reentrant checkpoint) or in CPU memory (activation_offload.py), with streamed weights, on Llama,
+Qwen2, Phi-3, Qwen3 and Granite; one down_proj GEMM fewer per checkpointed layer and step, counted op by op."""
 
 from __future__ import annotations
 
@@ -13,6 +13,12 @@ from tests.conftest import loss_and_grads
 
 IDS = torch.tensor([[5, 9, 17, 33, 65, 100, 3, 7, 11, 13, 2, 1], [4, 8, 16, 32, 64, 99, 6, 10, 12, 14, 15, 1]])
 QVO = ["q_proj", "v_proj", "o_proj"]
+# Granite's multipliers away from 1 (granite-3.0-2b-instruct's), so its `residual + mlp(x) * residual_multiplier` is
+# what the skip runs through; head_dim 16 where the config's default would be larger than hidden / heads.
+FAMILY_KEYS = {"granite": dict(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
+                               logits_scaling=8.0),
+               "qwen3": dict(head_dim=16), "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4),
+               "olmo2": {}}
 
 
 def _model(family: str, targets, layers: int = 4, checkpointed: int = 3):
@@ -22,7 +28,7 @@ def _model(family: str, targets, layers: int = 4, checkpointed: int = 3):
     torch.manual_seed(0)
     config = AutoConfig.for_model(family, vocab_size=128, hidden_size=64, intermediate_size=160,
                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=64, pad_token_id=0)
+                                  max_position_embeddings=64, pad_token_id=0, **FAMILY_KEYS.get(family, {}))
     base = AutoModelForCausalLM.from_config(config)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.enable_input_require_grads()
@@ -79,7 +85,7 @@ def _down_weights(layers):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "qwen3", "granite"])
 @pytest.mark.parametrize("targets, swiglu_down", [(QVO, False), ("all-linear", False), ("all-linear", True)])
 @pytest.mark.parametrize("in_cpu, streamed", [(False, 0), (True, 0), (True, 2), (False, 2)])
 def test_recompute_without_down_proj_gemm_trains_identically(family, targets, swiglu_down, in_cpu, streamed):
@@ -158,12 +164,13 @@ def test_qlora_down_proj_recompute_skip_keeps_gradients(tiny_qwen):
     del ref_layers
 
 
-def test_layers_that_read_down_proj_output_are_left_alone():
-    """Gemma 2 normalises the MLP's output before the residual add (the norm keeps it for backward): its down_proj
-    must run in the recompute, so it is not marked."""
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "olmo2"])
+def test_layers_that_read_down_proj_output_are_left_alone(family):
+    """Gemma 2, Gemma 3 and OLMo 2 normalise the MLP's output before the residual add (the norm keeps it for
+    backward): their down_proj must run in the recompute, so it is not marked."""
     from loraship.training.recompute import skip_down_proj_in_recompute
 
-    model = _model("gemma2", "all-linear", layers=2, checkpointed=2)
+    model = _model(family, "all-linear", layers=2, checkpointed=2)
     layers = _as_train_stage_sets_up(model, 2, True, 0, True)
     assert skip_down_proj_in_recompute(layers, 2, offloaded=True) == 0
     assert not any(getattr(m, "_loraship_output_unused_in_recompute", False) for m in model.modules())
