@@ -31,34 +31,17 @@ from loraship.stage_table import gpu_stages, stage_module
 STAGE_DEPLOYMENTS_ENV = "LORASHIP_STAGE_DEPLOYMENTS"
 # Stages that hold an accelerator (loraship/stage_table.py): train and reference on the training
 # GPU (reference runs the merged HF model there, so verify needs only the GGUF), verify on the
-# inference GPU. A Prefect global concurrency limit with one slot per GPU (LORASHIP_GPU_SLOTS,
-# default 1) makes sure two of them never share one card, across every flow run talking to the
-# same Prefect server.
-GPU_LIMIT = "loraship-gpu"
+# inference GPU. Each takes a GPU slot first (loraship/runtime/gpu_slot.py: LORASHIP_GPU_SLOTS of them,
+# default 1), so two of them never share one card; a slot whose holder died is taken over.
 GPU_STAGES = gpu_stages()
 
 
-def ensure_gpu_limit() -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
-        except ObjectNotFound:
-            slots = int(os.environ.get("LORASHIP_GPU_SLOTS", "1"))
-            with contextlib.suppress(ObjectAlreadyExists):  # another run created it first
-                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=slots))
-
-
-def gpu_slot(stage: str):
+def gpu_slot(stage: str, config: Config):
     if stage not in GPU_STAGES:
         return contextlib.nullcontext()
-    from prefect.concurrency.sync import concurrency
+    from loraship.runtime.gpu_slot import gpu_slot as slot
 
-    ensure_gpu_limit()
-    return concurrency(GPU_LIMIT, occupy=1, strict=True)
+    return slot(config.run_name, stage, config.workdir)
 
 
 def _artifact_key(run_name: str, stage: str) -> str:
@@ -103,7 +86,7 @@ def _figures_markdown(stage: str, manifest: dict) -> str | None:
 def stage_task(stage: str, config: Config):
     logger = get_run_logger()
     try:
-        with gpu_slot(stage):
+        with gpu_slot(stage, config):
             manifest = stage_module(stage).run(config)
     except LorashipError as e:
         # A problem the user can fix: say it plainly, without a traceback.

@@ -12,6 +12,8 @@ Two kinds, both made of plain files under `<workdir>/<run_name>/.locks/`:
 - The stage lock (`<stage>.lock`): one writer per stage folder. A second run of the same config
   waits here, then finds the first run's manifest and skips.
 
+The GPU slots (loraship/runtime/gpu_slot.py) are lock files of the same kind, shared by every run of a workdir.
+
 Files created with O_EXCL (or hard-linked into place), not flock: flock blocks forever without a
 timeout, and on NFS it is emulated by byte-range locks or not at all, depending on the client.
 Creating a file exclusively is atomic on local filesystems and on NFSv3 and later. Why not the
@@ -223,29 +225,26 @@ def _timeout_error(what: str, holder: dict, path: Path, waited: float) -> LockTi
     )
 
 
+def try_take(path: Path, me: dict, what: str) -> tuple[bool, dict | None]:
+    """One attempt at the lock file `path` for the holder `me`: (True, None) when it is ours now; (False, holder)
+    while a live holder has it; (False, None) when it changed hands meanwhile (released, or a dead holder's file
+    removed, which is logged): try again at once."""
+    if _create(path, me):
+        return True, None
+    found = _read(path)
+    if found is None:
+        return False, None  # released between our attempt and the read
+    holder, mtime = found
+    if is_alive(holder, mtime, STALE_S):
+        return False, holder
+    if _remove_if_held_by(path, holder.get("token")):
+        log.warning("%s: took over the lock of %s, which is no longer running (%s)", what, describe(holder), path)
+    return False, None
+
+
 @contextlib.contextmanager
-def exclusive_lock(path: Path, what: str, timeout: float | None = None, **info) -> Iterator[dict]:
-    """Hold `path` as an exclusive lock for the block; wait up to `timeout` seconds for it."""
-    path = Path(path)
-    timeout = timeout_s() if timeout is None else timeout
-    me = identity(**info)
-    started, announced = time.monotonic(), False
-    while not _create(path, me):
-        found = _read(path)
-        if found is None:
-            continue  # released between our attempt and the read
-        holder, mtime = found
-        if not is_alive(holder, mtime, STALE_S):
-            if _remove_if_held_by(path, holder.get("token")):
-                log.warning("%s: took over the lock of %s, which is no longer running (%s)", what, describe(holder), path)
-            continue
-        waited = time.monotonic() - started
-        if waited >= timeout:
-            raise _timeout_error(what, holder, path, waited)
-        if not announced:
-            log.info("%s: waiting for %s to release %s", what, describe(holder), path)
-            announced = True
-        time.sleep(POLL_S)
+def holding(path: Path, me: dict) -> Iterator[dict]:
+    """A lock file try_take gave `me`: heartbeat while the block runs, removed after it (if still ours)."""
     _heartbeat.add(path)
     try:
         yield me
@@ -254,6 +253,30 @@ def exclusive_lock(path: Path, what: str, timeout: float | None = None, **info) 
         found = _read(path)
         if found is not None and found[0].get("token") == me["token"]:
             path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, what: str, timeout: float | None = None, **info) -> Iterator[dict]:
+    """Hold `path` as an exclusive lock for the block; wait up to `timeout` seconds for it."""
+    path = Path(path)
+    timeout = timeout_s() if timeout is None else timeout
+    me = identity(**info)
+    started, announced = time.monotonic(), False
+    while True:
+        taken, holder = try_take(path, me, what)
+        if taken:
+            break
+        if holder is None:
+            continue
+        waited = time.monotonic() - started
+        if waited >= timeout:
+            raise _timeout_error(what, holder, path, waited)
+        if not announced:
+            log.info("%s: waiting for %s to release %s", what, describe(holder), path)
+            announced = True
+        time.sleep(POLL_S)
+    with holding(path, me):
+        yield me
 
 
 # -- the run claim ------------------------------------------------------------------------
