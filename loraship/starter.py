@@ -87,28 +87,40 @@ def _has_chat_template(folder: Path) -> bool:
     return False
 
 
+# A base model's native chat formats, known by their turn markers among its special tokens, in the order tried:
+# (named template in loraship/chat.py NAMED_TEMPLATES, the markers, the words for init's note).
+NATIVE_FORMATS = (
+    ("llama3", ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "Llama 3's header tokens and <|eot_id|>"),
+    ("chatml", ("<|im_start|>", "<|im_end|>"), "ChatML's <|im_start|> and <|im_end|> (Qwen)"),
+    ("gemma", ("<start_of_turn>", "<end_of_turn>"), "Gemma's turn markers <start_of_turn> and <end_of_turn>"),
+    ("phi3", ("<|user|>", "<|assistant|>", "<|end|>"), "Phi-3's <|user|>, <|assistant|> and <|end|>"),
+)
+
+
 def template_for_base(folder: Path, row_type: str, trust_remote_code: bool = False) -> tuple[str, str]:
-    """A named template whose assistant turns end in a special token of this base's own vocabulary
-    (Llama 3's <|eot_id|>, ChatML's <|im_end|>, Mistral's </s> after [INST]), else one that ends each
-    assistant turn with the base's EOS; never a plain-text marker no runtime stops on. (name, why)."""
+    """The base model's native chat format, read from its own special tokens (NATIVE_FORMATS: Llama 3's headers and
+    <|eot_id|>, ChatML's <|im_start|>/<|im_end|>, Gemma's <start_of_turn>/<end_of_turn>, Phi-3's <|user|>/<|end|>;
+    Mistral's [INST] turns ended by its EOS), so every assistant turn ends in one special token of this vocabulary;
+    else alpaca, each answer ended by the base's EOS; never a plain-text marker no runtime stops on. (name, why)."""
     from transformers import AutoTokenizer
 
     from loraship.chat import special_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     special = set(special_tokens(tokenizer).values())
-    if row_type != "alpaca" and {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"} <= special:
-        return "llama3", "the vocabulary has Llama 3's header tokens and <|eot_id|>"
-    if row_type != "alpaca" and {"<|im_start|>", "<|im_end|>"} <= special:
-        return "chatml", "<|im_start|> and <|im_end|> are special tokens of the vocabulary"
+    for name, markers, words in NATIVE_FORMATS:
+        if set(markers) <= special:
+            ids = ", ".join(f"{m} ({tokenizer.convert_tokens_to_ids(m)})" for m in markers)
+            return name, f"{words} are special tokens of its vocabulary: {ids}"
     if tokenizer.eos_token is None:
         raise LorashipError(f"base model {folder}: its tokenizer has no EOS and no turn-end special token, so no chat "
                             "template can end a turn where a runtime stops; set chat_template: to a template ending "
                             "assistant turns with one of its special tokens, or train on completion rows")
-    if row_type == "alpaca":
-        return "alpaca", f"instruction rows; each response ends with the EOS {tokenizer.eos_token!r}"
     if {"[INST]", "[/INST]"} <= special or "mistral" in json.loads((folder / "config.json").read_text()).get("model_type", ""):
         return "mistral", f"Mistral's [INST] turns, each answer ended by the EOS {tokenizer.eos_token!r}"
+    if row_type == "alpaca":
+        return "alpaca", f"instruction rows and no turn markers among its special tokens; each response ends with " \
+                         f"the EOS {tokenizer.eos_token!r}"
     return "alpaca", f"no turn markers among its special tokens; each answer ends with the EOS {tokenizer.eos_token!r}"
 
 

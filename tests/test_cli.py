@@ -259,6 +259,65 @@ def test_init_infers_the_row_type_and_the_chat_template(kind, tiny_model, base_w
     assert again.exit_code == 2 and "exists" in again.output and "--force" in again.output
 
 
+# The native chat format init picks from each family's REAL tokenizer (loraship/fixtures/families.py) once its chat
+# template is taken away: the named template and the turn end it renders.
+NATIVE = {"llama3-base": ("llama3", "<|eot_id|>"), "llama3-instruct": ("llama3", "<|eot_id|>"),
+          "qwen2-base": ("chatml", "<|im_end|>"), "smollm2": ("chatml", "<|im_end|>"),
+          "gemma2": ("gemma", "<end_of_turn>"), "phi3": ("phi3", "<|end|>"),
+          "mistral-v03": ("mistral", "</s>"), "mistral-nemo": ("mistral", "</s>")}
+
+
+def _tokenizer_without_template(name: str, folder: Path) -> Path:
+    from loraship.fixtures.families import FAMILIES
+
+    family = FAMILIES[name]
+    folder.mkdir()
+    family.tokenizer(folder)
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        (folder / extra).unlink(missing_ok=True)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (folder / "config.json").write_text(json.dumps({"architectures": [family.architecture],
+                                                     "model_type": family.architecture[:-len("ForCausalLM")].lower()}))
+    return folder
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE))
+def test_init_picks_the_native_chat_format_from_the_special_tokens(name, tmp_path):
+    from transformers import AutoTokenizer
+
+    from loraship.chat import turn_end, use_configured_template
+    from loraship.starter import template_for_base
+
+    folder = _tokenizer_without_template(name, tmp_path / name)
+    for row_type in ("chat", "alpaca"):  # instruction rows render as a user/assistant chat too
+        chosen, why = template_for_base(folder, row_type)
+        assert chosen == NATIVE[name][0], why
+    assert ("special tokens of its vocabulary" in why) == (chosen != "mistral")
+    tok = use_configured_template(AutoTokenizer.from_pretrained(folder), chosen)
+    assert turn_end(tok)["text"] == NATIVE[name][1]  # one special token ends each assistant turn
+
+
+def test_init_says_it_chose_gemma_turns_and_why(tmp_path):
+    """A Gemma base without a template (Gemma 3 270M was given alpaca once): init writes chat_template: gemma and
+    names the turn markers and their ids in the config's header."""
+    folder = _tokenizer_without_template("gemma2", tmp_path / "gemma")
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 256, "intermediate_size": 768,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+        "vocab_size": 256000, "sliding_window": 4096}))
+    data_file = tmp_path / "chat.jsonl"
+    data_file.write_text(json.dumps(ROWS["chat"]) + "\n")
+    out = tmp_path / "gemma.yaml"
+    result = invoke("init", folder, data_file, "-o", out, "--gpu-gib", "24")
+    assert result.exit_code == 0, result.output
+    assert load_config(out).chat_template == "gemma"
+    header = out.read_text()
+    assert "chat_template: gemma (Gemma's turn markers <start_of_turn> and <end_of_turn> are special tokens" in header
+    assert "<start_of_turn> (106)" in header and "<end_of_turn> (107)" in header
+
+
 def test_init_names_a_dataset_it_cannot_read(tiny_model, tmp_path):
     data_file = tmp_path / "odd.jsonl"
     data_file.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")

@@ -133,10 +133,13 @@ def test_gemma3_12b_plans_its_language_model_out_of_the_multimodal_config():
     assert s.rope_scaling == "linear" and not s.recompute_skips_down and not s.swiglu_down
     assert s.n_params / 1e9 == pytest.approx(11.77, abs=0.01)  # the text model, its 262k embedding once (tied)
     assert 0.3e9 < s.other_params < 0.5e9  # the SigLIP vision tower and projector: loaded, frozen, not trained
-    assert any("vision tower is not trained" in n for n in s.notes)
+    assert any("vision tower (model.vision_tower, model.multi_modal_projector: loaded frozen, no LoRA) is not trained"
+               in n for n in s.notes)
+    assert s.untrained_modules == ("model.vision_tower", "model.multi_modal_projector")
     plan = _plans_sanely(mc, s)
     assert plan["model"]["wrapper"] == "Gemma3ForConditionalGeneration"
-    assert "vision tower is not trained" in plan["model"]["notes"][0]
+    assert "is not trained" in plan["model"]["notes"][0]
+    assert plan["model"]["untrained_modules"] == ["model.vision_tower", "model.multi_modal_projector"]
 
 
 def _plans_sanely(mc: dict, s) -> dict:

@@ -1,6 +1,6 @@
 """Model FLOPs per trained token and model FLOPs utilisation (MFU) against the card's bf16 peak.
 
-Pure Python (no torch). MFU counts the FLOPs the model needs, not what the run executes (PaLM's definition,
+Arithmetic on the planner's Shape (loraship/planning/shape.py). MFU counts the FLOPs the model needs, not what the run executes (PaLM's definition,
 Chowdhery et al. 2022, appendix B): a checkpointed layer's recompute is not counted, so MFU compares strategies by
 useful work. For LoRA on a frozen base, the backward pass computes input gradients of every frozen matmul but no
 weight gradients, so a frozen matmul costs 4 FLOPs per parameter per token (forward 2, input gradient 2), not the 6

@@ -1,6 +1,7 @@
 """Plan GPU memory for LoRA/QLoRA training, and disk + inference memory for shipping, from config.json.
 
-Pure Python (no torch), so `loraship plan` runs on a laptop for a model that is not downloaded.
+No weights and no GPU, so `loraship plan` runs on a laptop for a model that is not downloaded: the shapes come from
+transformers' own model class built on the meta device (loraship/planning/shape.py, torch imported there only).
 The model is additive and physical: every term is bytes of a tensor that exists at the peak, with a
 few multipliers (CAL) fitted against bench/memory_matrix.py on a real GPU. bench/memory_matrix.md
 shows predicted vs measured, and which rows were used to fit CAL.
@@ -257,6 +258,8 @@ def layer_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progr
     stage's Qwen2 path (fused LoRA nodes, Liger's autograd functions) against this.
     """
     norms, swiglu = (2 * s.norms * s.h, 4 * s.f) if liger else (4 * s.norms * s.h, 6 * s.f)
+    if s.mlp == "plain":
+        swiglu = 2 * s.f  # an ungated MLP (fc1, activation, fc2): the activation keeps its bf16 input only
     attention = 4 * s.q + 4 * s.kv
     if s.fused:
         # Phi-3's v is a view of qkv_proj's output, so SDPA keeping v keeps all of it (q + 2kv, bf16).
@@ -612,7 +615,8 @@ def _plan(model_config: dict, cfg: Config, strategy: dict, est: dict, reason: st
     return {
         "strategy": strategy, "decoder_layers": s.L,
         # What was planned, as transformers builds it (loraship/planning/shape.py), and what the plan leaves out.
-        "model": {"class": s.architecture, "decoder_layer": s.layer_class, **({"wrapper": s.wrapper} if s.wrapper else {}),
+        "model": {"class": s.architecture, "decoder_layer": s.layer_class,
+                  **({"wrapper": s.wrapper, "untrained_modules": list(s.untrained_modules)} if s.wrapper else {}),
                   "notes": list(s.notes)},
         "fits": est["fits"], "budget_gib": cfg.gpu_memory_gib,
         "safety_margin_gib": round(safety_margin_gib(cfg.gpu_memory_gib), 2), "fallback": list(cfg.fallback),

@@ -86,6 +86,9 @@ class Shape:
     max_positions: int | None = None
     counted_params: int = 0  # every parameter of the meta model (tied ones once); 0 for a hand-written Shape
     other_params: int = 0  # what a multimodal wrapper loads beside its language model (vision tower, projector)
+    # A wrapper's submodules beside its language model (model.vision_tower, model.multi_modal_projector): loaded,
+    # frozen, given no LoRA (the train stage excludes them by these names).
+    untrained_modules: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())  # what the plan should say about the model (the vision tower untrained)
 
     @property
@@ -191,7 +194,7 @@ def _converter_problem(mc: dict, s: Shape) -> UnsupportedModel | None:
         folder = converter_dir(fetch=False)
     except LorashipError:
         return None
-    archs = mc.get("architectures") or [s.wrapper or s.architecture]
+    archs = mc.get("architectures") or [s.architecture]  # none named: the class transformers builds for it
     registered = supported_architectures(folder)
     missing = [a for a in archs if a not in registered]
     if not missing:
@@ -320,9 +323,10 @@ def _layer_ends_in_mlp(layer) -> bool:
     return False
 
 
-def _wrapper_params(mc: dict, archs: list[str]) -> int:
-    """Parameters of the whole multimodal model (its class in transformers by config.json's architectures, else the
-    causal-LM class of its config), built on the meta device; 0 where it cannot be built."""
+def _wrapper_parts(mc: dict, archs: list[str], L: int) -> tuple[int, tuple[str, ...]]:
+    """(parameters of the whole multimodal model, the names of its submodules beside the language model, e.g.
+    model.vision_tower and model.multi_modal_projector), built on the meta device from its class in transformers (by
+    config.json's architectures, else the causal-LM class of its config); (0, ()) where it cannot be built."""
     import torch
     import transformers
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -332,9 +336,13 @@ def _wrapper_params(mc: dict, archs: list[str]) -> int:
     try:
         cls = cls or MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         with torch.device("meta"):
-            return sum(p.numel() for p in cls(config).parameters())
+            model = cls(config)
     except Exception:  # the vision tower only sizes frozen weights and disk: planned without it rather than refused
-        return 0
+        return 0, ()
+    inner, prefix = (model.model, "model.") if isinstance(getattr(model, "model", None), torch.nn.Module) else (model, "")
+    others = tuple(f"{prefix}{name}" for name, child in inner.named_children()
+                   if _decoder_layers(child, L) is None and any(True for _ in child.parameters()))
+    return sum(p.numel() for p in model.parameters()), others
 
 
 def _rope_type(config) -> str | None:
@@ -432,12 +440,14 @@ def _derive(mc: dict) -> Shape:
     in_emb, out_emb = model.get_input_embeddings(), model.get_output_embeddings()
     tied = out_emb is not None and out_emb.weight is in_emb.weight
     V = int(in_emb.weight.shape[0])
+    counted = sum(p.numel() for p in model.parameters())
+    total, untrained = _wrapper_parts(mc, archs, L) if wrapper else (0, ())
+    other = total - counted if wrapper else 0
     notes = []
     if wrapper:
-        notes.append(f"{wrapper}: its language model ({lm_class.__name__}) is planned and trained; the vision tower "
-                     "is not trained")
-    counted = sum(p.numel() for p in model.parameters())
-    other = _wrapper_params(mc, archs) - counted if wrapper else 0
+        parts = f" ({', '.join(untrained)}: loaded frozen, no LoRA)" if untrained else ""
+        notes.append(f"{wrapper}: its language model ({lm_class.__name__}) is planned and trained; the vision tower"
+                     f"{parts} is not trained")
     return Shape(
         model_type=mt, h=h, L=L, heads=heads, kv_heads=kv_heads, head_dim=head_dim, f=f, V=V, tied=tied,
         qkv_bias=bool(first_q.bias) if first_q else False, fused=fused, norms=norms,
@@ -450,5 +460,5 @@ def _derive(mc: dict) -> Shape:
         multipliers=any(getattr(config, k, None) not in (None, 1, 1.0) for k in
                         ("residual_multiplier", "embedding_multiplier", "logits_scaling")),
         rope_scaling=_rope_type(config), max_positions=getattr(config, "max_position_embeddings", None),
-        counted_params=counted, other_params=max(other, 0), notes=tuple(notes),
+        counted_params=counted, other_params=max(other, 0), untrained_modules=untrained, notes=tuple(notes),
     )
