@@ -228,18 +228,41 @@ def _nothing_to_run(config, stages: list[str]) -> bool:
 
 
 @app.command(epilog=_example("loraship plan configs/demo.yaml",
-                             "loraship plan configs/qwen2-14b-lora.yaml --set gpu_memory_gib=24 --json"))
+                             "loraship plan configs/qwen2-14b-lora.yaml --set gpu_memory_gib=24 --json",
+                             "loraship plan configs/qwen2-14b-lora.yaml --set base_model=examples/models/qwen2-14b "
+                             "--memory-only"))
 def plan(
     config_path: Path = typer.Argument(..., metavar="CONFIG"),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON"),
+    memory_only: bool = typer.Option(False, "--memory-only",
+                                     help="Predict from config.json alone: skip the input checks (tokenizer, data, "
+                                          "output), e.g. for a folder holding only config.json"),
 ) -> None:
-    """Predict GPU memory, disk and the shipped model's footprint from config.json alone (no GPU, no weights)."""
+    """Check every input as `loraship run` does before training (base model folder, tokenizer, every dataset row,
+    golden prompts, workdir, output), then predict GPU memory, disk and the shipped model's footprint (no GPU, no
+    weights loaded)."""
     with _user_errors():
         config = _load(config_path, set_)
         from loraship.planning import memory
 
-        model_config = model_config_of(config)
+        if memory_only:
+            model_config = model_config_of(config)
+        else:
+            # The same checks as `loraship run` and the plan stage, so a fault stops here and not at train.
+            from loraship.models import read_model_config
+            from loraship.planning.preflight import check_inputs
+            from loraship.runtime.prefect_env import configure_local_prefect, secret_env
+
+            configure_local_prefect()  # a Prefect Secret of env_from_secrets is read as `loraship run` reads it
+            try:
+                with secret_env(config.env_from_secrets):
+                    model_config = read_model_config(check_inputs(config))
+            except LorashipError as e:
+                told = LorashipError(f"{e}\n(`loraship plan {config_path} --memory-only` predicts memory from "
+                                     "config.json alone, without these checks)")
+                told.exit_code = e.exit_code
+                raise told from e
         try:
             training = memory.plan_training(model_config, config)
             footprint = memory.plan_disk_and_inference(model_config, config)

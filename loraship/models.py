@@ -182,6 +182,7 @@ def base_model_problems(config: Config, folder: Path, weights: bool = True) -> l
         )
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         problems.append(f"{where}: no tokenizer (tokenizer.json or tokenizer.model); copy the tokenizer files into the folder")
+    problems += [f"{where}: {p}" for p in sentencepiece_problems(folder)]
     if weights:
         safetensors = list(folder.glob("*.safetensors"))
         pickles = [p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES] if folder.is_dir() else []
@@ -192,10 +193,67 @@ def base_model_problems(config: Config, folder: Path, weights: bool = True) -> l
             )
         elif not safetensors and not pickles:
             problems.append(f"{where}: no weights (*.safetensors)")
+        problems += [f"{where}: {p}" for p in shard_index_problems(folder)]
         problems += [p for p in map(safetensors_problem, safetensors) if p]
         if model_config is not None and not problems:
             problems += embedding_problems(config, folder, model_config)
     return problems
+
+
+SHARD_INDEX_FIX = "fix: download the index again with its shards (or the whole checkpoint)"
+
+
+def shard_index_problems(folder: Path) -> list[str]:
+    """A sharded checkpoint's model.safetensors.index.json must be JSON whose weight_map names shards that are all
+    in the folder: transformers reads it at train and stops with a JSONDecodeError or FileNotFoundError traceback."""
+    problems = []
+    for index in sorted(folder.glob("*.safetensors.index.json")):
+        data, found = json_file_problems(index, fix=SHARD_INDEX_FIX)
+        problems += found
+        if data is None:
+            continue
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items()):
+            problems.append(f"{index.name}: 'weight_map' is {json.dumps(weight_map)[:60]}, not an object mapping "
+                            f"tensor names to shard files; {SHARD_INDEX_FIX}")
+            continue
+        root = folder.resolve()
+        shards = sorted(set(weight_map.values()))
+        outside = [s for s in shards if not (root / s).resolve().is_relative_to(root)]
+        if outside:  # a name such as ../../x would make transformers read a file outside the model folder
+            problems.append(f"{index.name} names {outside[0]!r}, outside {folder}; {SHARD_INDEX_FIX}")
+            continue
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            present = len(shards) - len(missing)
+            problems.append(f"{index.name} names {named}, {'which is' if len(missing) == 1 else 'which are'} not in "
+                            f"{folder} ({present} of the {len(shards)} shards it names {'is' if present == 1 else 'are'} "
+                            "there); fix: download the missing shard or the whole checkpoint again")
+    return problems
+
+
+def sentencepiece_problems(folder: Path) -> list[str]:
+    """A tokenizer.model that sentencepiece cannot load: llama.cpp's converter loads it (after train, merge and
+    reference) even where transformers reads tokenizer.json, so a truncated download is found here instead.
+    Loading parses the protobuf (milliseconds); a model cut short anywhere does not parse (tests/test_plan_checks.py
+    cuts one at many places)."""
+    path = folder / "tokenizer.model"
+    if not path.is_file():
+        return []
+    try:
+        import sentencepiece
+    except ImportError as e:
+        return [f"tokenizer.model cannot be read without sentencepiece ({e}); fix: pip install sentencepiece "
+                "protobuf (both in loraship[train])"]
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except Exception as e:  # noqa: BLE001 - sentencepiece raises RuntimeError or OSError, with C++ text
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+        return [f"tokenizer.model ({path.stat().st_size} bytes) does not load in sentencepiece ({reason}); it is "
+                f"truncated or not a sentencepiece model; fix: {REPLACE}"]
+    return []
 
 
 # The names transformers gives the input embedding and the output layer in every architecture the planner

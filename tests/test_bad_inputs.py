@@ -323,6 +323,75 @@ def _hf_output_a_space(cfg, root):
     cfg["output"] = "hf://spaces/alice/demo"
 
 
+def _sharded(cfg, root) -> Path:
+    """The fake model's weights as the first of two shards, with the index transformers reads."""
+    folder = Path(cfg["base_model"])
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    index = {"metadata": {"total_size": 16}, "weight_map": {"w": "model-00001-of-00002.safetensors",
+                                                            "v": "model-00002-of-00002.safetensors"}}
+    return write(folder / "model.safetensors.index.json", json.dumps(index))
+
+
+def _shard_missing(cfg, root):
+    _sharded(cfg, root)  # the index names model-00002-of-00002.safetensors, which is not there
+
+
+def _shard_index_cut_short(cfg, root):
+    index = _sharded(cfg, root)
+    write(index, index.read_text()[:50])
+
+
+def sentencepiece_model() -> bytes:
+    """A small real sentencepiece model, trained in memory (a fraction of a second)."""
+    import sentencepiece as spm
+
+    text = ["the quick brown fox jumps over the lazy dog", "a tiny sentencepiece model for the checks"] * 40
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=model, vocab_size=60,
+                                   minloglevel=2, hard_vocab_limit=False)
+    return model.getvalue()
+
+
+def _sentencepiece_cut_short(cfg, root):
+    data = sentencepiece_model()
+    write(Path(cfg["base_model"]) / "tokenizer.model", data[:len(data) // 2])
+
+
+def tiny_model_copy(cfg, root, **config_changes) -> Path:
+    """The tiny Llama (a real sentencepiece tokenizer and template) copied beside the config, config.json changed."""
+    import shutil
+
+    from loraship.fixtures.tinymodel import ensure_tiny_model
+
+    folder = root / "tiny"
+    shutil.copytree(ensure_tiny_model(REPO / ".loraship" / "models" / "tiny-llama"), folder)
+    model_config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**model_config, **config_changes}))
+    cfg.update(base_model=str(folder), imatrix=False, sequence_len=256)  # its max_position_embeddings is 512
+    return folder
+
+
+def _tokenizer_beyond_vocab(cfg, root):
+    tiny_model_copy(cfg, root, vocab_size=300)  # its tokenizer has 512 tokens
+
+
+def _auto_fits_no_rung(cfg, root):
+    tiny_model_copy(cfg, root)
+    cfg.update(quantization="auto", target_gpu_memory_gib=0.5)  # llama.cpp's CUDA context alone takes 0.69 GiB
+
+
+def _sequence_beyond_positions(cfg, root):
+    model_file_key("config.json", max_position_embeddings=256)(cfg, root)
+    cfg["sequence_len"] = 1024
+
+
+def _golden_prompt_beyond_context(cfg, root):
+    tiny_model_copy(cfg, root)
+    rows = [{"prompt": "hello"}, {"prompt": " ".join(["zorvia kelmar"] * 200)}]
+    cfg["golden_prompts"] = str(write(root / "golden.jsonl", "".join(json.dumps(r) + "\n" for r in rows)))
+    cfg["target_context"] = 256
+
+
 CASES = [
     ("values out of range", _out_of_range, "lora_r: Input should be greater than or equal to 1"),
     ("model folder without config.json", _no_config_json, "no config.json"),
@@ -427,6 +496,20 @@ CASES = [
     ("tied embedding only as lm_head, with adapter_gguf", _embedding_only_as_lm_head(tied=True, adapter_gguf=True),
      "llama.cpp's converter would write a GGUF without token_embd.weight that llama.cpp cannot load. Set "
      "adapter_gguf: false"),
+    # issue 34: faults that were found at train, after it, or as tracebacks
+    ("sharded checkpoint whose index names a missing shard", _shard_missing,
+     "model.safetensors.index.json names model-00002-of-00002.safetensors, which is not in"),
+    ("sharded checkpoint whose index is cut short", _shard_index_cut_short,
+     "model.safetensors.index.json is not valid JSON (Unterminated string"),
+    ("sentencepiece tokenizer.model cut short", _sentencepiece_cut_short, "tokenizer.model ("),
+    ("tokenizer larger than the model's vocab_size", _tokenizer_beyond_vocab,
+     "has a tokenizer of 512 tokens (added tokens included), more than config.json's vocab_size 300"),
+    ("quantization auto where no rung fits the target GPU", _auto_fits_no_rung,
+     "target_gpu_memory_gib 0.5: quantization auto fits no rung of its ladder"),
+    ("sequence_len beyond max_position_embeddings", _sequence_beyond_positions,
+     "sequence_len 1024: beyond the base model's context, max_position_embeddings 256"),
+    ("golden prompt longer than the serving context", _golden_prompt_beyond_context,
+     "prompt 2 ("),
 ]
 
 
@@ -478,6 +561,35 @@ def test_bad_input_is_reported_clearly(tmp_path, name, breaker, expected):
     assert expected in " ".join(output.split()), output
     assert "Traceback" not in output, output
     assert not (tmp_path / "work" / "bad" / "train").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("name,breaker,expected", [c for c in CASES if not hasattr(c[1], "env")],
+                         ids=[c[0] for c in CASES if not hasattr(c[1], "env")])
+def test_bad_input_stops_loraship_plan_too(tmp_path, name, breaker, expected):
+    """`loraship plan` runs the checks `loraship run` runs before training (in this process: the table above runs
+    each as a command already; the Hub cases, which set the environment, stay there)."""
+    from typer.testing import CliRunner
+
+    from loraship.cli import app
+
+    cfg = {
+        "run_name": "bad",
+        "base_model": str(fake_model(tmp_path)),
+        "datasets": [{"path": str(good_dataset(tmp_path)), "type": "chat"}],
+        "workdir": str(tmp_path / "work"),
+        "output": str(tmp_path / "artifacts"),
+    }
+    text = breaker(cfg, tmp_path)
+    config_file = write(tmp_path / "config.yaml", text if text is not None else yaml.safe_dump(cfg))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # as the table's commands run: a relative dataset path is named as written
+    try:
+        result = CliRunner().invoke(app, ["plan", str(config_file)])
+    finally:
+        os.chdir(cwd)
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 2, (result.output, result.exception)
+    assert expected in " ".join(result.output.split()), result.output
+    assert "Peak training memory" not in result.output  # stopped before predicting anything
 
 
 def tiny_gguf(path: Path) -> Path:

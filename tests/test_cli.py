@@ -399,8 +399,9 @@ def _plan_memory_rows(monkeypatch, *sets: str) -> tuple[str, list[tuple[str, str
     import loraship.cli
 
     monkeypatch.setattr(loraship.cli, "out", Console(width=220, soft_wrap=True))  # one line per table row
+    # --memory-only: examples/models/qwen2-14b holds config.json alone, and the config's data is not in the repository.
     result = invoke("plan", REPO / "configs/qwen2-14b-lora.yaml", "--set", "base_model=examples/models/qwen2-14b",
-                    *[a for s in sets for a in ("--set", s)])
+                    *[a for s in sets for a in ("--set", s)], "--memory-only")
     assert result.exit_code == 0, result.output
     table = result.output.split("Peak training memory (GiB)")[1].split("Alternatives")[0]
     rows = []
@@ -456,7 +457,11 @@ def test_status_is_done_only_where_the_stage_would_skip_itself(config_file):
 
 
 # -- where the artifact lands ------------------------------------------------------------------------
-def test_plan_and_init_say_where_the_artifact_lands(config_file, tiny_model, tmp_path):
+def test_plan_and_init_say_where_the_artifact_lands(config_file, tiny_model, tmp_path, monkeypatch):
+    from loraship.publishing import hub
+
+    # The plan checks a Hub output with the Hub itself (tests/test_bad_inputs.py's hf:// cases); none here.
+    monkeypatch.setattr(hub, "output_problems", lambda url: [])
     mine = tmp_path / "artifacts" / "my-run"
     shown = invoke("plan", config_file, "--set", f"output={mine}")
     assert shown.exit_code == 0, shown.output
@@ -486,7 +491,40 @@ def test_plan_and_init_name_a_config_json_of_the_wrong_shape(command, base_witho
     else:
         cfg = tmp_path / "c.yaml"
         cfg.write_text(yaml.safe_dump({"base_model": str(base_without_template),
-                                       "datasets": [{"path": str(data_file), "type": "chat"}]}))
+                                       "datasets": [{"path": str(data_file), "type": "chat"}],
+                                       "workdir": str(tmp_path / "work"), "output": str(tmp_path / "artifacts")}))
         result = invoke("plan", cfg)
     assert result.exit_code == 2, result.output
     assert "config.json" in result.output and "Traceback" not in result.output
+
+
+def test_plan_checks_every_input_before_predicting(config_file, tmp_path):
+    """The README's promise: a bad row stops `loraship plan` (not only `loraship run`), with every other problem of
+    the inputs in the same message, and nothing predicted."""
+    good = (REPO / "data/demo/train.jsonl").read_text().splitlines()[0]
+    data = tmp_path / "bad-row.jsonl"
+    data.write_text(f"{good}\n{good}\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = invoke("plan", config_file, "--set", f"datasets.0.path={data}", "--set", f"output={blocker}/artifacts")
+    assert result.exit_code == 2, result.output
+    output = " ".join(result.output.split())
+    assert "2 problem(s)" in output and f"dataset {data} (chat): 1 bad line(s): line 3: no assistant message" in output
+    assert f"output '{blocker}/artifacts': cannot write there" in output
+    assert "Peak training memory" not in output and "Traceback" not in output
+    assert invoke("plan", config_file).exit_code == 0  # the same config with its own data and output plans
+
+
+def test_plan_memory_only_reads_config_json_alone(config_file, tmp_path):
+    """--memory-only predicts from config.json alone, as before the checks: a folder holding only config.json and
+    data that is not there yet (examples/models/) still plan."""
+    folder = tmp_path / "shape-only"
+    folder.mkdir()
+    shutil.copy(REPO / "examples/models/qwen2-7b/config.json", folder / "config.json")
+    sets = ["--set", f"base_model={folder}", "--set", f"datasets.0.path={tmp_path / 'not-yet.jsonl'}"]
+    checked = invoke("plan", config_file, *sets)
+    assert checked.exit_code == 2 and "no tokenizer" in checked.output and "not-yet.jsonl" in checked.output
+    assert "--memory-only` predicts memory from config.json alone" in " ".join(checked.output.split())
+    predicted = invoke("plan", config_file, *sets, "--memory-only", "--json")
+    assert predicted.exit_code == 0, predicted.output
+    assert json.loads(predicted.output)["memory"]["predicted_total_gib"] > 0

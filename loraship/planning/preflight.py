@@ -117,16 +117,44 @@ def outside_link_problems(folder: Path) -> list[str]:
             "link with a copy of the file it should hold (cp -L), or point base_model at the folder holding the real files"]
 
 
+# What check_inputs imports (the plan image's stage_table.TOKENIZER): the core install, which `loraship plan
+# --memory-only` needs alone, has none of them.
+CHECK_PACKAGES = ("transformers", "sentencepiece", "google.protobuf", "safetensors")
+
+
+def missing_check_packages() -> list[str]:
+    import importlib.util
+
+    names = {"google.protobuf": "protobuf"}
+    missing = []
+    for module in CHECK_PACKAGES:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # the parent package (google) is absent
+            found = False
+        if not found:
+            missing.append(names.get(module, module))
+    return missing
+
+
 def check_inputs(config: Config) -> Path:
     """Every problem with the run's inputs, raised at once; returns the base model's folder.
 
-    Runs before any training: base model folder (links leaving it, config, tokenizer, safetensors
-    headers, remote code),
-    GGUF convertibility with the pinned llama.cpp, every dataset line, workdir and output.
+    Runs before any training, in the plan stage, `loraship run` and `loraship plan`: base model folder (links
+    leaving it, config, tokenizer, sentencepiece model, shard index, safetensors headers, remote code), GGUF
+    convertibility with the pinned llama.cpp, every dataset line, sequence_len against the model's context, the
+    template on real rows, the tokenizer against vocab_size, golden prompts against target_context, whether the
+    shipped GGUF can fit the target GPU, workdir and output.
     """
     from loraship.llamacpp.llamacpp import check_convertible
     from loraship.models import base_model_problems, resolve_base_model
 
+    missing = missing_check_packages()
+    if missing:
+        raise ConfigError(f"run {config.run_name!r}", [
+            f"the input checks read the tokenizer and weights' headers with {', '.join(missing)}, which this "
+            f"environment lacks; fix: install them (pip install {' '.join(missing)}, or loraship[train]), or predict "
+            "memory alone with `loraship plan CONFIG --memory-only`"])
     model_dir = resolve_base_model(config, weights=False)
     problems = outside_link_problems(model_dir)
     problems += base_model_problems(config, model_dir, weights=config.base_model_is_local())
@@ -136,8 +164,8 @@ def check_inputs(config: Config) -> Path:
     problems += data_problems
     if not problems:
         # Only on readable inputs: render real rows with the template training will use.
-        problems += (template_problems(config, model_dir) + target_gpu_problems(config, model_dir)
-                     + lora_target_problems(config, model_dir))
+        problems += (context_problems(config, model_dir) + template_problems(config, model_dir)
+                     + target_gpu_problems(config, model_dir) + lora_target_problems(config, model_dir))
     problems += workdir_problems(config) + output_problems(config)
     if problems:
         raise ConfigError(f"run {config.run_name!r}", problems)
@@ -159,11 +187,12 @@ def check_free_disk(folder: Path, needed_bytes: float, what: str) -> None:
 
 
 def template_problems(config: Config, model_dir: Path) -> list[str]:
-    """Render and tokenize one row of every dataset, and the first golden prompt, exactly as train and
+    """Render and tokenize one row of every dataset, and every golden prompt, exactly as train and
     verify will (transformers' apply_chat_template with the config's or the checkpoint's template), so
-    a template that fails to render stops the run before any GPU hour is spent."""
-    from loraship.chat import render, use_configured_template
-    from loraship.data import golden_rows, tokenize_rows
+    a template that fails to render stops the run before any GPU hour is spent; then the tokenizer
+    against vocab_size and the golden prompts against target_context."""
+    from loraship.chat import use_configured_template
+    from loraship.data import tokenize_rows
 
     try:
         from transformers import AutoTokenizer
@@ -187,16 +216,103 @@ def template_problems(config: Config, model_dir: Path) -> list[str]:
     if not problems:
         problems += space_prefix_problems(config, tokenizer)
     if not problems:
-        try:
-            rows = golden_rows(config)[:1]
-            for row in rows:
-                if "messages" in row:
-                    render(tokenizer, row["messages"], add_generation_prompt=True)
-        except LorashipError as e:
-            problems.append(f"golden prompts: {e}")
+        problems += vocabulary_problems(model_dir, tokenizer)
+    if not problems:
+        problems += golden_context_problems(config, tokenizer)
     if not problems:
         problems += imatrix_problems(config, tokenizer)
     return problems
+
+
+def _model_text_config(model_dir: Path) -> dict:
+    """config.json's text model settings (text_config for a multimodal checkpoint); {} where it cannot be read:
+    base_model_problems names a config.json that is not a JSON object."""
+    import json
+
+    try:
+        data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    text = data.get("text_config")
+    return {**data, **text} if isinstance(text, dict) else data
+
+
+def vocabulary_problems(model_dir: Path, tokenizer) -> list[str]:
+    """Every token id the tokenizer can produce needs a row of the embedding: a tokenizer larger than config.json's
+    vocab_size (a mismatched or extended tokenizer) fails at train as a bare IndexError. A vocab_size larger than
+    the tokenizer is normal: many checkpoints pad the embedding to a multiple of 64 or 128."""
+    vocab_size = _model_text_config(model_dir).get("vocab_size")
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        return []  # absent or of the wrong type: base_model_problems and the planner say so
+    tokens = len(tokenizer)
+    if tokens <= vocab_size:
+        return []
+    return [f"tokenizer: {model_dir} has a tokenizer of {tokens} tokens (added tokens included), more than "
+            f"config.json's vocab_size {vocab_size}, so token ids {vocab_size}..{tokens - 1} have no row in the "
+            "embedding and training would fail on the first of them; fix: use the tokenizer files that came with this "
+            "checkpoint, or resize the embedding to the tokenizer (model.resize_token_embeddings(len(tokenizer)), "
+            "then save_pretrained) and point base_model at that folder"]
+
+
+def golden_context_problems(config: Config, tokenizer) -> list[str]:
+    """Every golden prompt, rendered as the reference stage renders it (the chat template with the generation
+    prompt, or plain text with BOS), plus the max_new_tokens answered, must fit target_context: the context verify
+    serves the GGUF with on the target GPU. A longer one ran llama.cpp past n_ctx at verify."""
+    from loraship.chat import render
+    from loraship.data import golden_rows
+
+    try:
+        rows = golden_rows(config)
+    except LorashipError as e:
+        return [f"golden prompts: {e}"]
+    source = (f"golden_prompts {config.golden_prompts}" if config.golden_prompts
+              else "the golden prompts taken from the eval and training rows (golden_prompts is not set)")
+    too_long = []
+    for i, row in enumerate(rows, start=1):
+        try:
+            # verbose=False: no "longer than the specified maximum sequence length" warning beside the message.
+            if "messages" in row:
+                ids = tokenizer(render(tokenizer, row["messages"], add_generation_prompt=True),
+                                add_special_tokens=False, verbose=False)["input_ids"]
+            else:
+                ids = tokenizer(row["text"], add_special_tokens=True, verbose=False)["input_ids"]
+        except LorashipError as e:
+            return [f"golden prompts: {source}, prompt {i}: {e}"]
+        needed = len(ids) + config.max_new_tokens + 1
+        if needed > config.target_context:
+            too_long.append((i, len(ids), needed))
+    if not too_long:
+        return []
+    shown = ", ".join(f"prompt {i} ({n} tokens)" for i, n, _ in too_long[:3])
+    more = f" and {len(too_long) - 3} more" if len(too_long) > 3 else ""
+    longest = max(needed for _, _, needed in too_long)
+    fix = ("shorten those prompts" if config.golden_prompts
+           else "set golden_prompts to a file of shorter prompts")
+    return [f"golden prompts: in {source}, {shown}{more} rendered with the chat template, plus max_new_tokens "
+            f"{config.max_new_tokens} and one, exceed target_context {config.target_context}, the context verify "
+            f"serves the model with; fix: {fix}, or raise target_context to at least {longest}"]
+
+
+def context_problems(config: Config, model_dir: Path) -> list[str]:
+    """sequence_len against config.json's max_position_embeddings: positions past it were never trained (and some
+    architectures cannot embed them). A numeric rope_scaling factor extends it, as transformers applies it."""
+    settings = _model_text_config(model_dir)
+    limit = settings.get("max_position_embeddings")
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return []  # absent (the architecture's default) or of the wrong type: base_model_problems says so
+    scaling = settings.get("rope_scaling")
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+        original = scaling.get("original_max_position_embeddings")
+        base = original if isinstance(original, int) and not isinstance(original, bool) else limit
+        limit = max(limit, int(base * factor))
+    if config.sequence_len <= limit:
+        return []
+    return [f"sequence_len {config.sequence_len}: beyond the base model's context, max_position_embeddings {limit} "
+            f"in {model_dir / 'config.json'}; fix: lower sequence_len to at most {limit}, or choose a base model "
+            "with a longer context"]
 
 
 def imatrix_text_problem(config: Config, tokens: int) -> str | None:
@@ -232,21 +348,60 @@ def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
 
     try:
         model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        each = plan_disk_and_inference(model_config, config)["inference"]["by_quantization"]
+        inference = plan_disk_and_inference(model_config, config)["inference"]
     except (ValueError, KeyError, TypeError):
         return []  # the plan stage reports a config.json it cannot read, with its own message
+    each = inference["by_quantization"]
     if config.auto_quantization:  # auto ships one rung: only a ladder that cannot fit at all is refused
-        smallest = config.quantizations[0]
-        if each[smallest]["gguf_gib"] <= config.target_gpu_memory_gib:
-            return []
-        return [f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: even quantization auto's smallest rung, "
-                f"{smallest}, takes about {each[smallest]['gguf_gib']:.2f} GiB of weights; raise target_gpu_memory_gib "
-                "or choose a smaller base model"]
+        return auto_ladder_problems(config, model_config, inference)
     # Every quantization in the list is verified on the target GPU, so each one's weights must fit.
     return [f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: the {q} GGUF's weights alone take about "
             f"{figures['gguf_gib']:.2f} GiB; raise target_gpu_memory_gib, choose a smaller quantization, or a "
             "smaller base model" for q, figures in each.items() if figures["gguf_gib"] > config.target_gpu_memory_gib]
 
+
+def auto_ladder_problems(config: Config, model_config: dict, inference: dict) -> list[str]:
+    """quantization auto ships the smallest rung that passes verify and fits target_gpu_memory_gib at
+    target_context; verify fails every rung that does not fit, so a ladder whose smallest rung does not fit
+    (plan.json's fits_target false on all of them) would train, quantize seven times and fail. Refused here, with
+    the target that fits and the context at which the smallest rung does."""
+    import math
+
+    from loraship.planning.memory import plan_disk_and_inference
+
+    each = inference["by_quantization"]
+    if any(figures["fits_target"] for figures in each.values()):
+        return []
+    smallest = min(each, key=lambda q: each[q]["total_gib"])
+    need = each[smallest]["total_gib"]
+    runtime = need - each[smallest]["gguf_gib"]
+
+    def at(context: int) -> dict:
+        shorter = config.model_copy(update={"target_context": context})
+        return plan_disk_and_inference(model_config, shorter)["inference"]["by_quantization"][smallest]
+
+    def fits_at(context: int) -> bool:
+        return at(context)["fits_target"]
+
+    # The largest context (a multiple of 256, at least the config's floor of 128) at which the smallest rung fits.
+    contexts = [c for c in range(256, config.target_context, 256)] or [128]
+    lo, hi, best = 0, len(contexts) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits_at(contexts[mid]):
+            best, lo = contexts[mid], mid + 1
+        else:
+            hi = mid - 1
+    if best is None and contexts[0] != 128 and fits_at(128):
+        best = 128
+    shorter = (f", lower target_context to at most {best} (the smallest rung fits there)" if best
+               else f" (no shorter target_context helps: at 128 it still needs {at(128)['total_gib']:.2f} GiB)")
+    raise_to = math.ceil(need * 2) / 2  # to the next half GiB
+    return [f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: quantization auto fits no rung of its ladder "
+            f"({', '.join(each)}) at target_context {config.target_context}; the smallest, {smallest}, needs about "
+            f"{need:.2f} GiB ({each[smallest]['gguf_gib']:.2f} GiB of weights, {runtime:.2f} GiB of KV cache, compute "
+            f"buffer and CUDA context), and verify would fail every rung after training; fix: raise "
+            f"target_gpu_memory_gib to {raise_to:g}{shorter}, or choose a smaller base model"]
 
 
 def lora_target_problems(config: Config, model_dir: Path) -> list[str]:
