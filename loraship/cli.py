@@ -171,12 +171,44 @@ def run(
     only: str = typer.Option(None, "--only", metavar="STAGE", help=f"Run this stage alone: {', '.join(STAGES)}"),
     start: str = typer.Option(None, "--from", metavar="STAGE", help="Run this stage and every stage after it"),
 ) -> None:
-    """Run train-and-ship (in-process Prefect, no server needed). Finished stages are skipped."""
-    from loraship.runtime.prefect_env import configure_local_prefect
+    """Run train-and-ship (in-process Prefect, no server needed). Finished stages are skipped. Ctrl-C or SIGTERM
+    stops it in one line (exit 130 or 143), keeping finished stages and checkpoints: run it again to resume."""
+    from loraship.runtime import interrupt
+    from loraship.runtime.prefect_env import configure_local_prefect, kill_local_prefect
 
     configure_local_prefect()
+    named = {"run": str(config_path)}
+
+    def say(signum: int) -> str:
+        return (f"interrupted ({interrupt.signal_name(signum)}): run {named['run']} stopped; finished stages and "
+                "checkpoints are kept; run the same command again to resume")
+
+    with interrupt.interruptible(say, teardown=kill_local_prefect) as guard:
+        try:
+            _run(config_path, set_, only, start, named, guard)
+        except BaseException as e:
+            if not interrupt.is_interrupt(e):
+                raise
+            code = interrupt.exit_code_of(e)
+            guard.stopping(code - 128)
+            _stop_prefect_quietly()
+            guard.finish(code - 128)
+            raise typer.Exit(code) from None
+
+
+def _stop_prefect_quietly() -> None:
+    """The temporary server down and its logs sent, after an interrupt; a failure here changes nothing for the
+    user (the watchdog in loraship/runtime/interrupt.py bounds the time)."""
+    from loraship.runtime.prefect_env import stop_local_prefect
+
+    with contextlib.suppress(Exception):
+        stop_local_prefect(timeout_s=3)
+
+
+def _run(config_path: Path, set_: list[str], only: str | None, start: str | None, named: dict, guard) -> None:
     with _user_errors():
         config = _load(config_path, set_)
+        named["run"] = repr(config.run_name)
         stages = select_stages(config, config_path, only, start)
         if _nothing_to_run(config, stages):
             return
@@ -189,7 +221,10 @@ def run(
             with secret_env(config.env_from_secrets):
                 check_inputs(config)
     from loraship.flows.train_and_ship import train_and_ship  # Prefect: imported only to run
+    from loraship.runtime.prefect_env import start_local_prefect
 
+    guard.cover_console()  # Prefect's console handler, added on its import
+    start_local_prefect()
     state = train_and_ship(config, stages=None if stages == list(STAGES) else stages, return_state=True)
     if not state.is_completed():
         err.print(f"error: run {config.run_name!r} failed: {state.message}", markup=False, highlight=False)

@@ -48,6 +48,52 @@ def stop_local_prefect(timeout_s: float = 30) -> None:
         prefect_logger.setLevel(level)
 
 
+def start_local_prefect() -> None:
+    """Start the temporary API server now, where no server is configured, in its own session and killed with this
+    process. Prefect starts it in this process's group: a terminal's Ctrl-C reached it too, it stopped at once, and
+    the interrupted run could not report its end (httpx ConnectError tracebacks, over 120 s of retries); a kill -9
+    of this process alone left it running. Nothing where PREFECT_API_URL (or the profile) names a server."""
+    import subprocess
+
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
+
+    from loraship.runtime.proc import child_setup
+
+    if get_current_settings().api.url:
+        return
+    existing = SubprocessASGIServer._instances.get(None)
+    if existing is not None and existing.running:
+        return
+
+    class OwnSessionServer(SubprocessASGIServer):
+        # get_client() asks SubprocessASGIServer() for the server under the default (None) key: this one.
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            popen = subprocess.Popen
+
+            def own_session(*args, **kwargs):
+                return popen(*args, **{**kwargs, "start_new_session": True, "preexec_fn": child_setup})
+
+            subprocess.Popen = own_session  # Prefect's own command line and environment, one call only
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                subprocess.Popen = popen
+
+    OwnSessionServer().start()
+
+
+def kill_local_prefect() -> None:
+    """Kill the temporary API server at once (a forced exit: nothing is drained); nothing if none runs."""
+    import sys
+
+    module = sys.modules.get("prefect.server.api.server")
+    server = module.SubprocessASGIServer._instances.get(None) if module else None
+    process = getattr(server, "server_process", None)
+    if process is not None:
+        process.kill()
+
+
 def _load_secret(block: str) -> str:
     from prefect.blocks.system import Secret
 
