@@ -264,7 +264,9 @@ def test_init_infers_the_row_type_and_the_chat_template(kind, tiny_model, base_w
 NATIVE = {"llama3-base": ("llama3", "<|eot_id|>"), "llama3-instruct": ("llama3", "<|eot_id|>"),
           "qwen2-base": ("chatml", "<|im_end|>"), "smollm2": ("chatml", "<|im_end|>"),
           "gemma2": ("gemma", "<end_of_turn>"), "phi3": ("phi3", "<|end|>"),
-          "mistral-v03": ("mistral", "</s>"), "mistral-nemo": ("mistral", "</s>")}
+          "mistral-v03": ("mistral", "</s>"), "mistral-nemo": ("mistral", "</s>"),
+          # Gemma 3's tokenizer is the real gemma-3-270m's (the base once given alpaca), Qwen3's and Llama 3.1's real
+          "gemma3": ("gemma", "<end_of_turn>"), "qwen3": ("chatml", "<|im_end|>"), "llama31": ("llama3", "<|eot_id|>")}
 
 
 def _tokenizer_without_template(name: str, folder: Path) -> Path:
