@@ -93,7 +93,7 @@ def test_train_manifest_reports_steady_tokens_per_s_and_mfu_on_the_cpu(tiny_mode
     assert metrics["mfu"] is None and "no bf16 peak" in metrics["mfu_basis"]  # a CPU: no peak to divide by
 
 
-@pytest.mark.parametrize("name", ["qwen2-7b", "qwen2-14b", "llama-3-8b", "mistral-7b"])
+@pytest.mark.parametrize("name", ["qwen2-7b", "qwen2-14b", "llama-3-8b", "mistral-7b", "qwen3-8b", "gemma-3-12b"])
 def test_every_shipped_shape_has_a_flop_count(name, tmp_path):
     import json
     from pathlib import Path
