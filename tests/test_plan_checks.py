@@ -92,9 +92,30 @@ def test_a_tokenizer_larger_than_vocab_size_is_named_a_smaller_one_passes(tiny_c
     assert vocabulary_problems(tiny_copy, tokenizer) == []
     _set(tiny_copy, vocab_size=size - 12)
     [problem] = vocabulary_problems(tiny_copy, tokenizer)
-    assert f"a tokenizer of {size} tokens (added tokens included), more than config.json's vocab_size {size - 12}, " \
-           f"so token ids {size - 12}..{size - 1} have no row in the embedding" in problem
-    assert "fix: use the tokenizer files that came with this checkpoint" in problem
+    pieces = tokenizer.convert_ids_to_tokens(list(range(size - 12, size - 9)))
+    shown = ", ".join(f"{t!r} ({i})" for i, t in zip(range(size - 12, size - 9), pieces))
+    assert problem == (f"tokenizer: {tiny_copy} has a tokenizer of {size} tokens (added tokens included), more than "
+                       f"config.json's vocab_size {size - 12}; text or the chat template can produce {shown} and 9 "
+                       "more, ids with no row in the embedding, and training would fail on the first of them; fix: "
+                       "use the tokenizer files that came with this checkpoint, or resize the embedding to the "
+                       "tokenizer (model.resize_token_embeddings(len(tokenizer)), then save_pretrained) and point "
+                       "base_model at that folder")
+
+
+def test_a_special_token_past_vocab_size_that_nothing_emits_passes(tiny_copy):
+    """As Gemma 3 270M/1B ship: 262,144 embedding rows, 262,145 tokens, the last <image_soft_token>."""
+    from transformers import AutoTokenizer
+
+    from loraship.planning.preflight import vocabulary_problems
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_copy)
+    size = len(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
+    _set(tiny_copy, vocab_size=size)
+    assert vocabulary_problems(tiny_copy, tokenizer) == []
+    tokenizer.chat_template = "{% for m in messages %}<image_soft_token>{{ m['content'] }}{% endfor %}"
+    [problem] = vocabulary_problems(tiny_copy, tokenizer)  # a template that writes it
+    assert f"can produce '<image_soft_token>' ({size})," in problem
 
 
 def test_sequence_len_past_the_models_positions_is_named(tiny_copy, tmp_path):
@@ -109,6 +130,8 @@ def test_sequence_len_past_the_models_positions_is_named(tiny_copy, tmp_path):
                        "with a longer context")
     _set(tiny_copy, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512})
     assert context_problems(longer, tiny_copy) == []  # YaRN stretches 512 positions to 2048
+    _set(tiny_copy, rope_scaling=None, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+    assert context_problems(longer, tiny_copy) == []  # as transformers 5 saves it
 
 
 def test_golden_prompts_longer_than_target_context_are_named(tiny_model, tmp_path):

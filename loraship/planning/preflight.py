@@ -240,20 +240,36 @@ def _model_text_config(model_dir: Path) -> dict:
 
 
 def vocabulary_problems(model_dir: Path, tokenizer) -> list[str]:
-    """Every token id the tokenizer can produce needs a row of the embedding: a tokenizer larger than config.json's
-    vocab_size (a mismatched or extended tokenizer) fails at train as a bare IndexError. A vocab_size larger than
-    the tokenizer is normal: many checkpoints pad the embedding to a multiple of 64 or 128."""
+    """Every token id that text or the chat template can produce needs a row of the embedding: a tokenizer larger
+    than config.json's vocab_size (a mismatched or extended tokenizer) failed at train as a bare IndexError.
+
+    A vocab_size larger than the tokenizer is normal (embeddings padded past it). So is a special token past it that
+    nothing emits: Gemma 3 270M/1B pair 262,144 rows with 262,145 tokens, the last <image_soft_token>, which only
+    image inputs produce (loraship/fixtures/families.py). Such a token counts only where it is BOS, EOS, PAD or UNK,
+    or the template writes it."""
+    from loraship.chat import template_of
+
     vocab_size = _model_text_config(model_dir).get("vocab_size")
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
         return []  # absent or of the wrong type: base_model_problems and the planner say so
     tokens = len(tokenizer)
     if tokens <= vocab_size:
         return []
+    added = tokenizer.added_tokens_decoder
+    named = {tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token}
+    template = template_of(tokenizer) or ""
+    beyond = range(vocab_size, tokens)
+    reachable = [(i, t) for i, t in zip(beyond, tokenizer.convert_ids_to_tokens(list(beyond)))
+                 if not (i in added and added[i].special) or t in named or (t and t in template)]
+    if not reachable:
+        return []
+    shown = ", ".join(f"{t!r} ({i})" for i, t in reachable[:3]) + (
+        f" and {len(reachable) - 3} more" if len(reachable) > 3 else "")
     return [f"tokenizer: {model_dir} has a tokenizer of {tokens} tokens (added tokens included), more than "
-            f"config.json's vocab_size {vocab_size}, so token ids {vocab_size}..{tokens - 1} have no row in the "
-            "embedding and training would fail on the first of them; fix: use the tokenizer files that came with this "
-            "checkpoint, or resize the embedding to the tokenizer (model.resize_token_embeddings(len(tokenizer)), "
-            "then save_pretrained) and point base_model at that folder"]
+            f"config.json's vocab_size {vocab_size}; text or the chat template can produce {shown}, ids with no row "
+            "in the embedding, and training would fail on the first of them; fix: use the tokenizer files that came "
+            "with this checkpoint, or resize the embedding to the tokenizer (model.resize_token_embeddings("
+            "len(tokenizer)), then save_pretrained) and point base_model at that folder"]
 
 
 def golden_context_problems(config: Config, tokenizer) -> list[str]:
@@ -297,13 +313,15 @@ def golden_context_problems(config: Config, tokenizer) -> list[str]:
 
 def context_problems(config: Config, model_dir: Path) -> list[str]:
     """sequence_len against config.json's max_position_embeddings: positions past it were never trained (and some
-    architectures cannot embed them). A numeric rope_scaling factor extends it, as transformers applies it."""
+    architectures cannot embed them). A RoPE scaling factor (YaRN, linear, dynamic) extends it."""
     settings = _model_text_config(model_dir)
     limit = settings.get("max_position_embeddings")
     if not isinstance(limit, int) or isinstance(limit, bool):
         return []  # absent (the architecture's default) or of the wrong type: base_model_problems says so
-    scaling = settings.get("rope_scaling")
-    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    # transformers 5 saves rope_parameters where 4.x saved rope_scaling; both carry the factor.
+    scaling = next((v for v in (settings.get("rope_scaling"), settings.get("rope_parameters")) if isinstance(v, dict)),
+                   None)
+    factor = scaling.get("factor") if scaling else None
     if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
         original = scaling.get("original_max_position_embeddings")
         base = original if isinstance(original, int) and not isinstance(original, bool) else limit
