@@ -214,7 +214,9 @@ def make_model(mc: dict, tokenizer_dir: Path, out: Path, device: str) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    fields = {k: v for k, v in mc.items() if k not in ("architectures", "model_type", "torch_dtype", "transformers_version")}
+    # The tokenizer's special ids replace the config's own (Qwen3-8B's config.json names its bos and eos).
+    fields = {k: v for k, v in mc.items() if k not in ("architectures", "model_type", "torch_dtype", "transformers_version",
+                                                         "bos_token_id", "eos_token_id", "dtype")}
     config = AutoConfig.for_model(mc["model_type"], bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **fields)
     config.architectures = list(mc["architectures"])
     cls = getattr(transformers, mc["architectures"][0])
@@ -661,6 +663,8 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
         os.environ["LORASHIP_RECOMPUTE_SKIP"] = "0"
     if trainer == "loraship-contiguous":  # the default with its streamed layers first: what the spread is worth
         os.environ["LORASHIP_OFFLOAD_SPREAD"] = "0"
+    if trainer == "loraship-flex":  # the default under transformers' flex attention (sliding windows as block masks)
+        os.environ["LORASHIP_ATTENTION"] = "flex_attention"
     if device == "cuda" and trainer.startswith("loraship"):
         # What the train stage sets itself, set here because the cap below starts CUDA first.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -135,6 +135,9 @@ def attention_kwargs(model_dir: Path) -> dict:
         return {}
     if model_config.get("attn_logit_softcapping") is not None:
         return {"attn_implementation": "eager"}
+    # A bench knob (bench/train_bench.py loraship-flex): another of transformers' attention implementations.
+    if os.environ.get("LORASHIP_ATTENTION"):
+        return {"attn_implementation": os.environ["LORASHIP_ATTENTION"]}
     return {}
 
 
