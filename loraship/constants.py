@@ -21,6 +21,7 @@ MEMORY_PLOT_FILE = "memory_plan.png"
 # verify's picture of the quantizations it verified (quantization auto or several listed): size against KL.
 LADDER_PLOT_FILE = "quant_ladder.png"
 MERGED_DIR = "merged"
+GENERATION_CONFIG_FILE = "generation_config.json"  # transformers' decoding settings (merged model, artifact)
 PROBE_FILE = "probe.json"
 F16_GGUF = "model-F16.gguf"
 # quantize's importance matrix (llama-imatrix's GGUF format) and the training texts it was computed from.

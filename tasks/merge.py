@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from loraship.chat import resolve_template
-from loraship.constants import ADAPTER_DIR, MERGED_DIR, PROBE_FILE
+from loraship.constants import ADAPTER_DIR, GENERATION_CONFIG_FILE, MERGED_DIR, PROBE_FILE
 from loraship.data import load_splits
 from loraship.errors import IntegrityError, LorashipError
 from loraship.runtime.manifest import atomic_path, atomic_write_json
@@ -29,6 +29,7 @@ from loraship.models import (
 from loraship.planning.preflight import check_free_disk
 from loraship.runtime.progress import Progress, artifact_key
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
+from loraship.sampling import GREEDY
 
 STAGE = "merge"
 UPSTREAM = ("train",)  # the base model's identity reaches merge through train's strategy.json
@@ -193,6 +194,23 @@ def stop_at_turn_end(out_dir: Path) -> dict | None:
     return {**end, "stop_tokens_dropped": dropped}
 
 
+def greedy_generation_config(out_dir: Path) -> dict:
+    """generation_config.json decodes greedily with nothing else applied (do_sample false, repetition_penalty
+    1.0), as verify checks and the artifact ships (loraship/sampling.py): the base's own suggestions
+    (Qwen2.5-Instruct's temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05) would otherwise reach
+    the reference's model.generate and, through convert_hf_to_gguf.py, the GGUF's general.sampling.* keys
+    that llama-server takes as its defaults. Returns the settings dropped or changed, with the base's values."""
+    gen_file = out_dir / GENERATION_CONFIG_FILE
+    gen = json.loads(gen_file.read_text(encoding="utf-8")) if gen_file.exists() else {}
+    if not gen:
+        model_config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
+        gen = {k: model_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if model_config.get(k) is not None}
+    shipped, changed = GREEDY.generation_config(gen)
+    gen_file.write_text(json.dumps(shipped, indent=2), encoding="utf-8")
+    return changed
+
+
 def ensure_added_tokens_decoder(config_file: Path, tokenizer) -> None:
     """Record added tokens where convert_hf_to_gguf.py looks for them.
 
@@ -317,6 +335,7 @@ def run(config) -> dict:
         copy_tokenizer(base_dir, tmp, config.trust_remote_code)
         write_chat_template(tmp, config.chat_template)
         turn_end = stop_at_turn_end(tmp)
+        generation_changed = greedy_generation_config(tmp)
     tokenizer = AutoTokenizer.from_pretrained(ctx.dir / MERGED_DIR)
     _train, evaluation = load_splits(config, tokenizer)
     examples = (evaluation.examples or _train.examples)[:4]
@@ -334,7 +353,7 @@ def run(config) -> dict:
             f"merge check failed: merged vs base+adapter max |diff| {checks['max_abs_diff_merged_vs_adapter']:.3g}, "
             f"adapter effect {checks['max_abs_diff_adapter_vs_base']:.3g} (see {ctx.dir / PROBE_FILE})"
         )
-    return ctx.finish({**info, **checks, "turn_end": turn_end})
+    return ctx.finish({**info, **checks, "turn_end": turn_end, "generation_config_changed": generation_changed})
 
 
 if __name__ == "__main__":

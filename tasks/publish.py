@@ -22,12 +22,14 @@ from loraship.publishing import hub
 
 from loraship.llamacpp import ollama
 from loraship.constants import (
-    ADAPTER_DIR, ADAPTER_GGUF, GGUF_METADATA_FILE, LADDER_PLOT_FILE, LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD,
-    MODELFILE, OLLAMA_FILE, PLAN_FILE, STAGES, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
+    ADAPTER_DIR, ADAPTER_GGUF, GENERATION_CONFIG_FILE, GGUF_METADATA_FILE, LADDER_PLOT_FILE, LOSS_PLOT_FILE,
+    MANIFEST_NAME, MEMORY_PLOT_FILE, MERGED_DIR, MODEL_CARD, MODELFILE, OLLAMA_FILE, PLAN_FILE, STAGES, VERIFY_FILE,
+    base_gguf_name, quantized_gguf_name,
 )
 from loraship.errors import OutputError
 from loraship.runtime.manifest import DigestCache, atomic_path, atomic_write_json, describe_files, sha256_file, sha256_json
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir, stage_dir
+from loraship.sampling import GREEDY, Sampling
 
 STAGE = "publish"
 UPSTREAM = ("plan", "train", "merge", "convert", "quantize", "verify")
@@ -38,23 +40,58 @@ def _gib(value) -> str:
     return f"{value:.2f} GiB" if isinstance(value, (int, float)) else "n/a"
 
 
+def shipped_sampling(verify: dict) -> Sampling:
+    """The sampling settings verify served the GGUF with (verify.json's "sampling"); a verify.json written
+    before it recorded them checked llama.cpp's argmax answers, which greedy is."""
+    return Sampling.from_record(verify["sampling"]) if "sampling" in verify else GREEDY
+
+
 def serve_commands(config, verify: dict) -> dict:
-    """The llama-server and Ollama commands for this artifact, at the context verify checked."""
+    """The llama-server and Ollama commands for this artifact, at the context verify checked and with the
+    sampling settings it served the GGUF with (llama-server's flags are every request's defaults)."""
     gguf = quantized_gguf_name(config.primary_quantization)
+    flags = shipped_sampling(verify).llama_server_flags()
     memory = verify.get("memory") or {}
     # All layers where verify found the whole model fits the target GPU at target_context (999 is
     # llama.cpp's idiom for "every layer"); otherwise as many as verify found fit.
     layers = 999 if memory.get("fits", True) else memory.get("gpu_layers_at_target_context", 0)
     name = config.run_name.lower()  # Ollama model names are lower case
     adapter = (f"llama-server -m {base_gguf_name(config.primary_quantization)} --lora {ADAPTER_GGUF} --jinja "
-               f"-c {config.target_context} -ngl {layers}") if config.adapter_gguf else None
+               f"-c {config.target_context} -ngl {layers} {flags}") if config.adapter_gguf else None
     return {
-        "llama_server": f"llama-server -m {gguf} --jinja -c {config.target_context} -ngl {layers}",
+        "llama_server": f"llama-server -m {gguf} --jinja -c {config.target_context} -ngl {layers} {flags}",
         "llama_server_adapter": adapter,
         "ollama_create": f"ollama create {name} -f {MODELFILE}",
         "ollama_run": f"ollama run {name}",
         "gpu_layers": layers,
     }
+
+
+def sampling_note(verify: dict) -> str:
+    """The card's paragraph on the sampling settings: what verify served the model with, where each runtime
+    gets them, and what the server's defaults answered instead (verify's served report)."""
+    sampling = shipped_sampling(verify)
+    defaults = (verify.get("served") or {}).get("server_defaults")
+    measured = ""
+    if defaults:
+        settings = defaults.get("settings") or {}
+        named = ", ".join(f"{k} {v:g}" for k, v in settings.items() if isinstance(v, (int, float)) and
+                          k in ("repeat_penalty", "top_k", "min_p"))
+        measured = (f" Verify asked every golden chat prompt once more as a plain OpenAI request at temperature 0, "
+                    f"the rest left to llama-cpp-python's server defaults ({named}): "
+                    f"{defaults['differ_from_gguf_greedy']} of {defaults['requests']} answers differed from the "
+                    "verified ones.")
+    if not sampling.greedy:
+        return f"Sampling settings verify served the model with: {sampling.record()}.{measured}"
+    return (
+        "The answers verify checked are greedy: temperature 0, no repeat, presence or frequency penalty, "
+        "top-k/top-p/min-p off. The llama-server flags above make those every request's defaults, and the Modelfile "
+        f"sets the same (`PARAMETER temperature {sampling.temperature:g}`, "
+        f"`PARAMETER repeat_penalty {sampling.repeat_penalty:g}`, ...). "
+        "Ollama and llama-cpp-python's server default to `repeat_penalty` 1.1, which changes answers that repeat "
+        "words of the question, and OpenAI clients never send it: served without these settings, send "
+        "`repeat_penalty: 1.0` in each request (`extra_body={\"repeat_penalty\": 1.0}` with the openai client)."
+        + measured)
 
 
 def card_data(config, metadata: dict, adapter: str):
@@ -222,6 +259,8 @@ same or a newer llama.cpp.
 `-ngl {commands['gpu_layers']}` puts {'every layer' if commands['gpu_layers'] == 999 else f"{commands['gpu_layers']} layers"} on it.
 Stop tokens: {stops}. {template_note}
 
+{sampling_note(verify)}
+
 ## Training
 - trained as: {train.get('trained_as', 'n/a')}
 - why: {train.get('strategy_reason') or 'n/a'}{retried}
@@ -261,7 +300,10 @@ token {agreement['same_top_rate']:.1%}. GPU memory at n_ctx {config.target_conte
 
 ## Files
 - `{gguf}`: the model for llama.cpp / Ollama / LM Studio
-{other_ggufs}- `{MODELFILE}`: `ollama create` reads it (FROM the GGUF beside it, context, stop tokens{', template' if facts.get('family') else ''})
+{other_ggufs}- `{MODELFILE}`: `ollama create` reads it (FROM the GGUF beside it, context, sampling settings, stop \
+tokens{', template' if facts.get('family') else ''})
+- `{GENERATION_CONFIG_FILE}`: the same greedy decoding for transformers (`do_sample` false, `repetition_penalty` \
+1.0), with the merged model's stop tokens
 - `adapter/`: the PEFT LoRA adapter (safetensors)
 - `manifests/<stage>.json`: inputs, outputs (sha256), library versions and figures of each stage
 {picture_files}- `plan.json`, `verify.json`, `manifest.json` (this folder's checksums)
@@ -294,11 +336,23 @@ def stage_artifact(config, ctx) -> Path:
     convert_dir = ctx.upstream_dir("convert")
     facts = json.loads((convert_dir / OLLAMA_FILE).read_text(encoding="utf-8"))
     metadata = json.loads((convert_dir / GGUF_METADATA_FILE).read_text(encoding="utf-8"))
+    sampling = shipped_sampling(verify)
     (root / MODELFILE).write_text(
-        ollama.modelfile(gguf, facts, facts.get("stop_tokens") or [], config.target_context), encoding="utf-8"
-    )
+        ollama.modelfile(gguf, facts, facts.get("stop_tokens") or [], config.target_context, sampling),
+        encoding="utf-8")
+    write_generation_config(ctx.upstream_dir("merge") / MERGED_DIR / GENERATION_CONFIG_FILE,
+                            root / GENERATION_CONFIG_FILE, sampling)
     (root / MODEL_CARD).write_text(model_card(config, ctx.upstream, verify, plan, facts, metadata), encoding="utf-8")
     return root
+
+
+def write_generation_config(merged: Path, out: Path, sampling: Sampling) -> dict:
+    """The merged model's generation_config.json (its stop tokens) with the shipped decoding: for
+    transformers users of the adapter, and so a merge made before merge wrote greedy settings ships them."""
+    gen = json.loads(merged.read_text(encoding="utf-8")) if merged.is_file() else {}
+    shipped, _changed = sampling.generation_config(gen)
+    out.write_text(json.dumps(shipped, indent=2) + "\n", encoding="utf-8")
+    return shipped
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -416,7 +470,7 @@ def send(root: Path, files: dict, destination: str, cache: DigestCache, run_name
 # Publish reads these upstream files; the merged weights and the F16 GGUF (tens of GB on a
 # 7B model) only through their manifests, so it does not hash them again.
 CONSUMES = {
-    "plan": (PLAN_FILE,), "train": (ADAPTER_DIR, *PICTURES), "merge": (),
+    "plan": (PLAN_FILE,), "train": (ADAPTER_DIR, *PICTURES), "merge": (f"{MERGED_DIR}/{GENERATION_CONFIG_FILE}",),
     "convert": (GGUF_METADATA_FILE, OLLAMA_FILE),
     "verify": (VERIFY_FILE, LADDER_PLOT_FILE),
 }
@@ -460,6 +514,8 @@ def run(config) -> dict:
         "quantization": config.primary_quantization,
         "gguf": gguf,
         "verified": verify["passed"],
+        # The decoding verify served the GGUF with, which the Modelfile, the card and generation_config.json carry.
+        "sampling": shipped_sampling(verify).record(),
         # Every GGUF shipped, the primary first: its file's checksum beside the figures verify measured for it.
         "quantizations": {q: {"gguf": quantized_gguf_name(q), "sha256": files[quantized_gguf_name(q)]["sha256"],
                               "size": files[quantized_gguf_name(q)]["size"], "verify": figures}

@@ -15,9 +15,10 @@ import pytest
 from loraship.llamacpp import ollama
 from loraship.chat import NAMED_TEMPLATES
 from loraship.constants import (
-    LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD, MODELFILE, PLAN_FILE, VERIFY_FILE, quantized_gguf_name,
+    GENERATION_CONFIG_FILE, LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD, MODELFILE, PLAN_FILE, VERIFY_FILE, quantized_gguf_name,
 )
 from loraship.runtime.stage import stage_dir
+from loraship.sampling import GREEDY
 
 # Real checkpoints' templates (tokenizer_config.json), written out so the tests need no download.
 QWEN2_INSTRUCT = (  # Qwen/Qwen2-7B-Instruct: a default system prompt when none is given
@@ -205,6 +206,11 @@ def test_modelfile_of_a_recognised_family(tokenizers):
     assert "PARAMETER num_ctx 4096" in lines
     stops = [line for line in lines if line.startswith("PARAMETER stop ")]
     assert stops == ['PARAMETER stop "<|im_end|>"', 'PARAMETER stop "<|endoftext|>"', 'PARAMETER stop "<|im_start|>"']
+    # The settings verify served it with: Ollama's own defaults (temperature 0.8, repeat_penalty 1.1) answer otherwise.
+    settings = [line for line in lines if line.startswith("PARAMETER ") and not line.startswith(("PARAMETER stop ",
+                                                                                                 "PARAMETER num_ctx "))]
+    assert settings == ["PARAMETER temperature 0", "PARAMETER top_k 0", "PARAMETER top_p 1", "PARAMETER min_p 0",
+                        "PARAMETER repeat_penalty 1", "PARAMETER presence_penalty 0", "PARAMETER frequency_penalty 0"]
     template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
     assert template == facts["template"]
     assert 'SYSTEM """You are Qwen, created by Alibaba Cloud. You are a helpful assistant."""' in lines
@@ -241,15 +247,27 @@ def test_published_modelfile_and_card(pipeline_run):
     assert {"gguf", *config.quantizations}.issubset(card.data.tags)
     assert card.data.pipeline_tag == "text-generation" and card.data.library_name == "gguf"
     assert card.data.base_model is None  # a local folder is no Hub id
-    assert f"llama-server -m {gguf} --jinja -c {config.target_context} -ngl 999" in card.text
+    assert (f"llama-server -m {gguf} --jinja -c {config.target_context} -ngl 999 --temp 0 --top-k 0 --top-p 1 --min-p 0 "
+            "--repeat-penalty 1 --presence-penalty 0 --frequency-penalty 0") in card.text
+    assert "PARAMETER repeat_penalty 1" in modelfile and "PARAMETER temperature 0" in modelfile
+    assert "`repeat_penalty` 1.1" in card.text and '`extra_body={"repeat_penalty": 1.0}`' in card.text
     assert f"ollama create {config.run_name} -f {MODELFILE}" in card.text
     assert "Ollama will use the GGUF's template" in card.text
     assert manifests["train"]["metrics"]["trained_as"] in card.text
     verify = json.loads((root / VERIFY_FILE).read_text(encoding="utf-8"))
     for name, gate in verify["gates"].items():
         assert f"| {name} | {'pass' if gate['passed'] else 'FAIL'} |" in card.text
-    published = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))["files"]
-    assert {MODELFILE, MODEL_CARD}.issubset(published)
+    manifest = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))
+    published = manifest["files"]
+    assert {MODELFILE, MODEL_CARD, GENERATION_CONFIG_FILE}.issubset(published)
+    # The decoding verify served the GGUF with, recorded in verify.json and the manifest, in every shipped form.
+    assert manifest["sampling"] == verify["sampling"] == verify["served"]["sampling"] == GREEDY.record()
+    defaults = verify["served"]["server_defaults"]
+    assert f"{defaults['differ_from_gguf_greedy']} of {defaults['requests']} answers differed" in card.text
+    generation = json.loads((root / GENERATION_CONFIG_FILE).read_text(encoding="utf-8"))
+    assert generation["do_sample"] is False and generation["repetition_penalty"] == 1.0
+    merged = json.loads((stage_dir(config, "merge") / "merged" / GENERATION_CONFIG_FILE).read_text(encoding="utf-8"))
+    assert generation == merged and generation["eos_token_id"]  # the merged model's stop tokens, the same settings
     # The train stage's pictures ship beside the GGUF and the card shows them.
     for picture in (LOSS_PLOT_FILE, MEMORY_PLOT_FILE):
         assert picture in published and (root / picture).read_bytes().startswith(b"\x89PNG")

@@ -116,3 +116,25 @@ def test_local_destination_gets_whole_files_and_no_temporaries(tmp_path):
     sync(tmp_path / "a", files, str(dest))
     shipped = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
     assert shipped == sorted([*files, MANIFEST_NAME])
+
+
+def test_the_artifact_ships_the_sampling_settings_verify_served_it_with(tmp_path):
+    from loraship.config import parse_config
+    from loraship.sampling import GREEDY, Sampling
+    from loraship.stages.publish import serve_commands, shipped_sampling, write_generation_config
+
+    config = parse_config({"base_model": str(tmp_path), "run_name": "support-bot",
+                           "datasets": [{"path": "x", "type": "chat"}]})
+    assert shipped_sampling({}) == GREEDY  # a verify.json from before the record checked argmax answers
+    commands = serve_commands(config, {"sampling": GREEDY.record()})
+    assert commands["llama_server"].endswith("--temp 0 --top-k 0 --top-p 1 --min-p 0 --repeat-penalty 1 "
+                                             "--presence-penalty 0 --frequency-penalty 0")
+    other = Sampling(repeat_penalty=1.1)
+    assert "--repeat-penalty 1.1 " in serve_commands(config, {"sampling": other.record()})["llama_server"]
+    # A merge made before merge wrote greedy settings: the artifact's generation_config.json is greedy anyway.
+    merged = tmp_path / "generation_config.json"
+    merged.write_text(json.dumps({"eos_token_id": [2, 7], "do_sample": True, "temperature": 0.7,
+                                  "repetition_penalty": 1.05}))
+    write_generation_config(merged, tmp_path / "out.json", GREEDY)
+    assert json.loads((tmp_path / "out.json").read_text()) == {"eos_token_id": [2, 7], "do_sample": False,
+                                                               "repetition_penalty": 1.0}

@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
+from loraship.sampling import GREEDY, Sampling
+
 # Sentinels of the probe conversations: plain words no template rewrites (Llama 3 trims content).
 PROBE_SYSTEM = "PROBESYSTEM"
 PROBE = (
@@ -219,10 +221,13 @@ def _block(text: str, what: str) -> str:
     return f'"""{text}"""'
 
 
-def modelfile(gguf_name: str, facts: dict, model_stops: list[str], context: int) -> str:
-    """The Modelfile text: FROM the GGUF beside it, the verified context, stop tokens, and the
-    TEMPLATE/SYSTEM of a recognised family (none otherwise: Ollama then derives one from the GGUF)."""
+def modelfile(gguf_name: str, facts: dict, model_stops: list[str], context: int, sampling: Sampling = GREEDY) -> str:
+    """The Modelfile text: FROM the GGUF beside it, the verified context, the sampling settings verify
+    served it with (Ollama's own defaults, repeat_penalty 1.1 and temperature 0.8 among them, answer
+    otherwise), stop tokens, and the TEMPLATE/SYSTEM of a recognised family (none otherwise: Ollama then
+    derives one from the GGUF)."""
     lines = [f"FROM ./{gguf_name}", "", f"PARAMETER num_ctx {context}"]
+    lines += [f"PARAMETER {name} {value}" for name, value in sampling.ollama_parameters()]
     lines += [f"PARAMETER stop {_quoted(tok)}" for tok in stop_tokens(model_stops, facts)]
     if facts.get("family"):
         lines += ["", f"TEMPLATE {_block(facts['template'], 'chat template')}"]
