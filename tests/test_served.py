@@ -33,17 +33,17 @@ def test_demo_verify_serves_every_golden_chat(pipeline_run):
     served = verify["served"]
     assert verify["gates"]["served"]["passed"] and served["requests"] == 12
     assert served["finished_by_stop"] == served["streamed_equal"] == 12
+    assert served["equal_to_gguf_greedy"] == 12  # the server changed nothing the GGUF says outside it
+    # Asked with the shipped settings; the server's defaults asked once more and reported beside them, not gated.
+    assert served["sampling"] == verify["sampling"] and served["server_defaults"]["requests"] == 12
+    assert served["server_defaults"]["settings"]["repeat_penalty"] == 1.1
+    assert all("server_defaults" in a for a in served["answers"])
     # The server answers what the GGUF answers (next line); the merged model's answer where the quantized GGUF's is
     # too: where it parts from it, only at a near-tie, which golden_match judges and the served gate does not re-judge.
     chats = [a for a in verify["golden_answers"] if a["kind"] == "chat"]
     assert len(chats) == 12 and all(a["match"] or a["parted_at_near_tie"] for a in chats)
     assert served["equal_to_reference"] == sum(a["match"] for a in chats) >= 11
-    assert served["equal_to_gguf_greedy"] == 12  # the server changed nothing the GGUF says outside it
     assert served["prompt_tokens_equal"] == 12  # the server rendered the GGUF's template into HF's prompt
-    # Asked with the shipped settings; the server's defaults asked once more and reported beside them, not gated.
-    assert served["sampling"] == verify["sampling"] and served["server_defaults"]["requests"] == 12
-    assert served["server_defaults"]["settings"]["repeat_penalty"] == 1.1
-    assert all("server_defaults" in a for a in served["answers"])
 
 
 def test_a_taken_port_is_retried_and_the_server_is_stopped_on_failure(shipped, tmp_path, monkeypatch):
