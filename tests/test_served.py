@@ -38,7 +38,7 @@ def test_demo_verify_serves_every_golden_chat(pipeline_run):
     assert served["sampling"] == verify["sampling"] and served["server_defaults"]["requests"] == 12
     assert served["server_defaults"]["settings"]["repeat_penalty"] == 1.1
     assert all("server_defaults" in a for a in served["answers"])
-    # The server answers what the GGUF answers (next line); the merged model's answer where the quantized GGUF's is
+    # The server answers what the GGUF answers (above); the merged model's answer where the quantized GGUF's is
     # too: where it parts from it, only at a near-tie, which golden_match judges and the served gate does not re-judge.
     chats = [a for a in verify["golden_answers"] if a["kind"] == "chat"]
     assert len(chats) == 12 and all(a["match"] or a["parted_at_near_tie"] for a in chats)
