@@ -6,8 +6,9 @@ import importlib
 
 import pytest
 
-from loraship.planning import flops
 from loraship.config import parse_config
+from loraship.planning import flops
+from loraship.planning.shape import shape_from_config
 from tests.conftest import demo_config_dict
 
 # A shape small enough to count by hand: h 8, 2 heads of 4 (q 8), 1 KV head (kv 4), f 16, V 32, 2 layers.
@@ -49,7 +50,7 @@ def test_flops_per_token_counts_each_term(tmp_path):
     # norm that keeps it, so its recompute is the whole forward again.
     # head_dim given: Gemma2Config's default is 256, whatever hidden / heads is.
     sliding = {**TOY, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "sliding_window": 4, "head_dim": 4}
-    s = flops.memory.parse_model_config(sliding)
+    s = shape_from_config(sliding)
     assert s.sliding_layers == 1
     assert flops.recompute_flops_per_layer_token(sliding, cfg, 10) == pytest.approx(
         2 * s.layer_linear_params + 2 * 2 * ((8 + 8) + (8 + 4)) + 2 * s.q * (10 + 4) / 2)
@@ -68,7 +69,7 @@ def test_the_planner_skips_down_proj_in_the_recompute_where_the_train_stage_does
     loraship/training/recompute.py marks: Granite's among them, not Gemma's nor OLMo 2's (a norm after the MLP)."""
     from loraship.training.recompute import LAYERS_ENDING_IN_DOWN_PROJ
 
-    s = flops.memory.parse_model_config({**TOY, "model_type": mt, **FAMILY_CONFIGS[mt]})
+    s = shape_from_config({**TOY, "model_type": mt, **FAMILY_CONFIGS[mt]})
     assert s.recompute_skips_down == (s.layer_class in LAYERS_ENDING_IN_DOWN_PROJ), s.layer_class
 
 

@@ -1,12 +1,13 @@
-"""Invariants of the memory planner (loraship.planning.memory); CPU only, no torch."""
+"""Invariants of the memory planner (loraship/planning: estimate, strategy, step_time, shipping, through the memory
+facade that takes a config.json dict); CPU only, no torch."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from loraship.planning import memory
 from loraship.config import Config
+from loraship.planning import knobs, memory, step_time, strategy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -223,7 +224,7 @@ def test_14b_bf16_lora_under_optimize_speed_streams_more_layers_to_checkpoint_fe
     st, L = plan["strategy"], 48
     n, k = st["offload_layers"], st["checkpointed_layers"]
     assert plan["fits"] and st["adapter"] == "lora" and 0 < n <= k < L
-    least = next(s for s, _ in memory._ladder(QWEN2_14B_EXAMPLE, c)
+    least = next(s for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c)
                  if s["offload_layers"] and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"])
     assert least["checkpointed_layers"] == L and least["offload_layers"] < n
     chosen, rung = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (st, least))
@@ -237,9 +238,9 @@ def test_14b_bf16_lora_under_optimize_speed_streams_more_layers_to_checkpoint_fe
 def test_streaming_stops_where_the_copies_would_take_longer_than_the_matmuls(monkeypatch):
     c = cfg(**{**LORA_14B, "gradient_checkpointing": None, "gradient_accumulation_steps": 1}, fused_loss="on")
     fast = memory.plan_training(QWEN2_14B_EXAMPLE, c)["strategy"]["offload_layers"]
-    monkeypatch.setattr(memory, "PLAN_HOST_TO_DEVICE_GBPS", 2.5)  # a tenth of the bandwidth: streaming more never pays
+    monkeypatch.setattr(step_time, "PLAN_HOST_TO_DEVICE_GBPS", 2.5)  # a tenth of the bandwidth: streaming more never pays
     slow = memory.plan_training(QWEN2_14B_EXAMPLE, c)["strategy"]
-    least = next(s for s, _ in memory._ladder(QWEN2_14B_EXAMPLE, c)
+    least = next(s for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c)
                  if s["offload_layers"] and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"])
     assert slow["offload_layers"] == least["offload_layers"] < fast
 
@@ -247,7 +248,7 @@ def test_streaming_stops_where_the_copies_would_take_longer_than_the_matmuls(mon
 def test_step_model_hides_copies_behind_compute_until_they_are_longer(monkeypatch):
     c = cfg(**{**LORA_14B, "gradient_accumulation_steps": 1}, fused_loss="on")
     st = memory.with_checkpointing({**memory.strategy_from_config(c, 48), "offload_layers": 10}, 48)
-    monkeypatch.setattr(memory, "PLAN_HOST_TO_DEVICE_GBPS", 1e6)  # copies take no time: the matmuls alone
+    monkeypatch.setattr(step_time, "PLAN_HOST_TO_DEVICE_GBPS", 1e6)  # copies take no time: the matmuls alone
     fast = memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)
     assert fast["step_s"] == pytest.approx(fast["compute_s"])
     # The same plan with every layer checkpointed costs one more forward per layer than with none.
@@ -256,7 +257,7 @@ def test_step_model_hides_copies_behind_compute_until_they_are_longer(monkeypatc
     none = memory.step_seconds(QWEN2_14B_EXAMPLE, c, memory.with_checkpointing({**st, "offload_layers": 0}, 0))
     forward = 2 * 4096 * flops.recompute_flops_per_layer_token(QWEN2_14B_EXAMPLE, c, 4096) / (memory.PLAN_EXECUTED_TFLOPS * 1e12)
     assert fast["compute_s"] - none["compute_s"] == pytest.approx(48 * forward)
-    monkeypatch.setattr(memory, "PLAN_HOST_TO_DEVICE_GBPS", 0.5)  # copies far slower: 10 layers, each copied twice
+    monkeypatch.setattr(step_time, "PLAN_HOST_TO_DEVICE_GBPS", 0.5)  # copies far slower: 10 layers, each copied twice
     slow = memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)
     layer_bytes = memory.parse_model_config(QWEN2_14B_EXAMPLE).layer_linear_params * 2
     assert slow["step_s"] > 2 * 10 * layer_bytes / 0.5e9 > fast["step_s"]
@@ -296,14 +297,15 @@ def test_70b_on_8gib_is_refused_at_plan_time(fused):
 @pytest.mark.parametrize("adapter", ["lora", "qlora"])
 def test_qlora_is_never_combined_with_offload(mc, adapter):
     c = cfg(adapter=adapter, sequence_len=8192, micro_batch_size=4, gpu_memory_gib=16)
-    for strat, _why in memory._ladder(mc, c):
+    for strat, _why in strategy.ladder(memory.parse_model_config(mc), c):
         assert not (strat["adapter"] == "qlora" and strat["offload_layers"]), strat
 
 
 def test_fallback_order_is_the_configured_order():
     def kinds(fallback):
         c = cfg(**LORA_14B, fallback=fallback)
-        seen = [("offload" if s["offload_layers"] else s["adapter"]) for s, _ in memory._ladder(QWEN2_14B, c)]
+        seen = [("offload" if s["offload_layers"] else s["adapter"])
+                for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B), c)]
         return list(dict.fromkeys(k for k in seen if k != "lora"))
 
     assert kinds(["offload", "qlora"]) == ["offload", "qlora"]
@@ -315,7 +317,7 @@ def test_fallback_order_is_the_configured_order():
     ("auto", "cuda", True, True), ("auto", "cuda", False, False), ("auto", "cpu", True, False),
     ("on", "cuda", False, True), ("on", "cpu", True, False), ("off", "cuda", True, False)])
 def test_fused_loss_auto_means_liger_importable_on_cuda(monkeypatch, setting, device, importable, expected):
-    monkeypatch.setattr(memory.importlib.util, "find_spec",
+    monkeypatch.setattr(knobs.importlib.util, "find_spec",
                         lambda name: object() if importable and name == "liger_kernel" else None)
     c = cfg(fused_loss=setting)
     assert memory.fused_loss_available(c, device) is expected
@@ -464,7 +466,8 @@ def test_lean_mode_checkpoints_every_layer_on_every_rung():
     L = memory.parse_model_config(QWEN2_7B).L
     plan = memory.plan_training(QWEN2_7B, c)
     assert plan["strategy"]["checkpointed_layers"] == L and plan["reason"].startswith("as configured fits")
-    assert all(st["checkpointed_layers"] == 48 and st["gradient_checkpointing"] for st, _ in memory._ladder(QWEN2_14B, c))
+    assert all(st["checkpointed_layers"] == 48 and st["gradient_checkpointing"]
+               for st, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B), c))
     # The alternatives show what the fast mode would checkpoint instead.
     assert any(0 < a["checkpointed_layers"] < L and a["fits"] for a in plan["alternatives"])
 
@@ -476,7 +479,7 @@ def test_fast_mode_falls_back_only_when_every_layer_checkpointed_does_not_fit():
     # As in the lean test above: bf16 LoRA does not fit, so offload, which keeps every layer checkpointed.
     assert 0 < st["offload_layers"] and st["checkpointed_layers"] == 48
     assert "checkpointing more layers" in plan["reason"] and "48 layers checkpointed" in plan["reason"]
-    for strat, _ in memory._ladder(QWEN2_14B_EXAMPLE, c):
+    for strat, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c):
         if strat["offload_layers"]:
             assert strat["checkpointed_layers"] == 48
 
@@ -590,7 +593,7 @@ def test_auto_offloads_activations_before_shrinking_the_batch_and_off_never_does
     user = memory.strategy_from_config(c, s.L)
     assert user["offload_activations"] is False  # auto: only when it is what makes the plan fit
     with_acts = memory.estimate(QWEN2_7B, c, {**user, "offload_activations": True})["predicted_total_gib"]
-    budget = memory._card_needed_gib(with_acts) + 0.01  # fits with activations in CPU memory, not without
+    budget = strategy._card_needed_gib(with_acts) + 0.01  # fits with activations in CPU memory, not without
     assert not memory.estimate(QWEN2_7B, cfg(**LEAN_7B, gpu_memory_gib=budget), user)["fits"]
     plan = memory.plan_training(QWEN2_7B, cfg(**LEAN_7B, gpu_memory_gib=budget, offload_activations="auto"))
     st = plan["strategy"]
@@ -605,7 +608,7 @@ def test_a_refusal_with_activations_barred_names_offload_activations_as_the_fix(
     single = dict(LEAN_7B, micro_batch_size=1, gradient_accumulation_steps=1, fallback=[])
     user = memory.strategy_from_config(cfg(**single), memory.parse_model_config(QWEN2_7B).L)
     with_acts = memory.estimate(QWEN2_7B, cfg(**single), {**user, "offload_activations": True})["predicted_total_gib"]
-    budget = memory._card_needed_gib(with_acts) + 0.01
+    budget = strategy._card_needed_gib(with_acts) + 0.01
     with pytest.raises(memory.PlanRefused, match="set offload_activations: auto"):
         memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget, offload_activations="off"))
     assert memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget, offload_activations="auto"))[
@@ -615,8 +618,8 @@ def test_a_refusal_with_activations_barred_names_offload_activations_as_the_fix(
 def test_offload_activations_on_applies_to_every_rung_that_checkpoints():
     # fast mode (no checkpointing asked) with `on`: whatever the ladder checkpoints waits in CPU memory.
     c = cfg(**{**LEAN_7B, "gradient_checkpointing": False}, offload_activations="on")
-    for strategy, _why in memory._ladder(QWEN2_7B, c):
-        assert bool(strategy.get("offload_activations")) == (memory.checkpointed_layers(strategy, 28) > 0), strategy
+    for strat, _why in strategy.ladder(memory.parse_model_config(QWEN2_7B), c):
+        assert bool(strat.get("offload_activations")) == (memory.checkpointed_layers(strat, 28) > 0), strat
 
 
 # --- optimize: speed (the default) or memory ------------------------------------------------------------------
@@ -648,8 +651,8 @@ def test_optimize_memory_gives_the_least_memory():
     assert lean["memory"]["predicted_total_gib"] < speed["memory"]["predicted_total_gib"]
     # nothing on the ladder of the same adapter and batch predicts less
     c = mode(**LEAN_7B, gpu_memory_gib=32, optimize="memory")
-    least = min(memory.estimate(QWEN2_7B, c, s)["predicted_total_gib"] for s, _ in memory._ladder(QWEN2_7B, c)
-                if s["adapter"] == "lora" and not s["offload_layers"] and s["micro_batch_size"] == 2)
+    least = min(memory.estimate(QWEN2_7B, c, s)["predicted_total_gib"]
+                for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_7B), c) if s["adapter"] == "lora" and not s["offload_layers"] and s["micro_batch_size"] == 2)
     assert lean["memory"]["predicted_total_gib"] == pytest.approx(least, abs=0.01)
 
 
@@ -757,7 +760,7 @@ def test_spreading_the_streamed_layers_hides_copies_longer_than_one_layers_forwa
     a, b = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (first, spread))
     assert a["compute_s"] == b["compute_s"] and b["step_s"] < a["step_s"] - 0.02  # a 14B layer's copy > its forward
     assert memory.estimate(QWEN2_14B_EXAMPLE, c, first) == memory.estimate(QWEN2_14B_EXAMPLE, c, spread)
-    monkeypatch.setattr(memory, "PLAN_HOST_TO_DEVICE_GBPS", 1e6)  # free copies: the layout does not matter
+    monkeypatch.setattr(step_time, "PLAN_HOST_TO_DEVICE_GBPS", 1e6)  # free copies: the layout does not matter
     a, b = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (first, spread))
     assert a["step_s"] == pytest.approx(b["step_s"]) == pytest.approx(a["compute_s"])
 

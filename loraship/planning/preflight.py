@@ -423,14 +423,15 @@ def auto_ladder_problems(config: Config, model_config: dict, inference: dict) ->
 
 
 def lora_target_problems(config: Config, model_dir: Path) -> list[str]:
-    """lora_target_modules must name Linears the architecture has (memory.lora_modules): PEFT adapts the names that
+    """lora_target_modules must name Linears the architecture has (targets.lora_modules): PEFT adapts the names that
     match and skips the rest, so the default q, k, v, o on Phi-3 (qkv_proj, o_proj) would train o_proj alone."""
     import json
 
-    from loraship.planning.memory import lora_modules, parse_model_config
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.targets import lora_modules
 
     try:
-        shape = parse_model_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+        shape = shape_from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
     except (ValueError, KeyError, TypeError):
         return []  # the plan stage reports a config.json it cannot read, with its own message
     try:
