@@ -184,8 +184,11 @@ def base_answers(base, records: list[dict], max_new: int, stops: list[int]) -> N
 
     for record in records:
         with torch.no_grad():
+            # Argmax whatever the base's generation_config suggests (Qwen2.5-Instruct's repetition_penalty 1.05
+            # would otherwise shape the answer the fine-tune is judged against).
             out = base.generate(torch.tensor([record["prompt_ids"]], device=base.device), max_new_tokens=max_new,
-                                do_sample=False, eos_token_id=stops or None, pad_token_id=(stops or [0])[0])
+                                do_sample=False, repetition_penalty=1.0, num_beams=1, eos_token_id=stops or None,
+                                pad_token_id=(stops or [0])[0])
         new = out[0, len(record["prompt_ids"]):].tolist()
         cut = next((i for i, t in enumerate(new) if t in stops), None)
         record["base_answer_ids"] = new[:cut] if cut is not None else new
@@ -201,7 +204,8 @@ def greedy_answers(model, records: list[dict], max_new: int, stops: list[int], p
         prompt = record["prompt_ids"]
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new, do_sample=False,
-                                 eos_token_id=stops or None, pad_token_id=(stops or [0])[0])
+                                 repetition_penalty=1.0, num_beams=1, eos_token_id=stops or None,
+                                 pad_token_id=(stops or [0])[0])
         new = out[0, len(prompt):].tolist()
         cut = next((i for i, t in enumerate(new) if t in stops), None)
         answer = new[:cut] if cut is not None else new
