@@ -43,7 +43,7 @@ print("RESULT " + json.dumps({"measured_gib": gpu_used_by_this_process_gib(), "e
 def build_gguf(args) -> Path:
     from verify_gpu import build_random_model
 
-    from loraship.stages.quantize import quantize
+    from loraship.llamacpp.quantizing import quantize
 
     base, f16, q4 = args.work / "base", args.work / "model-F16.gguf", args.work / "model-Q4_K_M.gguf"
     if q4.is_file():

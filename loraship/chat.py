@@ -255,6 +255,18 @@ def turn_end_id(tokenizer) -> int | None:
     return cached[1]
 
 
+def stop_ids(tokenizer, merged_dir) -> list[int]:
+    """Every token that ends generation for HF: the tokenizer's EOS and generation_config's eos ids."""
+    import json
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = merged_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)
+
+
 def ends_generation_in_llama_cpp(token: dict, eos_id: int | None) -> bool:
     """Whether llama.cpp stops on this token: its EOS, or a text llama.cpp marks end-of-generation by name."""
     from loraship.constants import LLAMA_CPP_EOG_TEXTS

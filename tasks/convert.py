@@ -31,10 +31,12 @@ from loraship.constants import (
     ADAPTER_DIR, ADAPTER_GGUF, F16_GGUF, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_FILE_TYPE, GGUF_METADATA_FILE, MERGED_DIR,
     OLLAMA_FILE, base_gguf_name,
 )
+from loraship.chat import stop_ids
 from loraship.errors import IntegrityError, LorashipError
 from loraship.llamacpp import space_prefix
 from loraship.llamacpp.gguf_info import read_gguf, read_gguf_of_type
 from loraship.llamacpp.llamacpp import converter_dir, lora_converter
+from loraship.llamacpp.quantizing import check_loads, quantize
 from loraship.runtime.manifest import atomic_write_json
 from loraship.runtime.proc import write_with_tool
 from loraship.runtime.progress import LlamaCppProgress, artifact_key
@@ -119,7 +121,6 @@ def adapter_ggufs(config, ctx, progress_key: str | None, add_space_prefix: bool 
     from gguf import Keys
 
     from loraship.models import check_base_model, resolve_base_model, weight_files
-    from loraship.stages.quantize import check_loads, quantize
 
     base_dir = resolve_base_model(config, weights=True)
     check_base_model(config, base_dir)
@@ -141,28 +142,6 @@ def adapter_ggufs(config, ctx, progress_key: str | None, add_space_prefix: bool 
     return {"adapter_tensor_count": fields["tensor_count"], "adapter_bytes": (ctx.dir / ADAPTER_GGUF).stat().st_size,
             "lora_alpha": fields["fields"].get(Keys.Adapter.LORA_ALPHA), "base_tensor_count": base_info["tensor_count"],
             "base_bytes": base_out.stat().st_size}
-
-
-def converted_from(config) -> str:
-    """The digest of the merged model this run's convert manifest says its GGUF was converted from (the merge
-    outputs it recorded, digested as tasks/reference.py's merged_digest does), for a later stage's lineage check.
-
-    A manifest that records no merge outputs cannot vouch for its GGUF's lineage: refused, not passed over."""
-    from loraship.runtime.manifest import read_manifest
-    from loraship.runtime.stage import stage_dir
-    from loraship.stages.reference import merged_digest
-
-    folder = stage_dir(config, STAGE)
-    manifest = read_manifest(folder)
-    merge_outputs = ((manifest or {}).get("inputs", {}).get("merge") or {}).get("outputs") or {}
-    merged = {rel: info for rel, info in merge_outputs.items() if rel.startswith(MERGED_DIR + "/")}
-    if not merged or not all(isinstance(info, dict) and info.get("sha256") for info in merged.values()):
-        what = "has no manifest" if manifest is None else "records no merged model files (inputs.merge.outputs)"
-        raise IntegrityError(
-            f"{folder}: the convert stage {what}, so nothing says which merged model its GGUF was converted from; "
-            "run the convert stage again (loraship run CONFIG --from convert)"
-        )
-    return merged_digest({"outputs": merged})
 
 
 def base_label(base_model: str) -> str:
@@ -217,7 +196,6 @@ def gguf_metadata(config) -> dict:
 def ollama_facts(tokenizer, merged_dir: Path) -> dict:
     """Chat-template family, default system prompt and stop tokens of the merged tokenizer."""
     from loraship.llamacpp import ollama
-    from loraship.stages.reference import stop_ids
 
     stops = stop_ids(tokenizer, merged_dir)
     return {**ollama.recognise(tokenizer), "stop_ids": stops, "stop_tokens": tokenizer.convert_ids_to_tokens(stops)}
@@ -252,8 +230,6 @@ def run(config) -> dict:
     convert(merged, out, metadata=ctx.dir / GGUF_METADATA_FILE, progress_key=progress_key,
             add_space_prefix=add_space_prefix)
     info = read_gguf_of_type(out, "F16")
-    from loraship.stages.quantize import check_loads
-
     check_loads(out)
     extra = {"adapter_gguf": adapter_ggufs(config, ctx, progress_key, add_space_prefix)} if config.adapter_gguf else {}
     from gguf import Keys

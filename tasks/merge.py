@@ -257,9 +257,9 @@ def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from loraship.stages.train import collate
+    from loraship.training.packing import collate_padded
 
-    ids, _labels, mask = collate(examples, pad_id=0)
+    ids, _labels, mask = collate_padded(examples, pad_id=0)
     load = dict(dtype=torch.float32, trust_remote_code=config.trust_remote_code,
                 **({"device_map": {"": 0}} if device == "cuda" else {}))
 

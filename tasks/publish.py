@@ -30,6 +30,7 @@ from loraship.errors import OutputError
 from loraship.runtime.manifest import DigestCache, atomic_path, atomic_write_json, describe_files, sha256_file, sha256_json
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir, stage_dir
 from loraship.sampling import GREEDY, Sampling
+from loraship.verify_figures import figures
 
 STAGE = "publish"
 UPSTREAM = ("plan", "train", "merge", "convert", "quantize", "verify")
@@ -112,8 +113,6 @@ def card_data(config, metadata: dict, adapter: str):
 def quantization_figures(config, verify: dict) -> dict[str, dict]:
     """Each quantization's verify figures, the primary first. A verify.json written before it had a
     section per quantization holds the one quantization's figures at its top level."""
-    from loraship.stages.verify import figures
-
     sections = verify.get("quantizations") or {config.primary_quantization: verify}
     return {q: figures(sections[q]) for q in config.quantizations if q in sections}
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 import logging
 
 from loraship.chat import (
-    render, set_template_kwargs, special_tokens, template_kwargs, template_kwargs_of, template_of, turn_end_id,
+    render, set_template_kwargs, special_tokens, stop_ids, template_kwargs, template_kwargs_of, template_of,
+    turn_end_id,
 )
 from loraship.constants import MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE
 from loraship.data import eval_records, golden_rows
 from loraship.errors import LorashipError
-from loraship.runtime.manifest import atomic_path, atomic_write_json, sha256_file, sha256_json
+from loraship.runtime.lineage import merged_digest
+from loraship.runtime.manifest import atomic_path, atomic_write_json, sha256_file
 from loraship.models import hf_offline_if_local, resolve_base_model
 from loraship.runtime.progress import Progress, artifact_key
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
@@ -37,24 +39,6 @@ FIELDS = (
     "reference_full_logprob_tokens", "reference_full_logprob_mib", "base_model", "base_model_revision",
 )
 log = logging.getLogger("loraship.reference")
-
-
-def merged_digest(merge_manifest: dict) -> str:
-    """One digest of the merged model's files, as recorded by merge's manifest."""
-    return sha256_json({rel: info["sha256"] for rel, info in sorted(merge_manifest["outputs"].items())
-                        if rel.startswith(MERGED_DIR + "/")})
-
-
-def stop_ids(tokenizer, merged_dir) -> list[int]:
-    """Every token that ends generation for HF: the tokenizer's EOS and generation_config's eos ids."""
-    import json
-
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen = merged_dir / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return sorted(ids)
 
 
 def adds_bos(tokenizer) -> bool:

@@ -35,7 +35,7 @@ from loraship.errors import LorashipError
 from loraship.runtime.manifest import aside_of, atomic_path, atomic_write_json, atomic_write_text, sha256_json
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model, torch_load_kwargs
 from loraship.training.packing import collate_packed, epoch_steps, packing_unsupported, steps_per_epoch
-from loraship.training.packing import collate_padded as collate  # tasks/merge.py batches its probe with it
+from loraship.training.packing import collate_padded as collate
 from loraship.runtime.progress import Progress, artifact_key
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 

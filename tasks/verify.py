@@ -57,7 +57,9 @@ from loraship.llamacpp.gguf_tools import builtin_template_prompt
 from loraship.runtime.manifest import atomic_write_json
 from loraship.planning.resources import cpu_count
 from loraship.llamacpp.served import served_check
+from loraship.runtime.lineage import converted_from
 from loraship.sampling import GREEDY
+from loraship.verify_figures import figures
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir, stage_dir
 
 STAGE = "verify"
@@ -810,15 +812,6 @@ def all_gates(sections: dict[str, dict]) -> dict[str, dict]:
             **{f"{q}/{name}": g for q in others for name, g in sections[q]["gates"].items()}}
 
 
-def figures(section: dict) -> dict:
-    """A quantization's verify figures as the manifests and the model card quote them."""
-    agreement = section.get("eval_agreement") or {}
-    return {"passed": section["passed"], "gguf_bytes": section.get("gguf_bytes"),
-            "perplexity_ratio": agreement.get("perplexity_ratio"), "kl_mean": agreement.get("kl_mean"),
-            "kl_p99": agreement.get("kl_p99"), "same_top_rate": agreement.get("same_top_rate"),
-            "golden_match": section.get("golden_match"), "gpu_memory": section.get("gpu_memory")}
-
-
 @exclusive
 def run(config) -> dict:
     primary = config.primary_quantization
@@ -986,9 +979,7 @@ def builtin_engine_report(llm, reference: dict) -> dict:
 
 def check_lineage(config, reference: dict) -> None:
     """The reference must come from the merged model this GGUF was converted from; a convert manifest
-    that does not say which merged model that was is refused (tasks/convert.py converted_from)."""
-    from loraship.stages.convert import converted_from
-
+    that does not say which merged model that was is refused (loraship/runtime/lineage.py converted_from)."""
     if converted_from(config) != reference.get("merged_digest"):
         raise IntegrityError(
             "the reference stage's results were computed for another merged model than the one this GGUF was converted "

@@ -217,10 +217,11 @@ def test_convert_manifest_without_merge_outputs_cannot_vouch_for_the_gguf(pipeli
     from loraship.constants import REFERENCE_FILE
     from loraship.errors import IntegrityError
 
-    convert = importlib.import_module("loraship.stages.convert")
+    from loraship.runtime.lineage import converted_from
+
     config, _ = pipeline_run
     reference = json.loads((stage_dir(config, "reference") / REFERENCE_FILE).read_text())
-    assert convert.converted_from(config) == reference["merged_digest"]
+    assert converted_from(config) == reference["merged_digest"]
     manifest_path = stage_dir(config, "convert") / MANIFEST_NAME
     original = manifest_path.read_text()
     try:
@@ -228,7 +229,7 @@ def test_convert_manifest_without_merge_outputs_cannot_vouch_for_the_gguf(pipeli
             manifest_path.write_text(json.dumps({**json.loads(original), "inputs": lost}))
             with pytest.raises(IntegrityError, match=r"records no merged model files \(inputs.merge.outputs\).*run the "
                                                      r"convert stage again"):
-                convert.converted_from(config)
+                converted_from(config)
     finally:
         manifest_path.write_text(original)
 
@@ -237,16 +238,16 @@ def test_a_gguf_llama_cpp_cannot_load_is_named_with_llama_cpps_reason(pipeline_r
     from loraship.errors import IntegrityError
     from tests.test_bad_inputs import tiny_gguf
 
-    quantize = importlib.import_module("loraship.stages.quantize")
+    from loraship.llamacpp.quantizing import check_loads
+
     config, _ = pipeline_run
-    quantize.check_loads(stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization))
+    check_loads(stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization))
     broken = tiny_gguf(tmp_path / "two-tensors.gguf")  # an F16 "llama" GGUF without the model's hyperparameters
     with pytest.raises(IntegrityError, match=r"two-tensors.gguf: llama.cpp .* cannot load it \(exit 3\):\n.*llama"):
-        quantize.check_loads(broken)
+        check_loads(broken)
     # The shipped GGUF loads, but a file that is no LoRA adapter cannot be applied to it.
     with pytest.raises(IntegrityError, match=r"two-tensors.gguf: llama.cpp .* cannot apply this LoRA adapter"):
-        quantize.check_loads(stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization),
-                             lora=broken)
+        check_loads(stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization), lora=broken)
 
 
 @pytest.fixture(scope="module")

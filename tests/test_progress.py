@@ -125,7 +125,7 @@ def test_converter_progress_is_rate_limited_per_phase(caplog):
 # --- live, from the real converter and quantizer --------------------------------------------------
 def test_real_convert_and_quantize_report_progress_as_they_run(tiny_model, tmp_path, caplog, monkeypatch):
     from loraship.stages.convert import convert
-    from loraship.stages.quantize import quantize
+    from loraship.llamacpp.quantizing import quantize
 
     monkeypatch.setenv("LORASHIP_PROGRESS_S", "3600")  # first and last of each phase only
     caplog.set_level(logging.INFO, logger="loraship")
