@@ -143,12 +143,11 @@ def test_turn_end_is_one_special_token_that_ends_generation_in_llama_cpp(family_
         llm.close()
 
 
+@pytest.mark.parametrize("family_run", ["qwen3"], indirect=True)
 def test_qwen3_trains_and_serves_the_non_thinking_form(family_run):
     """Qwen3 by default (thinking: false): golden prompts end with the empty <think> block Qwen3's template writes
     for enable_thinking=False, the served check passes the same switch, and no answer carries a think block."""
     family, _, config, _, verify = family_run
-    if family.name != "qwen3":
-        pytest.skip("Qwen3's switch")
     reference = json.loads((stage_dir(config, "reference") / "reference.json").read_text())
     assert config.thinking is False and reference["tokenizer"]["template_kwargs"] == {"enable_thinking": False}
     chats = [r for r in reference["golden"] if r["kind"] == "chat"]
@@ -158,14 +157,13 @@ def test_qwen3_trains_and_serves_the_non_thinking_form(family_run):
     assert verify["served"]["prompt_tokens_equal"] == len(served)
 
 
+@pytest.mark.parametrize("family_run", ["llama31"], indirect=True)
 def test_llama31_stops_on_eom_id_in_llama_cpp(family_run):
     """Llama 3.1 also ends a turn with <|eom_id|> (tool calls): it is among the merged model's stop ids and
     end-of-generation in the GGUF."""
     import llama_cpp
 
     family, _, config, _, verify = family_run
-    if family.name != "llama31":
-        pytest.skip("Llama 3.1's stop tokens")
     merged = json.loads((stage_dir(config, "merge") / "merged" / "generation_config.json").read_text())
     assert 128008 in merged["eos_token_id"]
     llm = llama_cpp.Llama(model_path=verify["gguf"], vocab_only=True, verbose=False)
