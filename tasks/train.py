@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -113,6 +114,18 @@ def lora_targets(model_dir: Path, config) -> list[str] | str:
         raise LorashipError(str(e)) from e
 
 
+def lora_excluded(model_dir: Path) -> str | None:
+    """A regex (PEFT's exclude_modules) for the modules the plan leaves untrained: a multimodal model's vision tower
+    and projector (Gemma 3), whose Linears share the language model's names (q_proj, ...)."""
+    try:
+        shape = memory.parse_model_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError):
+        return None
+    if not shape.untrained_modules:
+        return None
+    return "(?:" + "|".join(re.escape(m) for m in shape.untrained_modules) + r")(?:\..*)?"
+
+
 def lora_target_note(model_config: dict, config) -> str | None:
     try:
         return memory.lora_target_note(memory.parse_model_config(model_config), config.lora_target_modules)
@@ -201,6 +214,7 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
         target_modules=lora_targets(model_dir, config),
+        exclude_modules=lora_excluded(model_dir),
         bias="none",
         task_type="CAUSAL_LM",
     )
