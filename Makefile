@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 TINY_MODEL := .loraship/models/tiny-llama
 
-.PHONY: venv demo test tiny-model clean
+.PHONY: venv demo test lint tiny-model clean
 
 # llama-cpp-python is compiled here (187 s on 2 cores, 2026-12-05) for any x86-64 with AVX2, not for this CPU: a native build
 # (-march=native) on a CPU with AMX runs ggml's AMX matmul, which crashed every llama.cpp decode on such a machine
@@ -38,7 +38,11 @@ tiny-model: $(TINY_MODEL)/config.json
 demo: $(VENV)/.installed $(TINY_MODEL)/config.json
 	$(VENV)/bin/loraship run configs/demo.yaml
 
-test: $(VENV)/.installed
+# ruff (pyproject.toml [tool.ruff]): pyflakes and pycodestyle, first, so a lint error fails fast.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+test: $(VENV)/.installed lint
 	$(PY) -m pytest
 
 clean:

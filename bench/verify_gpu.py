@@ -26,7 +26,6 @@ For a 14B (about 100 GB of files in the chain) on a 64 GiB disk: --base-dir /dev
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re

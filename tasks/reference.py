@@ -140,7 +140,7 @@ def score_eval(model, records: list[dict], top_k: int, progress: Progress | None
     return arrays, summary
 
 
-def score_base(base, records: list[dict], full) -> "np.ndarray":
+def score_base(base, records: list[dict], full):
     """KL(merged || base) at the positions whose merged distribution is stored in full: how far the
     fine-tune moved the model, the yardstick for how much of it a GGUF may lose (verify)."""
     import numpy as np

@@ -60,7 +60,7 @@ from loraship.llamacpp.served import served_check
 from loraship.runtime.lineage import converted_from
 from loraship.sampling import GREEDY
 from loraship.verify_figures import figures
-from loraship.runtime.stage import exclusive, main, open_stage, reset_dir, stage_dir
+from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "verify"
 UPSTREAM = ("train", "reference", "quantize")

@@ -172,7 +172,7 @@ def test_a_wrong_adapter_gguf_fails_the_gate(pipeline_run, tiny_model, tmp_path,
 
     monkeypatch.setattr(convert_stage, "convert_adapter", wrong_adapter)
     config = trained_copy(pipeline_run, tiny_model, tmp_path / "run")
-    with pytest.raises(LorashipError, match="adapter_") as failed:
+    with pytest.raises(LorashipError, match="adapter_"):
         run_stages(config)
     verdict = json.loads((stage_dir(config, "verify") / VERIFY_FILE).read_text())
     assert not verdict["passed"]

@@ -210,7 +210,7 @@ def test_progress_without_prefect_installed_does_not_import_it(tmp_path):
 
 def test_progress_inside_a_flow_run_is_a_prefect_progress_artifact(tmp_path):
     """In a real (ephemeral) Prefect run: one artifact per Progress, at its last percentage."""
-    code = f"""
+    code = """
 import json, logging, sys
 from prefect import flow
 from prefect.client.orchestration import get_client
@@ -220,7 +220,7 @@ from loraship.runtime.progress import Progress
 def f():
     p = Progress("train", 4, logging.getLogger("loraship"), key="progress-test", every=0)
     for step in range(1, 5):
-        p.update(step, f"step {{step}}/4")
+        p.update(step, f"step {step}/4")
 
 f()
 with get_client(sync_client=True) as client:
