@@ -93,6 +93,44 @@ def test_no_prefect_limit_without_a_configured_server(tiny_model, tmp_path, monk
     assert not (tmp_path / "gpu" / "slot-0.lock").exists()
 
 
+def test_prefect_slot_wait_is_said_and_ends_when_the_holder_lets_go(monkeypatch, caplog):
+    """Where a long-lived server is configured, Prefect's limit is taken too, under a renewed lease; the wait for
+    it is said (taken slots and the server), and it ends when the holding lease is released."""
+    import uuid
+
+    from prefect.client.orchestration import get_client
+
+    name = f"loraship-gpu-test-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setattr(gpu_slot, "GPU_LIMIT", name)
+    client = get_client(sync_client=True)
+    with client:
+        gpu_slot.ensure_gpu_limit(client, 1)
+        lease = client.increment_concurrency_slots_with_lease(names=[name], slots=1, mode="concurrency",
+                                                              lease_duration=300).json()["lease_id"]
+
+    class LetGoOnceWaiting(logging.Handler):  # the holder finishes once the wait was said: no timing involved
+        def emit(self, record):
+            if "waiting for Prefect's concurrency limit" in record.getMessage():
+                with get_client(sync_client=True) as other:
+                    other.release_concurrency_slots_with_lease(lease)
+
+    let_go = LetGoOnceWaiting()
+    logging.getLogger("loraship").addHandler(let_go)
+    try:
+        with caplog.at_level(logging.INFO, logger="loraship"):
+            with gpu_slot.prefect_slot("next", "train", 1, wait_log_s=1):
+                with get_client(sync_client=True) as c:
+                    assert c.read_global_concurrency_limit_by_name(name).active_slots == 1
+        with get_client(sync_client=True) as c:
+            assert c.read_global_concurrency_limit_by_name(name).active_slots == 0
+    finally:
+        logging.getLogger("loraship").removeHandler(let_go)
+        with get_client(sync_client=True) as c:
+            c.delete_global_concurrency_limit_by_name(name)
+    assert f"waiting for Prefect's concurrency limit '{name}' (1 of 1 slots taken" in caplog.text
+    assert "failed to process item" not in caplog.text  # Prefect's ERROR for each timed-out attempt, not shown
+
+
 GUARDED = """
 import logging, sys, time
 from loraship.runtime import interrupt

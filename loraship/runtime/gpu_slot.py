@@ -126,11 +126,32 @@ def prefect_slot(run_name: str, stage: str, count: int, wait_log_s: float = WAIT
     """A slot of Prefect's limit `loraship-gpu` on the configured server, under a renewed lease; the wait is said
     every wait_log_s with how many slots are taken (the server does not tell who holds them)."""
     from prefect.client.orchestration import get_client
-    from prefect.concurrency.asyncio import AcquireConcurrencySlotTimeoutError
-    from prefect.concurrency.sync import concurrency
 
     with get_client(sync_client=True) as client:
         ensure_gpu_limit(client, count)
+    quiet = _QuietAcquisitionTimeouts()
+    service_logger = logging.getLogger("prefect._internal.concurrency")
+    service_logger.addFilter(quiet)
+    try:
+        yield from _prefect_slot_loop(run_name, stage, wait_log_s)
+    finally:
+        service_logger.removeFilter(quiet)
+
+
+class _QuietAcquisitionTimeouts(logging.Filter):
+    """Prefect's slot service logs each acquisition that timed out as an ERROR ("Service ... failed to process
+    item ... raised TimeoutError"): here a timeout is only the moment to say the wait goes on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("ConcurrencySlotAcquisition" in message and "TimeoutError" in message)
+
+
+def _prefect_slot_loop(run_name: str, stage: str, wait_log_s: float) -> Iterator[None]:
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.asyncio import AcquireConcurrencySlotTimeoutError
+    from prefect.concurrency.sync import concurrency
+
     while True:
         acquired = False
         try:
@@ -145,7 +166,7 @@ def prefect_slot(run_name: str, stage: str, count: int, wait_log_s: float = WAIT
                 limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
             log.info("GPU slot for %s of run %r: waiting for Prefect's concurrency limit %r (%d of %d slots taken "
                      "at %s; a holder that died frees its slot within %.0f s)", stage, run_name, GPU_LIMIT,
-                     limit.active_slots, limit.limit, configured_api_url(), LEASE_S)
+                     limit.active_slots, limit.limit, configured_api_url() or "the temporary server", LEASE_S)
 
 
 @contextlib.contextmanager
