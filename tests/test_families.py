@@ -66,7 +66,11 @@ COVERED_ELSEWHERE = {
     "smollm2": "the real SmolLM2 run below has the same tokenizer and template, with real weights",
     "qwen2-base": "tests/test_turn_end.py runs a Qwen2 base with Qwen's vocabulary, given ChatML by init",
 }
-PIPELINE_FAMILIES = [pytest.param(n, marks=pytest.mark.slow) if n in COVERED_ELSEWHERE else n for n in sorted(FAMILIES)]
+# Built and checked at plan time (tokenizer, converter pre-tokenizer, turn end) but not yet run plan -> publish on
+# 2 cores: `slow` until a pipeline run passes (pytest -m slow tests/test_families.py -k "phi4] or olmo2] or granite3]").
+NOT_YET_RUN = {"phi4", "olmo2", "granite3"}
+PIPELINE_FAMILIES = [pytest.param(n, marks=pytest.mark.slow) if n in COVERED_ELSEWHERE or n in NOT_YET_RUN else n
+                     for n in sorted(FAMILIES)]
 
 
 @pytest.fixture(scope="session", params=PIPELINE_FAMILIES)
