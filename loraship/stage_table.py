@@ -53,9 +53,10 @@ class Stage:
         return f"{STAGES_PACKAGE}.{self.name}"
 
 
-# plan reads the tokenizer (AutoTokenizer, for llama.cpp's BPE pre-tokenizer check) without torch;
-# pyproject has no plan extra, so these come from the train extra by name.
-TOKENIZER = ("transformers", "sentencepiece", "protobuf", "safetensors")
+# plan reads the tokenizer (AutoTokenizer, for llama.cpp's BPE pre-tokenizer check) and builds the model's class on
+# torch's meta device (loraship/planning/shape.py: no weights, no memory); pyproject has no plan extra, so these come
+# from the train extra by name (torch from the images' own torch layer).
+TOKENIZER = ("torch", "transformers", "sentencepiece", "protobuf", "safetensors")
 # plan reads every dataset row (parquet/CSV and Hub datasets through `datasets`) before any GPU work;
 # publish shares plan's image, so its requirement set too.
 DATA = ("datasets",)
