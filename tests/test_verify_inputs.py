@@ -10,6 +10,7 @@ import pytest
 
 from loraship.planning import inference_memory as im
 from loraship.errors import IntegrityError, LorashipError
+from loraship.runtime.stage import stage_dir
 
 verify = importlib.import_module("loraship.stages.verify")
 MIB = 2**20
@@ -50,7 +51,7 @@ def test_gpu_smaller_than_the_plan_target_is_refused(monkeypatch):
 
 def test_reference_made_for_another_merged_model_is_refused(pipeline_run):
     config, _ = pipeline_run
-    reference = json.loads((verify.stage_dir(config, "reference") / verify.REFERENCE_FILE).read_text())
+    reference = json.loads((stage_dir(config, "reference") / verify.REFERENCE_FILE).read_text())
     verify.check_lineage(config, reference)  # the run's own reference passes
     with pytest.raises(IntegrityError, match="computed for another merged model.*run the reference stage again"):
         verify.check_lineage(config, {**reference, "merged_digest": "0" * 64})
