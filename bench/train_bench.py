@@ -665,6 +665,8 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
         os.environ["LORASHIP_OFFLOAD_SPREAD"] = "0"
     if trainer == "loraship-flex":  # the default under transformers' flex attention (sliding windows as block masks)
         os.environ["LORASHIP_ATTENTION"] = "flex_attention"
+    if trainer in ("loraship-norms-layer", "loraship-norms-off"):  # Liger's RMSNorm off the q/k norms, or off entirely
+        os.environ["LORASHIP_LIGER_NORMS"] = trainer.rsplit("-", 1)[1]
     if device == "cuda" and trainer.startswith("loraship"):
         # What the train stage sets itself, set here because the cap below starts CUDA first.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

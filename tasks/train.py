@@ -238,7 +238,9 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
         if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN or model.config.model_type in LIGER_NO_FUSED_LOSS:
             raise LorashipError(f"the plan uses Liger's fused loss, but liger-kernel has no fused loss for model_type "
                                 f"{model.config.model_type!r}; set fused_loss: off and plan again")
-        _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False)
+        _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False,
+                                        **liger_norm_kwargs())
+        restore_per_head_norms(model)
         model.loraship_fused_loss = True  # evaluate() asks for it too: Liger skips it in eval mode by default
     if device == "cuda":
         # LoRA's matmuls in bf16 under autocast (see `compute`), its fp32 weights cast instead of the input: no
@@ -264,6 +266,28 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     # (seen on the H200: 67.6 GiB instead of 23.5). Train mode, always.
     model.train()
     return model
+
+
+def liger_norm_kwargs() -> dict:
+    """LORASHIP_LIGER_NORMS=off keeps every RMSNorm transformers' own (bench/train_bench.py compares the settings)."""
+    return {"rms_norm": False} if os.environ.get("LORASHIP_LIGER_NORMS") == "off" else {}
+
+
+def restore_per_head_norms(model) -> int:
+    """Give attention's per-head q/k norms (QK-norm: Qwen3, Gemma 3, OLMo 2) their own forward back.
+
+    Liger patches them with its RMSNorm kernel, whose backward reduces the weight gradient over every head of every
+    token; on a 256-wide head that reduction is most of its cost (bench/results/train_bench_gemma3_profile.json).
+    Only with LORASHIP_LIGER_NORMS=layer until the bench shows it is worth it."""
+    if os.environ.get("LORASHIP_LIGER_NORMS", "all") != "layer":
+        return 0
+    restored = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") and "forward" in module.__dict__:
+            for attribute in ("forward", "extra_repr", "_get_name"):
+                module.__dict__.pop(attribute, None)
+            restored += 1
+    return restored
 
 
 def recompute_skip_wanted() -> bool:
