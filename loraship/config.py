@@ -161,6 +161,14 @@ class Config(BaseModel):
     val_set_size: float = Field(0.1, ge=0.0, lt=1.0, description="Fraction held out for eval when eval_datasets is empty.")
 
     gpu_memory_gib: float = Field(32.0, gt=0, le=4096, description="Training GPU's memory; the plan must fit it.")
+    gpus: int | Literal["auto"] = Field(
+        "auto",
+        description="Training GPUs (each of gpu_memory_gib), one torchrun rank each. 'auto': the plan lists 1, 2, 4 "
+        "and 8 GPUs and train uses every visible GPU (the plan's engine for that count: the single-GPU strategy "
+        "replicated by DDP where it fits one card, else FSDP2 sharding the frozen base). An integer N: exactly N "
+        "GPUs; the plan fails, naming the count that fits, when N are too few, and train fails before any step when "
+        "fewer than N are visible. See docs/multi_gpu.md.",
+    )
     target_gpu_memory_gib: float = Field(8.0, gt=0, le=4096, description="Inference GPU's memory; verify checks the GGUF fits.")
     target_context: int = Field(4096, ge=128, description="Context the shipped model must serve on the target GPU (KV cache).")
     device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where train/merge/verify run; 'auto' prefers CUDA.")
@@ -348,6 +356,16 @@ class Config(BaseModel):
                 f"not a named template ({', '.join(sorted(NAMED_TEMPLATES))}) and not Jinja text; "
                 "use one of those names or paste the template itself"
             )
+        return v
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpu_count(cls, v):
+        # YAML `gpus: true` or `gpus: 2.0` would otherwise pass as 1 or 2; a count is a whole number or 'auto'.
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError("must be 'auto' or a whole number of GPUs >= 1, e.g. gpus: 2")
         return v
 
     @field_validator("env_from_secrets")
