@@ -405,6 +405,11 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
     from loraship.stages import train as train_stage
 
     config = parse_config(loraship_config(case, trainer, model_dir, data, root, args.steps, device))
+    if trainer.startswith("loraship-norms-"):
+        # The norm-kernel settings of loraship/training/norm_kernels.py, in place of the stage's own two hooks.
+        from loraship.training import norm_kernels
+
+        train_stage.liger_norm_kwargs, train_stage.restore_per_head_norms = norm_kernels.liger_norm_kwargs, norm_kernels.adjust_norms
     clock = StepClock(device, args.warmup if args.profile is not None else None)
     plan_stage.run(config)
     metrics = train_stage.run(config)["metrics"]
@@ -665,7 +670,7 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
         os.environ["LORASHIP_OFFLOAD_SPREAD"] = "0"
     if trainer == "loraship-flex":  # the default under transformers' flex attention (sliding windows as block masks)
         os.environ["LORASHIP_ATTENTION"] = "flex_attention"
-    if trainer in ("loraship-norms-layer", "loraship-norms-off"):  # Liger's RMSNorm off the q/k norms, or off entirely
+    if trainer.startswith("loraship-norms-"):  # loraship/training/norm_kernels.py: which kernel runs the RMSNorms
         os.environ["LORASHIP_LIGER_NORMS"] = trainer.rsplit("-", 1)[1]
     if device == "cuda" and trainer.startswith("loraship"):
         # What the train stage sets itself, set here because the cap below starts CUDA first.

@@ -1,0 +1,59 @@
+"""Which kernel runs each RMSNorm in training: Liger's Triton kernel, transformers' own, or transformers' own compiled.
+
+LORASHIP_LIGER_NORMS picks it (bench/train_bench.py's loraship-norms-* rows compare them):
+- all (default): Liger's RMSNorm everywhere liger-kernel patches one;
+- layer: Liger's on the layer norms, transformers' own on attention's per-head q/k norms (QK-norm: Qwen3, Gemma 3,
+  OLMo 2), where Liger's backward reduces the weight gradient over every head of every token
+  (bench/results/train_bench_gemma3_profile.json: 371 ms of device time in two Gemma-3-12B steps);
+- off: transformers' own everywhere;
+- compile: transformers' own everywhere, each norm class's forward compiled once by torch.compile.
+"""
+from __future__ import annotations
+
+import os
+
+SETTINGS = ("all", "layer", "off", "compile")
+PER_HEAD_NORMS = ("q_norm", "k_norm")
+
+
+def setting() -> str:
+    value = os.environ.get("LORASHIP_LIGER_NORMS", "all")
+    if value not in SETTINGS:
+        raise ValueError(f"LORASHIP_LIGER_NORMS={value!r} is not one of {', '.join(SETTINGS)}; fix: unset it or pick one")
+    return value
+
+
+def liger_norm_kwargs() -> dict:
+    """The rms_norm argument for Liger's patch: off where transformers' own norms run everywhere."""
+    return {"rms_norm": False} if setting() in ("off", "compile") else {}
+
+
+def _unpatch(module) -> None:
+    # Liger binds its forward on the instance (monkey_patch.py _bind_method_to_module); the class's is underneath.
+    for attribute in ("forward", "extra_repr", "_get_name"):
+        module.__dict__.pop(attribute, None)
+
+
+def adjust_norms(model) -> int:
+    """After Liger's patch: put the norms the setting wants back on transformers' forward. Returns how many changed."""
+    chosen = setting()
+    changed = 0
+    if chosen == "layer":
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in PER_HEAD_NORMS and "forward" in module.__dict__:
+                _unpatch(module)
+                changed += 1
+    elif chosen == "compile":
+        import torch
+
+        compiled = {}
+        for _name, module in model.named_modules():
+            cls = type(module)
+            if cls.__name__.endswith("RMSNorm") and "forward" not in module.__dict__:
+                # One compiled function per class, the module passed in: every instance shares its graphs
+                # (parameters are graph inputs), instead of one compile per layer.
+                if cls not in compiled:
+                    compiled[cls] = torch.compile(cls.forward, dynamic=True)
+                module.forward = compiled[cls].__get__(module, cls)
+                changed += 1
+    return changed
