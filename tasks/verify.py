@@ -48,8 +48,7 @@ from pathlib import Path
 
 from loraship.planning import inference_memory as im
 from loraship.constants import (
-    ADAPTER_GGUF, GGUF_FILE_TYPES, GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_EOS, GGUF_KEY_FILE_TYPE,
-    LADDER_PLOT_FILE, REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
+    ADAPTER_GGUF, LADDER_PLOT_FILE, REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
 )
 from loraship.errors import IntegrityError, LorashipError
 from loraship.llamacpp.gguf_info import read_gguf_apart
@@ -60,6 +59,12 @@ from loraship.llamacpp.served import served_check
 from loraship.runtime.lineage import converted_from
 from loraship.sampling import GREEDY
 from loraship.verify_figures import figures
+from loraship.verification.gates import (
+    adapter_kl_mean_gate, adapter_same_top_gate, chat_template_gate, eval_loss_gate, file_type_gate, finetune_answers_gate,
+    finetune_kl_gate, fits_target_gpu_gate, golden_decisive_gate, golden_format_gate, golden_match_gate, kl_mean_gate,
+    kl_p99_gate, perplexity_ratio_gate, same_top_gate, served_gate, special_tokens_gate, tokenizer_parity_gate,
+    turn_end_gate,
+)
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
 STAGE = "verify"
@@ -73,258 +78,6 @@ ADAPTER_FIELDS = ("adapter_kl_mean_max", "adapter_same_top_min")  # key the stag
 MERGED_TOPK_FILE = ".merged-topk.npz"  # the merged GGUF's top-k for the adapter run; removed once scored
 MEASURE_TIMEOUT_S = 3 * 3600
 log = logging.getLogger("loraship.verify")
-
-
-def gate(value, threshold, passed: bool, note: str = "", evidence: int | None = None, minimum: int | None = None,
-         minimum_key: str = "") -> dict:
-    """One gate's record. With an evidence count below its minimum, or of zero, the gate fails
-    whatever the value: nothing seen is never a pass (0/0)."""
-    record = {"passed": bool(passed), "value": value, "threshold": threshold}
-    if evidence is not None:
-        record["evidence"] = evidence
-        if minimum is not None:
-            record["minimum"] = minimum
-        if evidence < max(minimum or 0, 1):
-            record["passed"] = False
-            why = f"{evidence} < {minimum} ({minimum_key}); add eval data or golden prompts, or lower {minimum_key}" \
-                if minimum is not None and evidence < minimum else f"{evidence} seen"
-            note = f"not enough evidence: {why}" + (f"; {note}" if note else "")
-    if note:
-        record["note"] = note
-    return record
-
-
-# -- the gates, one function each -----------------------------------------------------------
-def _rounded(agreement: dict, key: str, digits: int) -> float:
-    return round(agreement.get(key, float("nan")), digits)
-
-
-def _scored(agreement: dict, config) -> dict:
-    return dict(evidence=agreement["scored_tokens"], minimum=config.min_scored_tokens, minimum_key="min_scored_tokens")
-
-
-def _golden_prompts(n: int, config) -> dict:
-    return dict(evidence=n, minimum=config.min_golden_prompts, minimum_key="min_golden_prompts")
-
-
-def file_type_gate(fields: dict, quantization: str) -> dict:
-    want = GGUF_FILE_TYPES[quantization]
-    return gate(fields.get(GGUF_KEY_FILE_TYPE), want, fields.get(GGUF_KEY_FILE_TYPE) == want)
-
-
-def chat_template_gate(fields: dict, reference: dict) -> dict:
-    template, hf_template = fields.get(GGUF_KEY_CHAT_TEMPLATE), reference["tokenizer"]["chat_template"]
-    return gate(bool(template), bool(hf_template), template == hf_template,
-                "identical to the merged model's template" if hf_template else "no chat template on either side (completion data)")
-
-
-def tokenizer_parity_gate(parity: dict) -> dict:
-    return gate(f"{parity['equal']}/{parity['checked']}", "all", parity["equal"] == parity["checked"],
-                "llama.cpp tokenization of eval texts and golden prompts (BOS as served) equals HF's",
-                evidence=parity["checked"], minimum=1, minimum_key="eval texts")
-
-
-def perplexity_ratio_gate(agreement: dict, config) -> dict:
-    return gate(_rounded(agreement, "perplexity_ratio", 4), config.perplexity_ratio_max,
-                agreement["scored_tokens"] and agreement["perplexity_ratio"] <= config.perplexity_ratio_max,
-                **_scored(agreement, config))
-
-
-def _kl_basis(agreement: dict, config, top_k: int) -> tuple[str, bool]:
-    """What the KL figures were computed over, and whether that basis is trustworthy: exact over the
-    full vocabulary, or HF's top-k + tail (a lower bound), which needs kl_topk_mass_min of the mass."""
-    if agreement.get("kl_method") == "exact":
-        return f"exact KL(HF || GGUF) over the full vocabulary, {agreement['kl_tokens']} tokens", True
-    mass = agreement.get("top_k_mass_mean", 0.0)
-    ok = mass >= config.kl_topk_mass_min
-    note = f"KL(HF || GGUF) over HF's top-{top_k} + tail, a lower bound; top-k mass {mass:.3f}"
-    if not ok:
-        note += (f" < kl_topk_mass_min {config.kl_topk_mass_min}: raise reference_full_logprob_tokens or _mib "
-                 "for exact KL, or reference_top_k")
-    return note, ok
-
-
-def _kl_evidence(agreement: dict, config) -> dict:
-    return dict(evidence=agreement.get("kl_tokens", agreement["scored_tokens"]), minimum=config.min_scored_tokens,
-                minimum_key="min_scored_tokens")
-
-
-def kl_mean_gate(agreement: dict, config, top_k: int) -> dict:
-    note, basis_ok = _kl_basis(agreement, config, top_k)
-    return gate(_rounded(agreement, "kl_mean", 5), config.kl_mean_max,
-                agreement["scored_tokens"] and basis_ok and agreement["kl_mean"] <= config.kl_mean_max,
-                note, **_kl_evidence(agreement, config))
-
-
-def kl_p99_gate(agreement: dict, config, top_k: int) -> dict:
-    note, basis_ok = _kl_basis(agreement, config, top_k)
-    return gate(_rounded(agreement, "kl_p99", 5), config.kl_p99_max,
-                agreement["scored_tokens"] and basis_ok and agreement["kl_p99"] <= config.kl_p99_max,
-                note, **_kl_evidence(agreement, config))
-
-
-def finetune_kl_gate(agreement: dict, config) -> dict:
-    """The GGUF stays much closer to the merged model than the base model is: mean KL(merged || GGUF)
-    at most finetune_kl_fraction_max of mean KL(merged || base) on the same tokens. A GGUF that lost
-    the fine-tune (drifted back to the base) fails."""
-    ratio = agreement.get("finetune_kl_ratio")
-    tokens = agreement.get("finetune_tokens", 0)
-    note = (f"KL(merged || GGUF) {agreement.get('finetune_kl_mean', float('nan')):.5f} / KL(merged || base) "
-            f"{agreement.get('base_kl_mean', float('nan')):.5f} over {tokens} tokens")
-    if tokens and ratio is None:
-        note += "; the fine-tune did not move the model on these tokens (KL to the base is 0)"
-    return gate(None if ratio is None else round(ratio, 4), config.finetune_kl_fraction_max,
-                ratio is not None and ratio <= config.finetune_kl_fraction_max, note,
-                evidence=tokens, minimum=config.min_scored_tokens, minimum_key="min_scored_tokens")
-
-
-def finetune_answers_gate(golden: dict, config) -> dict:
-    """On golden prompts where the fine-tune changed the greedy answer (base != merged), the GGUF
-    answers like the merged model, not like the base: at least golden_match_min of them."""
-    changed = [a for a in golden["answers"] if a.get("changed_by_finetune")]
-    # An answer that parted from the merged model's at a near-tie still keeps the fine-tune unless it
-    # is the base model's answer.
-    kept = sum(a["match"] or (a.get("parted_at_near_tie", False) and not a.get("equals_base", False)) for a in changed)
-    rate = kept / len(changed) if changed else 0.0
-    return gate(f"{kept}/{len(changed)}", config.golden_match_min, bool(changed) and rate >= config.golden_match_min,
-                "golden prompts whose greedy answer the fine-tune changed; the GGUF must answer as the merged model",
-                evidence=len(changed), minimum=1)
-
-
-def same_top_gate(agreement: dict, config) -> dict:
-    return gate(_rounded(agreement, "same_top_rate", 4), config.same_top_min,
-                agreement["scored_tokens"] and agreement["same_top_rate"] >= config.same_top_min,
-                **_scored(agreement, config))
-
-
-def golden_match_gate(golden: dict, n: int, config) -> dict:
-    """n: golden prompts the reference answered. An answer counts when the GGUF's greedy answer equals the
-    merged model's token for token, or first parts from it at a near-tie: a position where the merged
-    model itself led by less than golden_margin nats, so either token is the fine-tune's answer (a real
-    model after a short fine-tune has many; quantization flips some). Parting where the merged model was
-    decided never counts."""
-    ties = golden.get("parted_at_near_tie", 0)
-    rate = (golden["matches"] + ties) / n if n else 0.0
-    note = (f"greedy llama.cpp answer == greedy merged-HF answer: {golden['matches']}/{n} token for token, {ties} more "
-            f"parted at a near-tie (merged model's lead < golden_margin {config.golden_margin} nats)")
-    return gate(round(rate, 4), config.golden_match_min, n and rate >= config.golden_match_min, note,
-                **_golden_prompts(n, config))
-
-
-def golden_decisive_gate(golden: dict, config) -> dict:
-    """With HF's answer teacher-forced, llama.cpp picks HF's token where the merged model was decided;
-    a quantization of 4 bits or fewer may flip a small share of them (decisive_flips_max)."""
-    share = config.decisive_flips_max or 0.0
-    flips = golden["decisive"] - golden["agreed"]
-    passed = flips == 0 or (golden["decisive"] > 0 and flips / golden["decisive"] <= share)
-    return gate(f"{golden['agreed']}/{golden['decisive']}", "all" if not share else f"flips <= {share:.1%}", passed,
-                f"HF answer teacher-forced; tokens where the merged model leads by >= {config.golden_margin} nats",
-                evidence=golden["decisive"], minimum=config.min_decisive_positions, minimum_key="min_decisive_positions")
-
-
-def golden_format_gate(golden: dict, n: int, config) -> dict:
-    return gate(f"{golden['formatted']}/{n}", "all", golden["formatted"] == n, **_golden_prompts(n, config))
-
-
-def turn_end_gate(golden: dict, reference: dict, config) -> dict:
-    """Every chat answer ends with the template's turn-end token, greedy in HF and in llama.cpp alike:
-    a model that never stops when served, or stops where HF does not, fails here."""
-    end = reference["tokenizer"]["turn_end_id"]
-    chats = [a for a in golden["answers"] if a["kind"] == "chat"]
-    unended = [a for a in chats if not (a["hf_stop"] == end and a["gguf_stop"] == end)]
-    note = ""
-    if unended:
-        first = unended[0]
-        note = (f"{len(unended)} answer(s) did not end with token {end}, e.g. {first['prompt'][:40]!r}: HF stopped with "
-                f"{first['hf_stop']}, llama.cpp with {first['gguf_stop']} (None: cut at max_new_tokens "
-                f"{config.max_new_tokens}; raise it, or train until answers end their turn)")
-    return gate(len(chats) - len(unended), len(chats), not unended, note, **_golden_prompts(len(chats), config))
-
-
-def parting_words(answer: dict, which: str, margin: float) -> str:
-    """How the served answer (`which`: whole or streamed) left the GGUF's own greedy one, in words. The
-    lead is llama.cpp's own (its greedy run outside the server) at the step where they part: a near-tie
-    only under golden_margin; at or above it the token was decided. The merged model's lead there is
-    named too where the GGUF's greedy answer is the merged model's, token for token."""
-    if answer[f"{which}_equal_to_gguf"]:
-        return "equal to it"
-    step, lead = answer.get(f"{which}_gguf_parted_at"), answer[f"{which}_gguf_lead_there"]
-    at = f"parted at step {step}" if step is not None else "parted"
-    if lead is None:
-        return f"{at}, past the GGUF's own answer and stop (no lead known there)"
-    merged = answer.get(f"{which}_merged_lead_there")
-    merged_words = (f"; the merged model, whose answer the GGUF's is, led by {merged:.2f}"
-                    if merged is not None else "")
-    if lead < margin:
-        return (f"{at} at a near-tie: llama.cpp's own top token led by {lead:.2f} nats < golden_margin "
-                f"{margin}{merged_words}")
-    return (f"{at} where it was decided: llama.cpp's own top token led by {lead:.2f} nats >= golden_margin "
-            f"{margin}{merged_words}")
-
-
-def served_gate(served: dict, config) -> dict:
-    """The GGUF behind llama.cpp's OpenAI-compatible server, asked with the shipped sampling settings:
-    every golden chat prompt stops by itself (finish_reason "stop", whole and streamed), streams the text
-    it returns whole, leaks no template marker, and says what the same GGUF answers greedily outside the
-    server (so the server's template, tokenization, stop handling and sampling change nothing). How those
-    greedy answers compare with the merged model's is golden_match's question; equal_to_reference is
-    reported, not gated twice, and so is what the server's default settings answer (server_defaults)."""
-    n = served["requests"]
-    counts = {k: served[k] for k in ("finished_by_stop", "equal_to_gguf_greedy", "equal_to_reference",
-                                     "streamed_equal", "without_markers")}
-    def same_as_gguf(answer: dict, which: str) -> bool:
-        # Equal to the GGUF's own greedy answer, or parted from it only where llama.cpp itself was at a
-        # near-tie: the server evaluates in other batches (its prompt cache reuses the first request's
-        # prefix), and float sums in another order may flip a tie, never a decided token.
-        lead = answer[f"{which}_gguf_lead_there"]
-        return answer[f"{which}_equal_to_gguf"] or (lead is not None and lead < config.golden_margin)
-
-    bad = [a for a in served["answers"] if not (a["finish_reason"] == a["streamed_finish_reason"] == "stop"
-                                                and same_as_gguf(a, "whole") and same_as_gguf(a, "streamed")
-                                                and not a["markers_leaked"])]
-    defaults = served.get("server_defaults")
-    note = (f"{defaults['differ_from_gguf_greedy']} of {defaults['requests']} answers differ under the server's "
-            f"default settings ({defaults['settings']}), reported, not gated" if defaults else "")
-    if bad:
-        a = bad[0]
-        note = (f"{len(bad)} of {n} failed, e.g. {a['prompt'][:40]!r}: served {a['served'][:60]!r}, streamed "
-                f"{a['streamed'][:60]!r} (finish {a['finish_reason']}, streamed {a['streamed_finish_reason']}, "
-                f"markers {a['markers_leaked']}), the GGUF's greedy answer outside the server {a['gguf_greedy'][:60]!r}; "
-                f"served: {parting_words(a, 'whole', config.golden_margin)}; streamed: "
-                f"{parting_words(a, 'streamed', config.golden_margin)}" + (f"; {note}" if note else ""))
-    return gate(counts, {"each": n}, not bad, note, **_golden_prompts(n, config))
-
-
-def eval_loss_gate(train_metrics: dict) -> dict:
-    before, after = train_metrics.get("eval_loss_before"), train_metrics.get("eval_loss_after")
-    return gate({"before": before, "after": after}, "after < before",
-                before is not None and after is not None and after < before)
-
-
-def fits_target_gpu_gate(memory: dict, gpu_memory: dict, layout, config) -> dict:
-    """memory: memory_plan's; gpu_memory: predicted and measured GiB of the run verify made."""
-    used = gpu_memory["measured_gib"]
-    value = used if used is not None else gpu_memory["predicted_gib"]
-    return gate(
-        round(value, 3), config.target_gpu_memory_gib, memory["fits"] and value <= config.target_gpu_memory_gib,
-        ("measured through NVML (the process that loaded it)" if used is not None else "predicted from the GGUF's tensors")
-        + f", every layer on the GPU at n_ctx {config.target_context}"
-        + ("" if memory["fits"] else f"; does not fit: all layers fit up to n_ctx {memory['largest_context_all_layers']}, "
-           f"{memory['gpu_layers_at_target_context']} of {im.all_layers(layout)} layers (llama.cpp's -ngl, the output layer "
-           f"included) at n_ctx {config.target_context}"),
-    )
-
-
-def adapter_kl_mean_gate(agreement: dict, config, note: str) -> dict:
-    return gate(_rounded(agreement, "kl_mean", 5), config.adapter_kl_mean_max,
-                agreement["scored_tokens"] and agreement["kl_mean"] <= config.adapter_kl_mean_max,
-                note + " (KL(merged || base + adapter))", **_scored(agreement, config))
-
-
-def adapter_same_top_gate(agreement: dict, config, note: str) -> dict:
-    return gate(_rounded(agreement, "same_top_rate", 4), config.adapter_same_top_min,
-                agreement["scored_tokens"] and agreement["same_top_rate"] >= config.adapter_same_top_min,
-                note, **_scored(agreement, config))
 
 
 # -- llama.cpp -------------------------------------------------------------------------------
@@ -561,24 +314,14 @@ def tokenizer_parity(llm, reference: dict) -> dict:
     return {"checked": len(texts), "equal": len(texts) - len(mismatched), "first_mismatches": mismatched[:3]}
 
 
-def special_tokens_gate(llm, fields: dict, reference: dict) -> dict:
-    """Does llama.cpp behave like HF: BOS added exactly when HF adds it, same ids where both define
-    them, every HF stop token an end-of-generation token. (Qwen2 has no BOS in its tokenizer but a
-    bos_token_id in config.json that the converter copies: harmless while add_bos is off.)"""
+def llama_cpp_tokens(llm, reference: dict) -> dict:
+    """What special_tokens_gate judges of the loaded GGUF: whether llama.cpp adds BOS to plain text, and the HF stop
+    ids that are not end-of-generation tokens in llama.cpp."""
     import llama_cpp
 
-    facts = reference["tokenizer"]
-    cpp_bos = adds_bos(llm)
     vocab = vocab_of(llm)
-    not_eog = [t for t in facts["stop_ids"] if not llama_cpp.llama_vocab_is_eog(vocab, t)]
-    same_bos = not (cpp_bos and facts["adds_bos"]) or fields.get(GGUF_KEY_BOS) == facts["bos_id"]
-    passed = cpp_bos == facts["adds_bos"] and same_bos and not not_eog and bool(facts["stop_ids"])
-    value = {"llama_cpp_adds_bos": cpp_bos, "gguf_add_bos_token": fields.get(GGUF_KEY_ADD_BOS),
-             "gguf_bos": fields.get(GGUF_KEY_BOS), "gguf_eos": fields.get(GGUF_KEY_EOS),
-             "hf_stop_ids_not_end_of_generation": not_eog}
-    threshold = {"hf_adds_bos": facts["adds_bos"], "hf_bos": facts["bos_id"], "hf_stop_ids": facts["stop_ids"]}
-    note = "" if facts["stop_ids"] else "HF defines no stop token, so generation would never end"
-    return gate(value, threshold, passed, note)
+    return {"adds_bos": adds_bos(llm),
+            "stop_ids_not_eog": [t for t in reference["tokenizer"]["stop_ids"] if not llama_cpp.llama_vocab_is_eog(vocab, t)]}
 
 
 # -- memory ----------------------------------------------------------------------------------
@@ -613,7 +356,7 @@ def measure(job: dict, llm, load_seconds: float) -> dict:
     with np.load(job["topk"]) as handle:
         topk = {k: handle[k] for k in handle.files}
     log.info("loaded in %.1f s; special tokens, tokenizer parity", out["load_seconds"])
-    out["special_tokens"] = special_tokens_gate(llm, job["fields"], reference)
+    out["llama_cpp_tokens"] = llama_cpp_tokens(llm, reference)
     out["tokenizer_parity"] = tokenizer_parity(llm, reference)
     log.info("scoring %d eval texts against the reference", len(reference["eval"]))
     out["eval_agreement"] = eval_agreement(llm, reference, topk, job.get("min_scored_tokens", 1))
@@ -715,8 +458,8 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
     gates: dict[str, dict] = {}
     report: dict = {"quantization": quantization, "gguf": str(gguf_path), "gguf_bytes": gguf_path.stat().st_size}
 
-    gates["file_type"] = file_type_gate(fields, quantization)
-    gates["chat_template_in_gguf"] = chat_template_gate(fields, reference)
+    gates["file_type"] = file_type_gate(fields, quantization).to_json()
+    gates["chat_template_in_gguf"] = chat_template_gate(fields, reference).to_json()
 
     memory = memory_plan(layout, config)
     report["memory"] = memory
@@ -731,41 +474,40 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
         "gguf": str(gguf_path), "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "device": device, "seed": config.seed,
         "reference": str(ctx.upstream_dir("reference") / REFERENCE_FILE),
         "topk": str(ctx.upstream_dir("reference") / REFERENCE_TOPK_FILE),
-        "fields": {k: fields.get(k) for k in (GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_EOS)},
         "max_new_tokens": config.max_new_tokens, "golden_margin": config.golden_margin,
         "min_scored_tokens": config.min_scored_tokens,
         "merged_topk_out": str(ctx.dir / MERGED_TOPK_FILE) if with_adapter else None,
     })
     report.update(device=device, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, load_seconds=measured["load_seconds"])
 
-    gates["special_tokens"] = measured["special_tokens"]
+    gates["special_tokens"] = special_tokens_gate(measured["llama_cpp_tokens"], fields, reference).to_json()
     parity = measured["tokenizer_parity"]
     report["tokenizer_parity"] = parity
-    gates["tokenizer_parity"] = tokenizer_parity_gate(parity)
+    gates["tokenizer_parity"] = tokenizer_parity_gate(parity).to_json()
 
     agreement = measured["eval_agreement"]
     report["eval_agreement"] = agreement
     # This quantization's limits: the config's where it sets them, else its calibrated defaults.
     report["gate_limits"] = config.gate_limits(quantization)
     limits = config.model_copy(update=report["gate_limits"])
-    gates["perplexity_ratio"] = perplexity_ratio_gate(agreement, limits)
-    gates["kl_divergence_mean"] = kl_mean_gate(agreement, limits, reference["top_k"])
-    gates["kl_divergence_p99"] = kl_p99_gate(agreement, limits, reference["top_k"])
-    gates["same_top_token"] = same_top_gate(agreement, limits)
+    gates["perplexity_ratio"] = perplexity_ratio_gate(agreement, limits).to_json()
+    gates["kl_divergence_mean"] = kl_mean_gate(agreement, limits, reference["top_k"]).to_json()
+    gates["kl_divergence_p99"] = kl_p99_gate(agreement, limits, reference["top_k"]).to_json()
+    gates["same_top_token"] = same_top_gate(agreement, limits).to_json()
     # A reference made before the base model was scored has no base_kl: no fine-tune gates then.
     if "finetune_tokens" in agreement:
-        gates["finetune_kept_kl"] = finetune_kl_gate(agreement, config)
+        gates["finetune_kept_kl"] = finetune_kl_gate(agreement, config).to_json()
 
     golden = measured["golden"]
     n = len(reference["golden"])
-    gates["golden_match"] = golden_match_gate(golden, n, config)
-    gates["golden_decisive_agreement"] = golden_decisive_gate(golden, limits)
-    gates["golden_format"] = golden_format_gate(golden, n, config)
+    gates["golden_match"] = golden_match_gate(golden, n, config).to_json()
+    gates["golden_decisive_agreement"] = golden_decisive_gate(golden, limits).to_json()
+    gates["golden_format"] = golden_format_gate(golden, n, config).to_json()
     if any(r.get("base_answer_ids") is not None for r in reference["golden"]):
-        gates["finetune_kept_answers"] = finetune_answers_gate(golden, config)
+        gates["finetune_kept_answers"] = finetune_answers_gate(golden, config).to_json()
     # Chat answers only: a completion run's prompts are plain text that ends with EOS.
     if reference["tokenizer"].get("turn_end_id") is not None and any(r["kind"] == "chat" for r in reference["golden"]):
-        gates["golden_ends_turn"] = turn_end_gate(golden, reference, config)
+        gates["golden_ends_turn"] = turn_end_gate(golden, reference, config).to_json()
     report["golden_answers"] = golden["answers"]
     with_reference = [a for a in golden["answers"] if "reference" in a]
     if with_reference:
@@ -784,15 +526,15 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
                                         reference["tokenizer"].get("markers", []),
                                         ctx.dir / f"server-{quantization}.log", GREEDY,
                                         reference["tokenizer"].get("template_kwargs"))
-        gates["served"] = served_gate(report["served"], config)
+        gates["served"] = served_gate(report["served"], config).to_json()
 
-    gates["eval_loss_improved"] = eval_loss_gate(ctx.upstream["train"]["metrics"])
+    gates["eval_loss_improved"] = eval_loss_gate(ctx.upstream["train"]["metrics"]).to_json()
 
     predicted = memory["predicted"]["total_gib"] if memory["fits"] else im.predict_gpu(
         layout, n_ctx, memory["gpu_layers_at_target_context"])["total_gib"]
     report["gpu_memory"] = {"predicted_gib": predicted, "measured_gib": measured["gpu_used_gib"],
                             "target_gpu_gib": config.target_gpu_memory_gib}
-    gates["fits_target_gpu"] = fits_target_gpu_gate(memory, report["gpu_memory"], layout, config)
+    gates["fits_target_gpu"] = fits_target_gpu_gate(memory, report["gpu_memory"], layout, config).to_json()
     if with_adapter:
         report["adapter_gguf"] = adapter_gates(ctx, config, quantization, gates, {
             "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, "device": device, "seed": config.seed,
@@ -944,8 +686,8 @@ def adapter_gates(ctx, config, quantization: str, gates: dict, job: dict) -> dic
         merged_topk.unlink(missing_ok=True)
     agreement = measured["eval_agreement"]
     note = f"{base.name} + {lora.name} against the merged GGUF, both in llama.cpp, on the eval texts"
-    gates["adapter_kl_divergence_mean"] = adapter_kl_mean_gate(agreement, config, note)
-    gates["adapter_same_top_token"] = adapter_same_top_gate(agreement, config, note)
+    gates["adapter_kl_divergence_mean"] = adapter_kl_mean_gate(agreement, config, note).to_json()
+    gates["adapter_same_top_token"] = adapter_same_top_gate(agreement, config, note).to_json()
     names = {"hf_perplexity": "merged_gguf_perplexity", "gguf_perplexity": "base_plus_adapter_perplexity"}
     return {"base_gguf": str(base), "adapter_gguf": str(lora), "load_seconds": measured["load_seconds"],
             **{names.get(k, k): v for k, v in agreement.items()}}

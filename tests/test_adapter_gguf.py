@@ -199,6 +199,7 @@ def test_a_gguf_that_lost_the_fine_tune_fails_the_fine_tune_gates(adapter_run, t
 
     from loraship.constants import REFERENCE_TOPK_FILE
     from loraship.stages import verify
+    from loraship.verification.gates import finetune_answers_gate, finetune_kl_gate
 
     config, _ = adapter_run
     reference_dir = stage_dir(config, "reference")
@@ -209,9 +210,9 @@ def test_a_gguf_that_lost_the_fine_tune_fails_the_fine_tune_gates(adapter_run, t
     measured = verify.measure_apart(SimpleNamespace(dir=tmp_path), job)
     agreement = measured["eval_agreement"]
     assert agreement["kl_method"] == "exact" and agreement["finetune_tokens"] >= config.min_scored_tokens
-    kl_gate = verify.finetune_kl_gate(agreement, config)
-    answers_gate = verify.finetune_answers_gate(measured["golden"], config)
-    assert not kl_gate["passed"] and kl_gate["value"] > 0.5, kl_gate
-    assert not answers_gate["passed"], answers_gate
+    kl_gate = finetune_kl_gate(agreement, config)
+    answers_gate = finetune_answers_gate(measured["golden"], config)
+    assert not kl_gate.passed and kl_gate.value > 0.5, kl_gate
+    assert not answers_gate.passed, answers_gate
     shipped = json.loads((stage_dir(config, "verify") / VERIFY_FILE).read_text())["gates"]
     assert shipped["finetune_kept_kl"]["passed"] and shipped["finetune_kept_answers"]["passed"]

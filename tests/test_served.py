@@ -174,7 +174,7 @@ def repeating(tmp_path_factory):
 
 
 def test_the_shipped_settings_serve_the_greedy_answer_that_repeats_the_question(repeating):
-    from loraship.stages.verify import served_gate
+    from loraship.verification.gates import served_gate
 
     greedy_text, stop, report = repeating
     assert stop is not None and greedy_text.count("Czechia") == 2  # the answer repeats the question's country
@@ -187,11 +187,11 @@ def test_the_shipped_settings_serve_the_greedy_answer_that_repeats_the_question(
     assert report["server_defaults"]["differ_from_gguf_greedy"] == 1
     assert report["server_defaults"]["settings"]["repeat_penalty"] == 1.1
     verdict = served_gate(report, _CONFIG)
-    assert verdict["passed"] and verdict["note"].startswith("1 of 1 answers differ under the server's default settings")
+    assert verdict.passed and verdict.note.startswith("1 of 1 answers differ under the server's default settings")
 
 
 def test_a_default_server_answer_is_called_decided_where_llama_cpp_was(repeating):
-    from loraship.stages.verify import served_gate
+    from loraship.verification.gates import served_gate
 
     _text, _stop, report = repeating
     (answer,) = report["answers"]
@@ -203,5 +203,5 @@ def test_a_default_server_answer_is_called_decided_where_llama_cpp_was(repeating
     lead = defaults["gguf_lead_there"]
     assert lead >= _CONFIG.golden_margin  # llama.cpp's own greedy token was decided where the penalty changed it
     verdict = served_gate(served, _CONFIG)
-    assert not verdict["passed"] and "near-tie" not in verdict["note"]
-    assert f"where it was decided: llama.cpp's own top token led by {lead:.2f} nats" in verdict["note"]
+    assert not verdict.passed and "near-tie" not in verdict.note
+    assert f"where it was decided: llama.cpp's own top token led by {lead:.2f} nats" in verdict.note

@@ -152,13 +152,13 @@ def test_a_base_given_a_template_by_init_stops_by_itself_when_served(base_given_
 def test_the_turn_end_gate_fails_a_model_that_does_not_stop():
     from types import SimpleNamespace
 
-    from loraship.stages.verify import turn_end_gate
+    from loraship.verification.gates import turn_end_gate
 
     config = SimpleNamespace(max_new_tokens=12, min_golden_prompts=2)
     reference = {"tokenizer": {"turn_end_id": 7}}
     answers = [{"kind": "chat", "prompt": "a", "hf_stop": 7, "gguf_stop": 7},
                {"kind": "chat", "prompt": "b", "hf_stop": None, "gguf_stop": None}]
     failed = turn_end_gate({"answers": answers}, reference, config)
-    assert not failed["passed"] and "cut at max_new_tokens 12" in failed["note"]
-    assert turn_end_gate({"answers": answers[:1] * 2}, reference, config)["passed"]
-    assert not turn_end_gate({"answers": []}, reference, config)["passed"]  # nothing seen is no pass
+    assert not failed.passed and "cut at max_new_tokens 12" in failed.note
+    assert turn_end_gate({"answers": answers[:1] * 2}, reference, config).passed
+    assert not turn_end_gate({"answers": []}, reference, config).passed  # nothing seen is no pass
