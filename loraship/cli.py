@@ -304,7 +304,9 @@ def plan(
                 told.exit_code = e.exit_code
                 raise told from e
         try:
-            training = memory.plan_training(model_config, config)
+            from loraship.planning.multi_gpu import plan_on_gpus
+
+            training = plan_on_gpus(memory.parse_model_config(model_config), config)
             footprint = memory.plan_disk_and_inference(model_config, config)
         except (ValueError, KeyError) as e:  # a config.json the planner cannot read
             raise LorashipError(f"{config.base_model}/config.json: {e}") from e
@@ -423,7 +425,32 @@ def render_plan(plan: dict, disk: dict):
     others = {q: f for q, f in (inf.get("by_quantization") or {}).items() if q != inf["quantization"]}
     for q, f in others.items():  # the other quantizations of the list: same context, their own weights
         d.add_row(f"inference ({q}): total, fits the target: {'yes' if f['fits_target'] else 'no'}", f"{f['total_gib']:.2f}")
-    return Group(head, t, a, d)
+    parts = [head, t, a]
+    if plan.get("distributed"):
+        parts.append(gpu_table(plan["distributed"]))
+    return Group(*parts, d)
+
+
+def gpu_table(distributed: dict):
+    """Per-GPU memory and expected tokens/s of each engine and GPU count (loraship/planning/multi_gpu.py)."""
+    from rich.table import Table
+
+    chosen = distributed.get("chosen")
+    how = (f"gpus: {distributed['requested']} -> {chosen['engine']} on {chosen['gpus']}" if chosen else
+           f"gpus: auto: train takes the fastest fitting option on the GPUs it sees (at least {distributed['min_gpus']})")
+    g = Table(title=f"GPUs ({how})")
+    for c in ("GPUs", "engine", "GiB per GPU", "tokens/s", "fits"):
+        g.add_column(c, justify="left" if c == "engine" else "right")
+    for o in distributed["options"]:
+        mark = " *" if chosen and (o["gpus"], o["engine"]) == (chosen["gpus"], chosen["engine"]) else ""
+        g.add_row(f"{o['gpus']}{mark}", o["engine"], f"{o['per_gpu_gib']:.1f}",
+                  "-" if o["tokens_per_s"] is None else f"{o['tokens_per_s']:,.0f}", "yes" if o["fits"] else "no")
+    # Why it chose: the chosen option's reasoning, or under auto that of the fewest GPUs that fit.
+    shown = chosen or next((o for o in distributed["options"] if o["gpus"] == distributed["min_gpus"] and o["fits"]),
+                           None)
+    if shown:
+        g.caption = shown["why"]
+    return g
 
 
 # -- status ------------------------------------------------------------------------------------

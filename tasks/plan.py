@@ -8,6 +8,7 @@ any GPU hour is spent (unknown architecture, unrecognised BPE pre-tokenizer).
 from __future__ import annotations
 
 from loraship.planning import memory
+from loraship.planning.multi_gpu import plan_on_gpus
 from loraship.constants import PLAN_FILE, STRATEGY_FILE
 from loraship.data import dataset_identity
 from loraship.errors import ConfigError
@@ -22,7 +23,7 @@ FIELDS = (
     "base_model", "base_model_revision", "trust_remote_code", "allow_pickle", "adapter", "lora_r", "lora_alpha",
     "lora_target_modules", "sequence_len", "micro_batch_size", "gradient_accumulation_steps", "optimize", "gradient_checkpointing",
     "fused_loss", "gpu_memory_gib", "target_gpu_memory_gib", "target_context", "quantization", "datasets",
-    "eval_datasets", "device", "fallback", "offload_activations", "train_on_inputs",
+    "eval_datasets", "device", "fallback", "offload_activations", "train_on_inputs", "gpus",
 )
 
 
@@ -51,7 +52,7 @@ def run(config) -> dict:
 
     model_config = read_model_config(model_dir)
     try:
-        training = memory.plan_training(model_config, config)
+        training = plan_on_gpus(memory.parse_model_config(model_config), config)
         footprint = memory.plan_disk_and_inference(model_config, config)
     except (ValueError, KeyError) as e:  # a config.json the planner cannot read
         raise ConfigError(f"base model {config.base_model!r}", [f"config.json: {e}"]) from e
@@ -68,7 +69,9 @@ def run(config) -> dict:
     atomic_write_json(ctx.dir / PLAN_FILE, plan)
     atomic_write_json(
         ctx.dir / STRATEGY_FILE,
-        {"strategy": training["strategy"], "memory": training["memory"], "model_dir": str(model_dir), "inputs": inputs},
+        {"strategy": training["strategy"], "memory": training["memory"], "model_dir": str(model_dir), "inputs": inputs,
+         # The engine and GPU count per visible devices (multi_gpu.choose_engine reads it at train time).
+         "distributed": training["distributed"]},
     )
     return ctx.finish(
         {
