@@ -30,7 +30,7 @@ from loraship.errors import OutputError
 from loraship.runtime.manifest import DigestCache, atomic_path, atomic_write_json, describe_files, sha256_file, sha256_json
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir, stage_dir
 from loraship.sampling import GREEDY, Sampling
-from loraship.verify_figures import figures
+from loraship.verification.figures import figures
 
 STAGE = "publish"
 UPSTREAM = ("plan", "train", "merge", "convert", "quantize", "verify")

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from loraship.planning import inference_memory as im
 from loraship.constants import (
-    ADAPTER_GGUF, LADDER_PLOT_FILE, REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
+    ADAPTER_GGUF, REFERENCE_FILE, REFERENCE_TOPK_FILE, VERIFY_FILE, base_gguf_name, quantized_gguf_name,
 )
 from loraship.errors import IntegrityError, LorashipError
 from loraship.llamacpp.gguf_info import read_gguf_apart
@@ -58,7 +58,7 @@ from loraship.planning.resources import cpu_count
 from loraship.llamacpp.served import served_check
 from loraship.runtime.lineage import converted_from
 from loraship.sampling import GREEDY
-from loraship.verify_figures import figures
+from loraship.verification.figures import draw_ladder, failed_gates, ladder_row, passed_metrics
 from loraship.verification.gates import (
     adapter_kl_mean_gate, adapter_same_top_gate, chat_template_gate, eval_loss_gate, file_type_gate, finetune_answers_gate,
     finetune_kl_gate, fits_target_gpu_gate, golden_decisive_gate, golden_format_gate, golden_match_gate, kl_mean_gate,
@@ -591,51 +591,6 @@ def run(config) -> dict:
                        **({"adapter_gguf": {k: head["adapter_gguf"].get(k) for k in ("kl_mean", "same_top_rate",
                                                                                     "scored_tokens")}}
                           if adapter else {})})
-
-
-def failed_gates(gates: dict) -> str:
-    """The failing gates with their values and thresholds (and notes), as verify's errors name them."""
-    return "; ".join(f"{k} (value {g['value']}, threshold {g['threshold']}{', ' + g['note'] if 'note' in g else ''})"
-                     for k, g in gates.items() if not g["passed"])
-
-
-def passed_metrics(head: dict, gates: dict, sections: dict[str, dict]) -> dict:
-    """The verify manifest's metrics when every gate passed: the shipped (primary) quantization's figures,
-    each verified quantization's."""
-    return {"passed": True, "gates": {k: g["passed"] for k, g in gates.items()},
-            **{k: v for k, v in figures(head).items() if k not in ("passed", "gguf_bytes", "kl_p99")},
-            "prompt_tokens_per_s": head["prompt_tokens_per_s"], "gen_tokens_per_s": head["gen_tokens_per_s"],
-            "quantizations": {q: figures(section) for q, section in sections.items()}}
-
-
-def ladder_row(quantization: str, section: dict | None) -> dict:
-    """One rung of quantization auto's ladder as verify.json and the model card show it."""
-    if section is None:
-        return {"quant": quantization, "tried": False}
-    a = section.get("eval_agreement") or {}
-    return {"quant": quantization, "tried": True, "bytes": section["gguf_bytes"], "kl_mean": a.get("kl_mean"),
-            "kl_p99": a.get("kl_p99"), "same_top": a.get("same_top_rate"), "ppl_ratio": a.get("perplexity_ratio"),
-            "fits": section["gates"]["fits_target_gpu"]["passed"], "passed": section["passed"],
-            "failed_gates": [k for k, g in section["gates"].items() if not g["passed"]]}
-
-
-def draw_ladder(ctx, config, ladder: list[dict], shipped: str | None, shipped_label: str = "shipped") -> None:
-    """LADDER_PLOT_FILE when more than one quantization was asked for (auto or a list): each tried rung's size
-    against its KL, passed or failed, beside its kl_mean_max. The picture is a reading aid, so a verify image
-    without matplotlib logs that and goes on."""
-    if len(config.quantizations) < 2:
-        return
-    from loraship.publishing.plots import quant_ladder
-
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        log.warning("matplotlib is not installed, so %s is not drawn; install the verify extra: "
-                    "pip install 'loraship[verify]'", LADDER_PLOT_FILE)
-        return
-    rows = [{**r, "kl_mean_max": config.gate_limits(r["quant"])["kl_mean_max"]} for r in ladder]
-    quant_ladder(rows, ctx.dir / LADDER_PLOT_FILE, shipped=shipped, shipped_label=shipped_label,
-                 title=f"{config.run_name}: quantizations verified against the merged model")
 
 
 def run_ladder(ctx, config, reference: dict, device: str) -> dict:
