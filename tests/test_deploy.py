@@ -239,11 +239,21 @@ def test_training_gpu_stages_share_the_training_node():
     """reference runs the merged HF model where train ran; verify needs only an inference GPU."""
     deployments = _deployments()
     k8s = {stage: deployments[f"{stage}-kubernetes"]["work_pool"]["job_variables"] for stage in GPU_STAGES}
+    def node(variables: dict) -> dict:  # all but the image and the GPU count (train takes the node's all)
+        out = {k: v for k, v in variables.items() if k != "image"}
+        out["resources"] = {part: {k: v for k, v in q.items() if k != "nvidia.com/gpu"}
+                            for part, q in variables["resources"].items()}
+        return out
+
+    def docker_node(kwargs: dict) -> dict:
+        return {**kwargs, "device_requests": [{**r, "count": None} for r in kwargs["device_requests"]]}
+
     for stage in TRAINING_GPU_STAGES:
-        assert {k: v for k, v in k8s[stage].items() if k != "image"} == {
-            k: v for k, v in k8s["train"].items() if k != "image"}, stage
+        assert node(k8s[stage]) == node(k8s["train"]), stage
+        assert deployments[f"{stage}-kubernetes"]["work_pool"]["name"] == deployments["train-kubernetes"]["work_pool"]["name"]
         docker = deployments[f"{stage}-docker"]["work_pool"]["job_variables"]["container_create_kwargs"]
-        assert docker == deployments["train-docker"]["work_pool"]["job_variables"]["container_create_kwargs"], stage
+        assert docker_node(docker) == docker_node(
+            deployments["train-docker"]["work_pool"]["job_variables"]["container_create_kwargs"]), stage
     for stage in GPU_STAGES - TRAINING_GPU_STAGES:
         assert k8s[stage]["node_selector"] != k8s["train"]["node_selector"], stage
 
@@ -265,7 +275,8 @@ def test_prefect_yaml_names_every_stage_for_each_pool(suffix):
         d = deployments[f"{stage}-{suffix}"]
         assert d["entrypoint"] == "flows/train_and_ship.py:run_stage"
         assert d["parameters"] == {"stage": stage}
-        assert d["work_pool"]["name"] == POOLS[suffix]
+        kind = STAGES_BY_NAME[stage].gpu
+        assert d["work_pool"]["name"] == (prefect_render.K8S_POOLS[kind] if suffix == "kubernetes" else POOLS[suffix])
         jv = d["work_pool"].get("job_variables") or {}
         if suffix != "local":
             assert jv["image"] == f"loraship-{STAGES_BY_NAME[stage].image}:0.1.0"
@@ -277,7 +288,9 @@ def test_prefect_yaml_names_every_stage_for_each_pool(suffix):
             assert any(v.endswith(":/shared") for v in jv["volumes"])
         if suffix == "kubernetes":
             gpus = jv["resources"]["limits"].get("nvidia.com/gpu")
-            assert (gpus == "1") == (stage in GPU_STAGES)
+            assert gpus == jv["resources"]["requests"].get("nvidia.com/gpu")
+            want = str(prefect_render.TRAINING_NODE_GPUS) if stage == "train" else "1" if stage in GPU_STAGES else None
+            assert gpus == want, stage
             assert bool(jv["tolerations"]) == (stage in GPU_STAGES)
             assert ("concurrency_limit" in d) == (stage in GPU_STAGES), "GPU stages hold a bounded number of slots"
             assert jv["node_selector"]
@@ -309,12 +322,12 @@ def test_parent_parameters_are_the_demo_config():
 # ---- deploy/kubernetes -----------------------------------------------------------------------
 def test_kubernetes_manifests_validate():
     pytest.importorskip("kubernetes_validate")
-    template = json.loads(k8s_render.TEMPLATE.read_text())
     deployments = k8s_render.kubernetes_deployments()
     assert len(deployments) == len(STAGES) + 1
     for d in deployments:
-        job = k8s_render.render(d, template)
+        job = k8s_render.render(d, k8s_render.template_of(d))
         assert k8s_render.validate(job, k8s_render.DEFAULT_K8S_VERSION) == [], d["name"]
+        assert k8s_render.gpu_problems(d, job) == [], d["name"]
         pod = job["spec"]["template"]["spec"]
         container = pod["containers"][0]
         assert container["args"] == ["prefect", "flow-run", "execute"]
@@ -332,6 +345,57 @@ def test_kubernetes_validation_catches_a_bad_template():
     bad["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]["gpus"] = 1
     job = k8s_render.render(k8s_render.kubernetes_deployments()[0], bad)
     assert k8s_render.validate(job, k8s_render.DEFAULT_K8S_VERSION)
+
+
+def test_one_kubernetes_pool_per_hardware_class():
+    """The training node's GPUs, the inference GPU, CPU: each its own pool and template; a GPU pool's template asks
+    for nvidia.com/gpu by default and requires it, a Prefect-valid variables schema."""
+    from prefect.utilities.schema_tools import is_valid_schema, validate
+
+    assert set(prefect_render.K8S_POOLS) == {"none", "training", "inference"}
+    assert len(set(prefect_render.K8S_POOLS.values())) == 3
+    used = {d["work_pool"]["name"] for d in k8s_render.kubernetes_deployments()}
+    assert used == set(k8s_render.POOLS) == set(prefect_render.K8S_POOLS.values())
+    for pool, (kind, path) in k8s_render.POOLS.items():
+        template = json.loads(path.read_text(encoding="utf-8"))
+        is_valid_schema(template["variables"], preprocess=False)
+        assert k8s_render._template_requires_gpu(template) == (kind != "none"), pool
+        if kind != "none":
+            default = template["variables"]["properties"]["resources"]["default"]
+            want = str(prefect_render.TRAINING_NODE_GPUS if kind == "training" else 1)
+            assert default["limits"]["nvidia.com/gpu"] == default["requests"]["nvidia.com/gpu"] == want
+            no_gpu = {"resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "1Gi"}}}
+            with pytest.raises(Exception, match="nvidia.com/gpu"):
+                validate(no_gpu, template["variables"], raise_on_error=True, preprocess=False, ignore_required=False)
+            zero = {"resources": {"requests": {"nvidia.com/gpu": "0"}, "limits": {"nvidia.com/gpu": "0"}}}
+            with pytest.raises(Exception):
+                validate(zero, template["variables"], raise_on_error=True, preprocess=False, ignore_required=False)
+    listed = subprocess.run([sys.executable, str(DEPLOY / "kubernetes" / "render.py"), "--pools"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split("\n")
+    assert {line.split()[0] for line in listed if line} == set(k8s_render.POOLS), "deploy/local/run.sh creates these"
+
+
+@pytest.mark.parametrize("fault", ["no-gpu-request", "cpu-pool", "one-gpu-for-train", "gpu-on-cpu-stage"])
+def test_render_fails_a_stage_on_the_wrong_pool_or_without_its_gpus(fault):
+    deployments = {d["name"]: copy.deepcopy(d) for d in k8s_render.kubernetes_deployments()}
+    d = deployments["plan-kubernetes" if fault == "gpu-on-cpu-stage" else "train-kubernetes"]
+    res = d["work_pool"]["job_variables"]["resources"]
+    if fault == "no-gpu-request":
+        res["requests"].pop("nvidia.com/gpu"), res["limits"].pop("nvidia.com/gpu")
+    elif fault == "cpu-pool":
+        d["work_pool"]["name"] = "loraship-kubernetes"
+    elif fault == "one-gpu-for-train":
+        res["requests"]["nvidia.com/gpu"] = res["limits"]["nvidia.com/gpu"] = "1"
+    else:
+        res["requests"]["nvidia.com/gpu"] = res["limits"]["nvidia.com/gpu"] = "1"
+    job = k8s_render.render(d, k8s_render.template_of(d))
+    problems = k8s_render.gpu_problems(d, job)
+    assert problems and all("fix:" in p for p in problems), problems
+
+
+def test_generated_gpu_templates_are_committed():
+    for path, text in prefect_render.render_gpu_templates().items():
+        assert path.read_text(encoding="utf-8") == text, f"{path.name} is stale: run python deploy/render_prefect_yaml.py"
 
 
 # ---- deploy/gitops workflow ------------------------------------------------------------------

@@ -62,8 +62,10 @@ python -m loraship.fixtures.tinymodel --out .loraship/models/tiny-llama >/dev/nu
 # has a worker on this machine.
 step "prefect deploy --all (the parent and every stage: local, docker and kubernetes pools)"
 prefect work-pool create loraship-docker --type docker --overwrite >/dev/null
-prefect work-pool create loraship-kubernetes --type kubernetes \
-  --base-job-template deploy/kubernetes/base-job-template.json --overwrite >/dev/null
+# One Kubernetes pool per hardware class (CPU, training GPU node, inference GPU), each with its own template.
+python deploy/kubernetes/render.py --pools | while read -r pool template; do
+  prefect work-pool create "$pool" --type kubernetes --base-job-template "$template" --overwrite >/dev/null
+done
 prefect --no-prompt deploy --prefect-file deploy/prefect.yaml --all >"$LOGS/deploy.log" 2>&1 \
   || { tail -40 "$LOGS/deploy.log" >&2; exit 1; }
 echo "$(grep -c 'successfully created' "$LOGS/deploy.log") deployments created"
