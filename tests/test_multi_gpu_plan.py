@@ -125,3 +125,18 @@ def test_where_ddp_extras_do_not_fit_fsdp2_takes_the_gpus():
     record = plan("qwen2-7b", sequence_len=4096, gpus=2)["distributed"]
     assert option(record, 1, "single")["fits"] and not option(record, 2, "ddp")["fits"]
     assert record["chosen"] == option(record, 2, "fsdp2")
+
+
+def test_train_preflight_checks_the_visible_devices(monkeypatch):
+    from loraship.planning.preflight import check_training_gpus
+
+    cfg = parse_config({**BASE, "device": "cpu", "gpus": 2})
+    record = plan("qwen2-7b", gpus=2)["distributed"]
+    monkeypatch.setenv("LORASHIP_CPU_RANKS", "1")
+    with pytest.raises(LorashipError, match=r"gpus: 2 but 1 device\(s\) are visible"):
+        check_training_gpus(cfg, record)
+    monkeypatch.setenv("LORASHIP_CPU_RANKS", "2")
+    assert check_training_gpus(cfg, record)["gpus"] == 2
+    monkeypatch.setenv("LORASHIP_CPU_RANKS", "two")
+    with pytest.raises(LorashipError, match="LORASHIP_CPU_RANKS='two'"):
+        check_training_gpus(cfg, record)

@@ -465,3 +465,25 @@ def turn_end_problems(tokenizer) -> list[str]:
                 "<|im_end|>, <|eot_id|>, <end_of_turn>, <|end|>, ... are), so the served model would not stop there; "
                 "end each assistant turn with {{ eos_token }} or with one of those markers"]
     return []
+
+
+def visible_training_devices(config: Config) -> int:
+    """Devices the train stage can use here: CUDA GPUs (CUDA_VISIBLE_DEVICES applies), or with device: cpu the ranks
+    LORASHIP_CPU_RANKS asks for (a CPU has no GPUs to count; 1 when unset)."""
+    if config.device == "cpu":
+        raw = os.environ.get("LORASHIP_CPU_RANKS", "1")
+        if not raw.isdigit() or int(raw) < 1:
+            raise LorashipError(f"LORASHIP_CPU_RANKS={raw!r} is not a whole number >= 1; fix: set it to e.g. 2, or unset it")
+        return int(raw)
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_training_gpus(config: Config, distributed: dict | None, visible: int | None = None) -> dict:
+    """The engine and GPU count to train with here, before any weight is loaded: the plan's multi-GPU record against
+    the devices this machine shows (multi_gpu.choose_engine, whose errors name the fix). Checked here, in the train
+    stage, and not at plan time: the plan runs on CPU pods and laptops, which see none of the training node's GPUs."""
+    from loraship.planning.multi_gpu import choose_engine
+
+    return choose_engine(distributed, visible_training_devices(config) if visible is None else visible)
