@@ -331,14 +331,6 @@ def artifact_words(config) -> str:
             "output is the folder runs publish under)")
 
 
-def _checkpointing_words(strategy: dict, n_layers: int | None) -> str:
-    """'checkpointing 9 of 28 layers'; plans made before checkpointed_layers existed say on or off."""
-    k = strategy.get("checkpointed_layers")
-    if k is None:
-        return f"checkpointing {'on' if strategy['gradient_checkpointing'] else 'off'}"
-    return f"checkpointing {k}{f' of {n_layers}' if n_layers else ''} layers"
-
-
 # The components of the peak (loraship/planning/memory.py estimate): the static terms and the kept activations happen
 # together, plus the larger of two transients: the loss, or one layer's backward with the streamed layer copies.
 _LAYER_TRANSIENT = ("one_layer_recompute_and_backward", "streamed_layer_copies")
@@ -380,17 +372,13 @@ def render_plan(plan: dict, disk: dict):
     from rich.table import Table
     from rich.text import Text
 
-    from loraship.planning.memory import ACTIVATIONS_IN_CPU
+    from loraship.planning.strategy_record import Strategy
 
-    st, mem = plan["strategy"], plan["memory"]
+    mem = plan["memory"]
     verdict = "[green]fits[/]" if plan["fits"] else "[red]does not fit[/]"
+    words = Strategy.from_json(plan["strategy"]).describe(plan.get("decoder_layers"))
     head = Text.from_markup(
-        f"[bold]Training plan[/]: {st['adapter']}"
-        + (f" + {st['offload_layers']} layers offloaded" if st["offload_layers"] else "")
-        + (" (spread over the checkpointed layers)" if st["offload_layers"] and st.get("offload_spread") else "")
-        + f", micro-batch {st['micro_batch_size']} x {st['gradient_accumulation_steps']} accumulation, "
-        f"fused loss {'on' if st['fused_loss'] else 'off'}, {_checkpointing_words(st, plan.get('decoder_layers'))}"
-        + (f", {ACTIVATIONS_IN_CPU}" if st.get("offload_activations") else "")
+        f"[bold]Training plan[/]: {words}"
         + f"\n{mem['predicted_total_gib']:.1f} GiB predicted of {plan['budget_gib']:g} GiB "
         f"(safety margin {plan['safety_margin_gib']:.1f} GiB): {verdict}\n{plan['reason']}")
     t = Table(title="Peak training memory (GiB)", show_footer=False)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from loraship.planning import flops, memory
+from loraship.planning.strategy_record import Strategy
 
 from loraship.training import packed_attention
 
@@ -742,21 +743,6 @@ def for_device(strategy: dict, config, device: str) -> dict:
     return strategy
 
 
-def describe_strategy(strategy: dict, n_layers: int | None) -> str:
-    """What really trained, in words, for the manifest and the model card."""
-    base = "QLoRA (NF4 base)" if strategy["adapter"] == "qlora" else "bf16 LoRA"
-    of = f" of {n_layers}" if n_layers else ""
-    k = strategy.get("checkpointed_layers")
-    ckpt = f"{k}{of} layers" if k is not None else ("on" if strategy["gradient_checkpointing"] else "off")
-    spread = f" (spread over the first {k})" if strategy.get("offload_spread") and k else ""
-    off = f", {strategy['offload_layers']}{of} decoder layers' frozen weights streamed from CPU memory{spread}" \
-        if strategy.get("offload_layers") else ""
-    acts = f", {memory.ACTIVATIONS_IN_CPU}" if strategy.get("offload_activations") else ""
-    return (f"{base}{off}, micro-batch {strategy['micro_batch_size']} x {strategy['gradient_accumulation_steps']} "
-            f"accumulation, {'fused' if strategy['fused_loss'] else 'HF'} loss, "
-            f"gradient checkpointing {ckpt}{acts}")
-
-
 def draw_figures(config, folder: Path, result: dict, predicted: dict, device: str, trained_as: str) -> list[str]:
     """The loss curves and the memory plan as PNGs in the stage folder (outputs of its manifest)."""
     history = [json.loads(line) for line in (folder / LOSS_HISTORY_FILE).read_text(encoding="utf-8").splitlines()]
@@ -859,7 +845,7 @@ def run(config) -> dict:
         **result,
         "device": device,
         "strategy": strategy,
-        "trained_as": describe_strategy(strategy, n_layers),
+        "trained_as": Strategy.from_json(strategy).describe(n_layers),
         # The Linears adapted, as the architecture names them (Phi-3: qkv_proj, gate_up_proj), and why when a fused
         # one adapts more projections than the config named.
         "lora_modules": lora_targets(model_dir, config),

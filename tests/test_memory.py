@@ -478,7 +478,7 @@ def test_fast_mode_falls_back_only_when_every_layer_checkpointed_does_not_fit():
     st = plan["strategy"]
     # As in the lean test above: bf16 LoRA does not fit, so offload, which keeps every layer checkpointed.
     assert 0 < st["offload_layers"] and st["checkpointed_layers"] == 48
-    assert "checkpointing more layers" in plan["reason"] and "48 layers checkpointed" in plan["reason"]
+    assert "checkpointing more layers" in plan["reason"] and "gradient checkpointing 48 of 48 layers" in plan["reason"]
     for strat, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c):
         if strat["offload_layers"]:
             assert strat["checkpointed_layers"] == 48
@@ -777,7 +777,9 @@ def test_the_speed_plan_spreads_its_streamed_layers_unless_told_not_to(monkeypat
 
     con = Console(record=True, width=400)
     con.print(render_plan(plan, memory.plan_disk_and_inference(QWEN2_14B_EXAMPLE, c)))
-    assert f"{st['offload_layers']} layers offloaded (spread over the checkpointed layers)" in con.export_text()
+    words = (f"{st['offload_layers']} of 48 decoder layers' frozen weights streamed from CPU memory (spread over the "
+             f"first {st['checkpointed_layers']})")
+    assert words in con.export_text()
     monkeypatch.setenv("LORASHIP_OFFLOAD_SPREAD", "0")  # bench/train_bench.py's loraship-contiguous
     contiguous = memory.plan_training(QWEN2_14B_EXAMPLE, c)
     assert "offload_spread" not in contiguous["strategy"] and "spread" not in contiguous["reason"]

@@ -21,6 +21,7 @@ from loraship.planning.knobs import (
 )
 from loraship.planning.shape import Shape
 from loraship.planning.step_time import faster_layout, layout_times, step_seconds
+from loraship.planning.strategy_record import Strategy
 
 
 def _divisors_desc(n: int, at_most: int) -> list[int]:
@@ -112,15 +113,8 @@ def _rung(strategy: dict, user: dict) -> str:
     return "checkpointing" if strategy.get("checkpointed_layers") != user.get("checkpointed_layers") else "as configured"
 
 
-def _describe(strategy: dict) -> str:
-    k = strategy.get("checkpointed_layers")
-    spread = f" (spread over the first {k})" if strategy.get("offload_spread") and k else ""
-    off = f" with {strategy['offload_layers']} layers offloaded{spread}" if strategy["offload_layers"] else ""
-    ckpt = (f"{k} layers checkpointed" if k is not None
-            else f"checkpointing {'on' if strategy['gradient_checkpointing'] else 'off'}")
-    acts = f", {ACTIVATIONS_IN_CPU}" if strategy.get("offload_activations") else ""
-    return (f"{strategy['adapter']}{off}, micro-batch {strategy['micro_batch_size']} x "
-            f"{strategy['gradient_accumulation_steps']}, fused loss {'on' if strategy['fused_loss'] else 'off'}, {ckpt}{acts}")
+def _describe(strategy: dict, n_layers: int) -> str:
+    return Strategy.from_json(strategy).describe(n_layers)
 
 
 def _why_not(tried: list[tuple[dict, str, dict]], cfg: Config, n_layers: int) -> str:
@@ -134,7 +128,7 @@ def _why_not(tried: list[tuple[dict, str, dict]], cfg: Config, n_layers: int) ->
     words = {"as configured": "as configured", "checkpointing": "checkpointing more layers",
              "activations": ACTIVATIONS_IN_CPU, "micro-batch": "the smallest micro-batch",
              "offload": "bf16 LoRA with offload", "qlora": "QLoRA"}
-    parts = [f"{words[k]} ({_describe(st)}) needs {est['predicted_total_gib']:.1f} GiB"
+    parts = [f"{words[k]} ({_describe(st, n_layers)}) needs {est['predicted_total_gib']:.1f} GiB"
              + (f" (peak at {est['peak_phase']})" if k == "as configured" else "")
              for k, (st, est) in best.items()]
     if user["adapter"] == "lora":
@@ -162,19 +156,19 @@ def _refusal(s: Shape, cfg: Config, tried: list[tuple[dict, str, dict]]) -> str:
             fit = next((st for st, _w in ladder(s, cfg, fallback=[kind])
                         if _rung(st, strategy_from_config(cfg, n_layers)) == kind and estimate(s, cfg, st)["fits"]), None)
             if fit:
-                fixes.append(f"set fallback: [{kind}] ({_describe(fit)} fits)")
+                fixes.append(f"set fallback: [{kind}] ({_describe(fit, n_layers)} fits)")
     if activations_setting(cfg) == "off":
         auto = cfg.model_copy(update={"offload_activations": "auto"})
         fit = next((st for st, _w in ladder(s, auto)
                     if st.get("offload_activations") and estimate(s, auto, st)["fits"]), None)
         if fit:
-            fixes.append(f"set offload_activations: auto ({_describe(fit)} fits)")
+            fixes.append(f"set offload_activations: auto ({_describe(fit, n_layers)} fits)")
     if cfg.fused_loss == "auto" and not strategy_from_config(cfg)["fused_loss"]:
         fixes.append("install liger-kernel (pip install 'loraship[train]') so fused_loss: auto uses the fused loss")
     fixes.append(f"lower sequence_len (now {cfg.sequence_len}) or lora_r (now {cfg.lora_r})")
     fixes.append(f"train on a card with at least {math.ceil(_card_needed_gib(need))} GiB (gpu_memory_gib)")
     return (f"nothing fits gpu_memory_gib {budget:g} GiB ({budget - margin:.1f} GiB after the {margin:.1f} GiB safety "
-            f"margin): {_why_not(tried, cfg, n_layers)}. The smallest plan tried ({_describe(smallest[0])}) needs {need:.1f} GiB, "
+            f"margin): {_why_not(tried, cfg, n_layers)}. The smallest plan tried ({_describe(smallest[0], n_layers)}) needs {need:.1f} GiB, "
             f"{need - (budget - margin):.1f} GiB too much. Fix: " + "; or ".join(fixes) + ".")
 
 
