@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from loraship.config import parse_config
-from loraship.constants import STAGES
+from loraship.constants import OLLAMA_FILE, STAGES
 from loraship.errors import LorashipError
 from loraship.fixtures.families import FAMILIES, Family
 from loraship.runtime.stage import stage_dir
@@ -159,6 +159,8 @@ def test_qwen3_trains_and_serves_the_non_thinking_form(family_run):
     served = verify["served"]["answers"]
     assert served and not any("think>" in a["served"] for a in served)
     assert verify["served"]["prompt_tokens_equal"] == len(served)
+    # Ollama's Modelfile renders the same form (its Go template writes the empty think block).
+    assert json.loads((stage_dir(config, "convert") / OLLAMA_FILE).read_text())["family"] == "chatml-no-think"
 
 
 @pytest.mark.parametrize("family_run", ["llama31"], indirect=True)
@@ -262,3 +264,44 @@ def test_the_planner_knows_every_family(family_folders, name):
     from loraship.planning.memory import parse_model_config
 
     parse_model_config(json.loads((family_folders[name] / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("name, fused", [("granite3", False), ("llama31", True)])
+def test_plan_leaves_the_fused_loss_off_where_liger_kernel_has_none(family_folders, name, fused, tmp_path, monkeypatch):
+    """On CUDA with liger-kernel installed, fused_loss: auto plans Liger's fused loss, except for a model type liger has
+    none for (Granite scales its logits): plan leaves it off there, and fused_loss: on is refused at plan."""
+    from loraship.planning import knobs, memory
+
+    monkeypatch.setattr(knobs.importlib.util, "find_spec", lambda n: object() if n == "liger_kernel" else None)
+    folder = family_folders[name]
+    model_config = json.loads((folder / "config.json").read_text())
+    config = parse_config(demo_config_dict(folder, tmp_path, device="cuda"))
+    assert memory.plan_training(model_config, config)["strategy"]["fused_loss"] is fused
+    on = config.model_copy(update={"fused_loss": "on"})
+    if fused:
+        assert memory.plan_training(model_config, on)["strategy"]["fused_loss"] is True
+    else:
+        with pytest.raises(LorashipError, match="fused_loss: on, but liger-kernel has no fused loss for model_type "
+                                                "'granite'.*fix: set fused_loss: auto or off"):
+            memory.plan_training(model_config, on)
+
+
+@pytest.mark.parametrize("thinking, family", [(False, "chatml-no-think"), (True, "chatml")])
+def test_ollama_template_renders_qwen3_in_the_form_it_was_trained(family_folders, thinking, family):
+    """Ollama passes no enable_thinking to a Modelfile's Go template: with `thinking: false` (the default) its
+    template must write Qwen3's empty think block itself, as the prompts the model was trained on end."""
+    from transformers import AutoTokenizer
+
+    from loraship.chat import render, set_template_kwargs, template_kwargs, template_of
+    from loraship.llamacpp import ollama
+
+    tok = AutoTokenizer.from_pretrained(family_folders["qwen3"])
+    set_template_kwargs(tok, template_kwargs(template_of(tok), thinking))
+    facts = ollama.recognise(tok)
+    assert facts["family"] == family
+    served = render(tok, list(ollama.PROBE), add_generation_prompt=True)
+    assert served.endswith("<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n"))
+    assert next(f for f in ollama.FAMILIES if f.name == family).render(None, list(ollama.PROBE)) == served
+    text = ollama.modelfile("model-Q4_K_M.gguf", facts, ["<|im_end|>"], 4096)
+    assert text.split('TEMPLATE """', 1)[1].split('"""', 1)[0].endswith("<|im_start|>assistant\n" + (
+        "" if thinking else "<think>\n\n</think>\n\n"))
