@@ -31,7 +31,7 @@ from loraship.constants import (
     ADAPTER_DIR, ADAPTER_GGUF, F16_GGUF, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_FILE_TYPE, GGUF_METADATA_FILE, MERGED_DIR,
     OLLAMA_FILE, base_gguf_name,
 )
-from loraship.chat import stop_ids
+from loraship.chat import set_template_kwargs, stop_ids, template_kwargs, template_of
 from loraship.errors import IntegrityError, LorashipError
 from loraship.llamacpp import space_prefix
 from loraship.llamacpp.gguf_info import read_gguf, read_gguf_of_type
@@ -220,6 +220,8 @@ def run(config) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(merged)
+    # Rendered as trained (Qwen3's enable_thinking from `thinking:`), so the Modelfile's template renders that form.
+    set_template_kwargs(tokenizer, template_kwargs(template_of(tokenizer), config.thinking))
     facts = ollama_facts(tokenizer, merged)
     atomic_write_json(ctx.dir / OLLAMA_FILE, facts)
     add_space_prefix, problem = space_prefix.choose(tokenizer, space_prefix.served_kinds(config))

@@ -50,6 +50,15 @@ def _chatml(system, messages):
     return head + turns + "<|im_start|>assistant\n"
 
 
+# What Qwen3's template appends to the generation prompt with enable_thinking false (`thinking: false`, the default):
+# an empty think block, so the model answers at once, as it was trained to.
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+def _chatml_no_think(system, messages):
+    return _chatml(system, messages) + EMPTY_THINK
+
+
 def _llama3(system, messages):
     def block(role, content):
         return f"<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>"
@@ -84,10 +93,7 @@ def _mistral_legacy(system, messages):
     return out
 
 
-FAMILIES = (
-    Family(
-        "chatml",
-        """{{- if .System }}<|im_start|>system
+CHATML_GO = """{{- if .System }}<|im_start|>system
 {{ .System }}<|im_end|>
 {{ end }}
 {{- range .Messages }}
@@ -97,10 +103,13 @@ FAMILIES = (
 {{ .Content }}<|im_end|>
 {{ end }}
 {{- end }}<|im_start|>assistant
-""",
-        _chatml,
-        ("<|im_start|>", "<|im_end|>"),
-    ),
+"""
+
+FAMILIES = (
+    Family("chatml", CHATML_GO, _chatml, ("<|im_start|>", "<|im_end|>")),
+    # Qwen3 served in the non-thinking form: Ollama passes no enable_thinking to a Modelfile's Go template, so the
+    # empty think block is written into the template itself.
+    Family("chatml-no-think", CHATML_GO + EMPTY_THINK, _chatml_no_think, ("<|im_start|>", "<|im_end|>")),
     Family(
         "llama3",
         """{{- if .System }}<|start_header_id|>system<|end_header_id|>
