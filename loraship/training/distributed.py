@@ -1,0 +1,432 @@
+"""Training on several devices with torch's own engines: torchrun, DistributedDataParallel, FSDP2.
+
+The train stage starts itself again under torchrun (torch.distributed.run) inside its own container, one
+process per device, and waits (`launch_ranks`); each rank sets up its process group (`init_rank`), wraps the
+model (`wrap`: DDP where the plan's single-GPU strategy fits one card, FSDP2 `fully_shard` per decoder layer
+then the root where it does not), trains its share of every global batch (`rank_share`: global batch =
+micro-batch x accumulation x ranks, the same examples in the same order as one process at that batch),
+syncs gradients on the last micro-step only (`accumulating`), and reports global figures (`all_sum`,
+`worst_rank_memory`). Rank 0 alone writes the adapter and checkpoints from full state dicts gathered by
+torch.distributed.checkpoint.state_dict (`trainable_state`, `optimizer_state`); every rank loads them on
+resume. A rank that fails stops the others (torchrun's agent does) and the stage raises one LorashipError
+naming the rank (`RankFailed`), or, for an out-of-memory error in any rank, `RanksOutOfMemory`, which the
+stage's re-plan treats as its own out-of-memory error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraship.errors import LorashipError
+
+ENGINES = ("single", "ddp", "fsdp2")
+CPU_RANKS_ENV = "LORASHIP_CPU_RANKS"  # ranks on a CPU, which has no visible GPUs to count (tests, CI)
+REPORTS_ENV = "LORASHIP_RANK_REPORTS"  # the folder where ranks and the launcher leave what went wrong
+FAILURES_FILE = "failures.json"
+# A rank's exit code after it wrote its report: a LorashipError (the CLI's code for it) or out of memory.
+EXIT_USER_ERROR = 2
+EXIT_OUT_OF_MEMORY = 3
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How training spreads over devices: `single` (one process), `ddp` or `fsdp2`, on world_size ranks."""
+
+    name: str
+    world_size: int
+
+    def __post_init__(self):
+        if self.name not in ENGINES:
+            raise LorashipError(f"unknown distributed engine {self.name!r}; fix: one of {', '.join(ENGINES)} (re-plan)")
+        if self.world_size < 1 or (self.name == "single") != (self.world_size == 1):
+            raise LorashipError(f"engine {self.name} on {self.world_size} rank(s) is not a valid choice; fix: single on "
+                                "1, ddp or fsdp2 on 2 or more (re-plan)")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def engine_of(option: dict | None) -> Engine:
+    """The Engine of a plan option ({"gpus": N, "engine": ...}, loraship/planning/multi_gpu.py choose_engine);
+    None (a plan from before multi-GPU planning) is one process."""
+    if not option:
+        return Engine("single", 1)
+    try:
+        return Engine(str(option["engine"]), int(option["gpus"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise LorashipError(f"the plan's distributed option {option!r} lacks engine/gpus; fix: plan again") from e
+
+
+def cpu_ranks() -> int | None:
+    """LORASHIP_CPU_RANKS: how many ranks to run on a CPU (gloo), None when unset."""
+    raw = os.environ.get(CPU_RANKS_ENV)
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise LorashipError(f"{CPU_RANKS_ENV}={raw!r} is not a number of ranks; fix: an integer >= 1, or unset it")
+    return n
+
+
+# --- the parent: launch the ranks under torchrun and say what went wrong ---------------------------------------
+class RankFailed(LorashipError):
+    """A rank died or failed; the message names it and how the run goes on."""
+
+
+class RanksOutOfMemory(RuntimeError):
+    """A rank ran out of device memory and every rank stopped. A RuntimeError whose message says "out of memory",
+    so the train stage's is_out_of_memory re-plans exactly as after its own torch.OutOfMemoryError."""
+
+    def __init__(self, rank: int, message: str, measured: dict | None):
+        super().__init__(f"rank {rank}: {message}" if "out of memory" in message.lower()
+                         else f"rank {rank}: out of memory: {message}")
+        self.rank, self.measured = rank, measured or {}
+
+
+def torchrun_command(module: str, args: list[str], world_size: int) -> list[str]:
+    """torchrun's own command line for `python -m module args` on world_size local ranks, run through this module's
+    entry (below) so that a failure comes back as torch's ChildFailedError record rather than log text."""
+    return [sys.executable, "-m", __name__, "--standalone", f"--nproc-per-node={world_size}", "--max-restarts=0",
+            "-m", module, *args]
+
+
+def launch_ranks(module: str, args: list[str], world_size: int, reports: Path, *, resume_hint: str,
+                 env: dict[str, str] | None = None) -> None:
+    """Run `module args` on world_size ranks under torchrun and wait; return when every rank succeeded.
+
+    Raises the first rank's LorashipError as it reported it, RanksOutOfMemory when a rank ran out of memory, and
+    RankFailed naming the rank, its exit code or signal, for anything else. resume_hint: what a rerun does (where it
+    resumes). The ranks lead their own session, killed with this process (interrupt or kill -9)."""
+    from loraship.runtime.proc import child_setup, kill_group
+
+    reports.mkdir(parents=True, exist_ok=True)
+    for old in reports.glob("*.json"):
+        old.unlink()
+    # The ranks are this stage, in this container: they get its environment (the model is resolved already).
+    child = {**os.environ, **(env or {}), REPORTS_ENV: str(reports)}
+    proc = subprocess.Popen(torchrun_command(module, args, world_size), env=child, start_new_session=True,
+                            preexec_fn=child_setup)
+    try:
+        code = proc.wait()
+    except BaseException:
+        kill_group(proc)
+        raise
+    kill_group(proc)  # nothing of the group may outlive it and write on
+    if code != 0:
+        raise failure_of(reports, world_size, code, resume_hint)
+
+
+def failure_of(reports: Path, world_size: int, code: int, resume_hint: str) -> Exception:
+    """The error for a torchrun that exited with `code`: the ranks' own reports first (a LorashipError, an
+    out-of-memory), then torchrun's failure record (the first rank that died, its exit code or signal)."""
+    own = sorted((json.loads(p.read_text(encoding="utf-8")) for p in reports.glob("rank-*.json")),
+                 key=lambda r: (r.get("kind") != "user_error", r["rank"]))
+    if own and own[0]["kind"] == "user_error":
+        return LorashipError(own[0]["message"])
+    if own and own[0]["kind"] == "out_of_memory":
+        return RanksOutOfMemory(own[0]["rank"], own[0]["message"], own[0].get("measured"))
+    record = reports / FAILURES_FILE
+    failures = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else []
+    # The root cause: torchrun stops the others by SIGTERM once one failed, and a rank killed by another signal
+    # (SIGKILL: the OOM killer, a scheduler) leaves its peers failing on a closed connection (exit code 1).
+    failures.sort(key=lambda f: (f.get("signal") == "SIGTERM", f.get("signal") is None, f.get("timestamp", 0),
+                                 f["rank"]))
+    if not failures:
+        how = f"torchrun exited with code {code} before any rank reported"
+        return RankFailed(f"distributed training failed: {how}; {resume_hint}; fix: read the log above for the cause")
+    first = failures[0]
+    how = f"was killed by {first['signal']}" if first.get("signal") else f"exited with code {first['exitcode']}"
+    detail = (first.get("message") or "").strip().splitlines()
+    cause = f" ({detail[-1]})" if detail and not first.get("signal") else ""
+    return RankFailed(f"training rank {first['rank']} of {world_size} {how}{cause}; torchrun stopped the other ranks. "
+                      f"{resume_hint}; fix: find why rank {first['rank']} stopped (out of host memory? killed by the "
+                      "scheduler?) and run the same command again")
+
+
+def _run_torchrun(argv: list[str]) -> int:
+    """torch.distributed.run's own parse and launch; its ChildFailedError recorded in REPORTS_ENV/failures.json."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        failures = [{"rank": rank, "local_rank": f.local_rank, "exitcode": f.exitcode, "pid": f.pid,
+                     "signal": f.signal_name() if f.exitcode < 0 else None, "timestamp": f.timestamp,
+                     "message": f.message if isinstance(f.message, str) else json.dumps(f.message)}
+                    for rank, f in e.failures.items()]
+        folder = os.environ.get(REPORTS_ENV)
+        if folder:
+            Path(folder, FAILURES_FILE).write_text(json.dumps(failures), encoding="utf-8")
+        return 1
+    return 0
+
+
+# --- a rank ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rank:
+    """This process's place among the ranks. device: "cuda" (this rank's own card, made current) or "cpu"."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str
+    backend: str
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def in_ranks() -> bool:
+    """True in a process torchrun started (it sets RANK, WORLD_SIZE and LOCAL_RANK)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def init_rank(device: str, timeout_s: float = 1800.0) -> Rank:
+    """The process group for this rank: NCCL on CUDA, with this rank's card (LOCAL_RANK) current, gloo on the CPU."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device == "cuda":
+        if local >= torch.cuda.device_count():
+            raise LorashipError(f"rank {rank} wants CUDA device {local} but {torch.cuda.device_count()} are visible; "
+                                "fix: ask for at most as many gpus as the machine has")
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+        backend = "nccl"
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+        backend = "gloo"
+    return Rank(rank, world, local, device, backend)
+
+
+def close_rank() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def report(rank: Rank | None, kind: str, message: str, measured: dict | None = None) -> None:
+    """Leave what went wrong in this rank for the launcher (failure_of): kind user_error or out_of_memory."""
+    folder = os.environ.get(REPORTS_ENV)
+    if not folder:
+        return
+    number = rank.rank if rank else int(os.environ.get("RANK", "0"))
+    Path(folder, f"rank-{number}.json").write_text(
+        json.dumps({"rank": number, "kind": kind, "message": message, "measured": measured or {}}), encoding="utf-8")
+
+
+def quiet_unless_main(rank: Rank) -> None:
+    """One progress line for the run: ranks other than 0 log warnings and errors only."""
+    import logging
+
+    if not rank.main:
+        logging.getLogger("loraship").setLevel(logging.WARNING)
+
+
+def check_same_inputs(rank: Rank, fingerprints: dict[str, str]) -> None:
+    """Before training: every rank must train on the same config and data. All ranks gather each other's
+    fingerprints; where any differs from rank 0's, every rank raises the same error naming the ranks."""
+    import torch.distributed as dist
+
+    gathered: list[dict | None] = [None] * rank.world_size
+    dist.all_gather_object(gathered, fingerprints)
+    problems = []
+    for key, value in gathered[0].items():
+        differ = [r for r, theirs in enumerate(gathered) if theirs.get(key) != value]
+        if differ:
+            problems.append(f"{key}: rank(s) {', '.join(map(str, differ))} differ from rank 0 "
+                            f"({', '.join(str(gathered[r].get(key))[:12] for r in differ)} vs {str(value)[:12]})")
+    if problems:
+        raise LorashipError(f"the {rank.world_size} training ranks disagree before training: " + "; ".join(problems)
+                            + "; fix: every rank must read the same config and data files (one image, one shared "
+                              "run folder; a file edited during the launch?), then run again")
+
+
+# --- the model ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Wrapped:
+    """A model prepared for an engine: `module` runs forward (DDP's wrapper, or the model itself: FSDP2 and single
+    shard in place), `model` is the PEFT model itself (save_pretrained, adapters, config)."""
+
+    module: object
+    model: object
+    engine: Engine
+
+
+def quantization_storage(engine: Engine, dtype) -> dict:
+    """BitsAndBytesConfig arguments for QLoRA under this engine: FSDP2 shards the NF4 weights only when they are
+    stored as a float dtype like the rest (bnb_4bit_quant_storage, as Axolotl and LLaMA-Factory set it), so that
+    one all-gather per layer moves packed NF4 bytes along with the other parameters."""
+    return {"bnb_4bit_quant_storage": dtype} if engine.name == "fsdp2" else {}
+
+
+def wrap(model, engine: Engine, rank: Rank | None, layers: list) -> Wrapped:
+    """DDP or FSDP2 around a PEFT model whose trainable parameters are its LoRA weights; `layers` are its decoder
+    layers, each sharded on its own (FSDP2) so that one layer's full weights live at a time. Wrap before the
+    optimizer is made: FSDP2 replaces the parameters with their shards."""
+    if not engine.distributed:
+        return Wrapped(model, model, engine)
+    if rank is None:
+        raise LorashipError(f"engine {engine.name} needs the ranks' process group; fix: start it with launch_ranks")
+    if engine.name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Every LoRA weight gets a gradient every step: find_unused_parameters off. Not static_graph: with no_sync
+        # micro-steps torch 2.13's reducer fails its expect_autograd_hooks_ assertion (tests/test_distributed.py), and
+        # non-reentrant checkpointing, the only kind loraship uses, needs no static graph.
+        module = DistributedDataParallel(
+            model, device_ids=[rank.local_rank] if rank.device == "cuda" else None, find_unused_parameters=False,
+            gradient_as_bucket_view=True)
+        return Wrapped(module, model, engine)
+    from torch.distributed.fsdp import fully_shard
+
+    if not layers:
+        raise LorashipError("FSDP2 shards per decoder layer, and this model has none that transformers marks "
+                            "(GradientCheckpointingLayer); fix: train it on gpus: 1 or with ddp")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)  # the rest: embeddings, final norm, lm_head
+    return Wrapped(model, model, engine)
+
+
+def rank_share(group: list, rank: int, world_size: int) -> list[tuple[object, bool]]:
+    """This rank's micro-batches of one global step (one process's list of them), as (micro-batch, counts): a
+    contiguous block of ceil(n / world_size), the same number on every rank. A rank whose block is short fills it
+    with a stand-in (counts False: its loss weighs 0), because every rank must run as many forward and backward
+    passes as the others: FSDP2 gathers each layer's weights in every forward, and DDP syncs on the last backward."""
+    if not group:
+        raise ValueError("a step with no micro-batches")
+    per = math.ceil(len(group) / world_size)
+    mine = [(g, True) for g in group[rank * per:(rank + 1) * per]]
+    return mine + [(group[0], False)] * (per - len(mine))
+
+
+def accumulating(wrapped: Wrapped, final: bool):
+    """The context for one micro-step's forward and backward: gradients are synced across ranks only on the final
+    micro-step of an optimizer step (DDP no_sync, FSDP2 set_requires_gradient_sync), not on the others."""
+    if not wrapped.engine.distributed:
+        return contextlib.nullcontext()
+    if wrapped.engine.name == "ddp":
+        return contextlib.nullcontext() if final else wrapped.module.no_sync()
+    wrapped.module.set_requires_gradient_sync(final)
+    return contextlib.nullcontext()
+
+
+def gradient_scale(engine: Engine) -> float:
+    """What a rank's loss is multiplied by: DDP and FSDP2 average gradients over the ranks, while each rank's loss
+    is already its share of the global step's mean (weighted by the global target count), so the sum is wanted."""
+    return float(engine.world_size)
+
+
+def all_sum(values: list[float], rank: Rank | None) -> list[float]:
+    """The sum over the ranks of each value (one collective): the global step loss, tokens."""
+    if rank is None:
+        return [float(v) for v in values]
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=rank.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def worst_rank_memory(measured: dict, rank: Rank | None) -> dict:
+    """The measured peak memory of the run: each figure the largest over the ranks (the card that limits the plan),
+    with every rank's own figures beside it. {} stays {} (a CPU run measures nothing)."""
+    if rank is None:
+        return measured
+    import torch.distributed as dist
+
+    gathered: list[dict | None] = [None] * rank.world_size
+    dist.all_gather_object(gathered, measured)
+    if not any(gathered):
+        return {}
+    worst = {k: max(g.get(k) or 0 for g in gathered) for k in gathered[0] if isinstance(gathered[0][k], (int, float))}
+    worst_rank = max(range(rank.world_size), key=lambda r: gathered[r].get("peak_reserved_gib") or 0)
+    return {**worst, "worst_rank": worst_rank, "per_rank": gathered}
+
+
+# --- state: gathered to rank 0, loaded by every rank ------------------------------------------------------------
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kw)
+
+
+def trainable_state(wrapped: Wrapped) -> dict:
+    """The trainable (LoRA) weights, whole, on rank 0's CPU, keyed like the PEFT model's state_dict; {} on the
+    other ranks. Every rank must call it (FSDP2 gathers the shards). One format whatever the engine and the number
+    of ranks, so a checkpoint resumes on another number of devices."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(wrapped.model, options=_options(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=True))
+
+
+def _trainable(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(wrapped: Wrapped, state: dict) -> None:
+    """trainable_state's dict back into the model, on every rank (each keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    missing = _trainable(wrapped.model) - set(state)
+    if missing:
+        raise LorashipError(f"the checkpoint lacks {len(missing)} trainable weight(s), e.g. {sorted(missing)[0]}; "
+                            "fix: delete the train stage's checkpoints folder to start from step 0")
+    set_model_state_dict(wrapped.model, state, options=_options(full_state_dict=True, strict=False))
+
+
+def optimizer_state(wrapped: Wrapped, optimizer) -> dict:
+    """The optimizer's state, whole and keyed by parameter name, on rank 0 ({} elsewhere); every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(wrapped.model, optimizer, options=_options(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(wrapped: Wrapped, optimizer, state: dict) -> None:
+    """optimizer_state's dict back, on every rank. A state keyed by parameter number (optimizer.state_dict(), as
+    one process saved it before) loads as it was saved, in one process only."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    numbered = all(isinstance(i, int) for g in state.get("param_groups", []) for i in g["params"])
+    if numbered and state.get("param_groups"):
+        if wrapped.engine.distributed:
+            raise LorashipError("the checkpoint's optimizer state is from an older loraship that numbered the "
+                                "parameters, which several ranks cannot load; fix: resume it on one device, or delete "
+                                "the train stage's checkpoints folder to start from step 0")
+        optimizer.load_state_dict(state)
+        return
+    set_optimizer_state_dict(wrapped.model, optimizer, state, options=_options(full_state_dict=True))
+
+
+def barrier(rank: Rank | None) -> None:
+    """Wait for every rank (after rank 0 wrote what the others read next)."""
+    if rank is not None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    # The launcher's entry: torchrun (torch.distributed.run) exactly, with its failure record kept.
+    sys.exit(_run_torchrun(sys.argv[1:]))

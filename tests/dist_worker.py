@@ -1,0 +1,152 @@
+"""One rank of a tiny LoRA training for tests/test_distributed.py, or the same training in one process.
+
+The train stage's step (a seeded epoch order, micro-batches weighted by their share of the step's target tokens,
+clipping, AdamW, a checkpoint every step) on the library's distributed pieces, small enough for the CPU:
+
+    python -m tests.dist_worker --model DIR --out DIR --engine single --accum 4           # one process
+    python -m torch.distributed.run --nproc-per-node 2 -m tests.dist_worker ... --engine ddp --accum 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+from loraship.data import IGNORE_INDEX
+from loraship.errors import LorashipError
+from loraship.training import distributed as dist_lib
+from loraship.training.packing import collate_padded, epoch_steps, steps_per_epoch
+
+N_EXAMPLES = 18  # micro 2 x accumulation 2 x 2 ranks = 8 a step: two full steps and one of 2 (one rank idles)
+SEED = 5
+
+
+def examples(skew: bool) -> list[dict]:
+    rng = random.Random(SEED)
+    out = []
+    for _ in range(N_EXAMPLES + (1 if skew else 0)):
+        ids = [rng.randrange(3, 500) for _ in range(rng.randrange(6, 30))]
+        prompt = rng.randrange(1, 4)
+        out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * prompt + ids[prompt:]})
+    return out
+
+
+def load(model_dir: str, adapter: str, engine):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    kwargs = {}
+    if adapter == "qlora":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32, **dist_lib.quantization_storage(engine, torch.float32))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs)
+    for module in model.modules():  # as tasks/train.py: bitsandbytes' CPU inference layout cannot train
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    model.config.use_cache = False
+    # The same seed on every rank: the same LoRA initialisation (FSDP2 keeps each rank's own shard of it).
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                                             task_type="CAUSAL_LM"))
+    model.train()
+    return model, [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--engine", default="single")
+    p.add_argument("--adapter", default="lora")
+    p.add_argument("--micro", type=int, default=2)
+    p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--kill-at", type=int, default=0, help="rank 1 kills itself by SIGKILL mid-way through this step")
+    p.add_argument("--skew", action="store_true", help="rank 1 reads one example more")
+    a = p.parse_args()
+    out = Path(a.out)
+    rank = None
+    try:
+        if dist_lib.in_ranks():
+            rank = dist_lib.init_rank("cpu")
+        world = rank.world_size if rank else 1
+        engine = dist_lib.Engine(a.engine, world)
+        data = examples(a.skew and rank is not None and rank.rank == 1)
+        if rank:
+            digest = hashlib.sha256(json.dumps([e["input_ids"] for e in data]).encode()).hexdigest()
+            dist_lib.check_same_inputs(rank, {"config": json.dumps(vars(a), sort_keys=True), "data": digest})
+        train(a, out, engine, rank, data)
+    except LorashipError as e:
+        dist_lib.report(rank, "user_error", str(e))
+        raise SystemExit(dist_lib.EXIT_USER_ERROR) from e
+    finally:
+        dist_lib.close_rank()
+
+
+def train(a, out: Path, engine, rank, data: list[dict]) -> None:
+    import torch
+
+    model, layers = load(a.model, a.adapter, engine)
+    wrapped = dist_lib.wrap(model, engine, rank, layers)
+    trainable = [p for p in wrapped.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=2e-3)
+    lengths = [len(e["input_ids"]) for e in data]
+    accum = a.accum * engine.world_size  # micro-batches of one global step, as one process would run them
+    per_epoch = steps_per_epoch(len(data), a.micro, accum)
+    state_file = out / "checkpoint.pt"
+    step, history = 0, []
+    if state_file.is_file():  # every rank loads what rank 0 saved
+        state = torch.load(state_file, weights_only=True)
+        dist_lib.load_trainable_state(wrapped, state["model"])
+        dist_lib.load_optimizer_state(wrapped, optimizer, state["optimizer"])
+        step, history = state["step"], state["history"]
+    resumed_from = step
+    me = rank.rank if rank else 0
+    while step < a.steps:
+        epoch, within = divmod(step, per_epoch)
+        group = epoch_steps(lengths, a.micro, accum, SEED, epoch, None)[within]
+        step_targets = sum(1 for rows in group for row in rows for i in row for t in data[i]["labels"][1:]
+                           if t != IGNORE_INDEX)
+        share = dist_lib.rank_share(group, me, engine.world_size)
+        local_loss, local_tokens = 0.0, 0
+        for m, (rows, counts) in enumerate(share):
+            batch = [data[i] for row in rows for i in row]
+            ids, labels, mask = collate_padded(batch, 0)
+            n = int((labels[:, 1:] != IGNORE_INDEX).sum()) if counts else 0
+            with dist_lib.accumulating(wrapped, final=m == len(share) - 1):
+                loss = wrapped.module(input_ids=ids, attention_mask=mask, labels=labels).loss
+                (loss * (n / step_targets) * dist_lib.gradient_scale(engine)).backward()
+            local_loss += float(loss.detach()) * n / step_targets
+            local_tokens += int(mask.sum()) if counts else 0
+            if a.kill_at == step + 1 and me == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+        step_loss, tokens = dist_lib.all_sum([local_loss, local_tokens], rank)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        history.append({"step": step, "loss": step_loss, "tokens": tokens})
+        state = {"model": dist_lib.trainable_state(wrapped), "optimizer": dist_lib.optimizer_state(wrapped, optimizer),
+                 "step": step, "history": history}
+        if me == 0:
+            torch.save(state, out / "checkpoint.tmp")
+            os.replace(out / "checkpoint.tmp", state_file)
+        dist_lib.barrier(rank)
+    adapter = dist_lib.trainable_state(wrapped)
+    worst = dist_lib.worst_rank_memory({"peak_reserved_gib": 1.0 + me}, rank)
+    if me == 0:
+        wrapped.model.save_pretrained(out / "adapter", safe_serialization=True, state_dict=adapter)
+        (out / "result.json").write_text(json.dumps({"history": history, "resumed_from": resumed_from,
+                                                     "worst": worst}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Training on several ranks (loraship/training/distributed.py), 2 ranks on the CPU with gloo, launched as the train
+stage launches them (torchrun), on the tiny model: the same losses and adapter as one process at the same global
+batch, for DDP and FSDP2 (LoRA, and QLoRA's NF4 weights sharded); a killed rank is one clear error and the rerun
+resumes; ranks that read different data stop before training. tests/dist_worker.py is the rank's training."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraship.errors import LorashipError
+from loraship.training import distributed as dist_lib
+
+REPO = Path(__file__).resolve().parents[1]
+ONE_CORE = {"OMP_NUM_THREADS": "1"}  # 2 ranks on a 2-core machine
+
+
+def run_ranks(tiny_model: Path, out: Path, *args: str, engine: str = "ddp") -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    dist_lib.launch_ranks("tests.dist_worker", ["--model", str(tiny_model), "--out", str(out), "--engine", engine,
+                                                "--accum", "2", *args],
+                          2, out / "reports", resume_hint="a rerun resumes from the last checkpoint", env=ONE_CORE)
+    return json.loads((out / "result.json").read_text())
+
+
+def run_one_process(tiny_model: Path, out: Path, *args: str) -> dict:
+    """The same training in one process: accumulation 2 x 2 ranks = 4 micro-batches a step."""
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "tests.dist_worker", "--model", str(tiny_model), "--out", str(out),
+                    "--engine", "single", "--accum", "4", *args], cwd=REPO, check=True,
+                   env={**os.environ, **ONE_CORE})
+    return json.loads((out / "result.json").read_text())
+
+
+def adapter(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "adapter" / "adapter_model.safetensors")
+
+
+def same_training(got: dict, want: dict, got_out: Path, want_out: Path) -> None:
+    assert [h["step"] for h in got["history"]] == [h["step"] for h in want["history"]] == [1, 2, 3, 4, 5]
+    assert [h["tokens"] for h in got["history"]] == [h["tokens"] for h in want["history"]]
+    assert [h["loss"] for h in got["history"]] == pytest.approx([h["loss"] for h in want["history"]], rel=1e-5)
+    a, b = adapter(got_out), adapter(want_out)
+    assert sorted(a) == sorted(b) and len(a) == 28  # 7 Linears x 2 layers x (A, B)
+    # Trained away from PEFT's zero-initialised B, so the comparison below is not of two untouched adapters.
+    assert max(float(t.abs().max()) for k, t in b.items() if "lora_B" in k) > 5e-3
+    # Adam divides by the root of the squared gradients: where a gradient is near 0, the sum's rounding (another
+    # order over 2 ranks) moves the update by up to lr; 1e-4 is 1% of the largest B after 5 steps.
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3, msg=k)
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model, tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("one-process")
+    return run_one_process(tiny_model, out), out
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_two_ranks_train_the_same_losses_and_adapter_as_one_process(engine, tiny_model, tmp_path, one_process):
+    got = run_ranks(tiny_model, tmp_path, engine=engine)
+    same_training(got, one_process[0], tmp_path, one_process[1])
+    # Step 3 is the epoch's last, of 2 examples: one micro-batch, which rank 1 ran as a stand-in weighing 0.
+    assert got["history"][2]["tokens"] < got["history"][1]["tokens"] / 2
+    assert got["worst"] == {"peak_reserved_gib": 2.0, "worst_rank": 1,
+                            "per_rank": [{"peak_reserved_gib": 1.0}, {"peak_reserved_gib": 2.0}]}
+
+
+def test_fsdp2_shards_qlora_nf4_weights_and_trains_as_one_process(tiny_model, tmp_path):
+    """bnb_4bit_quant_storage as the model's float dtype: fully_shard splits the packed NF4 bytes like any weight,
+    and bitsandbytes finds each layer's quantization state again after the all-gather."""
+    want = run_one_process(tiny_model, tmp_path / "one", "--adapter", "qlora")
+    got = run_ranks(tiny_model, tmp_path / "two", "--adapter", "qlora", engine="fsdp2")
+    same_training(got, want, tmp_path / "two", tmp_path / "one")
+
+
+def test_a_killed_rank_is_one_clear_error_and_the_rerun_resumes(tiny_model, tmp_path, one_process):
+    with pytest.raises(dist_lib.RankFailed) as e:
+        run_ranks(tiny_model, tmp_path, "--kill-at", "3", engine="fsdp2")
+    assert "training rank 1 of 2 was killed by SIGKILL" in str(e.value)
+    assert "resumes from the last checkpoint" in str(e.value) and "fix:" in str(e.value)
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 2
+    assert not (tmp_path / "result.json").exists()
+    got = run_ranks(tiny_model, tmp_path, engine="fsdp2")
+    assert got["resumed_from"] == 2
+    same_training(got, one_process[0], tmp_path, one_process[1])
+
+
+def test_ranks_that_read_different_data_stop_before_training(tiny_model, tmp_path):
+    with pytest.raises(LorashipError, match=r"2 training ranks disagree before training: data: rank\(s\) 1 differ") as e:
+        run_ranks(tiny_model, tmp_path, "--skew")
+    assert "config" not in str(e.value).split("fix:")[0] and "fix: every rank must read the same" in str(e.value)
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+# --- the pieces, without processes -----------------------------------------------------------------------------
+@pytest.mark.parametrize("n,world,want", [
+    (4, 2, [[0, 1], [2, 3]]),
+    (3, 2, [[0, 1], [2, None]]),     # the short last step: rank 1 pads with a stand-in
+    (1, 2, [[0], [None]]),
+    (5, 4, [[0, 1], [2, 3], [4, None], [None, None]]),
+])
+def test_every_rank_runs_as_many_micro_steps_and_each_micro_batch_trains_once(n, world, want):
+    group = list(range(n))
+    shares = [dist_lib.rank_share(group, r, world) for r in range(world)]
+    assert [[g if counts else None for g, counts in share] for share in shares] == want
+    assert sorted(g for share in shares for g, counts in share if counts) == group
+
+
+def test_engine_and_rank_count_are_checked():
+    assert dist_lib.engine_of(None) == dist_lib.Engine("single", 1)
+    assert dist_lib.engine_of({"gpus": 2, "engine": "fsdp2", "fits": True}) == dist_lib.Engine("fsdp2", 2)
+    with pytest.raises(LorashipError, match="unknown distributed engine 'zero3'; fix"):
+        dist_lib.Engine("zero3", 2)
+    with pytest.raises(LorashipError, match="engine ddp on 1 rank"):
+        dist_lib.engine_of({"gpus": 1, "engine": "ddp"})
+
+
+def test_cpu_ranks_from_the_environment(monkeypatch):
+    monkeypatch.delenv(dist_lib.CPU_RANKS_ENV, raising=False)
+    assert dist_lib.cpu_ranks() is None
+    monkeypatch.setenv(dist_lib.CPU_RANKS_ENV, "2")
+    assert dist_lib.cpu_ranks() == 2
+    monkeypatch.setenv(dist_lib.CPU_RANKS_ENV, "two")
+    with pytest.raises(LorashipError, match="LORASHIP_CPU_RANKS='two' is not a number of ranks; fix"):
+        dist_lib.cpu_ranks()
+
+
+def test_a_rank_out_of_memory_is_an_out_of_memory_error_for_the_re_plan(tmp_path):
+    (tmp_path / "rank-1.json").write_text(json.dumps({"rank": 1, "kind": "out_of_memory", "measured": {"x": 1},
+                                                      "message": "CUDA out of memory. Tried to allocate 2 GiB"}))
+    error = dist_lib.failure_of(tmp_path, 2, 1, "resumes")
+    assert isinstance(error, dist_lib.RanksOutOfMemory) and error.rank == 1 and error.measured == {"x": 1}
+    assert "out of memory" in str(error).lower() and isinstance(error, RuntimeError)
+
+
+def test_the_rank_killed_by_a_signal_is_named_not_the_peers_it_broke(tmp_path):
+    (tmp_path / dist_lib.FAILURES_FILE).write_text(json.dumps([
+        {"rank": 0, "exitcode": 1, "signal": None, "timestamp": 10, "message": "RuntimeError: Connection closed by peer"},
+        {"rank": 1, "exitcode": -9, "signal": "SIGKILL", "timestamp": 10, "message": "Signal 9 (SIGKILL) received"},
+        {"rank": 2, "exitcode": -15, "signal": "SIGTERM", "timestamp": 9, "message": ""}]))
+    error = dist_lib.failure_of(tmp_path, 3, 1, "a rerun resumes from step 4")
+    assert isinstance(error, dist_lib.RankFailed)
+    assert str(error).startswith("training rank 1 of 3 was killed by SIGKILL; torchrun stopped the other ranks. "
+                                 "a rerun resumes from step 4; fix:")
