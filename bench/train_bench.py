@@ -405,11 +405,14 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
     from loraship.stages import train as train_stage
 
     config = parse_config(loraship_config(case, trainer, model_dir, data, root, args.steps, device))
-    if trainer.startswith("loraship-norms-"):
-        # The norm-kernel settings of loraship/training/norm_kernels.py, in place of the stage's own two hooks.
+    if trainer.startswith(("loraship-norms-", "loraship-compile-layers")):
+        # The kernel settings of loraship/training/norm_kernels.py, in place of the stage's own two hooks.
         from loraship.training import norm_kernels
 
-        train_stage.liger_norm_kwargs, train_stage.restore_per_head_norms = norm_kernels.liger_norm_kwargs, norm_kernels.adjust_norms
+        def after_liger(model):
+            return norm_kernels.adjust_norms(model) + norm_kernels.compile_decoder_layers(model)
+
+        train_stage.liger_norm_kwargs, train_stage.restore_per_head_norms = norm_kernels.liger_norm_kwargs, after_liger
     clock = StepClock(device, args.warmup if args.profile is not None else None)
     plan_stage.run(config)
     metrics = train_stage.run(config)["metrics"]
@@ -672,6 +675,10 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
         os.environ["LORASHIP_ATTENTION"] = "flex_attention"
     if trainer.startswith("loraship-norms-"):  # loraship/training/norm_kernels.py: which kernel runs the RMSNorms
         os.environ["LORASHIP_LIGER_NORMS"] = trainer.rsplit("-", 1)[1]
+    if trainer.startswith("loraship-compile-layers"):  # decoder layers compiled (+ "-flex": under flex attention)
+        os.environ.update(LORASHIP_COMPILE_LAYERS="1", LORASHIP_RECOMPUTE_SKIP="0")
+        if trainer.endswith("-flex"):
+            os.environ["LORASHIP_ATTENTION"] = "flex_attention"
     if device == "cuda" and trainer.startswith("loraship"):
         # What the train stage sets itself, set here because the cap below starts CUDA first.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -57,3 +57,31 @@ def adjust_norms(model) -> int:
                 module.forward = compiled[cls].__get__(module, cls)
                 changed += 1
     return changed
+
+
+def compile_decoder_layers(model) -> int:
+    """LORASHIP_COMPILE_LAYERS=1: every decoder layer's forward compiled by torch.compile (one graph per layer class,
+    dynamic sequence length), checkpointed layers recomputing the compiled forward (torch.utils.checkpoint, not
+    reentrant). What Unsloth does for Gemma 3; bench/train_bench.py's loraship-compile-layers rows measure it."""
+    if os.environ.get("LORASHIP_COMPILE_LAYERS") != "1":
+        return 0
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    layers = next((m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)), [])
+    compiled = {}
+    for layer in layers:
+        cls = type(layer)
+        inner = getattr(cls.forward, "__wrapped__", cls.forward)  # under transformers' checkpointing wrapper
+        fn = compiled.setdefault(cls, torch.compile(inner, dynamic=True))
+        recompute = bool(getattr(layer, "gradient_checkpointing", False))
+        layer.gradient_checkpointing = False  # checkpointed here instead, around the compiled forward
+
+        def forward(*args, _layer=layer, _fn=fn, _recompute=recompute, **kwargs):
+            if _recompute and _layer.training and torch.is_grad_enabled():
+                kwargs["use_cache"] = False
+                return checkpoint(_fn, _layer, *args, use_reentrant=False, **kwargs)
+            return _fn(_layer, *args, **kwargs)
+
+        layer.forward = forward
+    return len(layers)
