@@ -18,7 +18,6 @@ import signal
 from pathlib import Path
 
 from loraship.data import IGNORE_INDEX
-from loraship.errors import LorashipError
 from loraship.training import distributed as dist_lib
 from loraship.training.packing import collate_padded, epoch_steps, steps_per_epoch
 
@@ -70,28 +69,30 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--kill-at", type=int, default=0, help="rank 1 kills itself by SIGKILL mid-way through this step")
+    p.add_argument("--oom-at", type=int, default=0, help="rank 1 runs out of memory mid-way through this step")
     p.add_argument("--skew", action="store_true", help="rank 1 reads one example more")
     a = p.parse_args()
     out = Path(a.out)
-    rank = None
-    try:
-        if dist_lib.in_ranks():
-            rank = dist_lib.init_rank("cpu")
-        world = rank.world_size if rank else 1
-        engine = dist_lib.Engine(a.engine, world)
-        data = examples(a.skew and rank is not None and rank.rank == 1)
-        if rank:
-            digest = hashlib.sha256(json.dumps([e["input_ids"] for e in data]).encode()).hexdigest()
-            dist_lib.check_same_inputs(rank, {"config": json.dumps(vars(a), sort_keys=True), "data": digest})
-        train(a, out, engine, rank, data)
-    except LorashipError as e:
-        dist_lib.report(rank, "user_error", str(e))
-        raise SystemExit(dist_lib.EXIT_USER_ERROR) from e
-    finally:
-        dist_lib.close_rank()
+    if not dist_lib.in_ranks():
+        (out / "result.json").write_text(json.dumps(work(a, None)))
+        return
+    import torch
+
+    raise SystemExit(dist_lib.serve_rank(lambda rank: work(a, rank), "cpu", out / "result.json",
+                                         is_out_of_memory=lambda e: isinstance(e, torch.OutOfMemoryError),
+                                         measure=lambda: {"peak_reserved_gib": 9.5}))
 
 
-def train(a, out: Path, engine, rank, data: list[dict]) -> None:
+def work(a, rank) -> dict:
+    engine = dist_lib.Engine(a.engine, rank.world_size if rank else 1)
+    data = examples(a.skew and rank is not None and rank.rank == 1)
+    if rank:
+        digest = hashlib.sha256(json.dumps([e["input_ids"] for e in data]).encode()).hexdigest()
+        dist_lib.check_same_inputs(rank, {"config": json.dumps(vars(a), sort_keys=True), "data": digest})
+    return train(a, Path(a.out), engine, rank, data)
+
+
+def train(a, out: Path, engine, rank, data: list[dict]) -> dict:
     import torch
 
     model, layers = load(a.model, a.adapter, engine)
@@ -128,6 +129,8 @@ def train(a, out: Path, engine, rank, data: list[dict]) -> None:
             local_tokens += int(mask.sum()) if counts else 0
             if a.kill_at == step + 1 and me == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if a.oom_at == step + 1 and me == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a test's stand-in)")
         step_loss, tokens = dist_lib.all_sum([local_loss, local_tokens], rank)
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
@@ -144,8 +147,7 @@ def train(a, out: Path, engine, rank, data: list[dict]) -> None:
     worst = dist_lib.worst_rank_memory({"peak_reserved_gib": 1.0 + me}, rank)
     if me == 0:
         wrapped.model.save_pretrained(out / "adapter", safe_serialization=True, state_dict=adapter)
-        (out / "result.json").write_text(json.dumps({"history": history, "resumed_from": resumed_from,
-                                                     "worst": worst}))
+    return {"history": history, "resumed_from": resumed_from, "worst": worst}
 
 
 if __name__ == "__main__":

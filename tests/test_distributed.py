@@ -94,6 +94,15 @@ def test_a_killed_rank_is_one_clear_error_and_the_rerun_resumes(tiny_model, tmp_
     same_training(got, one_process[0], tmp_path, one_process[1])
 
 
+def test_a_rank_out_of_memory_stops_every_rank_as_an_out_of_memory_error(tiny_model, tmp_path):
+    """What the train stage's re-plan needs: an error its is_out_of_memory takes, with that rank's measured peak."""
+    with pytest.raises(dist_lib.RanksOutOfMemory) as e:
+        run_ranks(tiny_model, tmp_path, "--oom-at", "2")
+    assert e.value.rank == 1 and e.value.measured == {"peak_reserved_gib": 9.5}
+    assert str(e.value).startswith("rank 1: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 1
+
+
 def test_ranks_that_read_different_data_stop_before_training(tiny_model, tmp_path):
     with pytest.raises(LorashipError, match=r"2 training ranks disagree before training: data: rank\(s\) 1 differ") as e:
         run_ranks(tiny_model, tmp_path, "--skew")

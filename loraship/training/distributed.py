@@ -23,6 +23,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from loraship.errors import LorashipError
 
@@ -101,13 +102,13 @@ def torchrun_command(module: str, args: list[str], world_size: int) -> list[str]
             "-m", module, *args]
 
 
-def launch_ranks(module: str, args: list[str], world_size: int, reports: Path, *, resume_hint: str,
+def launch_ranks(module: str, args: list[str], world_size: int, reports: Path, *, resume_hint: str | Callable[[], str],
                  env: dict[str, str] | None = None) -> None:
     """Run `module args` on world_size ranks under torchrun and wait; return when every rank succeeded.
 
     Raises the first rank's LorashipError as it reported it, RanksOutOfMemory when a rank ran out of memory, and
     RankFailed naming the rank, its exit code or signal, for anything else. resume_hint: what a rerun does (where it
-    resumes). The ranks lead their own session, killed with this process (interrupt or kill -9)."""
+    resumes), or a function that says it once the ranks stopped. The ranks lead their own session, killed with this process (interrupt or kill -9)."""
     from loraship.runtime.proc import child_setup, kill_group
 
     reports.mkdir(parents=True, exist_ok=True)
@@ -124,7 +125,7 @@ def launch_ranks(module: str, args: list[str], world_size: int, reports: Path, *
         raise
     kill_group(proc)  # nothing of the group may outlive it and write on
     if code != 0:
-        raise failure_of(reports, world_size, code, resume_hint)
+        raise failure_of(reports, world_size, code, resume_hint() if callable(resume_hint) else resume_hint)
 
 
 def failure_of(reports: Path, world_size: int, code: int, resume_hint: str) -> Exception:
@@ -231,6 +232,59 @@ def report(rank: Rank | None, kind: str, message: str, measured: dict | None = N
     number = rank.rank if rank else int(os.environ.get("RANK", "0"))
     Path(folder, f"rank-{number}.json").write_text(
         json.dumps({"rank": number, "kind": kind, "message": message, "measured": measured or {}}), encoding="utf-8")
+
+
+def serve_rank(work: Callable[[Rank], dict], device: str, result_file: Path, *,
+               is_out_of_memory: Callable[[BaseException], bool], measure: Callable[[], dict]) -> int:
+    """A rank's whole life, for the module torchrun starts: join the process group, run `work`, and leave rank 0's
+    result (a JSON-able dict) in result_file for the launcher; the exit code. A LorashipError or an out-of-memory
+    error is reported for the launcher (failure_of) and ends this rank; torchrun then stops the others, which wait in
+    a collective for it. Anything else propagates to torchrun's own record (exit 1, traceback in the log)."""
+    from loraship.runtime.manifest import atomic_write_json
+
+    rank = None
+    try:
+        rank = init_rank(device)
+        quiet_unless_main(rank)
+        result = work(rank)
+    except LorashipError as e:
+        report(rank, "user_error", str(e))
+        return EXIT_USER_ERROR
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        # Not destroy_process_group: the peers are blocked in a collective this rank will never join.
+        report(rank, "out_of_memory", f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}", measure())
+        return EXIT_OUT_OF_MEMORY
+    if rank.main:
+        atomic_write_json(result_file, result)
+    close_rank()
+    return 0
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What the train stage hands its ranks, as a JSON file: the validated config, where to work, what to run."""
+
+    config: dict
+    stage_dir: str
+    model_dir: str
+    strategy: dict
+    engine: str
+    world_size: int
+    device: str
+    result_file: str
+
+    def write(self, path: Path) -> None:
+        from dataclasses import asdict
+
+        from loraship.runtime.manifest import atomic_write_json
+
+        atomic_write_json(path, asdict(self))
+
+    @classmethod
+    def read(cls, path: Path) -> RankJob:
+        return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 def quiet_unless_main(rank: Rank) -> None:
