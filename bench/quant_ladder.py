@@ -13,11 +13,12 @@ peer_kl_mean is llama.cpp's own figure for the same GGUF: llama-perplexity --kl-
 GGUF, then --kl-divergence on the quantized one, over the eval texts verify scores (joined into one file).
 llama-perplexity scores only the second half of each n_ctx chunk, on every token, and reads the text without
 parsing special tokens; verify scores the assistant tokens of each eval text. So the comparison is made on
-llama-perplexity's own tokens and positions (read back from its base file): our KL code (tasks/verify.py
-eval_agreement) with the F16 GGUF's log-probs as the base (peer_base_kl_mean: like for like, the target is
-within 5% of peer_kl_mean), under llama-perplexity's own storage of the base (peer_rules_kl_mean), and with the
-merged HF model's as the base, as verify does (peer_positions_kl_mean). llama-perplexity runs with flash
-attention off, as verify's llama-cpp-python does: left on ("auto"), it alone moved a Q6_K's KLD by 3.5%.
+llama-perplexity's own tokens and positions (read back from its base file): our KL code
+(loraship/verification/scoring.py eval_agreement) with the F16 GGUF's log-probs as the base (peer_base_kl_mean: like
+for like, the target is within 5% of peer_kl_mean), under llama-perplexity's own storage of the base
+(peer_rules_kl_mean), and with the merged HF model's as the base, as verify does (peer_positions_kl_mean).
+llama-perplexity runs with flash attention off, as verify's llama-cpp-python does: left on ("auto"), it alone moved a
+Q6_K's KLD by 3.5%.
 
 --eval-source picks what verify scores. demo (the default): the demo's data/demo/eval.jsonl, 86 assistant
 tokens, far fewer than the 2,048 scored tokens reference_full_logprob_tokens asks for. pydoc: held-out real
@@ -211,7 +212,7 @@ class PeerPositions:
         """The GGUF's own log-probs at the peer positions, laid out as the reference's eval_topk arrays."""
         import numpy as np
 
-        from loraship.stages.verify import logprobs_at
+        from loraship.verification.llama_ops import logprobs_at
 
         llm = self._llm(gguf)
         rows = [logprobs_at(llm, r["input_ids"], r["positions"]) for r in self.records]
@@ -226,7 +227,8 @@ class PeerPositions:
         and the F16-based KL under llama-perplexity's storage rules (peer_rules_kl_mean)."""
         import numpy as np
 
-        from loraship.stages.verify import eval_agreement, logprobs_at
+        from loraship.verification.llama_ops import logprobs_at
+        from loraship.verification.scoring import eval_agreement
 
         llm = self._llm(gguf)
         records = {"eval": self.records}

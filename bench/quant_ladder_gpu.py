@@ -11,11 +11,11 @@ stages, each `python -m loraship.stages.<stage> CONFIG` in its own process (benc
 plan with quantization: auto (loraship/constants.py AUTO_LADDER: IQ3_M, Q3_K_M, IQ4_XS, Q4_K_M, Q5_K_M, Q6_K, Q8_0)
 at --target-gib / --n-ctx, train (2 LoRA steps), merge, convert; then, rung by rung, the quantize stage with that rung
 alone (the same config but its `quantization`), and the rung's GGUF loaded the way verify loads it:
-tasks/verify.py measure_apart in a fresh process, every layer on the GPU at n_ctx = target_context, llama-cpp-python's
-defaults otherwise (flash attention off), its GPU memory read through NVML in that process
-(inference_memory.gpu_used_by_this_process_gib, as verify's measure() does), after a 512-token prompt is timed (logits
-at its last position only, as llama-server computes a prompt) and 128 tokens of verify's greedy() generation.
-verify's own GGUF-based prediction (tasks/verify.py memory_plan) stands beside the plan's (plan.json
+loraship/verification/measure_child.py measure_apart in a fresh process, every layer on the GPU at n_ctx =
+target_context, llama-cpp-python's defaults otherwise (flash attention off), its GPU memory read through NVML in that
+process (inference_memory.gpu_used_by_this_process_gib, as verify's measure() does), after a 512-token prompt is timed
+(logits at its last position only, as llama-server computes a prompt) and 128 tokens of verify's greedy() generation.
+verify's own GGUF-based prediction (loraship/verification/device.py memory_plan) stands beside the plan's (plan.json
 inference.by_quantization). The reference and verify stages are left out: their quality gates mean nothing on random
 weights.
 
@@ -85,7 +85,7 @@ def speed_and_memory(job: dict, llm, load_seconds: float) -> dict:
     import llama_cpp
 
     from loraship.planning import inference_memory as im
-    from loraship.stages.verify import greedy
+    from loraship.verification.llama_ops import greedy
 
     ids = llm.tokenize(job["prompt_text"].encode("utf-8"), add_bos=False, special=False)
     ids = (ids * (job["prompt_tokens"] // len(ids) + 1))[: job["prompt_tokens"]]
@@ -210,7 +210,8 @@ def measure_rung(config, quantization: str, gguf: Path, work: Path, device: str,
     """The rung's GGUF as verify predicts (memory_plan) and loads it (measure_apart), timed by speed_and_memory."""
     from loraship.llamacpp.gguf_info import read_gguf_apart
     from loraship.planning import inference_memory as im
-    from loraship.stages.verify import measure_apart, memory_plan
+    from loraship.verification.device import memory_plan
+    from loraship.verification.measure_child import measure_apart
 
     info = read_gguf_apart(gguf)
     memory = memory_plan(im.GGUFLayout(**info["layout"]), config)

@@ -198,8 +198,8 @@ def test_a_gguf_that_lost_the_fine_tune_fails_the_fine_tune_gates(adapter_run, t
     from types import SimpleNamespace
 
     from loraship.constants import REFERENCE_TOPK_FILE
-    from loraship.stages import verify
     from loraship.verification.gates import finetune_answers_gate, finetune_kl_gate
+    from loraship.verification.measure_child import measure_apart
 
     config, _ = adapter_run
     reference_dir = stage_dir(config, "reference")
@@ -207,7 +207,7 @@ def test_a_gguf_that_lost_the_fine_tune_fails_the_fine_tune_gates(adapter_run, t
            "n_gpu_layers": 0, "device": "cpu", "seed": config.seed, "reference": str(reference_dir / REFERENCE_FILE),
            "topk": str(reference_dir / REFERENCE_TOPK_FILE), "fields": {}, "max_new_tokens": config.max_new_tokens,
            "golden_margin": config.golden_margin, "min_scored_tokens": config.min_scored_tokens}
-    measured = verify.measure_apart(SimpleNamespace(dir=tmp_path), job)
+    measured = measure_apart(SimpleNamespace(dir=tmp_path), job)
     agreement = measured["eval_agreement"]
     assert agreement["kl_method"] == "exact" and agreement["finetune_tokens"] >= config.min_scored_tokens
     kl_gate = finetune_kl_gate(agreement, config)

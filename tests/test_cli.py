@@ -118,20 +118,20 @@ def test_a_native_crash_names_the_llama_cpp_build_as_a_cause(tmp_path):
 
 
 def test_verify_measuring_apart_reports_the_childs_death_with_the_same_hint(tmp_path, monkeypatch):
-    """tasks/verify.py measure_apart: a child killed by SIGSEGV is a stage error naming the signal, its last output
-    and both causes (a broken GGUF, the llama-cpp-python build), not a crash of the stage itself."""
+    """loraship/verification/measure_child.py measure_apart: a child killed by SIGSEGV is a stage error naming the
+    signal, its last output and both causes (a broken GGUF, the llama-cpp-python build), not a crash of the stage."""
     import subprocess
     from types import SimpleNamespace
 
     from loraship.errors import LorashipError
     from loraship.runtime import proc
-    from loraship.stages import verify
+    from loraship.verification import measure_child
 
     dead = subprocess.CompletedProcess([], -11, stdout="", stderr="loading model\nggml_backend_amx_mul_mat\n")
     monkeypatch.setattr(proc, "run_child", lambda *a, **k: dead)
     job = {"gguf": str(tmp_path / "m.gguf"), "n_ctx": 64, "n_gpu_layers": 0, "seed": 0}
     with pytest.raises(LorashipError) as err:
-        verify.measure_apart(SimpleNamespace(dir=tmp_path), job)
+        measure_child.measure_apart(SimpleNamespace(dir=tmp_path), job)
     text = str(err.value)
     assert "m.gguf (killed by signal 11):\nloading model\nggml_backend_amx_mul_mat" in text
     assert "convert and quantize stages again" in text and "CMAKE_ARGS=-DGGML_NATIVE=OFF" in text

@@ -93,7 +93,7 @@ def test_llama_cpp_greedy_equals_hf_greedy_on_f16(pipeline_run):
 
     from loraship.chat import render
     from loraship.data import read_rows
-    from loraship.stages.verify import greedy
+    from loraship.verification.llama_ops import greedy
 
     config, _ = pipeline_run
     merged = stage_dir(config, "merge") / MERGED_DIR

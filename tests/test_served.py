@@ -151,7 +151,7 @@ def repeating(tmp_path_factory):
 
     from loraship.fixtures.families import smollm2_gguf
     from loraship.llamacpp.served import served_check
-    from loraship.stages.verify import _is_eog, greedy
+    from loraship.verification.llama_ops import greedy, is_eog
 
     gguf = smollm2_gguf()
     llm = Llama(model_path=str(gguf), n_ctx=512, logits_all=True, verbose=False, n_threads=2)
@@ -162,7 +162,7 @@ def repeating(tmp_path_factory):
     messages = [{"role": "user", "content": REPEATING_PROMPT}]
     prompt_ids = llm.tokenize(formatter(messages=messages).prompt.encode(), add_bos=False, special=True)
     leads: list[float] = []
-    answer, stop, _ = greedy(llm, prompt_ids, 24, {t for t in range(llm.n_vocab()) if _is_eog(llm, t)}, leads)
+    answer, stop, _ = greedy(llm, prompt_ids, 24, {t for t in range(llm.n_vocab()) if is_eog(llm, t)}, leads)
     text = llm.detokenize(answer).decode("utf-8", errors="replace")
     own = {"text": text, "leads": leads, "prefix_bytes": [len(llm.detokenize(answer[: k + 1])) for k in range(len(answer))]}
     del llm

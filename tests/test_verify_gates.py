@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 from loraship.config import Config
-from loraship.stages.verify import parting
 from loraship.verification.gates import (
     eval_loss_gate, file_type_gate, finetune_answers_gate, finetune_kl_gate, golden_decisive_gate, golden_match_gate,
     kl_mean_gate, kl_p99_gate, perplexity_ratio_gate, same_top_gate, served_gate, tokenizer_parity_gate,
 )
+from loraship.verification.scoring import parting
 
 _DEFAULTS = Config.model_construct(**{name: f.default for name, f in Config.model_fields.items()})
 CONFIG = _DEFAULTS.model_copy(update=_DEFAULTS.gate_limits("Q4_K_M"))  # what verify gates a Q4_K_M against

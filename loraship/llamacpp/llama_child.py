@@ -1,5 +1,6 @@
 """llama.cpp for `loraship chat` and `loraship verify GGUF`, in a child process that loads the GGUF
-before it imports anything of loraship, the way the verify stage runs it (tasks/verify.py _MEASURE).
+before it imports anything of loraship, the way the verify stage runs it (loraship/verification/measure_child.py
+_MEASURE).
 
 The CLI has imported numpy (gguf reads the metadata with it) by the time it needs llama.cpp, and on an
 H200 a CUDA load of a GGUF after `import numpy` segfaulted while the same load as a process's first work

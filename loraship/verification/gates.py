@@ -325,3 +325,27 @@ def adapter_same_top_gate(agreement: dict, config, note: str) -> Gate:
                  agreement["scored_tokens"] and agreement["same_top_rate"] >= config.adapter_same_top_min,
                  note, **_scored(agreement, config))
 
+
+# -- which gates a quantization gets -------------------------------------------------------------
+def agreement_gates(parity: dict, agreement: dict, config, limits, top_k: int) -> list[Gate]:
+    """The gates on the eval texts: tokenizer parity, then agreement under this quantization's limits."""
+    gates = [tokenizer_parity_gate(parity), perplexity_ratio_gate(agreement, limits),
+             kl_mean_gate(agreement, limits, top_k), kl_p99_gate(agreement, limits, top_k),
+             same_top_gate(agreement, limits)]
+    # A reference made before the base model was scored has no base_kl: no fine-tune gates then.
+    if "finetune_tokens" in agreement:
+        gates.append(finetune_kl_gate(agreement, config))
+    return gates
+
+
+def golden_gates(golden: dict, reference: dict, config, limits) -> list[Gate]:
+    """The gates on the golden prompts the reference answered."""
+    n = len(reference["golden"])
+    gates = [golden_match_gate(golden, n, config), golden_decisive_gate(golden, limits),
+             golden_format_gate(golden, n, config)]
+    if any(r.get("base_answer_ids") is not None for r in reference["golden"]):
+        gates.append(finetune_answers_gate(golden, config))
+    # Chat answers only: a completion run's prompts are plain text that ends with EOS.
+    if reference["tokenizer"].get("turn_end_id") is not None and any(r["kind"] == "chat" for r in reference["golden"]):
+        gates.append(turn_end_gate(golden, reference, config))
+    return gates
