@@ -45,6 +45,9 @@ export PREFECT_API_URL="http://127.0.0.1:${PORT}/api"
 export PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///${PREFECT_HOME}/docker-server.db"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_UI_ENABLED=false
+# The worker asks the server for scheduled runs every second, not Prefect's 10: each stage is a flow run of its own
+# (8 per pipeline), and each waited on the next poll, up to 10 s (bench/results/ci_time.json).
+export PREFECT_WORKER_QUERY_SECONDS="${PREFECT_WORKER_QUERY_SECONDS:-1}"
 mkdir -p "$PREFECT_HOME"
 
 source "$ROOT/deploy/lib.sh"

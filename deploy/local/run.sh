@@ -26,6 +26,9 @@ export PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///${PREFECT_HOME}/
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_UI_ENABLED="${PREFECT_UI_ENABLED:-false}"
 export PREFECT_LOGGING_LEVEL="${PREFECT_LOGGING_LEVEL:-INFO}"
+# The worker asks the server for scheduled runs every second, not Prefect's 10: each stage is a flow run of its own
+# (8 per pipeline), and each waited on the next poll, up to 10 s (bench/results/ci_time.json).
+export PREFECT_WORKER_QUERY_SECONDS="${PREFECT_WORKER_QUERY_SECONDS:-1}"
 # Inherited by the worker's flow-run subprocesses (the same settings as `make demo`).
 export LORASHIP_CACHE="${LORASHIP_CACHE:-$ROOT/.loraship/cache}"
 export HF_HUB_OFFLINE=1
