@@ -106,7 +106,7 @@ def train(a, out: Path, engine, rank, data: list[dict]) -> dict:
     step, history = 0, []
     if state_file.is_file():  # every rank loads what rank 0 saved
         state = torch.load(state_file, weights_only=True)
-        dist_lib.load_trainable_state(wrapped, state["model"])
+        dist_lib.load_adapter_file(wrapped, out / "checkpoint-adapter" / "adapter_model.safetensors")
         dist_lib.load_optimizer_state(wrapped, optimizer, state["optimizer"])
         step, history = state["step"], state["history"]
     resumed_from = step
@@ -137,16 +137,15 @@ def train(a, out: Path, engine, rank, data: list[dict]) -> dict:
         optimizer.zero_grad(set_to_none=True)
         step += 1
         history.append({"step": step, "loss": step_loss, "tokens": tokens})
-        state = {"model": dist_lib.trainable_state(wrapped), "optimizer": dist_lib.optimizer_state(wrapped, optimizer),
-                 "step": step, "history": history}
+        # As the train stage checkpoints: PEFT's adapter files, the optimizer state keyed by parameter name.
+        dist_lib.save_adapter_dir(wrapped, out / "checkpoint-adapter", me == 0)
+        state = {"optimizer": dist_lib.optimizer_state(wrapped, optimizer), "step": step, "history": history}
         if me == 0:
             torch.save(state, out / "checkpoint.tmp")
             os.replace(out / "checkpoint.tmp", state_file)
         dist_lib.barrier(rank)
-    adapter = dist_lib.trainable_state(wrapped)
+    dist_lib.save_adapter_dir(wrapped, out / "adapter", me == 0)
     worst = dist_lib.worst_rank_memory({"peak_reserved_gib": 1.0 + me}, rank)
-    if me == 0:
-        wrapped.model.save_pretrained(out / "adapter", safe_serialization=True, state_dict=adapter)
     return {"history": history, "resumed_from": resumed_from, "worst": worst}
 
 

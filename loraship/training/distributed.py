@@ -190,6 +190,30 @@ class Rank:
         return self.rank == 0
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """The engine a training process runs under and its own rank (None: the one process of `single`)."""
+
+    engine: Engine
+    rank: Rank | None = None
+
+    @property
+    def main(self) -> bool:
+        """The process that writes: rank 0, or the only one."""
+        return self.rank is None or self.rank.main
+
+    @property
+    def index(self) -> int:
+        return self.rank.rank if self.rank else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+
+ONE_PROCESS = Ranks(Engine("single", 1))
+
+
 def in_ranks() -> bool:
     """True in a process torchrun started (it sets RANK, WORLD_SIZE and LOCAL_RANK)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
@@ -471,6 +495,50 @@ def load_optimizer_state(wrapped: Wrapped, optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
         return
     set_optimizer_state_dict(wrapped.model, optimizer, state, options=_options(full_state_dict=True))
+
+
+def adapter_names(wrapped: Wrapped) -> dict[str, str]:
+    """Each trainable weight's name in an adapter file PEFT saved (adapter_model.safetensors: no adapter name) ->
+    its name in the model (trainable_state's keys), by PEFT's own renaming, so that a saved adapter loads through
+    load_trainable_state whatever the engine."""
+    import torch
+    from peft import get_peft_model_state_dict
+
+    names = sorted(_trainable(wrapped.model))
+    # Each name's saved form, by PEFT's own renaming: a tensor per name, told apart by its value.
+    saved = get_peft_model_state_dict(wrapped.model, state_dict={n: torch.tensor([float(i)]) for i, n in enumerate(names)})
+    return {k: names[int(v.item())] for k, v in saved.items()}
+
+
+def load_adapter_file(wrapped: Wrapped, path: Path) -> None:
+    """An adapter_model.safetensors (a checkpoint's) into the model on every rank."""
+    from safetensors.torch import load_file
+
+    names = adapter_names(wrapped)
+    saved = load_file(path)
+    unknown = sorted(set(saved) - set(names))
+    if unknown:
+        raise LorashipError(f"{path}: {len(unknown)} weight(s) this model has no trainable place for, e.g. "
+                            f"{unknown[0]}; fix: delete the train stage's checkpoints folder to start from step 0")
+    load_trainable_state(wrapped, {names[k]: v for k, v in saved.items()})
+
+
+def save_adapter_dir(wrapped: Wrapped, folder: Path, main: bool, **kwargs) -> None:
+    """PEFT's save_pretrained of the whole trainable state into folder, by rank 0 alone; every rank must call it
+    (FSDP2 gathers the shards first)."""
+    state = trainable_state(wrapped)
+    if main:
+        wrapped.model.save_pretrained(folder, safe_serialization=True, state_dict=state, **kwargs)
+
+
+def visible_devices(device: str) -> int:
+    """How many ranks this machine can train on: its CUDA devices (CUDA_VISIBLE_DEVICES applies), or on the CPU
+    LORASHIP_CPU_RANKS (1 when unset)."""
+    if device == "cpu":
+        return cpu_ranks() or 1
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def barrier(rank: Rank | None) -> None:
