@@ -112,8 +112,8 @@ def launch_ranks(module: str, args: list[str], world_size: int, reports: Path, *
     from loraship.runtime.proc import child_setup, kill_group
 
     reports.mkdir(parents=True, exist_ok=True)
-    for old in reports.glob("*.json"):
-        old.unlink()
+    for old in [*reports.glob("rank-*.json"), reports / FAILURES_FILE]:  # an earlier attempt's
+        old.unlink(missing_ok=True)
     # The ranks are this stage, in this container: they get its environment (the model is resolved already).
     child = {**os.environ, **(env or {}), REPORTS_ENV: str(reports)}
     proc = subprocess.Popen(torchrun_command(module, args, world_size), env=child, start_new_session=True,
