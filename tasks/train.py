@@ -20,7 +20,9 @@ import os
 import random
 import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from loraship.planning import flops, memory
 from loraship.planning.strategy_record import Strategy
@@ -155,38 +157,32 @@ def attention_kwargs(model_dir: Path) -> dict:
     return {}
 
 
-def load_model(model_dir: Path, config, strategy: dict, device: str):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+@dataclass(frozen=True)
+class LoadedModel:
+    """The PEFT model load_model built, and what it applied to it (read by training, the evals and the manifest)."""
 
-    # bf16 on GPUs; fp32 on CPU, where bf16 matmuls are slow and lossy for tiny models.
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    kwargs = {"dtype": dtype, **torch_load_kwargs(config), **attention_kwargs(model_dir)}
-    if strategy["adapter"] == "qlora":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
-        )
-    offload = strategy.get("offload_layers", 0) if device == "cuda" else 0
-    if offload and strategy["adapter"] == "qlora":
-        raise LorashipError("the plan combines QLoRA with CPU offload, which loraship does not support; re-plan")
-    # Streamed layers (the first n, or n spread over the first k) must be among the checkpointed first k: one that is
-    # not recomputed keeps its weight's GPU copy from forward to backward. Checked before the weights load.
-    checkpointed = strategy.get("checkpointed_layers")
-    if checkpointed is None:  # a plan from before the key: every layer or none
-        checkpointed = offload if strategy["gradient_checkpointing"] else 0
-    if offload and checkpointed < offload:
-        raise LorashipError(f"the plan streams {offload} layers but checkpoints only {checkpointed}: streamed layers "
-                            "must be among the checkpointed ones (a plan edited by hand?); re-plan")
-    if device == "cuda" and not offload:
-        kwargs["device_map"] = {"": 0}
+    model: Any
+    # loraship/training/activation_offload.py's hooks, whose counters the manifest reports (None: inputs on the GPU).
+    activation_offload: Any | None
+    # loraship/training/offload.py's prefetcher of streamed weights, its passes counted likewise (None: none stream).
+    weight_prefetcher: Any | None
+    fused_lora: dict  # loraship/training/fused_lora.py: LoRA Linears fused into one autograd node, and why not
+    recompute_skips: int  # checkpointed layers whose recompute leaves out down_proj's GEMM
+    fused_loss: bool  # Liger's fused loss applied: evaluate() asks it to skip the logits
+
+
+def load_model(model_dir: Path, config, strategy: Strategy | dict, device: str) -> LoadedModel:
+    """The base with its LoRA adapter as `strategy` trains it: precision, streamed weights, checkpointed layers,
+    Liger's kernels, fused LoRA nodes; in train mode."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    strategy = Strategy.from_json(strategy)
+    kwargs, offload = model_kwargs(model_dir, config, strategy, device)
     # With offload the model is assembled on the CPU and moved to the GPU after the frozen
     # weights of the offloaded layers were set aside (loraship/training/offload.py).
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    if strategy["adapter"] == "qlora" and device != "cuda":
+    if strategy.adapter == "qlora" and device != "cuda":
         # bitsandbytes (0.50) repacks an NF4 layer, one way, into an inference-only CPU layout the first time it
         # runs in eval mode on an AVX512-BF16 CPU; training afterwards goes through that inference kernel, whose
         # in-place bias add autograd refuses. The eval before training would be that first time.
@@ -196,56 +192,17 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     # The decoder layers, and how many of the first ones recompute: the same modules after PEFT wraps the model
     # (it replaces Linears inside them, not the layers).
     layers = decoder_layers(model)
-    k = memory.checkpointed_layers(strategy, len(layers))
-    if strategy["gradient_checkpointing"]:
-        # Not prepare_model_for_kbit_training: it upcasts embeddings/norms/lm_head to fp32,
-        # which costs more memory than it saves. We take only what it does for
-        # checkpointing: inputs that require grad so the frozen embedding output carries a graph.
-        enable_checkpointing(model)
-        model.enable_input_require_grads()
-        checkpoint_first_layers(model, strategy.get("checkpointed_layers"))
-        if strategy.get("offload_activations"):
-            from loraship.training.activation_offload import offload_checkpointed_activations
-
-            model._loraship_activation_offload = offload_checkpointed_activations(layers, k)
-            log.info("train: the inputs of %d checkpointed layers kept in pinned CPU memory", k)
+    k = strategy.checkpointed(len(layers))
+    activation_offload = apply_checkpointing(model, strategy, layers, k)
     model.config.use_cache = False
-    lora = LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=lora_targets(model_dir, config),
-        exclude_modules=lora_excluded(model_dir),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(model, lora)
-    if offload:
-        from loraship.training.offload import offload_frozen_layers
-
-        streamed = memory.streamed_layers(strategy, len(layers))
-        log.info("train: %.2f GiB of frozen weights kept in CPU memory (decoder layers %s)",
-                 offload_frozen_layers(model, streamed) / 2**30, ", ".join(map(str, streamed)))
-        model.to("cuda")
-    if device == "cuda" and strategy["fused_loss"]:
-        # Patched once the model sits on the GPU: applied to a CPU-resident model (the offload
-        # path) it left the HF loss in place (bench/results/gpu_train_stage.json).
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
-        # Liger leaves a model type it has no kernels for untouched, with an info log: the HF loss would then run
-        # where the plan budgeted the fused one. (Gemma 2's fused loss applies final_logit_softcapping: liger_kernel
-        # transformers/model/gemma2.py passes it to the loss.)
-        if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN or model.config.model_type in LIGER_NO_FUSED_LOSS:
-            raise LorashipError(f"the plan uses Liger's fused loss, but liger-kernel has no fused loss for model_type "
-                                f"{model.config.model_type!r}; set fused_loss: off and plan again")
-        _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False,
-                                        **liger_norm_kwargs())
-        restore_per_head_norms(model)
-        model.loraship_fused_loss = True  # evaluate() asks for it too: Liger skips it in eval mode by default
+    model = get_peft_model(model, lora_config(model_dir, config))
+    prefetcher = stream_frozen_weights(model, strategy, len(layers)) if offload else None
+    fused_loss = device == "cuda" and strategy.fused_loss
+    if fused_loss:
+        apply_fused_loss(model)
     if device == "cuda":
         # LoRA's matmuls in bf16 under autocast (see `compute`), its fp32 weights cast instead of the input: no
-        # fp32 copy of the input per adapter (loraship/planning/memory.py lora_saved_per_token counts what is kept).
+        # fp32 copy of the input per adapter (loraship/planning/estimate.py lora_saved_per_token counts what is kept).
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         for module in model.modules():
@@ -255,18 +212,114 @@ def load_model(model_dir: Path, config, strategy: dict, device: str):
     # GEMMs add the LoRA term (loraship/training/fused_lora.py); what it cannot run stays PEFT's.
     from loraship.training.fused_lora import fuse_lora_linears, fused_lora_wanted
 
-    model._loraship_fused_lora = fuse_lora_linears(model) if fused_lora_wanted() else {"fused": 0, "unfused": {}, "swiglu_down": 0}
+    fused_lora = fuse_lora_linears(model) if fused_lora_wanted() else {"fused": 0, "unfused": {}, "swiglu_down": 0}
     # Then the checkpointed layers' recompute leaves out down_proj's GEMM, whose output it never reads
     # (loraship/training/recompute.py).
-    model._loraship_recompute_skips = 0
-    if strategy["gradient_checkpointing"] and recompute_skip_wanted():
+    skips = 0
+    if strategy.gradient_checkpointing and recompute_skip_wanted():
         from loraship.training.recompute import skip_down_proj_in_recompute
 
-        model._loraship_recompute_skips = skip_down_proj_in_recompute(layers, k, bool(strategy.get("offload_activations")))
+        skips = skip_down_proj_in_recompute(layers, k, strategy.offload_activations)
     # from_pretrained returns eval mode, where HF silently skips gradient checkpointing
     # (seen on the H200: 67.6 GiB instead of 23.5). Train mode, always.
     model.train()
-    return model
+    return LoadedModel(model=model, activation_offload=activation_offload, weight_prefetcher=prefetcher,
+                       fused_lora=fused_lora, recompute_skips=skips, fused_loss=fused_loss)
+
+
+def model_kwargs(model_dir: Path, config, strategy: Strategy, device: str) -> tuple[dict, int]:
+    """from_pretrained's arguments for `strategy` on `device`, and how many layers stream from CPU memory; refuses,
+    before any weight loads, what the plan cannot have meant."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    # bf16 on GPUs; fp32 on CPU, where bf16 matmuls are slow and lossy for tiny models.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    kwargs = {"dtype": dtype, **torch_load_kwargs(config), **attention_kwargs(model_dir)}
+    if strategy.adapter == "qlora":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+    offload = strategy.offload_layers if device == "cuda" else 0
+    if offload and strategy.adapter == "qlora":
+        raise LorashipError("the plan combines QLoRA with CPU offload, which loraship does not support; re-plan")
+    # Streamed layers (the first n, or n spread over the first k) must be among the checkpointed first k: one that is
+    # not recomputed keeps its weight's GPU copy from forward to backward. Checked before the weights load, so
+    # before the layer count is known: a plan from before checkpointed_layers means every layer or none.
+    checkpointed = strategy.checkpointed(offload)
+    if offload and checkpointed < offload:
+        raise LorashipError(f"the plan streams {offload} layers but checkpoints only {checkpointed}: streamed layers "
+                            "must be among the checkpointed ones (a plan edited by hand?); re-plan")
+    if device == "cuda" and not offload:
+        kwargs["device_map"] = {"": 0}
+    return kwargs, offload
+
+
+def apply_checkpointing(model, strategy: Strategy, layers: list, k: int):
+    """Checkpoint the first k decoder layers, their inputs in CPU memory where the strategy says so: the
+    activation offload's hooks then, else None."""
+    if not strategy.gradient_checkpointing:
+        return None
+    # Not prepare_model_for_kbit_training: it upcasts embeddings/norms/lm_head to fp32,
+    # which costs more memory than it saves. We take only what it does for
+    # checkpointing: inputs that require grad so the frozen embedding output carries a graph.
+    enable_checkpointing(model)
+    model.enable_input_require_grads()
+    checkpoint_first_layers(model, strategy.checkpointed_layers)
+    if not strategy.offload_activations:
+        return None
+    from loraship.training.activation_offload import offload_checkpointed_activations
+
+    offloaded = offload_checkpointed_activations(layers, k)
+    log.info("train: the inputs of %d checkpointed layers kept in pinned CPU memory", k)
+    return offloaded
+
+
+def lora_config(model_dir: Path, config):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=lora_targets(model_dir, config),
+        exclude_modules=lora_excluded(model_dir),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def stream_frozen_weights(model, strategy: Strategy, n_layers: int):
+    """Keep the streamed layers' frozen weights in CPU memory, the rest of the model on the GPU; the prefetcher
+    that streams them back (loraship/training/offload.py keeps it on the decoder stack)."""
+    from loraship.training.offload import offload_frozen_layers
+
+    streamed = memory.streamed_layers(strategy.to_json(), n_layers)
+    log.info("train: %.2f GiB of frozen weights kept in CPU memory (decoder layers %s)",
+             offload_frozen_layers(model, streamed) / 2**30, ", ".join(map(str, streamed)))
+    model.to("cuda")
+    return getattr(model.get_base_model().model, "_loraship_prefetcher", None)
+
+
+def apply_fused_loss(model) -> None:
+    """Liger's kernels, its fused linear cross-entropy among them, on a model already on the GPU: applied to a
+    CPU-resident model (the offload path) it left the HF loss in place (bench/results/gpu_train_stage.json)."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    # Liger leaves a model type it has no kernels for untouched, with an info log: the HF loss would then run
+    # where the plan budgeted the fused one. (Gemma 2's fused loss applies final_logit_softcapping: liger_kernel
+    # transformers/model/gemma2.py passes it to the loss.)
+    model_type = model.config.model_type
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN or model_type in LIGER_NO_FUSED_LOSS:
+        raise LorashipError(f"the plan uses Liger's fused loss, but liger-kernel has no fused loss for model_type "
+                            f"{model_type!r}; set fused_loss: off and plan again")
+    _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False,
+                                    **liger_norm_kwargs())
+    restore_per_head_norms(model)
 
 
 def liger_norm_kwargs() -> dict:
@@ -311,8 +364,8 @@ def compute(device: str):
 
 
 def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, device: str,
-             progress: Progress | None = None) -> float | None:
-    """Mean loss per target token over the eval split."""
+             progress: Progress | None = None, fused_loss: bool = False) -> float | None:
+    """Mean loss per target token over the eval split; `fused_loss`: the model runs Liger's (LoadedModel.fused_loss)."""
     import torch
 
     if not examples:
@@ -323,8 +376,8 @@ def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, device: 
     batches = math.ceil(len(examples) / batch_size)
     # In eval mode Liger's forward materialises the fp32 logits (T x vocab: 4.6 GiB at 1 x 8192 on a 152k
     # vocabulary) unless told to skip them: on the H200 that made the eval before training, not training, the
-    # peak, and a 14B plan that fits ran out of memory there (bench/results/train_bench.json as of commit 10ebd3a, 2026-12-03).
-    options = {"skip_logits": True} if getattr(model, "loraship_fused_loss", False) else {}
+    # peak, and a 14B plan that fits ran out of memory there (bench/results/train_bench.json).
+    options = {"skip_logits": True} if fused_loss else {}
     with torch.no_grad():
         for batch, i in enumerate(range(0, len(examples), batch_size), start=1):
             ids, labels, mask = (t.to(device) for t in collate(examples[i : i + batch_size], pad_id))
@@ -401,13 +454,7 @@ def load_checkpoint(folder: Path, model, optimizer, scheduler) -> tuple[int, lis
     return state["step"], state["history"]
 
 
-def base_precision(strategy: dict) -> str:
-    """The precision of the frozen base weights a strategy trains against: NF4 for QLoRA, bf16 for LoRA
-    (streamed layers included: they are bf16 copies from CPU memory)."""
-    return "NF4" if strategy["adapter"] == "qlora" else "bf16"
-
-
-def set_checkpoints_aside(folder: Path, old: dict, new: dict, attempt: int) -> dict | None:
+def set_checkpoints_aside(folder: Path, old: Strategy, new: Strategy, attempt: int) -> dict | None:
     """Move the checkpoints of `old` out of `new`'s way when the two train against different precisions of the
     base; what was moved, for the manifest (None when there was nothing to move).
 
@@ -423,16 +470,16 @@ def set_checkpoints_aside(folder: Path, old: dict, new: dict, attempt: int) -> d
         return None
     state = next((p / "trainer_state.pt" for p in found if (p / "trainer_state.pt").is_file()), None)
     step = torch.load(state, weights_only=True)["step"] if state else None
-    aside = folder / f"set-aside-attempt-{attempt}-{base_precision(old)}"
+    aside = folder / f"set-aside-attempt-{attempt}-{old.base_precision}"
     aside.mkdir(parents=True, exist_ok=True)
     for p in found:
         # Not under an .old-last name: load_checkpoint takes those for a checkpoint killed mid-replacement.
         os.replace(p, aside / p.name.removeprefix("."))
-    why = (f"the re-plan changed the base's precision from {base_precision(old)} to {base_precision(new)}: the "
-           f"checkpointed adapter and optimizer state were trained against the {base_precision(old)} weights, so "
+    why = (f"the re-plan changed the base's precision from {old.base_precision} to {new.base_precision}: the "
+           f"checkpointed adapter and optimizer state were trained against the {old.base_precision} weights, so "
            f"training started again from step 0")
     log.warning("train: %s; the checkpoints of step %s are kept in %s", why, step, aside)
-    return {"after_attempt": attempt, "from_precision": base_precision(old), "to_precision": base_precision(new),
+    return {"after_attempt": attempt, "from_precision": old.base_precision, "to_precision": new.base_precision,
             "set_aside_step": step, "set_aside_to": str(aside.relative_to(folder.parent)), "why": why}
 
 
@@ -554,19 +601,56 @@ def utilisation(tokens_per_s: float | None, per_token: float | None, device: str
     return {"mfu": value, "mfu_basis": basis, "flops_per_token": round(per_token)}
 
 
-def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokenizer, train, evaluation) -> dict:
+@dataclass(frozen=True)
+class Batches:
+    """How a run draws its optimizer steps: the examples, their lengths and the micro-batch layout."""
+
+    examples: list[dict]
+    lengths: list[int]
+    micro: int  # micro_batch_size
+    accum: int  # gradient_accumulation_steps
+    per_epoch: int  # optimizer steps an epoch, the last, short one included
+    packed: bool
+    pad_id: int
+    seed: int
+    sequence_len: int
+
+    def epoch(self, epoch: int) -> list:
+        """The epoch's steps, each a list of micro-batches of rows of example indices (a seeded permutation)."""
+        budget = self.micro * self.sequence_len if self.packed else None
+        return epoch_steps(self.lengths, self.micro, self.accum, self.seed, epoch, budget)
+
+
+@dataclass
+class StepLoop:
+    """What the step loop carries from one optimizer step to the next (and train_once reads after it)."""
+
+    step: int
+    history: list[dict]
+    tokens_seen: int = 0
+    started: float = 0.0
+    stamps: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens so far) after each step
+
+
+def train_once(config, ctx, model_dir: Path, strategy: Strategy | dict, device: str, tokenizer, train,
+               evaluation) -> dict:
+    """One attempt at training `strategy` to the end (resuming its checkpoints), evals before and after; the
+    adapter and the loss history written to the stage folder. Raises what the attempt raised (out of memory too)."""
     import torch
 
+    strategy = Strategy.from_json(strategy)
     torch.manual_seed(config.seed)
-    model = load_model(model_dir, config, strategy, device)
+    loaded = load_model(model_dir, config, strategy, device)
+    model = loaded.model
     resident_gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
     packed, packing_why = use_packing(config, model, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    micro, accum = strategy["micro_batch_size"], strategy["gradient_accumulation_steps"]
+    micro, accum = strategy.micro_batch_size, strategy.gradient_accumulation_steps
     examples = train.examples
     lengths = [len(e["input_ids"]) for e in examples]
-    per_epoch = steps_per_epoch(len(examples), micro, accum)  # the last, short step included
-    total_steps = config.max_steps or max(1, math.ceil(per_epoch * config.num_epochs))
+    batches = Batches(examples, lengths, micro, accum, steps_per_epoch(len(examples), micro, accum), packed, pad_id,
+                      config.seed, config.sequence_len)
+    total_steps = config.max_steps or max(1, math.ceil(batches.per_epoch * config.num_epochs))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(config, total_steps))
@@ -574,68 +658,23 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
     eval_batch = max(1, micro)
     eval_key = artifact_key(config.run_name, STAGE, "eval-progress")
     eval_before = evaluate_base(model, evaluation.examples, eval_batch, pad_id, device,
-                                Progress("train: eval before (base model)", None, log, key=eval_key))
+                                Progress("train: eval before (base model)", None, log, key=eval_key), loaded.fused_loss)
     eval_peak = peak_memory(device)
     # The evaluation's activations and logits are free now; hand their cached blocks back so that
     # training's own peak, not the eval's leftovers, shapes the allocator's segments.
     release_memory(device)
-    checkpoints = ctx.dir / CHECKPOINTS_DIR
-    step, history = load_checkpoint(checkpoints, model, optimizer, scheduler)
+    step, history = load_checkpoint(ctx.dir / CHECKPOINTS_DIR, model, optimizer, scheduler)
     resumed_from = step
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    tokens_seen, started = 0, time.perf_counter()
-    stamps: list[tuple[float, int]] = []  # (seconds since start, tokens so far) after each step of this run
+    loop = StepLoop(step, history, started=time.perf_counter())
     per_token = flops_per_token(model_dir, config, lengths)
-    peak = flops.bf16_peak_tflops(torch.cuda.get_device_name(0)) if device == "cuda" and per_token else None
-    progress = Progress("train", total_steps, log, key=artifact_key(config.run_name, STAGE, "progress"))
-    steps: tuple[int, list] = (-1, [])
-    while step < total_steps:
-        epoch, within = divmod(step, per_epoch)
-        if steps[0] != epoch:
-            budget = micro * config.sequence_len if packed else None
-            steps = (epoch, epoch_steps(lengths, micro, accum, config.seed, epoch, budget))
-        group = steps[1][within]
-        # Weight each micro-batch by its share of the step's target tokens, so accumulation equals one
-        # big batch; a short last step of an epoch is then a mean over fewer tokens, not a smaller one.
-        step_targets = max(1, sum(target_tokens(examples[i]) for rows in group for row in rows for i in row))
-        step_loss = 0.0
-        for rows in group:
-            inputs, n_tokens, n = micro_batch(examples, rows, packed, pad_id, device)
-            with compute(device):
-                loss = model(**inputs).loss
-            (loss * n / step_targets).backward()
-            step_loss = step_loss + loss.detach() * n / step_targets  # read once a step: one sync, not one each
-            tokens_seen += n_tokens
-        step_loss = float(step_loss)
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        elapsed = time.perf_counter() - started
-        stamps.append((elapsed, tokens_seen))
-        rate, _ = steady_rate(stamps)
-        if rate is None:
-            speed = f"{tokens_seen / max(elapsed, 1e-9):,.0f} tokens/s (warm-up)"
-        else:
-            speed = f"{rate:,.0f} tokens/s" + (f", MFU {rate * per_token / 1e12 / peak:.0%}" if peak else "")
-        progress.update(step, f"step {step}/{total_steps}, loss {step_loss:.4f}, {speed}{gpu_memory_text(device)}")
-        if step % config.logging_steps == 0 or step == total_steps:
-            history.append({"step": step, "epoch": epoch, "loss": round(step_loss, 6), "lr": scheduler.get_last_lr()[0]})
-        if step % config.save_steps == 0 and step < total_steps:
-            save_checkpoint(checkpoints, model, optimizer, scheduler, step, history)
-    seconds = time.perf_counter() - started
-    steady, steady_basis = steady_rate(stamps)
+    run_steps(config, ctx, loaded, batches, trainable, optimizer, scheduler, total_steps, loop, per_token, device)
+    seconds = time.perf_counter() - loop.started
     measured = peak_memory(device)
     eval_after = evaluate(model, evaluation.examples, eval_batch, pad_id, device,
-                          Progress("train: eval after", None, log, key=eval_key))
-    with atomic_path(ctx.dir / ADAPTER_DIR) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        # The tokenizer the adapter was trained with, chat template included (the config's, if set):
-        # merge and convert carry it into the GGUF.
-        tokenizer.save_pretrained(tmp)
-    atomic_write_text(ctx.dir / LOSS_HISTORY_FILE, "".join(json.dumps(h) + "\n" for h in history))
+                          Progress("train: eval after", None, log, key=eval_key), fused_loss=loaded.fused_loss)
+    save_adapter(ctx.dir, model, tokenizer, loop.history)
     if measured:
         measured.update(allocated_after_load_gib=resident_gib,
                         eval_peak_reserved_gib=eval_peak.get("peak_reserved_gib"))
@@ -644,44 +683,133 @@ def train_once(config, ctx, model_dir: Path, strategy: dict, device: str, tokeni
         "resumed_from_step": resumed_from,
         "eval_loss_before": eval_before,
         "eval_loss_after": eval_after,
-        "first_loss": history[0]["loss"] if history else None,
-        "last_loss": history[-1]["loss"] if history else None,
+        "first_loss": loop.history[0]["loss"] if loop.history else None,
+        "last_loss": loop.history[-1]["loss"] if loop.history else None,
         "packing": {"packed": packed, "why": packing_why},
-        "fused_lora_linears": model._loraship_fused_lora,
-        # Checkpointed layers whose recompute leaves out down_proj's GEMM by loraship's mark (a frozen down_proj whose
-        # layer input stays on the GPU is left out by torch's early stop, not counted here).
-        "down_proj_skipped_in_recompute": model._loraship_recompute_skips,
-        "host_copies": host_copy_stats(model),
-        "train_tokens_this_run": tokens_seen,
-        # Steady state (warm-up steps left out), the rate the run sustains; the whole run's rate next to it.
-        "tokens_per_s": steady,
-        "tokens_per_s_basis": steady_basis,
-        "tokens_per_s_overall": round(tokens_seen / seconds, 1) if seconds > 0 else None,
-        **utilisation(steady, per_token, device),
-        "seconds": round(seconds, 2),
+        **attempt_metrics(loaded, loop, seconds, per_token, device),
         "measured_memory": measured,
     }
 
 
-def host_copy_stats(model) -> dict | None:
+def attempt_metrics(loaded: LoadedModel, loop: StepLoop, seconds: float, per_token: float | None,
+                    device: str) -> dict:
+    """The attempt's speed and what load_model applied, for the manifest."""
+    steady, steady_basis = steady_rate(loop.stamps)
+    return {
+        "fused_lora_linears": loaded.fused_lora,
+        # Checkpointed layers whose recompute leaves out down_proj's GEMM by loraship's mark (a frozen down_proj whose
+        # layer input stays on the GPU is left out by torch's early stop, not counted here).
+        "down_proj_skipped_in_recompute": loaded.recompute_skips,
+        "host_copies": host_copy_stats(loaded),
+        "train_tokens_this_run": loop.tokens_seen,
+        # Steady state (warm-up steps left out), the rate the run sustains; the whole run's rate next to it.
+        "tokens_per_s": steady,
+        "tokens_per_s_basis": steady_basis,
+        "tokens_per_s_overall": round(loop.tokens_seen / seconds, 1) if seconds > 0 else None,
+        **utilisation(steady, per_token, device),
+        "seconds": round(seconds, 2),
+    }
+
+
+def run_steps(config, ctx, loaded: LoadedModel, batches: Batches, trainable: list, optimizer, scheduler,
+              total_steps: int, loop: StepLoop, per_token: float | None, device: str) -> None:
+    """The optimizer steps from loop.step to total_steps: each accumulates its micro-batches, steps the optimizer,
+    reports progress, and every save_steps checkpoints."""
+    import torch
+
+    peak = flops.bf16_peak_tflops(torch.cuda.get_device_name(0)) if device == "cuda" and per_token else None
+    progress = Progress("train", total_steps, log, key=artifact_key(config.run_name, STAGE, "progress"))
+    steps: tuple[int, list] = (-1, [])
+    while loop.step < total_steps:
+        epoch, within = divmod(loop.step, batches.per_epoch)
+        if steps[0] != epoch:
+            steps = (epoch, batches.epoch(epoch))
+        step_loss = accumulate_step(loaded.model, batches, steps[1][within], loop, device)
+        optimizer_step(trainable, optimizer, scheduler)
+        loop.step += 1
+        elapsed = time.perf_counter() - loop.started
+        loop.stamps.append((elapsed, loop.tokens_seen))
+        report_progress(progress, loop, total_steps, step_loss, elapsed, per_token, peak, device)
+        if loop.step % config.logging_steps == 0 or loop.step == total_steps:
+            loop.history.append({"step": loop.step, "epoch": epoch, "loss": round(step_loss, 6),
+                                 "lr": scheduler.get_last_lr()[0]})
+        if loop.step % config.save_steps == 0 and loop.step < total_steps:
+            save_checkpoint(ctx.dir / CHECKPOINTS_DIR, loaded.model, optimizer, scheduler, loop.step, loop.history)
+
+
+def accumulate_step(model, batches: Batches, group: list, loop: StepLoop, device: str) -> float:
+    """Forward and backward of one optimizer step's micro-batches; the step's loss per target token."""
+    examples = batches.examples
+    # Weight each micro-batch by its share of the step's target tokens, so accumulation equals one
+    # big batch; a short last step of an epoch is then a mean over fewer tokens, not a smaller one.
+    step_targets = max(1, sum(target_tokens(examples[i]) for rows in group for row in rows for i in row))
+    step_loss = 0.0
+    for rows in group:
+        loss, n_tokens = forward_backward(model, batches, rows, step_targets, device)
+        step_loss = step_loss + loss  # read once a step: one sync, not one each
+        loop.tokens_seen += n_tokens
+    return float(step_loss)
+
+
+def forward_backward(model, batches: Batches, rows: list[list[int]], step_targets: int, device: str):
+    """One micro-batch: forward, backward of its share of the step's loss; that share (on the device, detached)
+    and its real tokens."""
+    inputs, n_tokens, n = micro_batch(batches.examples, rows, batches.packed, batches.pad_id, device)
+    with compute(device):
+        loss = model(**inputs).loss
+    (loss * n / step_targets).backward()
+    return loss.detach() * n / step_targets, n_tokens
+
+
+def optimizer_step(trainable: list, optimizer, scheduler) -> None:
+    import torch
+
+    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def report_progress(progress: Progress, loop: StepLoop, total_steps: int, step_loss: float, elapsed: float,
+                    per_token: float | None, peak: float | None, device: str) -> None:
+    rate, _ = steady_rate(loop.stamps)
+    if rate is None:
+        speed = f"{loop.tokens_seen / max(elapsed, 1e-9):,.0f} tokens/s (warm-up)"
+    else:
+        speed = f"{rate:,.0f} tokens/s" + (f", MFU {rate * per_token / 1e12 / peak:.0%}" if peak else "")
+    progress.update(loop.step, f"step {loop.step}/{total_steps}, loss {step_loss:.4f}, {speed}{gpu_memory_text(device)}")
+
+
+def save_adapter(folder: Path, model, tokenizer, history: list[dict]) -> None:
+    """The trained adapter and the loss history, in the stage folder."""
+    with atomic_path(folder / ADAPTER_DIR) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        # The tokenizer the adapter was trained with, chat template included (the config's, if set):
+        # merge and convert carry it into the GGUF.
+        tokenizer.save_pretrained(tmp)
+    atomic_write_text(folder / LOSS_HISTORY_FILE, "".join(json.dumps(h) + "\n" for h in history))
+
+
+def host_copy_stats(loaded: LoadedModel) -> dict | None:
     """How the prefetches of what lives in CPU memory went over the run (None when nothing does): streamed weights'
     layer passes and those not copied ahead (loraship/training/offload.py); checkpointed inputs found still on the GPU,
     prefetched in time, or copied when backward needed them (loraship/training/activation_offload.py)."""
     out = {}
-    prefetcher = getattr(model.get_base_model().model, "_loraship_prefetcher", None)
+    prefetcher = loaded.weight_prefetcher
     if prefetcher is not None:
         out["streamed_weights"] = {"layer_passes": prefetcher.passes, "not_copied_ahead": prefetcher.late}
-    acts = getattr(model.get_base_model(), "_loraship_activation_offload", None)
+    acts = loaded.activation_offload
     if acts is not None:
         out["checkpointed_inputs"] = {"still_on_gpu": acts.resident, "prefetched": acts.prefetched,
                                       "copied_when_needed": acts.synchronous}
     return out or None
 
 
-def evaluate_base(model, examples, batch_size, pad_id, device, progress: Progress | None = None):
+def evaluate_base(model, examples, batch_size, pad_id, device, progress: Progress | None = None,
+                  fused_loss: bool = False):
     """Eval loss of the base model alone: the adapter switched off."""
     with model.disable_adapter():
-        return evaluate(model, examples, batch_size, pad_id, device, progress)
+        return evaluate(model, examples, batch_size, pad_id, device, progress, fused_loss)
 
 
 # Messages of out-of-memory errors that do not arrive as torch.OutOfMemoryError: a cudaMalloc outside
@@ -719,7 +847,7 @@ def configure_cuda_allocator() -> str:
     return "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 
-def import_training_stack(strategy: dict, device: str) -> None:
+def import_training_stack(strategy: Strategy, device: str) -> None:
     """Import what train_once uses before the first attempt, not inside it.
 
     A library that keeps an exception raised while it is imported (bitsandbytes keeps "No module named
@@ -730,17 +858,104 @@ def import_training_stack(strategy: dict, device: str) -> None:
     import peft  # noqa: F401  (imports bitsandbytes where installed)
     import transformers  # noqa: F401
 
-    if device == "cuda" and strategy["fused_loss"]:
+    if device == "cuda" and strategy.fused_loss:
         import liger_kernel.transformers  # noqa: F401
 
 
-def for_device(strategy: dict, config, device: str) -> dict:
-    """The plan's strategy as this machine can run it."""
-    strategy = dict(strategy)
-    strategy["fused_loss"] = memory.fused_loss_available(config, device)
-    if device == "cpu":
-        strategy["offload_layers"] = 0  # no GPU to offload from
-    return strategy
+def for_device(strategy: dict, config, device: str, n_layers: int | None) -> Strategy:
+    """The plan's strategy as this machine can run it (a plan from before a key upgraded here, once)."""
+    out = Strategy.from_json(strategy, n_layers).replace(fused_loss=memory.fused_loss_available(config, device))
+    return out.replace(offload_layers=0) if device == "cpu" else out  # no GPU to offload from
+
+
+@dataclass(frozen=True)
+class Attempts:
+    """Where the out-of-memory retries stand: the plan tried next, its strategy as this machine runs it, why it was
+    chosen; the attempts that ran out of memory, and the re-plans that trained again from step 0."""
+
+    plan: dict
+    strategy: Strategy
+    reason: str | None
+    failed: tuple[dict, ...] = ()
+    restarts: tuple[dict, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"plan": self.plan, "attempts": list(self.failed), "restarts": list(self.restarts)}
+
+
+def starting_plan(ctx, config, model_config: dict, n_layers: int | None, device: str) -> Attempts:
+    """The plan the first attempt trains: the plan stage's, re-planned where this machine lacks the fused loss it
+    assumed, or the one an earlier run of these exact inputs re-planned to after running out of memory."""
+    plan = json.loads((ctx.upstream_dir("plan") / STRATEGY_FILE).read_text(encoding="utf-8"))
+    plan_file = ctx.upstream_dir("plan") / PLAN_FILE
+    reason = json.loads(plan_file.read_text(encoding="utf-8")).get("reason") if plan_file.is_file() else None
+    start = Attempts(plan, for_device(plan["strategy"], config, device, n_layers), reason)
+    if device == "cuda" and plan["strategy"]["fused_loss"] and not start.strategy.fused_loss:
+        # The plan was made where liger-kernel is importable and this machine lacks it: the HF loss
+        # needs more memory than planned, so plan again here, with the same ladder and fallback.
+        plan = memory.plan_training(model_config, config)
+        start = Attempts(plan, for_device(plan["strategy"], config, device, n_layers),
+                         f"re-planned in the train environment, where liger-kernel is not importable: {plan['reason']}")
+    replanned = ctx.dir / CHECKPOINTS_DIR / REPLANNED_FILE
+    if replanned.is_file():
+        # An earlier run of these exact inputs ran out of memory and re-planned: start where it ended.
+        saved = json.loads(replanned.read_text(encoding="utf-8"))
+        start = Attempts(saved["plan"], for_device(saved["plan"]["strategy"], config, device, n_layers), start.reason,
+                         tuple(saved["attempts"]), tuple(saved.get("restarts", [])))
+        log.info("train: starting from the strategy re-planned after %d out-of-memory error(s): %s",
+                 len(start.failed), start.strategy.to_json())
+    return start
+
+
+def train_until_it_fits(config, ctx, model_dir: Path, model_config: dict, n_layers: int | None, start: Attempts,
+                        device: str, tokenizer, train, evaluation) -> tuple[dict, Attempts]:
+    """train_once, and after each out-of-memory error the next smaller plan (replan_after_oom) until one trains to
+    the end; the result and how the attempts went. Raises naming the fix when no smaller plan is left."""
+    import torch
+
+    now = start
+    while True:
+        failure = None
+        try:
+            return train_once(config, ctx, model_dir, now.strategy, device, tokenizer, train, evaluation), now
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            failure = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        # Here, outside the except clause, the exception is gone, and with it the traceback whose frames
+        # held the failed attempt's model, optimizer and activations; free them before the retry loads anew.
+        release_memory(device)
+        now = after_out_of_memory(config, ctx, model_config, n_layers, now, failure, device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+
+def after_out_of_memory(config, ctx, model_config: dict, n_layers: int | None, now: Attempts, failure: str,
+                        device: str) -> Attempts:
+    """The attempts after `now` ran out of memory: the next smaller plan, persisted so that a rerun starts from it,
+    the old checkpoints set aside where it changes the base's precision."""
+    measured = peak_memory(device)
+    nxt = memory.replan_after_oom(now.plan, model_config, config, measured)
+    failed = (*now.failed, {"strategy": now.strategy.to_json(), "error": failure, "measured": measured,
+                            "under_predicted": (nxt or {}).get("oom_component")})
+    if nxt is None:
+        raise LorashipError(
+            f"out of GPU memory with every plan tried ({len(failed)}); under-predicted: "
+            f"{failed[-1]['under_predicted'] or 'unknown'}; last error: {failure}. Lower sequence_len or "
+            f"micro_batch_size, allow more in fallback (now {list(config.fallback)}), or use a larger GPU."
+        ) from RuntimeError(failure)
+    log.warning("train: out of memory (%s under-predicted); retrying with %s", nxt.get("oom_component"), nxt["strategy"])
+    strategy = for_device(nxt["strategy"], config, device, n_layers)
+    restarts = now.restarts
+    # A strategy on the same precision of the base resumes the checkpoints (the same LoRA parameters, trained
+    # against the same weights); one on another precision starts from step 0. Moved before the re-plan is
+    # saved: killed in between, the rerun starts the old strategy again, never the new one on old checkpoints.
+    if now.strategy.base_precision != strategy.base_precision:
+        moved = set_checkpoints_aside(ctx.dir / CHECKPOINTS_DIR, now.strategy, strategy, len(failed))
+        restarts = (*restarts, moved) if moved else restarts
+    out = Attempts(nxt, strategy, nxt["reason"], failed, restarts)
+    atomic_write_json(ctx.dir / CHECKPOINTS_DIR / REPLANNED_FILE, out.to_json())
+    return out
 
 
 def draw_figures(config, folder: Path, result: dict, predicted: dict, device: str, trained_as: str) -> list[str]:
@@ -756,6 +971,14 @@ def draw_figures(config, folder: Path, result: dict, predicted: dict, device: st
     return [LOSS_PLOT_FILE, MEMORY_PLOT_FILE]
 
 
+def layer_count(model_config: dict) -> int | None:
+    """The decoder layers the planner reads in config.json; None for an architecture it cannot read."""
+    try:
+        return memory.parse_model_config(model_config).L
+    except (ValueError, KeyError):
+        return None
+
+
 @exclusive
 def run(config) -> dict:
     ctx = open_stage(config, STAGE, UPSTREAM, FIELDS, depends_on=DEPENDS_ON)
@@ -769,105 +992,70 @@ def run(config) -> dict:
     atomic_write_text(marker, ctx.fingerprint)
 
     allocator = configure_cuda_allocator()
-    import torch
-    from transformers import AutoTokenizer
-
     hf_offline_if_local(config)
-    plan = json.loads((ctx.upstream_dir("plan") / STRATEGY_FILE).read_text(encoding="utf-8"))
-    plan_file = ctx.upstream_dir("plan") / PLAN_FILE
-    plan_reason = json.loads(plan_file.read_text(encoding="utf-8")).get("reason") if plan_file.is_file() else None
     model_dir = resolve_base_model(config, weights=True)
     check_base_model(config, model_dir)
     device = pick_device(config)
+    tokenizer = load_tokenizer(model_dir, config)
+    train, evaluation = load_splits(config, tokenizer)
+    model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    n_layers = layer_count(model_config)
+    start = starting_plan(ctx, config, model_config, n_layers, device)
+    import_training_stack(start.strategy, device)
+    result, final = train_until_it_fits(config, ctx, model_dir, model_config, n_layers, start, device, tokenizer,
+                                        train, evaluation)
+    metrics = {
+        **result,
+        "device": device,
+        **trained_with(config, model_dir, model_config, final, n_layers),
+        "cuda_allocator": allocator if device == "cuda" else None,
+        "oom_retries": list(final.failed),
+        # Re-plans that changed the base's precision and so trained again from step 0 (set_checkpoints_aside).
+        "restarted_from_step_0": list(final.restarts),
+        **data_metrics(config, train, evaluation),
+        "predicted_reserved_gib": final.plan["memory"].get("predicted_reserved_gib"),
+        "predicted_allocated_gib": final.plan["memory"].get("predicted_allocated_gib"),
+        "data_fingerprint": sha256_json([e["input_ids"] for e in train.examples]),
+        "figures": draw_figures(config, ctx.dir, result, final.plan["memory"], device,
+                                f"{final.strategy.adapter} on {device}"),
+    }
+    atomic_write_json(ctx.dir / "train_metrics.json", metrics)
+    return ctx.finish(metrics, outputs=None)
+
+
+def load_tokenizer(model_dir: Path, config):
+    """The base's tokenizer with the config's chat template and its template arguments."""
+    from transformers import AutoTokenizer
+
     tokenizer = use_configured_template(
         AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code), config.chat_template
     )
     set_template_kwargs(tokenizer, template_kwargs(template_of(tokenizer), config.thinking))
-    train, evaluation = load_splits(config, tokenizer)
-    model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    return tokenizer
 
-    current_plan, attempts, restarts = plan, [], []
-    strategy = for_device(plan["strategy"], config, device)
-    if device == "cuda" and plan["strategy"]["fused_loss"] and not strategy["fused_loss"]:
-        # The plan was made where liger-kernel is importable and this machine lacks it: the HF loss
-        # needs more memory than planned, so plan again here, with the same ladder and fallback.
-        current_plan = memory.plan_training(model_config, config)
-        strategy = for_device(current_plan["strategy"], config, device)
-        plan_reason = f"re-planned in the train environment, where liger-kernel is not importable: {current_plan['reason']}"
-    replanned = ctx.dir / CHECKPOINTS_DIR / REPLANNED_FILE
-    if replanned.is_file():
-        # An earlier run of these exact inputs ran out of memory and re-planned: start where it ended.
-        saved = json.loads(replanned.read_text(encoding="utf-8"))
-        current_plan, attempts, restarts = saved["plan"], saved["attempts"], saved.get("restarts", [])
-        strategy = for_device(current_plan["strategy"], config, device)
-        log.info("train: starting from the strategy re-planned after %d out-of-memory error(s): %s", len(attempts), strategy)
-    import_training_stack(strategy, device)
-    while True:
-        failure = None
-        try:
-            result = train_once(config, ctx, model_dir, strategy, device, tokenizer, train, evaluation)
-            break
-        except Exception as e:
-            if not is_out_of_memory(e):
-                raise
-            failure = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-        # Here, outside the except clause, the exception is gone, and with it the traceback whose frames
-        # held the failed attempt's model, optimizer and activations; free them before the retry loads anew.
-        release_memory(device)
-        measured = peak_memory(device)
-        nxt = memory.replan_after_oom(current_plan, model_config, config, measured)
-        attempts.append({"strategy": strategy, "error": failure, "measured": measured,
-                         "under_predicted": (nxt or {}).get("oom_component")})
-        if nxt is None:
-            raise LorashipError(
-                f"out of GPU memory with every plan tried ({len(attempts)}); under-predicted: "
-                f"{attempts[-1]['under_predicted'] or 'unknown'}; last error: {failure}. Lower sequence_len or "
-                f"micro_batch_size, allow more in fallback (now {list(config.fallback)}), or use a larger GPU."
-            ) from RuntimeError(failure)
-        log.warning("train: out of memory (%s under-predicted); retrying with %s", nxt.get("oom_component"), nxt["strategy"])
-        current_plan, strategy = nxt, for_device(nxt["strategy"], config, device)
-        plan_reason = nxt["reason"]
-        # A strategy on the same precision of the base resumes the checkpoints (the same LoRA parameters, trained
-        # against the same weights); one on another precision starts from step 0. Moved before the re-plan is
-        # saved: killed in between, the rerun starts the old strategy again, never the new one on old checkpoints.
-        if base_precision(attempts[-1]["strategy"]) != base_precision(strategy):
-            moved = set_checkpoints_aside(ctx.dir / CHECKPOINTS_DIR, attempts[-1]["strategy"], strategy, len(attempts))
-            restarts += [moved] if moved else []
-        atomic_write_json(replanned, {"plan": current_plan, "attempts": attempts, "restarts": restarts})
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-    predicted = current_plan["memory"]
-    try:
-        n_layers = memory.parse_model_config(model_config).L
-    except ValueError:
-        n_layers = None
-    metrics = {
-        **result,
-        "device": device,
-        "strategy": strategy,
-        "trained_as": Strategy.from_json(strategy).describe(n_layers),
+
+def trained_with(config, model_dir: Path, model_config: dict, final: Attempts, n_layers: int | None) -> dict:
+    """What trained, for the manifest: the strategy, in words, the Linears adapted, and why this plan."""
+    return {
+        "strategy": final.strategy.to_json(),
+        "trained_as": final.strategy.describe(n_layers),
         # The Linears adapted, as the architecture names them (Phi-3: qkv_proj, gate_up_proj), and why when a fused
         # one adapts more projections than the config named.
         "lora_modules": lora_targets(model_dir, config),
         "lora_modules_note": lora_target_note(model_config, config),
-        "strategy_reason": plan_reason,
-        "cuda_allocator": allocator if device == "cuda" else None,
-        "oom_retries": attempts,
-        # Re-plans that changed the base's precision and so trained again from step 0 (set_checkpoints_aside).
-        "restarted_from_step_0": restarts,
+        "strategy_reason": final.reason,
+    }
+
+
+def data_metrics(config, train, evaluation) -> dict:
+    return {
         "train_examples": len(train.examples),
         "eval_examples": len(evaluation.examples),
         "train_tokens": train.tokens,
         "truncated_examples": train.truncated + evaluation.truncated,
         "dropped_examples": train.dropped + evaluation.dropped,
         "truncation_policy": config.truncation,
-        "predicted_reserved_gib": predicted.get("predicted_reserved_gib"),
-        "predicted_allocated_gib": predicted.get("predicted_allocated_gib"),
-        "data_fingerprint": sha256_json([e["input_ids"] for e in train.examples]),
-        "figures": draw_figures(config, ctx.dir, result, predicted, device, f"{strategy['adapter']} on {device}"),
     }
-    atomic_write_json(ctx.dir / "train_metrics.json", metrics)
-    return ctx.finish(metrics, outputs=None)
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ def test_out_of_memory_replans_and_records_why(merged_run, monkeypatch):
     calls = []
 
     def flaky(config_, ctx, model_dir, strategy, *args):
-        calls.append(dict(strategy))
+        calls.append(strategy.to_json())
         if len(calls) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(config_, ctx, model_dir, strategy, *args)

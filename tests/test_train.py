@@ -220,7 +220,7 @@ def test_phi3_lora_adapts_its_fused_linears_and_gemma2_trains_with_eager_attenti
     config = parse_config(demo_config_dict(tiny_model, tmp_path, packing="auto",
                                            lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     strategy = memory.strategy_from_config(config, 2)
-    phi3 = train.load_model(_family_model("phi3", tmp_path / "phi3"), config, strategy, "cpu")
+    phi3 = train.load_model(_family_model("phi3", tmp_path / "phi3"), config, strategy, "cpu").model
     adapted = {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in phi3.named_parameters() if ".lora_A." in n}
     assert adapted == {"qkv_proj", "o_proj"}  # not o_proj alone, which PEFT would match of q, k, v, o
     every = config.model_copy(update={"lora_target_modules": "all-linear"})
@@ -228,7 +228,7 @@ def test_phi3_lora_adapts_its_fused_linears_and_gemma2_trains_with_eager_attenti
     with pytest.raises(train.LorashipError, match=r"\['c_attn'\] name no Linear of a phi3 decoder layer"):
         train.lora_targets(tmp_path / "phi3", config.model_copy(update={"lora_target_modules": ["c_attn"]}))
 
-    gemma2 = train.load_model(_family_model("gemma2", tmp_path / "gemma2"), config, strategy, "cpu")
+    gemma2 = train.load_model(_family_model("gemma2", tmp_path / "gemma2"), config, strategy, "cpu").model
     assert gemma2.config._attn_implementation == "eager"  # the one that applies attn_logit_softcapping
     packed, why = train.use_packing(config, gemma2, "cpu")
     assert not packed and "soft-capped (attn_logit_softcapping 50.0)" in why
@@ -264,7 +264,8 @@ def _loss_and_lora_grads(model_dir, config, strategy, offload_layers=0, seen=Non
     import loraship.stages.train as train
 
     torch.manual_seed(0)  # the same LoRA A initialisation for every k
-    model = train.load_model(model_dir, config, strategy, "cpu")
+    loaded = train.load_model(model_dir, config, strategy, "cpu")
+    model = loaded.model
     if offload_layers:  # what load_model does on a GPU; on the CPU the stream is a no-op copy
         from loraship.training.offload import offload_frozen_layers
 
@@ -288,7 +289,7 @@ def _loss_and_lora_grads(model_dir, config, strategy, offload_layers=0, seen=Non
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     flags = [layer.gradient_checkpointing for layer in layers]
     if seen is not None:
-        seen.append(getattr(model.get_base_model(), "_loraship_activation_offload", None))
+        seen.append(loaded.activation_offload)
     assert runs == [2 if f else 1 for f in flags]  # the flags are what really recomputes
     return loss.item(), grads, flags
 
@@ -510,9 +511,10 @@ def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_m
     def load_and_fail_first(model_dir, config_, strategy, device):
         # The first attempt's model must be garbage by the time the retry loads its own.
         assert all(ref() is None for ref in loaded), "the failed attempt's model is still alive at the retry"
-        model = real_load(model_dir, config_, strategy, device)
+        result = real_load(model_dir, config_, strategy, device)
+        model = result.model
         loaded.append(weakref.ref(model))
-        strategies.append(dict(strategy))
+        strategies.append(strategy.to_json())
         if len(strategies) == 1:
             def fail(module, args):
                 raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
@@ -520,7 +522,7 @@ def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_m
             model.get_base_model().model.layers[-1].register_forward_pre_hook(fail)
         elif len(strategies) == 2:
             raise Killed  # the process dies after the re-plan: the rerun must not repeat the first strategy
-        return model
+        return result
 
     monkeypatch.setattr(train, "load_model", load_and_fail_first)
     with pytest.raises(Killed):
@@ -571,9 +573,8 @@ def test_the_eval_asks_liger_for_its_fused_loss_and_keeps_no_logits():
 
     examples = _examples()
     plain, fused = _RecordingModel(), _RecordingModel()
-    fused.loraship_fused_loss = True  # what load_model sets once Liger's kernels are applied
-    for model in (plain, fused):
-        assert train.evaluate(model, examples, 2, 0, "cpu") == pytest.approx(2.0)
+    for model in (plain, fused):  # fused: what LoadedModel.fused_loss says once Liger's kernels are applied
+        assert train.evaluate(model, examples, 2, 0, "cpu", fused_loss=model is fused) == pytest.approx(2.0)
     assert all("skip_logits" not in call for call in plain.calls)
     assert len(fused.calls) == 3 and all("skip_logits" in call for call in fused.calls)
 
