@@ -11,6 +11,7 @@ f intermediate, V vocab, L layers, r rank, T = micro_batch x sequence_len tokens
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from loraship.config import Config
 from loraship.planning.knobs import checkpointed_layers
@@ -150,24 +151,19 @@ def fused_loss_transient(T: int, s: Shape) -> float:
     return 3 * 2 * T * s.h + rows * s.V * 2
 
 
-def estimate(s: Shape, cfg: Config, strategy: dict, program: str = "train-stage") -> dict:
-    """Predicted peak memory of one training step under `strategy`, in GiB, by component.
+@dataclass(frozen=True)
+class _Weights:
+    """Bytes of the frozen weights a step holds: resident, and the streamed layers' copies on the GPU."""
 
-    `program`: what runs the step. "train-stage" is tasks/train.py: with the fused loss it applies every
-    Liger kernel (RMSNorm, SwiGLU, RoPE too) and it allocates with expandable segments. "harness" is
-    bench/memory_matrix.py's own loop, on whose rows the CAL constants were fitted: Liger's fused loss
-    only, the default caching allocator.
+    layer_linear: float  # one decoder layer's Linears, at the base's precision
+    rest: float  # embeddings, lm_head, norms, biases, a wrapper's vision tower: bf16
+    streamed_layers: int
+    resident: float
+    streamed: float  # copies of streamed layers on the GPU during a layer's forward or recompute
+    streamed_at_loss: float
 
-    The peak holds the static terms (weights, LoRA weights, gradients, optimizer state) and the kept
-    activations, plus the larger of two transients: the loss (at the start of backward) or one decoder
-    layer's recompute + backward (`peak_phase` names which). The allocator reserve and the CUDA context
-    come on top: the card must hold reserved + context.
-    """
-    T = strategy["micro_batch_size"] * cfg.sequence_len
-    targets = target_names(cfg, s)
-    lin = s.linears()
-    qlora = strategy["adapter"] == "qlora"
 
+def _frozen_weights(s: Shape, strategy: dict, qlora: bool) -> _Weights:
     # Frozen weights: NF4 quantizes only decoder Linears; embeddings, lm_head, norms, biases stay bf16.
     layer_lin_bytes = s.layer_linear_params * (NF4_BYTES_PER_PARAM if qlora else 2)
     # A multimodal wrapper loads its vision tower too (other_params), frozen and untrained.
@@ -180,12 +176,33 @@ def estimate(s: Shape, cfg: Config, strategy: dict, program: str = "train-stage"
     # otherwise the last streamed layer is copied when backward reaches the layer after it.
     streamed = min(2, n_off) * layer_lin_bytes
     streamed_at_loss = layer_lin_bytes if n_off == s.L else 0.0
+    return _Weights(layer_lin_bytes, rest_bytes, n_off, weights, streamed, streamed_at_loss)
 
-    lora_params = s.L * sum(cfg.lora_r * (lin[n][0] + lin[n][1]) for n in targets)
-    lora_w = lora_params * LORA_BYTES_PER_PARAM["weight"]
-    lora_g = lora_params * LORA_BYTES_PER_PARAM["grad"]
-    opt = lora_params * LORA_BYTES_PER_PARAM["optimizer"]
 
+@dataclass(frozen=True)
+class _Activations:
+    """Bytes of the activations a step keeps and of one layer's transient, with k layers checkpointed."""
+
+    k: int
+    layer_saved: float  # one un-checkpointed layer's saved activations
+    layer_backward: float
+    dequant: float  # bitsandbytes' dequantized matrix during a QLoRA matmul
+    kept_checkpointed: float
+    kept_full: float
+    in_cpu_memory: float  # checkpointed inputs in pinned CPU memory
+
+    @property
+    def kept(self) -> float:
+        return self.kept_checkpointed + self.kept_full
+
+    def layer_peak(self, n_layers: int) -> float:
+        """One layer's transient: its recompute + backward when every layer is checkpointed, else the last layer's
+        plain backward."""
+        return self.layer_saved + self.layer_backward if self.k == n_layers else self.layer_backward
+
+
+def _activations(s: Shape, cfg: Config, strategy: dict, targets, program: str, T: int, qlora: bool) -> _Activations:
+    lin = s.linears()
     liger = strategy["fused_loss"] and program == "train-stage"
     per_tok = layer_saved_per_token(s, cfg, targets, program, liger)
     scores_bwd = T * 8 * s.heads * cfg.sequence_len if s.attn_softcap else 0.0
@@ -210,68 +227,64 @@ def estimate(s: Shape, cfg: Config, strategy: dict, program: str = "train-stage"
         host_acts = T * 2 * s.h * k
         kept_ckpt = CAL["keep"] * T * 2 * s.h * min(k, 2)
     kept_full = (s.L - k) * layer_saved
-    kept = kept_ckpt + kept_full
-    layer_peak = layer_saved + layer_bwd if k == s.L else layer_bwd
+    return _Activations(k, layer_saved, layer_bwd, dequant, kept_ckpt, kept_full, host_acts)
+
+
+def _loss_transient(s: Shape, strategy: dict, program: str, T: int) -> float:
+    """Bytes the loss holds at the start of backward."""
     if strategy["fused_loss"] and program == "train-stage":
         # Liger's own buffers only. The harness's fitted CAL["fused_loss"] (13x more at 2 x 4096 on a 7B) stood in
         # for the first recompute + backward after the loss, which the train stage's Liger RMSNorm/SwiGLU make
         # smaller: counted here, it over-predicted the four partially checkpointed rows of issue #24's run
-        # (bench/results/train_bench.json, 2026-12-05, commit f4fbbcb5) by 1.84-2.44 GiB, each within 0.4 GiB of it,
-        # and the four all-checkpointed 7B/14B rows by 0.08-1.04 GiB, where one layer's recompute + backward is
-        # within 0.1 GiB of what they measured.
-        loss = fused_loss_transient(T, s)
-    elif strategy["fused_loss"]:
-        loss = CAL["fused_loss"] * T * 2 * s.h
-    else:
-        loss = CAL["hf_loss"] * T * s.V
-        if s.final_softcap:
-            # Gemma 2's cap on the bf16 logits: tanh keeps its output and the capped copy goes to the loss (2 x 2 B).
-            # Liger's fused loss caps inside its chunks (tasks/train.py applies it), at no cost here.
-            loss += 4 * T * s.V
-    # The train stage sets the LoRA gradients to None after each optimizer step (tasks/train.py zero_grad(set_to_none=
-    # True)): with k < L the peak, at the loss or the last layer's backward, comes before any is written. Not so with
-    # every layer checkpointed (the peak recurs at each recompute, the last one after nearly all gradients were
-    # written), nor with accumulation (later micro-batches hold the earlier ones'). The first recompute (k > 0) comes
-    # after the gradients of the L - k later layers: counted whole there, with one layer's activations instead of L - k.
-    # With k < L the layer peak is the last layer's plain backward, before any streamed layer (all among the first k,
-    # recomputed later) is copied back; the first recompute below counts the copies.
-    streamed_at_layer = streamed if k == s.L else 0.0
-    act_peak = max(loss + streamed_at_loss, layer_peak + dequant + streamed_at_layer)
-    grads_before_peak = (program == "train-stage" and k < s.L and strategy["gradient_accumulation_steps"] == 1)
-    at_peak, grads_at_peak = kept + act_peak, lora_g
-    if not grads_before_peak:
-        at_peak += lora_g
-    else:
-        first_recompute = kept_ckpt + layer_saved + layer_bwd + dequant + streamed + lora_g if k else 0.0
-        if first_recompute > at_peak:
-            at_peak = first_recompute
-        else:
-            grads_at_peak = 0.0
-    static = weights + lora_w + opt
-    allocated = static + at_peak
-    # Fragmentation follows the largest one-layer transient that happens at all: a recompute's whenever k > 0.
-    layer_transient = (layer_saved + layer_bwd if k else layer_bwd) + dequant
-    reclaimable = 0.0
-    if program == "train-stage":
-        if not strategy["fused_loss"]:
-            reclaimable = CAL["reserve_hf_loss_expandable"] * loss
-        reserve = CAL["reserve_expandable_gib"] * GIB + reclaimable
-    else:
-        reserve = CAL["reserve_loss"] * loss + CAL["reserve_layer"] * layer_transient + CAL["reserve_fixed_gib"] * GIB
+        # (bench/results/train_bench.json) by 1.84-2.44 GiB, each within 0.4 GiB of it, and the four all-checkpointed
+        # 7B/14B rows by 0.08-1.04 GiB, where one layer's recompute + backward is within 0.1 GiB of what they measured.
+        return fused_loss_transient(T, s)
+    if strategy["fused_loss"]:
+        return CAL["fused_loss"] * T * 2 * s.h
+    loss = CAL["hf_loss"] * T * s.V
+    if s.final_softcap:
+        # Gemma 2's cap on the bf16 logits: tanh keeps its output and the capped copy goes to the loss (2 x 2 B).
+        # Liger's fused loss caps inside its chunks (tasks/train.py applies it), at no cost here.
+        loss += 4 * T * s.V
+    return loss
+
+
+def estimate(s: Shape, cfg: Config, strategy: dict, program: str = "train-stage") -> dict:
+    """Predicted peak memory of one training step under `strategy`, in GiB, by component.
+
+    `program`: what runs the step. "train-stage" is tasks/train.py: with the fused loss it applies every
+    Liger kernel (RMSNorm, SwiGLU, RoPE too) and it allocates with expandable segments. "harness" is
+    bench/memory_matrix.py's own loop, on whose rows the CAL constants were fitted: Liger's fused loss
+    only, the default caching allocator.
+
+    The peak holds the static terms (weights, LoRA weights, gradients, optimizer state) and the kept
+    activations, plus the larger of two transients: the loss (at the start of backward) or one decoder
+    layer's recompute + backward (`peak_phase` names which). The allocator reserve and the CUDA context
+    come on top: the card must hold reserved + context.
+    """
+    T = strategy["micro_batch_size"] * cfg.sequence_len
+    targets = target_names(cfg, s)
+    lin = s.linears()
+    qlora = strategy["adapter"] == "qlora"
+    w = _frozen_weights(s, strategy, qlora)
+    lora_params = s.L * sum(cfg.lora_r * (lin[n][0] + lin[n][1]) for n in targets)
+    lora_w = lora_params * LORA_BYTES_PER_PARAM["weight"]
+    lora_g = lora_params * LORA_BYTES_PER_PARAM["grad"]
+    opt = lora_params * LORA_BYTES_PER_PARAM["optimizer"]
+    a = _activations(s, cfg, strategy, targets, program, T, qlora)
+    k = a.k
+    loss = _loss_transient(s, strategy, program, T)
+    at_peak, grads_at_peak, streamed_at_layer = _activations_at_peak(s, strategy, program, w, a, loss, lora_g)
+    allocated = w.resident + lora_w + opt + at_peak
+    reserve, reclaimable = _allocator_reserve(strategy, program, loss, a)
     reserved = allocated + reserve
     ctx = CAL["cuda_context_gib"] * GIB
-    if k == 0:
-        acts = {"saved_activations_all_layers": kept_full}
-    elif k == s.L:
-        acts = {"checkpointed_activations": kept_ckpt}
-    else:
-        acts = {"checkpointed_activations": kept_ckpt, "saved_activations_other_layers": kept_full}
     comps = {
-        "frozen_weights": weights, "lora_weights": lora_w,
+        "frozen_weights": w.resident, "lora_weights": lora_w,
         "lora_gradients": grads_at_peak, "optimizer_state": opt,
-        **acts,
-        **({"streamed_layer_copies": streamed} if n_off else {}),
-        "one_layer_recompute_and_backward": layer_peak + dequant,
+        **_kept_activations(a, s.L),
+        **({"streamed_layer_copies": w.streamed} if w.streamed_layers else {}),
+        "one_layer_recompute_and_backward": a.layer_peak(s.L) + a.dequant,
         "logits_and_cross_entropy": loss,
         "allocator_reserve": reserve, "cuda_context": ctx,
     }
@@ -280,7 +293,7 @@ def estimate(s: Shape, cfg: Config, strategy: dict, program: str = "train-stage"
     total = reserved - reclaimable + ctx
     return {
         "components_gib": {k: round(v / GIB, 3) for k, v in comps.items()},
-        "peak_phase": ("cross-entropy" if loss + streamed_at_loss >= layer_peak + dequant + streamed_at_layer
+        "peak_phase": ("cross-entropy" if loss + w.streamed_at_loss >= a.layer_peak(s.L) + a.dequant + streamed_at_layer
                        else "one layer's backward"),
         "predicted_allocated_gib": allocated / GIB,
         "predicted_reserved_gib": reserved / GIB,
@@ -289,12 +302,60 @@ def estimate(s: Shape, cfg: Config, strategy: dict, program: str = "train-stage"
         "predicted_total_gib": total / GIB,
         "reclaimable_cache_gib": reclaimable / GIB,
         # What a weights-only calculator (accelerate estimate-memory style) says: all frozen weights, nothing else.
-        "weights_only_estimate_gib": (s.L * layer_lin_bytes + rest_bytes) / GIB,
+        "weights_only_estimate_gib": (s.L * w.layer_linear + w.rest) / GIB,
         "fits": total / GIB <= budget - margin,
-        "activations_in_cpu_memory_gib": round(host_acts / GIB, 3),
+        "activations_in_cpu_memory_gib": round(a.in_cpu_memory / GIB, 3),
         "lora_params": lora_params,
         "checkpointed_layers": k,
     }
+
+
+def _activations_at_peak(s: Shape, strategy: dict, program: str, w: _Weights, a: _Activations, loss: float,
+                         lora_g: float) -> tuple[float, float, float]:
+    """What the peak holds on top of the static terms (kept activations, the larger transient, the LoRA gradients
+    where written by then), the LoRA gradients among it, and the streamed copies at a layer's transient."""
+    # The train stage sets the LoRA gradients to None after each optimizer step (tasks/train.py zero_grad(set_to_none=
+    # True)): with k < L the peak, at the loss or the last layer's backward, comes before any is written. Not so with
+    # every layer checkpointed (the peak recurs at each recompute, the last one after nearly all gradients were
+    # written), nor with accumulation (later micro-batches hold the earlier ones'). The first recompute (k > 0) comes
+    # after the gradients of the L - k later layers: counted whole there, with one layer's activations instead of L - k.
+    # With k < L the layer peak is the last layer's plain backward, before any streamed layer (all among the first k,
+    # recomputed later) is copied back; the first recompute below counts the copies.
+    k = a.k
+    streamed_at_layer = w.streamed if k == s.L else 0.0
+    act_peak = max(loss + w.streamed_at_loss, a.layer_peak(s.L) + a.dequant + streamed_at_layer)
+    grads_before_peak = (program == "train-stage" and k < s.L and strategy["gradient_accumulation_steps"] == 1)
+    at_peak, grads_at_peak = a.kept + act_peak, lora_g
+    if not grads_before_peak:
+        at_peak += lora_g
+    else:
+        first_recompute = (a.kept_checkpointed + a.layer_saved + a.layer_backward + a.dequant + w.streamed + lora_g
+                           if k else 0.0)
+        if first_recompute > at_peak:
+            at_peak = first_recompute
+        else:
+            grads_at_peak = 0.0
+    return at_peak, grads_at_peak, streamed_at_layer
+
+
+def _allocator_reserve(strategy: dict, program: str, loss: float, a: _Activations) -> tuple[float, float]:
+    """The allocator's reserve on top of allocated, and the part of it it hands back under pressure."""
+    # Fragmentation follows the largest one-layer transient that happens at all: a recompute's whenever k > 0.
+    layer_transient = (a.layer_saved + a.layer_backward if a.k else a.layer_backward) + a.dequant
+    reclaimable = 0.0
+    if program == "train-stage":
+        if not strategy["fused_loss"]:
+            reclaimable = CAL["reserve_hf_loss_expandable"] * loss
+        return CAL["reserve_expandable_gib"] * GIB + reclaimable, reclaimable
+    return CAL["reserve_loss"] * loss + CAL["reserve_layer"] * layer_transient + CAL["reserve_fixed_gib"] * GIB, reclaimable
+
+
+def _kept_activations(a: _Activations, L: int) -> dict:
+    if a.k == 0:
+        return {"saved_activations_all_layers": a.kept_full}
+    if a.k == L:
+        return {"checkpointed_activations": a.kept_checkpointed}
+    return {"checkpointed_activations": a.kept_checkpointed, "saved_activations_other_layers": a.kept_full}
 
 
 def safety_margin_gib(budget_gib: float) -> float:
