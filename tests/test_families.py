@@ -220,11 +220,21 @@ def test_real_pretrained_model_passes_every_gate(real_run):
 # -- plan-time facts of every family, without weights -------------------------------------------------
 @pytest.fixture(scope="module")
 def family_folders(tmp_path_factory):
-    from loraship.fixtures.families import write_folder_without_weights
+    """Each family's tokenizer files and config.json: the cached model folder where a pipeline run built it (the same
+    files, beside weights these tests do not read), else written here without weights."""
+    from loraship.fixtures.families import BUILD_VERSION, write_folder_without_weights
 
     root = tmp_path_factory.mktemp("family-tokenizers")
     folders = {}
     for name in sorted(FAMILIES):
+        built = REPO / ".loraship" / "models" / f"family-{name}"
+        try:
+            complete = json.loads((built / "pretrain_log.json").read_text())["build_version"] == BUILD_VERSION
+        except (OSError, ValueError, KeyError):
+            complete = False
+        if complete:
+            folders[name] = built
+            continue
         folders[name] = root / name
         folders[name].mkdir()
         write_folder_without_weights(name, folders[name])
