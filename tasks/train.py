@@ -19,6 +19,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 from loraship.planning import flops, memory
 from loraship.planning.strategy_record import Strategy
 
-from loraship.training import packed_attention
+from loraship.training import distributed, packed_attention
 
 from loraship.publishing import plots
 from loraship.constants import (
@@ -55,6 +56,8 @@ FIELDS = (
     "train_on_inputs",
 )
 REPLANNED_FILE = "replanned.json"  # in the checkpoints folder: kept, like the checkpoints, for a rerun
+RANKS_DIR = "ranks"  # in the stage folder: what the ranks were given (job.json), their reports, rank 0's result
+RANK_JOB_ARG = "--rank-job"  # python -m loraship.stages.train --rank-job FILE: one rank, as torchrun starts it
 log = logging.getLogger("loraship.train")
 
 
@@ -171,14 +174,15 @@ class LoadedModel:
     fused_loss: bool  # Liger's fused loss applied: evaluate() asks it to skip the logits
 
 
-def load_model(model_dir: Path, config, strategy: Strategy | dict, device: str) -> LoadedModel:
+def load_model(model_dir: Path, config, strategy: Strategy | dict, device: str,
+               engine: distributed.Engine = distributed.ONE_PROCESS.engine) -> LoadedModel:
     """The base with its LoRA adapter as `strategy` trains it: precision, streamed weights, checkpointed layers,
     Liger's kernels, fused LoRA nodes; in train mode."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     strategy = Strategy.from_json(strategy)
-    kwargs, offload = model_kwargs(model_dir, config, strategy, device)
+    kwargs, offload = model_kwargs(model_dir, config, strategy, device, engine)
     # With offload the model is assembled on the CPU and moved to the GPU after the frozen
     # weights of the offloaded layers were set aside (loraship/training/offload.py).
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
@@ -227,7 +231,8 @@ def load_model(model_dir: Path, config, strategy: Strategy | dict, device: str) 
                        fused_lora=fused_lora, recompute_skips=skips, fused_loss=fused_loss)
 
 
-def model_kwargs(model_dir: Path, config, strategy: Strategy, device: str) -> tuple[dict, int]:
+def model_kwargs(model_dir: Path, config, strategy: Strategy, device: str,
+                 engine: distributed.Engine = distributed.ONE_PROCESS.engine) -> tuple[dict, int]:
     """from_pretrained's arguments for `strategy` on `device`, and how many layers stream from CPU memory; refuses,
     before any weight loads, what the plan cannot have meant."""
     import torch
@@ -242,6 +247,7 @@ def model_kwargs(model_dir: Path, config, strategy: Strategy, device: str) -> tu
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype,
+            **distributed.quantization_storage(engine, dtype),
         )
     offload = strategy.offload_layers if device == "cuda" else 0
     if offload and strategy.adapter == "qlora":
@@ -253,8 +259,15 @@ def model_kwargs(model_dir: Path, config, strategy: Strategy, device: str) -> tu
     if offload and checkpointed < offload:
         raise LorashipError(f"the plan streams {offload} layers but checkpoints only {checkpointed}: streamed layers "
                             "must be among the checkpointed ones (a plan edited by hand?); re-plan")
-    if device == "cuda" and not offload:
-        kwargs["device_map"] = {"": 0}
+    if offload and engine.distributed:
+        raise LorashipError(f"the plan streams {offload} layers' weights from CPU memory and trains on "
+                            f"{engine.world_size} GPUs ({engine.name}), which loraship does not combine; fix: re-plan "
+                            "(gpus: 1 for the streamed plan, or more GPUs with fallback that leaves offload out)")
+    if device == "cuda" and not offload and engine.name != "fsdp2":
+        # This rank's own card (torchrun's LOCAL_RANK, made current by init_rank); 0 in one process.
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    # FSDP2 loads in host memory: fully_shard moves each layer to this rank's card as it shards it, so no card ever
+    # holds the whole model.
     return kwargs, offload
 
 
@@ -408,27 +421,38 @@ def schedule(config, total_steps: int):
 
 
 def save_checkpoint(folder: Path, model, optimizer, scheduler, step: int, history: list[dict]) -> None:
+    """The state a rerun resumes from, written by rank 0: the whole adapter (PEFT's files) and the optimizer's state
+    keyed by parameter name, gathered from every rank (one format for any number of ranks). model: a
+    distributed.Wrapped, or a bare PEFT model in one process."""
     import torch
+
+    wrapped = distributed.as_wrapped(model)
 
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         # LoRA dropout draws from the CUDA generator on the GPU: without its state a resumed run
         # drops other units than the uninterrupted one would have.
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    with atomic_path(folder / "last") as tmp:
-        tmp.mkdir()
-        model.save_pretrained(tmp, safe_serialization=True)
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step, "rng": rng,
-             "history": history},
-            tmp / "trainer_state.pt",
-        )
+    adapter, optimizer_state = distributed.trainable_state(wrapped), distributed.optimizer_state(wrapped, optimizer)
+    if wrapped.main:
+        with atomic_path(folder / "last") as tmp:
+            tmp.mkdir()
+            wrapped.model.save_pretrained(tmp, safe_serialization=True, state_dict=adapter)
+            torch.save(
+                {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step, "rng": rng,
+                 "history": history, "world_size": wrapped.engine.world_size},
+                tmp / "trainer_state.pt",
+            )
+    distributed.barrier(wrapped.rank)
 
 
 def load_checkpoint(folder: Path, model, optimizer, scheduler) -> tuple[int, list[dict]]:
+    """The last checkpoint into the model (a distributed.Wrapped, or a bare PEFT model), optimizer and scheduler, on
+    every rank; (step, loss history), (0, []) when there is none."""
     import torch
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
+
+    wrapped = distributed.as_wrapped(model)
+    world_size = wrapped.engine.world_size
 
     last = folder / "last"
     if not (last / "trainer_state.pt").is_file():
@@ -436,10 +460,14 @@ def load_checkpoint(folder: Path, model, optimizer, scheduler) -> tuple[int, lis
         last = aside_of(last)
         if last is None or not (last / "trainer_state.pt").is_file():
             return 0, []
-    set_peft_model_state_dict(model, load_file(last / "adapter_model.safetensors"))
+    distributed.load_adapter_file(wrapped, last / "adapter_model.safetensors")
     # weights_only: even our own checkpoint is loaded without running arbitrary pickled code.
     state = torch.load(last / "trainer_state.pt", weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
+    distributed.load_optimizer_state(wrapped, optimizer, state["optimizer"])
+    if state.get("world_size", 1) != world_size:
+        log.warning("train: the checkpoint was written by %d rank(s), this run has %d: a global step holds another "
+                    "number of examples, so the rest of this epoch draws them in another order than it would have",
+                    state.get("world_size", 1), world_size)
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
@@ -633,19 +661,23 @@ class StepLoop:
 
 
 def train_once(config, ctx, model_dir: Path, strategy: Strategy | dict, device: str, tokenizer, train,
-               evaluation) -> dict:
+               evaluation, ranks: distributed.Ranks = distributed.ONE_PROCESS) -> dict:
     """One attempt at training `strategy` to the end (resuming its checkpoints), evals before and after; the
     adapter and the loss history written to the stage folder. Raises what the attempt raised (out of memory too)."""
     import torch
 
     strategy = Strategy.from_json(strategy)
     torch.manual_seed(config.seed)
-    loaded = load_model(model_dir, config, strategy, device)
+    loaded = load_model(model_dir, config, strategy, device, ranks.engine)
     model = loaded.model
+    # DDP around it, or FSDP2's shards in place (its parameters replaced: the optimizer is made after).
+    wrapped = distributed.wrap(model, ranks.engine, ranks.rank, decoder_layers(model))
     resident_gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
     packed, packing_why = use_packing(config, model, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    micro, accum = strategy.micro_batch_size, strategy.gradient_accumulation_steps
+    # A global step is micro-batch x accumulation x ranks, laid out as one process would run it (each rank then
+    # trains its share: distributed.rank_share), so the losses and the adapter are those of one process.
+    micro, accum = strategy.micro_batch_size, strategy.gradient_accumulation_steps * ranks.world_size
     examples = train.examples
     lengths = [len(e["input_ids"]) for e in examples]
     batches = Batches(examples, lengths, micro, accum, steps_per_epoch(len(examples), micro, accum), packed, pad_id,
@@ -663,18 +695,18 @@ def train_once(config, ctx, model_dir: Path, strategy: Strategy | dict, device: 
     # The evaluation's activations and logits are free now; hand their cached blocks back so that
     # training's own peak, not the eval's leftovers, shapes the allocator's segments.
     release_memory(device)
-    step, history = load_checkpoint(ctx.dir / CHECKPOINTS_DIR, model, optimizer, scheduler)
+    step, history = load_checkpoint(ctx.dir / CHECKPOINTS_DIR, wrapped, optimizer, scheduler)
     resumed_from = step
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     loop = StepLoop(step, history, started=time.perf_counter())
     per_token = flops_per_token(model_dir, config, lengths)
-    run_steps(config, ctx, loaded, batches, trainable, optimizer, scheduler, total_steps, loop, per_token, device)
+    run_steps(config, ctx, wrapped, ranks, batches, trainable, optimizer, scheduler, total_steps, loop, per_token, device)
     seconds = time.perf_counter() - loop.started
-    measured = peak_memory(device)
+    measured = distributed.worst_rank_memory(peak_memory(device), ranks.rank)  # the card that limits the plan
     eval_after = evaluate(model, evaluation.examples, eval_batch, pad_id, device,
                           Progress("train: eval after", None, log, key=eval_key), fused_loss=loaded.fused_loss)
-    save_adapter(ctx.dir, model, tokenizer, loop.history)
+    save_adapter(ctx.dir, wrapped, tokenizer, loop.history)
     if measured:
         measured.update(allocated_after_load_gib=resident_gib,
                         eval_peak_reserved_gib=eval_peak.get("peak_reserved_gib"))
@@ -711,8 +743,8 @@ def attempt_metrics(loaded: LoadedModel, loop: StepLoop, seconds: float, per_tok
     }
 
 
-def run_steps(config, ctx, loaded: LoadedModel, batches: Batches, trainable: list, optimizer, scheduler,
-              total_steps: int, loop: StepLoop, per_token: float | None, device: str) -> None:
+def run_steps(config, ctx, wrapped: distributed.Wrapped, ranks: distributed.Ranks, batches: Batches, trainable: list,
+              optimizer, scheduler, total_steps: int, loop: StepLoop, per_token: float | None, device: str) -> None:
     """The optimizer steps from loop.step to total_steps: each accumulates its micro-batches, steps the optimizer,
     reports progress, and every save_steps checkpoints."""
     import torch
@@ -724,7 +756,7 @@ def run_steps(config, ctx, loaded: LoadedModel, batches: Batches, trainable: lis
         epoch, within = divmod(loop.step, batches.per_epoch)
         if steps[0] != epoch:
             steps = (epoch, batches.epoch(epoch))
-        step_loss = accumulate_step(loaded.model, batches, steps[1][within], loop, device)
+        step_loss = accumulate_step(wrapped, ranks, batches, steps[1][within], loop, device)
         optimizer_step(trainable, optimizer, scheduler)
         loop.step += 1
         elapsed = time.perf_counter() - loop.started
@@ -734,31 +766,40 @@ def run_steps(config, ctx, loaded: LoadedModel, batches: Batches, trainable: lis
             loop.history.append({"step": loop.step, "epoch": epoch, "loss": round(step_loss, 6),
                                  "lr": scheduler.get_last_lr()[0]})
         if loop.step % config.save_steps == 0 and loop.step < total_steps:
-            save_checkpoint(ctx.dir / CHECKPOINTS_DIR, loaded.model, optimizer, scheduler, loop.step, loop.history)
+            save_checkpoint(ctx.dir / CHECKPOINTS_DIR, wrapped, optimizer, scheduler, loop.step, loop.history)
 
 
-def accumulate_step(model, batches: Batches, group: list, loop: StepLoop, device: str) -> float:
-    """Forward and backward of one optimizer step's micro-batches; the step's loss per target token."""
+def accumulate_step(wrapped: distributed.Wrapped, ranks: distributed.Ranks, batches: Batches, group: list,
+                    loop: StepLoop, device: str) -> float:
+    """Forward and backward of this rank's share of one optimizer step's micro-batches, gradients synced across the
+    ranks on the last; the step's loss per target token, summed over the ranks (every rank reports the global one)."""
     examples = batches.examples
     # Weight each micro-batch by its share of the step's target tokens, so accumulation equals one
     # big batch; a short last step of an epoch is then a mean over fewer tokens, not a smaller one.
     step_targets = max(1, sum(target_tokens(examples[i]) for rows in group for row in rows for i in row))
-    step_loss = 0.0
-    for rows in group:
-        loss, n_tokens = forward_backward(model, batches, rows, step_targets, device)
+    step_loss, tokens = 0.0, 0
+    share = distributed.rank_share(group, ranks.index, ranks.world_size)
+    for m, (rows, counts) in enumerate(share):
+        with distributed.accumulating(wrapped, final=m == len(share) - 1):
+            loss, n_tokens = forward_backward(wrapped.module, batches, rows, step_targets, device,
+                                              weight=distributed.gradient_scale(ranks.engine) if counts else 0.0)
         step_loss = step_loss + loss  # read once a step: one sync, not one each
-        loop.tokens_seen += n_tokens
-    return float(step_loss)
+        tokens += n_tokens if counts else 0
+    step_loss, tokens = distributed.all_sum([float(step_loss), tokens], ranks.rank)
+    loop.tokens_seen += int(tokens)
+    return step_loss
 
 
-def forward_backward(model, batches: Batches, rows: list[list[int]], step_targets: int, device: str):
-    """One micro-batch: forward, backward of its share of the step's loss; that share (on the device, detached)
-    and its real tokens."""
+def forward_backward(model, batches: Batches, rows: list[list[int]], step_targets: int, device: str,
+                     weight: float = 1.0):
+    """One micro-batch: forward, backward of its share of the step's loss times `weight` (the engine's gradient
+    scale; 0 for a rank's stand-in micro-batch); that share (on the device, detached, 0 for a stand-in) and its
+    real tokens."""
     inputs, n_tokens, n = micro_batch(batches.examples, rows, batches.packed, batches.pad_id, device)
     with compute(device):
         loss = model(**inputs).loss
-    (loss * n / step_targets).backward()
-    return loss.detach() * n / step_targets, n_tokens
+    (loss * (n * weight / step_targets)).backward()
+    return loss.detach() * (n / step_targets if weight else 0.0), n_tokens
 
 
 def optimizer_step(trainable: list, optimizer, scheduler) -> None:
@@ -780,14 +821,18 @@ def report_progress(progress: Progress, loop: StepLoop, total_steps: int, step_l
     progress.update(loop.step, f"step {loop.step}/{total_steps}, loss {step_loss:.4f}, {speed}{gpu_memory_text(device)}")
 
 
-def save_adapter(folder: Path, model, tokenizer, history: list[dict]) -> None:
-    """The trained adapter and the loss history, in the stage folder."""
-    with atomic_path(folder / ADAPTER_DIR) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        # The tokenizer the adapter was trained with, chat template included (the config's, if set):
-        # merge and convert carry it into the GGUF.
-        tokenizer.save_pretrained(tmp)
-    atomic_write_text(folder / LOSS_HISTORY_FILE, "".join(json.dumps(h) + "\n" for h in history))
+def save_adapter(folder: Path, wrapped: distributed.Wrapped, tokenizer, history: list[dict]) -> None:
+    """The trained adapter and the loss history, in the stage folder: written by rank 0, from the weights every
+    rank gathers."""
+    state = distributed.trainable_state(wrapped)
+    if wrapped.main:
+        with atomic_path(folder / ADAPTER_DIR) as tmp:
+            wrapped.model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+            # The tokenizer the adapter was trained with, chat template included (the config's, if set):
+            # merge and convert carry it into the GGUF.
+            tokenizer.save_pretrained(tmp)
+        atomic_write_text(folder / LOSS_HISTORY_FILE, "".join(json.dumps(h) + "\n" for h in history))
+    distributed.barrier(wrapped.rank)
 
 
 def host_copy_stats(loaded: LoadedModel) -> dict | None:
@@ -908,7 +953,8 @@ def starting_plan(ctx, config, model_config: dict, n_layers: int | None, device:
 
 
 def train_until_it_fits(config, ctx, model_dir: Path, model_config: dict, n_layers: int | None, start: Attempts,
-                        device: str, tokenizer, train, evaluation) -> tuple[dict, Attempts]:
+                        device: str, tokenizer, train, evaluation,
+                        engine: distributed.Engine = distributed.ONE_PROCESS.engine) -> tuple[dict, Attempts]:
     """train_once, and after each out-of-memory error the next smaller plan (replan_after_oom) until one trains to
     the end; the result and how the attempts went. Raises naming the fix when no smaller plan is left."""
     import torch
@@ -917,24 +963,27 @@ def train_until_it_fits(config, ctx, model_dir: Path, model_config: dict, n_laye
     while True:
         failure = None
         try:
-            return train_once(config, ctx, model_dir, now.strategy, device, tokenizer, train, evaluation), now
+            return train_attempt(config, ctx, model_dir, now.strategy, device, tokenizer, train, evaluation,
+                                 engine), now
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
             failure = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            # Ranks out of memory: the peak that rank measured (this process measured nothing).
+            measured = getattr(e, "measured", None)
         # Here, outside the except clause, the exception is gone, and with it the traceback whose frames
         # held the failed attempt's model, optimizer and activations; free them before the retry loads anew.
         release_memory(device)
-        now = after_out_of_memory(config, ctx, model_config, n_layers, now, failure, device)
+        now = after_out_of_memory(config, ctx, model_config, n_layers, now, failure, device, measured)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
 
 
 def after_out_of_memory(config, ctx, model_config: dict, n_layers: int | None, now: Attempts, failure: str,
-                        device: str) -> Attempts:
+                        device: str, measured: dict | None = None) -> Attempts:
     """The attempts after `now` ran out of memory: the next smaller plan, persisted so that a rerun starts from it,
     the old checkpoints set aside where it changes the base's precision."""
-    measured = peak_memory(device)
+    measured = peak_memory(device) if measured is None else measured
     nxt = memory.replan_after_oom(now.plan, model_config, config, measured)
     failed = (*now.failed, {"strategy": now.strategy.to_json(), "error": failure, "measured": measured,
                             "under_predicted": (nxt or {}).get("oom_component")})
@@ -956,6 +1005,88 @@ def after_out_of_memory(config, ctx, model_config: dict, n_layers: int | None, n
     out = Attempts(nxt, strategy, nxt["reason"], failed, restarts)
     atomic_write_json(ctx.dir / CHECKPOINTS_DIR / REPLANNED_FILE, out.to_json())
     return out
+
+
+def train_attempt(config, ctx, model_dir: Path, strategy: Strategy, device: str, tokenizer, train, evaluation,
+                  engine: distributed.Engine) -> dict:
+    """train_once in this process, or on the engine's ranks, each running train_once on its share of every step."""
+    if not engine.distributed:
+        return train_once(config, ctx, model_dir, strategy, device, tokenizer, train, evaluation)
+    return train_on_ranks(config, ctx, model_dir, strategy, device, engine)
+
+
+def train_on_ranks(config, ctx, model_dir: Path, strategy: Strategy, device: str, engine: distributed.Engine) -> dict:
+    """One attempt on engine.world_size ranks: this stage again under torchrun in this container (serve_rank_job);
+    rank 0's result. Raises what a rank raised: its LorashipError, RanksOutOfMemory (which the re-plan takes for its
+    own out-of-memory error), or RankFailed naming a rank that died and where a rerun resumes."""
+    folder = ctx.dir / RANKS_DIR
+    job = distributed.RankJob(config=config.model_dump(mode="json"), stage_dir=str(ctx.dir), model_dir=str(model_dir),
+                              strategy=strategy.to_json(), engine=engine.name, world_size=engine.world_size,
+                              device=device, result_file=str(folder / "result.json"))
+    folder.mkdir(parents=True, exist_ok=True)
+    job.write(folder / "job.json")
+    log.info("train: %s on %d ranks (%s), under torchrun", engine.name, engine.world_size, device)
+    distributed.launch_ranks(f"loraship.stages.{STAGE}", [RANK_JOB_ARG, str(folder / "job.json")], engine.world_size,
+                             folder, resume_hint=lambda: resume_words(ctx.dir / CHECKPOINTS_DIR))
+    return json.loads(Path(job.result_file).read_text(encoding="utf-8"))
+
+
+def resume_words(folder: Path) -> str:
+    """What a rerun of these inputs does, read from the checkpoint on disk."""
+    import torch
+
+    for last in (folder / "last", aside_of(folder / "last")):
+        if last is not None and (last / "trainer_state.pt").is_file():
+            step = torch.load(last / "trainer_state.pt", weights_only=True)["step"]
+            return f"Started again, the run resumes from the last checkpoint (step {step})"
+    return "Started again, the run starts at step 0: no checkpoint was written yet (save_steps sets how often)"
+
+
+@dataclass(frozen=True)
+class RankStage:
+    """The stage folder as a rank sees it: train_once reads and writes there only (checkpoints, adapter, history)."""
+
+    dir: Path
+
+
+def serve_rank_job(job_file: Path) -> int:
+    """One rank (python -m loraship.stages.train --rank-job FILE, as torchrun starts it): the job's config, data and
+    strategy, checked equal on every rank before training, then train_once on this rank's share; the exit code."""
+    from loraship.config import parse_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    job = distributed.RankJob.read(job_file)
+    configure_cuda_allocator()
+
+    def work(rank: distributed.Rank) -> dict:
+        config = parse_config(job.config)
+        hf_offline_if_local(config)
+        model_dir = Path(job.model_dir)
+        tokenizer = load_tokenizer(model_dir, config)
+        train, evaluation = load_splits(config, tokenizer)
+        distributed.check_same_inputs(rank, {
+            "config": config.fingerprint(), "strategy": sha256_json(job.strategy),
+            "train data": sha256_json([e["input_ids"] for e in train.examples]),
+            "eval data": sha256_json([e["input_ids"] for e in evaluation.examples])})
+        strategy = Strategy.from_json(job.strategy)
+        import_training_stack(strategy, job.device)
+        ranks = distributed.Ranks(distributed.Engine(job.engine, job.world_size), rank)
+        return train_once(config, RankStage(Path(job.stage_dir)), model_dir, strategy, job.device, tokenizer, train,
+                          evaluation, ranks)
+
+    return distributed.serve_rank(work, job.device, Path(job.result_file), is_out_of_memory=is_out_of_memory,
+                                  measure=lambda: peak_memory(job.device))
+
+
+def training_engine(ctx, config, device: str) -> tuple[distributed.Engine, dict]:
+    """The engine and number of ranks for the devices visible here, from the plan stage's multi-GPU record
+    (preflight.check_training_gpus, whose errors name the fix before any weight loads); the option, for the
+    manifest. On a CPU the ranks are LORASHIP_CPU_RANKS (1 when unset)."""
+    from loraship.planning.preflight import check_training_gpus
+
+    record = json.loads((ctx.upstream_dir("plan") / STRATEGY_FILE).read_text(encoding="utf-8")).get("distributed")
+    option = check_training_gpus(config, record, distributed.visible_devices(device))
+    return distributed.engine_of(option), option
 
 
 def draw_figures(config, folder: Path, result: dict, predicted: dict, device: str, trained_as: str) -> list[str]:
@@ -1001,12 +1132,15 @@ def run(config) -> dict:
     model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     n_layers = layer_count(model_config)
     start = starting_plan(ctx, config, model_config, n_layers, device)
+    engine, option = training_engine(ctx, config, device)
     import_training_stack(start.strategy, device)
     result, final = train_until_it_fits(config, ctx, model_dir, model_config, n_layers, start, device, tokenizer,
-                                        train, evaluation)
+                                        train, evaluation, engine)
     metrics = {
         **result,
         "device": device,
+        # The engine and ranks it trained on (one process: single on 1), and why the plan chose them.
+        "distributed": {"engine": engine.name, "ranks": engine.world_size, "why": option.get("why")},
         **trained_with(config, model_dir, model_config, final, n_layers),
         "cuda_allocator": allocator if device == "cuda" else None,
         "oom_retries": list(final.failed),
@@ -1059,4 +1193,6 @@ def data_metrics(config, train, evaluation) -> dict:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [RANK_JOB_ARG]:
+        sys.exit(serve_rank_job(Path(sys.argv[2])))
     main(run)

@@ -508,10 +508,10 @@ def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_m
     real_load = train.load_model
     loaded, strategies = [], []
 
-    def load_and_fail_first(model_dir, config_, strategy, device):
+    def load_and_fail_first(model_dir, config_, strategy, device, *engine):
         # The first attempt's model must be garbage by the time the retry loads its own.
         assert all(ref() is None for ref in loaded), "the failed attempt's model is still alive at the retry"
-        result = real_load(model_dir, config_, strategy, device)
+        result = real_load(model_dir, config_, strategy, device, *engine)
         model = result.model
         loaded.append(weakref.ref(model))
         strategies.append(strategy.to_json())

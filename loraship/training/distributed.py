@@ -347,6 +347,17 @@ class Wrapped:
     module: object
     model: object
     engine: Engine
+    rank: Rank | None = None  # None: one process
+
+    @property
+    def main(self) -> bool:
+        """The process that writes files: rank 0, or the only one."""
+        return self.rank is None or self.rank.main
+
+
+def as_wrapped(model) -> Wrapped:
+    """A Wrapped as is; a bare PEFT model as one process's (checkpoint helpers take either)."""
+    return model if isinstance(model, Wrapped) else Wrapped(model, model, ONE_PROCESS.engine)
 
 
 def quantization_storage(engine: Engine, dtype) -> dict:
@@ -373,7 +384,7 @@ def wrap(model, engine: Engine, rank: Rank | None, layers: list) -> Wrapped:
         module = DistributedDataParallel(
             model, device_ids=[rank.local_rank] if rank.device == "cuda" else None, find_unused_parameters=False,
             gradient_as_bucket_view=True)
-        return Wrapped(module, model, engine)
+        return Wrapped(module, model, engine, rank)
     from torch.distributed.fsdp import fully_shard
 
     if not layers:
@@ -382,7 +393,7 @@ def wrap(model, engine: Engine, rank: Rank | None, layers: list) -> Wrapped:
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)  # the rest: embeddings, final norm, lm_head
-    return Wrapped(model, model, engine)
+    return Wrapped(model, model, engine, rank)
 
 
 def rank_share(group: list, rank: int, world_size: int) -> list[tuple[object, bool]]:
