@@ -405,14 +405,6 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
     from loraship.stages import train as train_stage
 
     config = parse_config(loraship_config(case, trainer, model_dir, data, root, args.steps, device))
-    if trainer.startswith(("loraship-norms-", "loraship-compile-layers")):
-        # The kernel settings of loraship/training/norm_kernels.py, in place of the stage's own two hooks.
-        from loraship.training import norm_kernels
-
-        def after_liger(model):
-            return norm_kernels.adjust_norms(model) + norm_kernels.compile_decoder_layers(model)
-
-        train_stage.liger_norm_kwargs, train_stage.restore_per_head_norms = norm_kernels.liger_norm_kwargs, after_liger
     clock = StepClock(device, args.warmup if args.profile is not None else None)
     plan_stage.run(config)
     metrics = train_stage.run(config)["metrics"]

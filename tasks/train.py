@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from loraship.planning import flops, memory
+from loraship.planning.knobs import LIGER_NO_FUSED_LOSS
 from loraship.planning.strategy_record import Strategy
 
-from loraship.training import distributed, packed_attention
+from loraship.training import distributed, norm_kernels, packed_attention
 
 from loraship.publishing import plots
 from loraship.constants import (
@@ -137,11 +138,6 @@ def lora_target_note(model_config: dict, config) -> str | None:
         return memory.lora_target_note(memory.parse_model_config(model_config), config.lora_target_modules)
     except ValueError:
         return None
-
-
-# Model types liger-kernel maps but whose fused loss it refuses: Granite scales its logits (logits_scaling), which
-# LigerFusedLinearCrossEntropy has no term for (liger_kernel transformers/monkey_patch.py raises NotImplementedError).
-LIGER_NO_FUSED_LOSS = frozenset({"granite"})
 
 
 def attention_kwargs(model_dir: Path) -> dict:
@@ -331,30 +327,10 @@ def apply_fused_loss(model) -> None:
         raise LorashipError(f"the plan uses Liger's fused loss, but liger-kernel has no fused loss for model_type "
                             f"{model_type!r}; set fused_loss: off and plan again")
     _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False,
-                                    **liger_norm_kwargs())
-    restore_per_head_norms(model)
-
-
-def liger_norm_kwargs() -> dict:
-    """LORASHIP_LIGER_NORMS=off keeps every RMSNorm transformers' own (bench/train_bench.py compares the settings)."""
-    return {"rms_norm": False} if os.environ.get("LORASHIP_LIGER_NORMS") == "off" else {}
-
-
-def restore_per_head_norms(model) -> int:
-    """Give attention's per-head q/k norms (QK-norm: Qwen3, Gemma 3, OLMo 2) their own forward back.
-
-    Liger patches them with its RMSNorm kernel, whose backward reduces the weight gradient over every head of every
-    token; on a 256-wide head that reduction is most of its cost (bench/results/train_bench_gemma3_profile.json).
-    Only with LORASHIP_LIGER_NORMS=layer until the bench shows it is worth it."""
-    if os.environ.get("LORASHIP_LIGER_NORMS", "all") != "layer":
-        return 0
-    restored = 0
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") and "forward" in module.__dict__:
-            for attribute in ("forward", "extra_repr", "_get_name"):
-                module.__dict__.pop(attribute, None)
-            restored += 1
-    return restored
+                                    **norm_kernels.liger_norm_kwargs())
+    # The default keeps Liger's kernels everywhere: the fastest of the settings (bench/results/train_bench_gemma3_kernels.json).
+    norm_kernels.adjust_norms(model)
+    norm_kernels.compile_decoder_layers(model)
 
 
 def recompute_skip_wanted() -> bool:
