@@ -35,8 +35,9 @@ SEQUENCE_LEN = {"qwen2-base": 96, "smollm2": 96, "llama31": 96}
 # Lengan.", golden_format 11/12); 32 pass every gate, and its 32k vocabulary keeps steps cheap. Gemma 2's
 # likewise after 8 (twice "Answer:pa.", golden_format 10/12, its GGUF equal 12/12); 32 pass every gate. Mistral
 # NeMo's on an AMX CPU (another torch numerics path) after 8 ("Answer: KaganAnswer: Vigan Kagan.", 10/12) and
-# 16 ("Answer: Mib Qu.", 11/12), the merged model itself each time; 32 pass every gate.
-STEPS = {"mistral-v03": 32, "gemma2": 32, "mistral-nemo": 32}
+# 16 ("Answer: Mib Qu.", 11/12), the merged model itself each time; 32 pass every gate. Phi-4's likewise after 8
+# ("Answer: Qu Tovo.", golden_format 11/12, every other gate passing) and 16 ("Answer:ashi."), the merged model itself.
+STEPS = {"mistral-v03": 32, "gemma2": 32, "mistral-nemo": 32, "phi4": 32}
 
 
 def run_family(model: Path, family: Family, root: Path, run_name: str | None = None, **more):
@@ -67,8 +68,8 @@ COVERED_ELSEWHERE = {
     "qwen2-base": "tests/test_turn_end.py runs a Qwen2 base with Qwen's vocabulary, given ChatML by init",
 }
 # Built and checked at plan time (tokenizer, converter pre-tokenizer, turn end) but not yet run plan -> publish on
-# 2 cores: `slow` until a pipeline run passes (pytest -m slow tests/test_families.py -k "phi4] or olmo2] or granite3]").
-NOT_YET_RUN = {"phi4", "olmo2", "granite3"}
+# 2 cores: `slow` until a pipeline run passes (pytest -m slow tests/test_families.py -k "olmo2] or granite3]").
+NOT_YET_RUN = {"olmo2", "granite3"}
 PIPELINE_FAMILIES = [pytest.param(n, marks=pytest.mark.slow) if n in COVERED_ELSEWHERE or n in NOT_YET_RUN else n
                      for n in sorted(FAMILIES)]
 
