@@ -36,8 +36,9 @@ SEQUENCE_LEN = {"qwen2-base": 96, "smollm2": 96, "llama31": 96}
 # likewise after 8 (twice "Answer:pa.", golden_format 10/12, its GGUF equal 12/12); 32 pass every gate. Mistral
 # NeMo's on an AMX CPU (another torch numerics path) after 8 ("Answer: KaganAnswer: Vigan Kagan.", 10/12) and
 # 16 ("Answer: Mib Qu.", 11/12), the merged model itself each time; 32 pass every gate. Phi-4's likewise after 8
-# ("Answer: Qu Tovo.", golden_format 11/12, every other gate passing) and 16 ("Answer:ashi."), the merged model itself.
-STEPS = {"mistral-v03": 32, "gemma2": 32, "mistral-nemo": 32, "phi4": 32}
+# ("Answer: Qu Tovo.", golden_format 11/12, every other gate passing) and 16 ("Answer:ashi."), the merged model itself;
+# OLMo 2's after 8 ("Answer: Sh: Togan.", 11/12); 32 pass every gate for both.
+STEPS = {"mistral-v03": 32, "gemma2": 32, "mistral-nemo": 32, "phi4": 32, "olmo2": 32}
 
 
 def run_family(model: Path, family: Family, root: Path, run_name: str | None = None, **more):
@@ -67,10 +68,7 @@ COVERED_ELSEWHERE = {
     "smollm2": "the real SmolLM2 run below has the same tokenizer and template, with real weights",
     "qwen2-base": "tests/test_turn_end.py runs a Qwen2 base with Qwen's vocabulary, given ChatML by init",
 }
-# Built and checked at plan time (tokenizer, converter pre-tokenizer, turn end) but not yet run plan -> publish on
-# 2 cores: `slow` until a pipeline run passes (pytest -m slow tests/test_families.py -k "olmo2]").
-NOT_YET_RUN = {"olmo2"}
-PIPELINE_FAMILIES = [pytest.param(n, marks=pytest.mark.slow) if n in COVERED_ELSEWHERE or n in NOT_YET_RUN else n
+PIPELINE_FAMILIES = [pytest.param(n, marks=pytest.mark.slow) if n in COVERED_ELSEWHERE else n
                      for n in sorted(FAMILIES)]
 
 
