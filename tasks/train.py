@@ -171,17 +171,27 @@ class LoadedModel:
 
 
 def load_model(model_dir: Path, config, strategy: Strategy | dict, device: str,
-               engine: distributed.Engine = distributed.ONE_PROCESS.engine) -> LoadedModel:
+               engine: distributed.Engine = distributed.ONE_PROCESS.engine,
+               rank: distributed.Rank | None = None) -> LoadedModel:
     """The base with its LoRA adapter as `strategy` trains it: precision, streamed weights, checkpointed layers,
-    Liger's kernels, fused LoRA nodes; in train mode."""
+    Liger's kernels, fused LoRA nodes; in train mode. Under FSDP2 (LoRA) only rank 0 reads the weights; the other
+    ranks' parameters stay on the meta device until distributed.wrap sends them their shards."""
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     strategy = Strategy.from_json(strategy)
     kwargs, offload = model_kwargs(model_dir, config, strategy, device, engine)
+
+    def empty():
+        # The class, config, dtype and attention from_pretrained gets: from_config's share of kwargs.
+        base = AutoConfig.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code)
+        return AutoModelForCausalLM.from_config(base, **{k: v for k, v in kwargs.items()
+                                                         if k in ("dtype", "attn_implementation", "trust_remote_code")})
+
     # With offload the model is assembled on the CPU and moved to the GPU after the frozen
     # weights of the offloaded layers were set aside (loraship/training/offload.py).
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    model = distributed.load_base(engine, rank, strategy.adapter, build=empty,
+                                  load=lambda: AutoModelForCausalLM.from_pretrained(model_dir, **kwargs))
     if strategy.adapter == "qlora" and device != "cuda":
         # bitsandbytes (0.50) repacks an NF4 layer, one way, into an inference-only CPU layout the first time it
         # runs in eval mode on an AVX512-BF16 CPU; training afterwards goes through that inference kernel, whose
@@ -644,10 +654,12 @@ def train_once(config, ctx, model_dir: Path, strategy: Strategy | dict, device: 
 
     strategy = Strategy.from_json(strategy)
     torch.manual_seed(config.seed)
-    loaded = load_model(model_dir, config, strategy, device, ranks.engine)
+    loaded = load_model(model_dir, config, strategy, device, ranks.engine, ranks.rank)
     model = loaded.model
-    # DDP around it, or FSDP2's shards in place (its parameters replaced: the optimizer is made after).
-    wrapped = distributed.wrap(model, ranks.engine, ranks.rank, decoder_layers(model))
+    # DDP around it, or FSDP2's shards in place (its parameters replaced: the optimizer is made after), filled from
+    # rank 0's weights where only rank 0 read them.
+    wrapped = distributed.wrap(model, ranks.engine, ranks.rank, decoder_layers(model),
+                               from_rank0=distributed.rank0_loads_weights(ranks.engine, strategy.adapter))
     resident_gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
     packed, packing_why = use_packing(config, model, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -35,10 +35,13 @@ def examples(skew: bool) -> list[dict]:
     return out
 
 
-def load(model_dir: str, adapter: str, engine):
+LOADS = []  # this process's calls of from_pretrained: the evidence that a rank never read the weights
+
+
+def load(model_dir: str, adapter: str, engine, rank):
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     kwargs = {}
@@ -46,7 +49,14 @@ def load(model_dir: str, adapter: str, engine):
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.float32, **dist_lib.quantization_storage(engine, torch.float32))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs)
+
+    def from_pretrained():
+        LOADS.append(model_dir)
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs)
+
+    model = dist_lib.load_base(engine, rank, adapter, load=from_pretrained, build=lambda: AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(model_dir), dtype=torch.float32))
+    meta = sum(p.is_meta for p in model.parameters())
     for module in model.modules():  # as tasks/train.py: bitsandbytes' CPU inference layout cannot train
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
@@ -56,7 +66,7 @@ def load(model_dir: str, adapter: str, engine):
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
                                              task_type="CAUSAL_LM"))
     model.train()
-    return model, [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return model, [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)], meta
 
 
 def main() -> None:
@@ -95,8 +105,11 @@ def work(a, rank) -> dict:
 def train(a, out: Path, engine, rank, data: list[dict]) -> dict:
     import torch
 
-    model, layers = load(a.model, a.adapter, engine)
-    wrapped = dist_lib.wrap(model, engine, rank, layers)
+    model, layers, meta = load(a.model, a.adapter, engine, rank)
+    wrapped = dist_lib.wrap(model, engine, rank, layers, from_rank0=dist_lib.rank0_loads_weights(engine, a.adapter))
+    # Each rank's full copy of the starting adapter (rank 0's initialisation, sent to the others' shards).
+    start = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+             for k, v in wrapped.model.state_dict().items() if "lora_" in k}
     trainable = [p for p in wrapped.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=2e-3)
     lengths = [len(e["input_ids"]) for e in data]
@@ -146,7 +159,20 @@ def train(a, out: Path, engine, rank, data: list[dict]) -> dict:
         dist_lib.barrier(rank)
     dist_lib.save_adapter_dir(wrapped, out / "adapter", me == 0)
     worst = dist_lib.worst_rank_memory({"peak_reserved_gib": 1.0 + me}, rank)
-    return {"history": history, "resumed_from": resumed_from, "worst": worst}
+    digest = hashlib.sha256(b"".join(start[k].numpy().tobytes() for k in sorted(start))).hexdigest()
+    loaded = gather({"from_pretrained": len(LOADS), "meta_parameters": meta, "start_adapter": digest}, rank)
+    return {"history": history, "resumed_from": resumed_from, "worst": worst, "loaded": loaded}
+
+
+def gather(mine: dict, rank) -> list[dict]:
+    """Every rank's `mine`, in rank order (one process: its own)."""
+    if rank is None:
+        return [mine]
+    import torch.distributed as dist
+
+    out: list = [None] * rank.world_size
+    dist.all_gather_object(out, mine)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Training on several ranks (loraship/training/distributed.py), 2 ranks on the CPU with gloo, launched as the train
 stage launches them (torchrun), on the tiny model: the same losses and adapter as one process at the same global
-batch, for DDP and FSDP2 (LoRA, and QLoRA's NF4 weights sharded); a killed rank is one clear error and the rerun
+batch, for DDP and FSDP2 (LoRA, and QLoRA's NF4 weights sharded); under FSDP2 with LoRA rank 0 alone reads the
+weights and the others build the model on the meta device; a killed rank is one clear error and the rerun
 resumes; ranks that read different data stop before training. tests/dist_worker.py is the rank's training."""
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ def test_two_ranks_train_the_same_losses_and_adapter_as_one_process(engine, tiny
     assert got["history"][2]["tokens"] < got["history"][1]["tokens"] / 2
     assert got["worst"] == {"peak_reserved_gib": 2.0, "worst_rank": 1,
                             "per_rank": [{"peak_reserved_gib": 1.0}, {"peak_reserved_gib": 2.0}]}
+    # Each rank starts from one process's adapter: under FSDP2 rank 1's came from rank 0 (its own init was on meta).
+    assert [r["start_adapter"] for r in got["loaded"]] == [one_process[0]["loaded"][0]["start_adapter"]] * 2
+    if engine == "fsdp2":  # one copy of the weights in host memory: rank 1 never read them, it built them empty
+        assert [(r["from_pretrained"], r["meta_parameters"] > 0) for r in got["loaded"]] == [(1, False), (0, True)]
+    else:  # DDP holds the whole model on every rank
+        assert [(r["from_pretrained"], r["meta_parameters"]) for r in got["loaded"]] == [(1, 0), (1, 0)]
 
 
 def test_fsdp2_shards_qlora_nf4_weights_and_trains_as_one_process(tiny_model, tmp_path):
@@ -80,6 +87,10 @@ def test_fsdp2_shards_qlora_nf4_weights_and_trains_as_one_process(tiny_model, tm
     want = run_one_process(tiny_model, tmp_path / "one", "--adapter", "qlora")
     got = run_ranks(tiny_model, tmp_path / "two", "--adapter", "qlora", engine="fsdp2")
     same_training(got, want, tmp_path / "two", tmp_path / "one")
+    # QLoRA loads on every rank, by choice (distributed.QLORA_EVERY_RANK_WHY): NF4's quantization state is no tensor
+    # that set_model_state_dict sends. Each rank's seeded LoRA initialisation is the same.
+    assert [(r["from_pretrained"], r["meta_parameters"]) for r in got["loaded"]] == [(1, 0), (1, 0)]
+    assert len({r["start_adapter"] for r in got["loaded"] + want["loaded"]}) == 1
 
 
 def test_a_killed_rank_is_one_clear_error_and_the_rerun_resumes(tiny_model, tmp_path, one_process):
@@ -131,6 +142,16 @@ def test_engine_and_rank_count_are_checked():
         dist_lib.Engine("zero3", 2)
     with pytest.raises(LorashipError, match="engine ddp on 1 rank"):
         dist_lib.engine_of({"gpus": 1, "engine": "ddp"})
+
+
+def test_only_fsdp2_with_lora_leaves_the_weights_to_rank_0():
+    fsdp2, ddp = dist_lib.Engine("fsdp2", 4), dist_lib.Engine("ddp", 4)
+    rank = {r: dist_lib.Rank(r, 4, r, "cpu", "gloo") for r in (0, 3)}
+    assert dist_lib.rank0_loads_weights(fsdp2, "lora") and not dist_lib.rank0_loads_weights(fsdp2, "qlora")
+    assert not dist_lib.rank0_loads_weights(ddp, "lora")
+    assert [dist_lib.loads_weights(fsdp2, rank[r], "lora") for r in (0, 3)] == [True, False]
+    assert dist_lib.loads_weights(fsdp2, rank[3], "qlora") and dist_lib.loads_weights(ddp, rank[3], "lora")
+    assert dist_lib.loads_weights(dist_lib.ONE_PROCESS.engine, None, "lora")
 
 
 def test_cpu_ranks_from_the_environment(monkeypatch):

@@ -367,10 +367,63 @@ def quantization_storage(engine: Engine, dtype) -> dict:
     return {"bnb_4bit_quant_storage": dtype} if engine.name == "fsdp2" else {}
 
 
-def wrap(model, engine: Engine, rank: Rank | None, layers: list) -> Wrapped:
+# FSDP2 exists for a model no card holds, which every rank reading it would hold in host memory as many times as
+# there are ranks (32B bf16 on 4 ranks: 4 x 64 GB). As torchtune and accelerate's FSDP2 path do, rank 0 alone reads
+# the weights; the others build the same model with its parameters on the meta device, and once every rank sharded
+# it (`wrap`, from_rank0) rank 0 sends each rank its shards (set_model_state_dict, broadcast_from_rank0).
+QLORA_EVERY_RANK_WHY = (
+    "QLoRA's NF4 weights are bitsandbytes Params4bit whose quantization state (absmax, quant_map, the nested "
+    "statistics) is a Python object built while from_pretrained quantizes: Linear4bit writes it into a state dict "
+    "(_save_to_state_dict) but has no _load_from_state_dict to read it back, so set_model_state_dict over the meta "
+    "shards would leave plain tensors that no layer can dequantize. NF4 costs about 0.56 byte per weight of host "
+    "memory on each rank")
+
+
+def rank0_loads_weights(engine: Engine, adapter: str) -> bool:
+    """True where only rank 0 reads the base weights and the other ranks build the model empty (`empty_model`):
+    FSDP2 with LoRA. QLoRA under FSDP2 loads on every rank (QLORA_EVERY_RANK_WHY); DDP needs the whole model on
+    every rank anyway. The same answer on every rank: each must call wrap(..., from_rank0=) alike."""
+    return engine.name == "fsdp2" and adapter != "qlora"
+
+
+def loads_weights(engine: Engine, rank: Rank | None, adapter: str) -> bool:
+    """Whether this process reads the base weights itself (from_pretrained), or builds the model empty and gets
+    its shards from rank 0."""
+    return rank is None or rank.main or not rank0_loads_weights(engine, adapter)
+
+
+def load_base(engine: Engine, rank: Rank | None, adapter: str, *, load: Callable[[], object],
+              build: Callable[[], object]):
+    """The base model for this rank: `load()` (from_pretrained) where it reads the weights (loads_weights), else
+    `build()` (from_config, the same class, config and dtype) with its parameters on the meta device. Buffers are
+    built for real either way, by the model's own __init__: the non-persistent ones (rotary inv_freq) are in no
+    state dict, so no broadcast brings them, and they come out as one process computes them."""
+    import logging
+
+    if loads_weights(engine, rank, adapter):
+        if rank is not None and rank.main and engine.name == "fsdp2":
+            if rank0_loads_weights(engine, adapter):
+                logging.getLogger("loraship").info(
+                    "train: FSDP2: rank 0 alone reads the base weights; the other %d rank(s) build the model on the "
+                    "meta device and get their shards from rank 0", rank.world_size - 1)
+            else:
+                logging.getLogger("loraship").info("train: FSDP2 with QLoRA: every rank reads the base weights, "
+                                                   "because %s", QLORA_EVERY_RANK_WHY)
+        return load()
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        return build()
+
+
+def wrap(model, engine: Engine, rank: Rank | None, layers: list, *, from_rank0: bool = False) -> Wrapped:
     """DDP or FSDP2 around a PEFT model whose trainable parameters are its LoRA weights; `layers` are its decoder
     layers, each sharded on its own (FSDP2) so that one layer's full weights live at a time. Wrap before the
-    optimizer is made: FSDP2 replaces the parameters with their shards."""
+    optimizer is made: FSDP2 replaces the parameters with their shards.
+
+    from_rank0 (FSDP2; rank0_loads_weights, the same on every rank): rank 0's model holds the weights, the others'
+    are empty (load_base); once sharded, every weight goes from rank 0 to each rank's shard, the LoRA weights
+    rank 0 initialised among them, so every rank starts from the same adapter."""
     if not engine.distributed:
         return Wrapped(model, model, engine)
     if rank is None:
@@ -390,9 +443,20 @@ def wrap(model, engine: Engine, rank: Rank | None, layers: list) -> Wrapped:
     if not layers:
         raise LorashipError("FSDP2 shards per decoder layer, and this model has none that transformers marks "
                             "(GradientCheckpointingLayer); fix: train it on gpus: 1 or with ddp")
+    # Rank 0's whole weights, held (references, no copy) while fully_shard replaces the parameters with shards.
+    full = model.state_dict() if from_rank0 and rank.main else {}
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)  # the rest: embeddings, final norm, lm_head
+    if from_rank0:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, full, options=_options(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+        empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if empty:
+            raise LorashipError(f"rank {rank.rank}: {len(empty)} weight(s) got no value from rank 0, e.g. {empty[0]}; "
+                                "fix: train this model with every rank reading it (gpus: 1, or ddp) and report it")
     return Wrapped(model, model, engine, rank)
 
 
