@@ -184,10 +184,11 @@ def test_the_rank_killed_by_a_signal_is_named_not_the_peers_it_broke(tmp_path):
 
 
 # --- the train stage on 2 CPU ranks --------------------------------------------------------------------------
-def test_the_train_stage_on_two_cpu_ranks_trains_as_one_process(tiny_model, tmp_path, monkeypatch):
+def test_the_train_stage_on_two_cpu_ranks_trains_as_one_process(tiny_model, tmp_path, monkeypatch, capfd):
     """`gpus: 2` with LORASHIP_CPU_RANKS=2: the stage starts itself under torchrun (DDP, the plan's choice where the
     model fits one device), checkpoints on the way, and leaves one adapter and train_metrics.json whose losses are
-    those of one process at the same global batch (micro-batch 4 x accumulation 2)."""
+    those of one process at the same global batch (micro-batch 4 x accumulation 2). FSDP2 too (forced: the tiny
+    model fits one device), its rank 1 building the model empty and getting its shards from rank 0."""
     import importlib
 
     from loraship.config import parse_config
@@ -197,16 +198,27 @@ def test_the_train_stage_on_two_cpu_ranks_trains_as_one_process(tiny_model, tmp_
     common = dict(max_steps=4, num_epochs=1, micro_batch_size=4, save_steps=2, warmup_steps=0, device="cpu")
     configs = {"one": parse_config(demo_config_dict(tiny_model, tmp_path / "one", run_name="one",
                                                     gradient_accumulation_steps=2, **common)),
-               "two": parse_config(demo_config_dict(tiny_model, tmp_path / "two", run_name="two",
-                                                    gradient_accumulation_steps=1, gpus=2, **common))}
+               **{name: parse_config(demo_config_dict(tiny_model, tmp_path / name, run_name=name,
+                                                      gradient_accumulation_steps=1, gpus=2, **common))
+                  for name in ("two", "fsdp2")}}
+    train_stage = importlib.import_module("loraship.stages.train")
+    planned = train_stage.training_engine
     metrics = {}
     for name, config in configs.items():
-        if name == "two":
+        if name != "one":
             monkeypatch.setenv(dist_lib.CPU_RANKS_ENV, "2")
+        if name == "fsdp2":
+            monkeypatch.setattr(train_stage, "training_engine", lambda ctx, c, device: (
+                dist_lib.Engine("fsdp2", 2), {**planned(ctx, c, device)[1], "engine": "fsdp2"}))
+        capfd.readouterr()
         for stage in ("plan", "train"):
             manifest = importlib.import_module(f"loraship.stages.{stage}").run(config)
+        said = "".join(capfd.readouterr())  # the ranks log to the stage's own output
+        assert ("FSDP2: rank 0 alone reads the base weights; the other 1 rank(s) build the model on the meta device"
+                in said) == (name == "fsdp2")
         metrics[name] = json.loads((stage_dir(config, "train") / "train_metrics.json").read_text())
         assert manifest["metrics"]["steps"] == metrics[name]["steps"] == 4
+    assert metrics["fsdp2"]["distributed"]["engine"] == "fsdp2"
     one, two = metrics["one"], metrics["two"]
     assert one["distributed"]["engine"] == "single" and one["distributed"]["ranks"] == 1
     assert two["distributed"]["engine"] == "ddp" and two["distributed"]["ranks"] == 2
@@ -215,16 +227,19 @@ def test_the_train_stage_on_two_cpu_ranks_trains_as_one_process(tiny_model, tmp_
     assert two["train_tokens_this_run"] == one["train_tokens_this_run"] > 0
     curves = {name: [json.loads(line) for line in (stage_dir(c, "train") / "loss_history.jsonl").read_text().splitlines()]
               for name, c in configs.items()}
-    assert [h["step"] for h in curves["two"]] == [h["step"] for h in curves["one"]] == [1, 2, 3, 4]
-    assert [h["loss"] for h in curves["two"]] == pytest.approx([h["loss"] for h in curves["one"]], rel=1e-5, abs=2e-6)
-    assert two["eval_loss_after"] == pytest.approx(one["eval_loss_after"], rel=1e-5)
-    assert two["eval_loss_after"] < two["eval_loss_before"]
     from safetensors.torch import load_file
 
-    a, b = (load_file(stage_dir(configs[n], "train") / "adapter" / "adapter_model.safetensors") for n in ("two", "one"))
-    assert sorted(a) == sorted(b) and a
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3, msg=k)
+    for name in ("two", "fsdp2"):
+        assert [h["step"] for h in curves[name]] == [h["step"] for h in curves["one"]] == [1, 2, 3, 4]
+        assert [h["loss"] for h in curves[name]] == pytest.approx([h["loss"] for h in curves["one"]], rel=1e-5,
+                                                                  abs=2e-6)
+        assert metrics[name]["eval_loss_after"] == pytest.approx(one["eval_loss_after"], rel=1e-5)
+        assert metrics[name]["eval_loss_after"] < metrics[name]["eval_loss_before"]
+        a, b = (load_file(stage_dir(configs[n], "train") / "adapter" / "adapter_model.safetensors")
+                for n in (name, "one"))
+        assert sorted(a) == sorted(b) and a
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3, msg=f"{name}: {k}")
     # The checkpoint rank 0 wrote at step 2, in the one format any number of ranks resumes.
     state = torch.load(stage_dir(configs["two"], "train") / "checkpoints" / "last" / "trainer_state.pt", weights_only=True)
     assert state["step"] == 2 and state["world_size"] == 2
