@@ -93,6 +93,26 @@ def test_fsdp2_shards_qlora_nf4_weights_and_trains_as_one_process(tiny_model, tm
     assert len({r["start_adapter"] for r in got["loaded"] + want["loaded"]}) == 1
 
 
+def test_fsdp2_from_rank_0_keeps_tied_weights_tied(tiny_model, tmp_path):
+    """An lm_head sharing the embedding (tie_word_embeddings, as small Qwen and Gemma models): rank 1's empty model
+    ties as rank 0's does, and stays tied after its shards arrive, so the ranks shard and gather the same tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny_model, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(tied / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, tied / "model.safetensors", metadata={"format": "pt"})
+    want = run_one_process(tied, tmp_path / "one")
+    got = run_ranks(tied, tmp_path / "two", engine="fsdp2")
+    assert [r["from_pretrained"] for r in got["loaded"]] == [1, 0]
+    same_training(got, want, tmp_path / "two", tmp_path / "one")
+
+
 def test_a_killed_rank_is_one_clear_error_and_the_rerun_resumes(tiny_model, tmp_path, one_process):
     with pytest.raises(dist_lib.RankFailed) as e:
         run_ranks(tiny_model, tmp_path, "--kill-at", "3", engine="fsdp2")

@@ -445,6 +445,9 @@ def wrap(model, engine: Engine, rank: Rank | None, layers: list, *, from_rank0: 
                             "(GradientCheckpointingLayer); fix: train it on gpus: 1 or with ddp")
     # Rank 0's whole weights, held (references, no copy) while fully_shard replaces the parameters with shards.
     full = model.state_dict() if from_rank0 and rank.main else {}
+    if from_rank0:
+        same_ties_as_rank0(model, rank)
+    tied = _tied_parameters(model)
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)  # the rest: embeddings, final norm, lm_head
@@ -453,11 +456,58 @@ def wrap(model, engine: Engine, rank: Rank | None, layers: list, *, from_rank0: 
 
         set_model_state_dict(model, full, options=_options(full_state_dict=True, broadcast_from_rank0=True))
         del full
+        # Over meta shards set_model_state_dict assigns a new parameter per name, which unties tied weights (an
+        # lm_head sharing the embedding): FSDP2 then gathers other tensors on those ranks than on rank 0 and the
+        # collectives no longer match. Each tied name gets the first one's parameter again, the one FSDP2 manages.
+        for places in tied:
+            first = getattr(*places[0])
+            for module, name in places[1:]:
+                setattr(module, name, first)
         empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if empty:
             raise LorashipError(f"rank {rank.rank}: {len(empty)} weight(s) got no value from rank 0, e.g. {empty[0]}; "
                                 "fix: train this model with every rank reading it (gpus: 1, or ddp) and report it")
     return Wrapped(model, model, engine, rank)
+
+
+def _tied_parameters(model) -> list[list[tuple[object, str]]]:
+    """Each parameter held under several names, as its (module, name) places in named_parameters' order."""
+    places: dict[int, list[tuple[object, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, name))
+    return [p for p in places.values() if len(p) > 1]
+
+
+def same_ties_as_rank0(model, rank: Rank) -> None:
+    """The empty models of ranks other than 0 get rank 0's tied weights (an lm_head sharing the embedding), whatever
+    their own construction tied: accelerate's init_empty_weights makes a new meta parameter per name, so from_config
+    ties nothing there, and from_pretrained unties where a checkpoint holds both weights with different values.
+    FSDP2 must shard the same parameters on every rank for its collectives to match."""
+    import torch
+    import torch.distributed as dist
+
+    wanted = [[[_place_name(model, module, name) for module, name in places] for places in _tied_parameters(model)]
+              if rank.main else None]
+    dist.broadcast_object_list(wanted, src=0)
+    if rank.main:
+        return
+    for places in _tied_parameters(model):  # untie (new meta tensors cost nothing), then tie as rank 0 did
+        for module, name in places[1:]:
+            param = getattr(module, name)
+            setattr(module, name, torch.nn.Parameter(torch.empty_like(param, device="meta"),
+                                                     requires_grad=param.requires_grad))
+    for names in wanted[0]:
+        first = model.get_parameter(names[0])
+        for full in names[1:]:
+            owner, _, name = full.rpartition(".")
+            setattr(model.get_submodule(owner), name, first)
+
+
+def _place_name(model, module, name: str) -> str:
+    owner = next(n for n, m in model.named_modules(remove_duplicate=False) if m is module)
+    return f"{owner}.{name}" if owner else name
 
 
 def rank_share(group: list, rank: int, world_size: int) -> list[tuple[object, bool]]:
