@@ -3,7 +3,8 @@
 The train stage starts itself again under torchrun (torch.distributed.run) inside its own container, one
 process per device, and waits (`launch_ranks`); each rank sets up its process group (`init_rank`), wraps the
 model (`wrap`: DDP where the plan's single-GPU strategy fits one card, FSDP2 `fully_shard` per decoder layer
-then the root where it does not), trains its share of every global batch (`rank_share`: global batch =
+then the root where it does not; under FSDP2 with LoRA rank 0 alone reads the weights and sends each rank its
+shards: `load_base`), trains its share of every global batch (`rank_share`: global batch =
 micro-batch x accumulation x ranks, the same examples in the same order as one process at that batch),
 syncs gradients on the last micro-step only (`accumulating`), and reports global figures (`all_sum`,
 `worst_rank_memory`). Rank 0 alone writes the adapter and checkpoints from full state dicts gathered by
