@@ -804,3 +804,15 @@ def test_the_least_memory_plan_spreads_its_streamed_layers_at_no_memory_cost(mon
     assert first["memory"] == plan["memory"]
     assert (memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)["step_s"]
             < memory.step_seconds(QWEN2_14B_EXAMPLE, c, first["strategy"])["step_s"])
+
+
+def test_a_refusal_offers_no_liger_install_for_a_model_type_liger_has_no_fused_loss_for(tmp_path):
+    # Granite scales its logits: installing liger-kernel would not give it the fused loss (knobs.LIGER_NO_FUSED_LOSS).
+    granite = dict(model_type="granite", architectures=["GraniteForCausalLM"], hidden_size=4096, intermediate_size=12800,
+                   num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, vocab_size=49155,
+                   tie_word_embeddings=True, embedding_multiplier=12.0, logits_scaling=16.0, residual_multiplier=0.22,
+                   attention_multiplier=0.0078125)
+    (tmp_path / "config.json").write_text(json.dumps(granite))
+    with pytest.raises(memory.PlanRefused) as e:
+        memory.plan_training(granite, cfg(base_model=str(tmp_path), gpu_memory_gib=8, fused_loss="auto", fallback=[]))
+    assert "nothing fits gpu_memory_gib 8 GiB" in str(e.value) and "install liger-kernel" not in str(e.value)

@@ -13,6 +13,7 @@ from loraship.planning import step_time
 from loraship.planning.estimate import SAFETY_MARGIN_FRACTION, SAFETY_MARGIN_MIN_GIB, estimate, safety_margin_gib
 from loraship.planning.knobs import (
     ACTIVATIONS_IN_CPU,
+    LIGER_NO_FUSED_LOSS,
     activations_setting,
     checkpoint_every_layer,
     checkpointed_layers,
@@ -163,7 +164,7 @@ def _refusal(s: Shape, cfg: Config, tried: list[tuple[dict, str, dict]]) -> str:
                     if st.get("offload_activations") and estimate(s, auto, st)["fits"]), None)
         if fit:
             fixes.append(f"set offload_activations: auto ({_describe(fit, n_layers)} fits)")
-    if cfg.fused_loss == "auto" and not strategy_from_config(cfg)["fused_loss"]:
+    if cfg.fused_loss == "auto" and not strategy_from_config(cfg)["fused_loss"] and s.model_type not in LIGER_NO_FUSED_LOSS:
         fixes.append("install liger-kernel (pip install 'loraship[train]') so fused_loss: auto uses the fused loss")
     fixes.append(f"lower sequence_len (now {cfg.sequence_len}) or lora_r (now {cfg.lora_r})")
     fixes.append(f"train on a card with at least {math.ceil(_card_needed_gib(need))} GiB (gpu_memory_gib)")
