@@ -19,10 +19,6 @@ os.environ.setdefault("LORASHIP_CACHE", str(REPO / ".loraship" / "cache"))
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER and not os.environ.get("PREFECT_HOME", "").endswith(f"xdist-{WORKER}"):  # tests import this file again
     os.environ["PREFECT_HOME"] = str(Path(os.environ.get("PREFECT_HOME") or REPO / ".prefect") / f"xdist-{WORKER}")
-if WORKER:
-    # Two workers on two cores: one torch (OpenMP) thread each, inherited by the stages they start, so the threads of
-    # one never spin against the other's (a family model's pre-training step took about 8x the CPU time under load).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Under xdist a test file stays on one worker (--dist loadfile): its module and session fixtures are built once.
 # pytest-xdist 3.8's loadgroup cannot split test_families.py by family under pytest 9.2 (it renames node ids
