@@ -340,7 +340,7 @@ def apply_fused_loss(model) -> None:
                                     **norm_kernels.liger_norm_kwargs())
     # The default keeps Liger's kernels everywhere: the fastest of the settings (bench/results/train_bench_gemma3_kernels.json).
     norm_kernels.adjust_norms(model)
-    norm_kernels.compile_decoder_layers(model)
+    norm_kernels.compile_decoder_layers(decoder_layers(model))
 
 
 def recompute_skip_wanted() -> bool:

@@ -63,16 +63,16 @@ def adjust_norms(model) -> int:
     return changed
 
 
-def compile_decoder_layers(model) -> int:
+def compile_decoder_layers(layers: list) -> int:
     """LORASHIP_COMPILE_LAYERS=1: every decoder layer's forward compiled by torch.compile (one graph per layer class,
     dynamic sequence length), checkpointed layers recomputing the compiled forward (torch.utils.checkpoint, not
-    reentrant). What Unsloth does for Gemma 3; bench/train_bench.py's loraship-compile-layers rows measure it."""
+    reentrant). What Unsloth does for Gemma 3; bench/train_bench.py's loraship-compile-layers rows measure it.
+    `layers`: the train stage's decoder_layers(model), the same list its checkpointing flags are set on."""
     if os.environ.get("LORASHIP_COMPILE_LAYERS") != "1":
         return 0
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    layers = next((m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)), [])
     compiled = {}
     for layer in layers:
         cls = type(layer)
