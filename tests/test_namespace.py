@@ -128,11 +128,12 @@ def test_imports_run_one_way():
 
 # loraship/ by concern, each group importing (at module level) only the groups before it: the core
 # (config, constants, errors, stage table, chat, data, models) <- planning, training, runtime <- llamacpp,
-# publishing <- fixtures <- the CLI and init (the application).
+# publishing <- verification, fixtures <- the CLI and init (the application).
 LAYERS = {"core": set(), "planning": {"core"}, "training": {"core"}, "runtime": {"core"},
           "llamacpp": {"core", "planning", "runtime"}, "publishing": {"core", "runtime"},
+          "verification": {"core", "planning", "runtime", "llamacpp"},
           "fixtures": {"core", "planning", "runtime", "llamacpp"},
-          "app": {"core", "planning", "training", "runtime", "llamacpp", "publishing", "fixtures"}}
+          "app": {"core", "planning", "training", "runtime", "llamacpp", "publishing", "verification", "fixtures"}}
 APP = {"cli", "starter"}
 
 
