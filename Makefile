@@ -38,9 +38,11 @@ tiny-model: $(TINY_MODEL)/config.json
 demo: $(VENV)/.installed $(TINY_MODEL)/config.json
 	$(VENV)/bin/loraship run configs/demo.yaml
 
-# ruff (pyproject.toml [tool.ruff]): pyflakes and pycodestyle, first, so a lint error fails fast.
+# ruff (pyproject.toml [tool.ruff]): pyflakes, pycodestyle and the formatter's check, first, so a lint error
+# fails fast. `ruff format .` fixes what the second command names.
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # Two pytest-xdist workers on 2 cores: one test process alone keeps only part of both busy (bench/results/ci_time.json).
 # --dist loadfile: a test file runs on one worker, so no module fixture is built twice; the order tests/conftest.py

@@ -47,21 +47,36 @@ def run_one(seed: int, threads: int, root: Path) -> dict:
     import yaml
 
     config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    config.update(seed=seed, run_name=f"margins-{seed}-{threads}", workdir=str(root / "work"), output=str(root / "out"),
-                  base_model=str(REPO / config["base_model"]),
-                  datasets=[{**d, "path": str(REPO / d["path"])} for d in config["datasets"]],
-                  eval_datasets=[{**d, "path": str(REPO / d["path"])} for d in config["eval_datasets"]],
-                  golden_prompts=str(REPO / config["golden_prompts"]))
+    config.update(
+        seed=seed,
+        run_name=f"margins-{seed}-{threads}",
+        workdir=str(root / "work"),
+        output=str(root / "out"),
+        base_model=str(REPO / config["base_model"]),
+        datasets=[{**d, "path": str(REPO / d["path"])} for d in config["datasets"]],
+        eval_datasets=[{**d, "path": str(REPO / d["path"])} for d in config["eval_datasets"]],
+        golden_prompts=str(REPO / config["golden_prompts"]),
+    )
     cfg = root / f"{config['run_name']}.yaml"
     cfg.write_text(yaml.safe_dump(config))
     result = root / f"{config['run_name']}.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     started = time.time()
-    done = subprocess.run([sys.executable, "-c", ONE_RUN, str(cfg), str(result), str(threads)], cwd=REPO, env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_RUN, str(cfg), str(result), str(threads)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0 or not result.is_file():
         return {"seed": seed, "threads": threads, "error": done.stderr[-2000:]}
-    return {"seed": seed, "threads": threads, "seconds": round(time.time() - started, 1), **json.loads(result.read_text())}
+    return {
+        "seed": seed,
+        "threads": threads,
+        "seconds": round(time.time() - started, 1),
+        **json.loads(result.read_text()),
+    }
 
 
 def main() -> None:
@@ -77,13 +92,29 @@ def main() -> None:
                 row = run_one(seed, threads, Path(tmp))
                 rows.append(row)
                 gates = row.get("gates", {})
-                shown = {k: gates[k]["value"] for k in ("golden_match", "golden_decisive_agreement", "golden_format",
-                                                         "golden_ends_turn", "kl_divergence_mean") if k in gates}
+                shown = {
+                    k: gates[k]["value"]
+                    for k in (
+                        "golden_match",
+                        "golden_decisive_agreement",
+                        "golden_format",
+                        "golden_ends_turn",
+                        "kl_divergence_mean",
+                    )
+                    if k in gates
+                }
                 print(f"seed {seed} threads {threads}: passed={row.get('passed')} {shown}", flush=True)
-    out = {"command": " ".join(sys.argv), "machine": {"cpu": platform.processor() or platform.machine(),
-                                                      "cores": os.cpu_count(), "load_avg_at_end": os.getloadavg()},
-           "config": "configs/demo.yaml", "rows": rows,
-           "all_passed": all(r.get("passed") for r in rows)}
+    out = {
+        "command": " ".join(sys.argv),
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "load_avg_at_end": os.getloadavg(),
+        },
+        "config": "configs/demo.yaml",
+        "rows": rows,
+        "all_passed": all(r.get("passed") for r in rows),
+    }
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print("all passed" if out["all_passed"] else "SOME FAILED", "->", args.out)
 

@@ -20,8 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=12, num_attention_heads=16,
-             num_key_value_heads=4, max_position_embeddings=4096)
+SHAPE = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+)
 STRATEGIES = {
     "lora_fused": {"adapter": "lora", "offload_layers": 0, "fused_loss": True},
     "lora_hf_loss": {"adapter": "lora", "offload_layers": 0, "fused_loss": False},
@@ -36,8 +42,13 @@ def make_model(tokenizer_dir: Path, out: Path) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         tie_word_embeddings=False, **SHAPE)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+        **SHAPE,
+    )
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
@@ -64,8 +75,9 @@ def main() -> None:
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
-        SHAPE.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2)
+        SHAPE.update(
+            hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        )
         for name in list(STRATEGIES)[1:]:
             del STRATEGIES[name]
         STRATEGIES["lora_fused"]["fused_loss"] = False
@@ -89,26 +101,61 @@ def main() -> None:
         rows = []
         for name in STRATEGIES:
             part = root / f"{name}.json"
-            cmd = [sys.executable, __file__, "--tokenizer", str(args.tokenizer), "--out", str(part), "--steps",
-                   str(args.steps), "--one", name, "--root", str(root)] + (["--smoke"] if args.smoke else [])
+            cmd = [
+                sys.executable,
+                __file__,
+                "--tokenizer",
+                str(args.tokenizer),
+                "--out",
+                str(part),
+                "--steps",
+                str(args.steps),
+                "--one",
+                name,
+                "--root",
+                str(root),
+            ] + (["--smoke"] if args.smoke else [])
             subprocess.run(cmd, timeout=600)
-            rows += json.loads(part.read_text())["rows"] if part.exists() else [{"strategy": name, "ok": False,
-                                                                                 "error": "process died"}]
+            rows += (
+                json.loads(part.read_text())["rows"]
+                if part.exists()
+                else [{"strategy": name, "ok": False, "error": "process died"}]
+            )
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"shape": SHAPE, "device": torch.cuda.get_device_name(0)
-                                        if torch.cuda.is_available() else "cpu", "rows": rows}, indent=2))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "shape": SHAPE,
+                    "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
         return
     root = args.root
     model_dir = root / "model"
     data = root / "train.jsonl"
     rows = []
     for name, overrides in [(args.one, STRATEGIES[args.one])]:
-        config = parse_config({
-            "run_name": name, "base_model": str(model_dir), "workdir": str(root / "work"), "output": str(root / "out"),
-            "datasets": [{"path": str(data), "type": "completion"}], "val_set_size": 0.05,
-            "sequence_len": 1024, "micro_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": args.steps,
-            "lora_r": 16, "lora_target_modules": "all-linear", "adapter": overrides["adapter"], "device": device,
-        })
+        config = parse_config(
+            {
+                "run_name": name,
+                "base_model": str(model_dir),
+                "workdir": str(root / "work"),
+                "output": str(root / "out"),
+                "datasets": [{"path": str(data), "type": "completion"}],
+                "val_set_size": 0.05,
+                "sequence_len": 1024,
+                "micro_batch_size": 4,
+                "gradient_accumulation_steps": 1,
+                "max_steps": args.steps,
+                "lora_r": 16,
+                "lora_target_modules": "all-linear",
+                "adapter": overrides["adapter"],
+                "device": device,
+            }
+        )
         row = {"strategy": name}
         try:
             plan_stage.run(config)
@@ -123,16 +170,29 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             result = train_stage.train_once(config, ctx, model_dir, strategy, device, tok, train, evaluation)
-            row.update(ok=True, wall_seconds=round(time.perf_counter() - t0, 1), strategy_used=strategy,
-                       planned_strategy=plan["strategy"],
-                       predicted_reserved_gib=plan["memory"].get("predicted_reserved_gib"), **result)
+            row.update(
+                ok=True,
+                wall_seconds=round(time.perf_counter() - t0, 1),
+                strategy_used=strategy,
+                planned_strategy=plan["strategy"],
+                predicted_reserved_gib=plan["memory"].get("predicted_reserved_gib"),
+                **result,
+            )
         except Exception as e:  # a bench records failures instead of stopping
             row.update(ok=False, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-3000:])
         print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
         rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"shape": SHAPE, "device": torch.cuda.get_device_name(0)
-                                    if torch.cuda.is_available() else "cpu", "rows": rows}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "shape": SHAPE,
+                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

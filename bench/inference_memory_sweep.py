@@ -40,6 +40,7 @@ print("RESULT " + json.dumps({"measured_gib": gpu_used_by_this_process_gib(), "e
                               "prompt_tokens_per_s": round(len(tokens) / seconds, 1)}), flush=True)
 """
 
+
 def build_gguf(args) -> Path:
     from verify_gpu import build_random_model
 
@@ -50,8 +51,11 @@ def build_gguf(args) -> Path:
         return q4
     build_random_model(args.shape, args.tokenizer, base, args.layers)
     converter = Path(os.environ["LORASHIP_LLAMA_CPP_DIR"]) / "convert_hf_to_gguf.py"
-    subprocess.run([sys.executable, str(converter), str(base), "--outfile", str(f16), "--outtype", "f16"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(converter), str(base), "--outfile", str(f16), "--outtype", "f16"],
+        check=True,
+        capture_output=True,
+    )
     quantize(f16, q4, "Q4_K_M")  # the quantize stage's own llama_model_quantize run
     return q4
 
@@ -71,20 +75,43 @@ def main() -> None:
     gguf = build_gguf(args)
     layout = im.read_layout(gguf)
     every = im.all_layers(layout)
-    cases = [(every, 4096), (every - 1, 4096), (every // 2, 4096), (2, 4096), (1, 4096),
-             (every // 2, 8192), (every, 1024), (every, 16384)]
-    result = {"model": f"{args.shape} ({layout.n_layers} blocks, random weights)", "quant": "Q4_K_M",
-              "n_gpu_layers_meaning": "llama.cpp's: the output layer, then the last n - 1 blocks",
-              "all_layers": every, "rows": []}
+    cases = [
+        (every, 4096),
+        (every - 1, 4096),
+        (every // 2, 4096),
+        (2, 4096),
+        (1, 4096),
+        (every // 2, 8192),
+        (every, 1024),
+        (every, 16384),
+    ]
+    result = {
+        "model": f"{args.shape} ({layout.n_layers} blocks, random weights)",
+        "quant": "Q4_K_M",
+        "n_gpu_layers_meaning": "llama.cpp's: the output layer, then the last n - 1 blocks",
+        "all_layers": every,
+        "rows": [],
+    }
     for n_gpu_layers, n_ctx in cases:
-        done = subprocess.run([sys.executable, "-c", LOAD_AND_MEASURE, str(gguf), str(n_gpu_layers), str(n_ctx)],
-                              capture_output=True, text=True, cwd=REPO, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", LOAD_AND_MEASURE, str(gguf), str(n_gpu_layers), str(n_ctx)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+        )
         log = done.stdout + done.stderr
         measured = next((json.loads(line[7:]) for line in log.splitlines() if line.startswith("RESULT ")), {})
         predicted = im.predict_gpu(layout, n_ctx, n_gpu_layers)
-        row = {"n_gpu_layers": n_gpu_layers, "n_ctx": n_ctx, "returncode": done.returncode, **measured,
-               "predicted_gib": predicted["total_gib"], "predicted_components": predicted,
-               "llama_cpp_buffers": llama_buffers(log)}
+        row = {
+            "n_gpu_layers": n_gpu_layers,
+            "n_ctx": n_ctx,
+            "returncode": done.returncode,
+            **measured,
+            "predicted_gib": predicted["total_gib"],
+            "predicted_components": predicted,
+            "llama_cpp_buffers": llama_buffers(log),
+        }
         if measured.get("measured_gib"):
             row["prediction_error"] = round(predicted["total_gib"] / measured["measured_gib"] - 1, 4)
         result["rows"].append(row)
@@ -93,7 +120,15 @@ def main() -> None:
         result["rows_measured"] = len(errors)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
-        print(n_gpu_layers, n_ctx, done.returncode, measured, predicted["total_gib"], row.get("prediction_error"), flush=True)
+        print(
+            n_gpu_layers,
+            n_ctx,
+            done.returncode,
+            measured,
+            predicted["total_gib"],
+            row.get("prediction_error"),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

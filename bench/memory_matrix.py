@@ -41,32 +41,99 @@ CAP_GIB = 32.0
 
 # Public config.json shapes (Qwen2-7B/14B and Meta-Llama-3-8B config.json values; examples/models/).
 SHAPES = {
-    "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
-                     max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "llama-3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
-    "qwen2-14b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
-                      num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False,
-                      max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768,
-                       tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1000000.0,
-                       rms_norm_eps=1e-5, sliding_window=None),
-    "qwen2-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2-7b": dict(
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
+    "llama-3-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    ),
+    "qwen2-14b": dict(
+        model_type="qwen2",
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
+    "mistral-7b": dict(
+        model_type="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=32768,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+    ),
+    "qwen2-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
     # CPU smoke test only.
-    "tiny": dict(model_type="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True,
-                 max_position_embeddings=2048),
+    "tiny": dict(
+        model_type="qwen2",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    ),
 }
 
 
 def _c(shape, adapter, r, targets, seq, mb, ckpt=True, fused=False):
-    return dict(shape=shape, adapter=adapter, lora_r=r, targets=targets, sequence_len=seq,
-                micro_batch_size=mb, gradient_checkpointing=ckpt, fused_loss=fused)
+    return dict(
+        shape=shape,
+        adapter=adapter,
+        lora_r=r,
+        targets=targets,
+        sequence_len=seq,
+        micro_batch_size=mb,
+        gradient_checkpointing=ckpt,
+        fused_loss=fused,
+    )
 
 
 # Rows 0, 3, 11, 17, 19 repeat earlier measured configs (rank 64 q/v/o, 2 x 4096) as cross-checks.
@@ -133,9 +200,11 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 
 def config_name(spec: dict) -> str:
-    return (f"{spec['shape']} {spec['adapter']} r{spec['lora_r']} {spec['targets']} {spec['micro_batch_size']}x"
-            f"{spec['sequence_len']} ckpt={'on' if spec['gradient_checkpointing'] else 'off'} "
-            f"loss={'fused' if spec['fused_loss'] else 'hf'}")
+    return (
+        f"{spec['shape']} {spec['adapter']} r{spec['lora_r']} {spec['targets']} {spec['micro_batch_size']}x"
+        f"{spec['sequence_len']} ckpt={'on' if spec['gradient_checkpointing'] else 'off'} "
+        f"loss={'fused' if spec['fused_loss'] else 'hf'}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,16 +231,24 @@ def _build(spec: dict, device: str):
             if not isinstance(mod, torch.nn.Linear):
                 continue
             parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
-            q = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
-                                  compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
-                                  device="meta")
+            q = bnb.nn.Linear4bit(
+                mod.in_features,
+                mod.out_features,
+                bias=mod.bias is not None,
+                compute_dtype=torch.bfloat16,
+                compress_statistics=True,
+                quant_type="nf4",
+                device="meta",
+            )
             w = torch.empty(mod.out_features, mod.in_features, dtype=torch.bfloat16, device=device).normal_(0, 0.02)
-            q.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True,
-                                         blocksize=64, module=q).to(device)
+            q.weight = bnb.nn.Params4bit(
+                w, requires_grad=False, quant_type="nf4", compress_statistics=True, blocksize=64, module=q
+            ).to(device)
             del w
             if mod.bias is not None:
-                q.bias = torch.nn.Parameter(torch.zeros(mod.out_features, dtype=torch.bfloat16, device=device),
-                                            requires_grad=False)
+                q.bias = torch.nn.Parameter(
+                    torch.zeros(mod.out_features, dtype=torch.bfloat16, device=device), requires_grad=False
+                )
             setattr(parent, name.rsplit(".", 1)[-1], q)
     for name, p in list(model.named_parameters()):
         if p.is_meta:
@@ -208,8 +285,13 @@ def run_one(spec: dict, cap_gib: float | None, device: str) -> dict:
             rec["weights_allocated_gib"] = torch.cuda.memory_allocated() / GIB
         rec["load_s"] = round(time.time() - t0, 1)
         targets = QVO if spec["targets"] == "qvo" else ALL
-        lcfg = peft.LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=0.05,
-                               target_modules=targets, task_type="CAUSAL_LM")
+        lcfg = peft.LoraConfig(
+            r=spec["lora_r"],
+            lora_alpha=2 * spec["lora_r"],
+            lora_dropout=0.05,
+            target_modules=targets,
+            task_type="CAUSAL_LM",
+        )
         model = peft.get_peft_model(model, lcfg)
         if spec["gradient_checkpointing"]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -295,8 +377,9 @@ def _rough_gib(spec: dict) -> float:
     return 1.4 * (w + act + loss) / GIB + 3
 
 
-def measure(out: Path, deadline_s: float, parallel: int, gpu_gib: float, only: list[int] | None,
-            always_cap: bool = False) -> None:
+def measure(
+    out: Path, deadline_s: float, parallel: int, gpu_gib: float, only: list[int] | None, always_cap: bool = False
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     raw_path = out / "memory_matrix_raw.json"
     rows: list[dict] = []
@@ -326,14 +409,26 @@ def measure(out: Path, deadline_s: float, parallel: int, gpu_gib: float, only: l
             running.remove(job)
             log = Path(f"/tmp/memory_matrix_{i}_{cap}.log").read_text(errors="replace")
             line = [ln for ln in log.splitlines() if ln.startswith("{")]
-            rec = json.loads(line[-1]) if line else {"config": config_name(MATRIX[i]), "spec": MATRIX[i],
-                                                     "cap_gib": cap, "failed": True, "error": log[-800:]}
+            rec = (
+                json.loads(line[-1])
+                if line
+                else {
+                    "config": config_name(MATRIX[i]),
+                    "spec": MATRIX[i],
+                    "cap_gib": cap,
+                    "failed": True,
+                    "error": log[-800:],
+                }
+            )
             rec.update(index=i, wall_s=round(age, 1))
             rows.append(rec)
             save()
-            print(f"[{time.time() - start:5.0f}s] #{i} cap={cap} oom={rec.get('oom')} "
-                  f"alloc={rec.get('peak_allocated_gib', 0):.2f} res={rec.get('peak_reserved_gib', 0):.2f} "
-                  f"ctx={rec.get('context_gib')} {rec['config']} {rec.get('error', '')[:200]}", flush=True)
+            print(
+                f"[{time.time() - start:5.0f}s] #{i} cap={cap} oom={rec.get('oom')} "
+                f"alloc={rec.get('peak_allocated_gib', 0):.2f} res={rec.get('peak_reserved_gib', 0):.2f} "
+                f"ctx={rec.get('context_gib')} {rec['config']} {rec.get('error', '')[:200]}",
+                flush=True,
+            )
             # Near or over 32 GiB: also run under the cap, unless peak allocated alone exceeds it.
             if cap is None and not always_cap and not rec.get("failed") and not rec.get("oom"):
                 if rec.get("peak_reserved_gib", 0) > CAP_GIB - 4 and rec["peak_allocated_gib"] <= CAP_GIB:
@@ -350,7 +445,9 @@ def measure(out: Path, deadline_s: float, parallel: int, gpu_gib: float, only: l
                 cmd += ["--device", "cpu"]
             # A log file, not a pipe: a chatty child must never block on a full pipe.
             logf = open(f"/tmp/memory_matrix_{i}_{cap}.log", "w")
-            running.append((i, cap, time.time(), subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)))
+            running.append(
+                (i, cap, time.time(), subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env))
+            )
             in_use += need
         if todo and not running and time.time() - start >= deadline_s:
             print(f"deadline: {len(todo)} runs not started: {todo}", flush=True)
@@ -361,8 +458,12 @@ def measure(out: Path, deadline_s: float, parallel: int, gpu_gib: float, only: l
 
 def _gpu_name() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         return out.stdout.strip()
     except Exception:
         return "unknown"
@@ -374,12 +475,20 @@ def _gpu_name() -> str:
 def _cfg_for(spec: dict):
     from loraship.config import Config
 
-    return Config(base_model="bench", datasets=[{"path": "bench.jsonl", "type": "completion"}],
-                  adapter=spec["adapter"], lora_r=spec["lora_r"], lora_alpha=2 * spec["lora_r"],
-                  lora_target_modules=QVO if spec["targets"] == "qvo" else "all-linear",
-                  sequence_len=spec["sequence_len"], micro_batch_size=spec["micro_batch_size"],
-                  gradient_accumulation_steps=1, gradient_checkpointing=spec["gradient_checkpointing"],
-                  fused_loss="on" if spec["fused_loss"] else "off", gpu_memory_gib=CAP_GIB)
+    return Config(
+        base_model="bench",
+        datasets=[{"path": "bench.jsonl", "type": "completion"}],
+        adapter=spec["adapter"],
+        lora_r=spec["lora_r"],
+        lora_alpha=2 * spec["lora_r"],
+        lora_target_modules=QVO if spec["targets"] == "qvo" else "all-linear",
+        sequence_len=spec["sequence_len"],
+        micro_batch_size=spec["micro_batch_size"],
+        gradient_accumulation_steps=1,
+        gradient_checkpointing=spec["gradient_checkpointing"],
+        fused_loss="on" if spec["fused_loss"] else "off",
+        gpu_memory_gib=CAP_GIB,
+    )
 
 
 def predict(spec: dict, program: str = "harness") -> dict:
@@ -414,39 +523,52 @@ def analyze(raw_path: Path, results: Path, md: Path) -> dict:
         else:
             oom_cap, source = False, "inferred: uncapped peak reserved stays under 32 GiB - 4"
         err = (p["predicted_reserved_gib"] - un["peak_reserved_gib"]) / un["peak_reserved_gib"]
-        rows.append({
-            "index": i, "config": un["config"], "spec": spec, "used_for_fit": is_fit_row(i),
-            "predicted_reserved_gib": round(p["predicted_reserved_gib"], 2),
-            "measured_reserved_gib": round(un["peak_reserved_gib"], 2),
-            "predicted_allocated_gib": round(p["predicted_allocated_gib"], 2),
-            "measured_allocated_gib": round(un["peak_allocated_gib"], 2),
-            "reserved_error_pct": round(100 * err, 1),
-            "fits_32gib_predicted": p["fits"],
-            "oom_under_32gib_cap": oom_cap, "oom_source": source,
-            "weights_only_estimate_gib": round(p["weights_only_estimate_gib"], 2),
-            "predicted_total_gib": round(p["predicted_total_gib"], 2),
-            "measured_context_gib": None if un.get("context_gib") is None else round(un["context_gib"], 2),
-            "measured_weights_allocated_gib": round(un.get("weights_allocated_gib", 0), 2),
-            "measured_step_s": un.get("step_s"),
-            "measured_warmup_peak_reserved_gib": round(un.get("warmup_peak_reserved_gib", 0), 2),
-        })
+        rows.append(
+            {
+                "index": i,
+                "config": un["config"],
+                "spec": spec,
+                "used_for_fit": is_fit_row(i),
+                "predicted_reserved_gib": round(p["predicted_reserved_gib"], 2),
+                "measured_reserved_gib": round(un["peak_reserved_gib"], 2),
+                "predicted_allocated_gib": round(p["predicted_allocated_gib"], 2),
+                "measured_allocated_gib": round(un["peak_allocated_gib"], 2),
+                "reserved_error_pct": round(100 * err, 1),
+                "fits_32gib_predicted": p["fits"],
+                "oom_under_32gib_cap": oom_cap,
+                "oom_source": source,
+                "weights_only_estimate_gib": round(p["weights_only_estimate_gib"], 2),
+                "predicted_total_gib": round(p["predicted_total_gib"], 2),
+                "measured_context_gib": None if un.get("context_gib") is None else round(un["context_gib"], 2),
+                "measured_weights_allocated_gib": round(un.get("weights_allocated_gib", 0), 2),
+                "measured_step_s": un.get("step_s"),
+                "measured_warmup_peak_reserved_gib": round(un.get("warmup_peak_reserved_gib", 0), 2),
+            }
+        )
 
     def summary(sel):
         errs = [abs(r["reserved_error_pct"]) for r in sel]
         if not errs:
             return {"rows": 0}
-        return {"rows": len(sel), "median_abs_error_pct": round(statistics.median(errs), 1),
-                "worst_abs_error_pct": round(max(errs), 1),
-                "predicted_fit_but_oom": [r["config"] for r in sel if r["fits_32gib_predicted"] and r["oom_under_32gib_cap"]]}
+        return {
+            "rows": len(sel),
+            "median_abs_error_pct": round(statistics.median(errs), 1),
+            "worst_abs_error_pct": round(max(errs), 1),
+            "predicted_fit_but_oom": [
+                r["config"] for r in sel if r["fits_32gib_predicted"] and r["oom_under_32gib_cap"]
+            ],
+        }
 
     out = {
-        "gpu": raw.get("gpu"), "method": __doc__.strip().splitlines()[0],
+        "gpu": raw.get("gpu"),
+        "method": __doc__.strip().splitlines()[0],
         "calibration": "constants in loraship/planning/memory.py were fitted on the rows with used_for_fit=true only "
-                       "(even rows of the first GPU call); 'held_out' scores the first call's odd rows; 'validation' "
-                       "scores rows 24+, configurations measured in later GPU calls after the constants were "
-                       "fitted and committed ('near_threshold', rows 34+, is the part of it the planner puts just "
-                       "under the 32 GiB fit threshold, each also run under the cap)",
-        "all": summary(rows), "fit": summary([r for r in rows if r["used_for_fit"]]),
+        "(even rows of the first GPU call); 'held_out' scores the first call's odd rows; 'validation' "
+        "scores rows 24+, configurations measured in later GPU calls after the constants were "
+        "fitted and committed ('near_threshold', rows 34+, is the part of it the planner puts just "
+        "under the 32 GiB fit threshold, each also run under the cap)",
+        "all": summary(rows),
+        "fit": summary([r for r in rows if r["used_for_fit"]]),
         "held_out": summary([r for r in rows if not r["used_for_fit"] and r["index"] < FIRST_VALIDATION_INDEX]),
         "validation": summary([r for r in rows if r["index"] >= FIRST_VALIDATION_INDEX]),
         "near_threshold": summary([r for r in rows if r["index"] >= FIRST_THRESHOLD_INDEX]),
@@ -458,8 +580,17 @@ def analyze(raw_path: Path, results: Path, md: Path) -> dict:
     return out
 
 
-FIT_KEYS = ("keep", "layer", "lora_input_dropout", "layer_backward", "hf_loss", "fused_loss", "reserve_loss", "reserve_layer",
-            "reserve_fixed_gib")
+FIT_KEYS = (
+    "keep",
+    "layer",
+    "lora_input_dropout",
+    "layer_backward",
+    "hf_loss",
+    "fused_loss",
+    "reserve_loss",
+    "reserve_layer",
+    "reserve_fixed_gib",
+)
 
 
 def fit(raw_path: Path) -> dict:
@@ -467,8 +598,11 @@ def fit(raw_path: Path) -> dict:
     from loraship.planning import memory
 
     raw = json.loads(raw_path.read_text())
-    rows = [r for r in raw["rows"] if r["cap_gib"] is None and not r.get("oom") and not r.get("failed")
-            and is_fit_row(r["index"])]
+    rows = [
+        r
+        for r in raw["rows"]
+        if r["cap_gib"] is None and not r.get("oom") and not r.get("failed") and is_fit_row(r["index"])
+    ]
     ctx = [r["context_gib"] for r in raw["rows"] if r.get("context_gib")]
     if ctx:
         memory.CAL["cuda_context_gib"] = round(statistics.median(ctx), 2)
@@ -559,25 +693,39 @@ def _markdown(out: dict) -> str:
     for k in ("all", "fit", "held_out", "validation", "near_threshold"):
         s = out[k]
         if s["rows"]:
-            lines.append(f"| {k} | {s['rows']} | {s['median_abs_error_pct']}% | {s['worst_abs_error_pct']}% | "
-                         f"{len(s['predicted_fit_but_oom'])} |")
-    lines += ["", "| # | config | fit row | pred. reserved | meas. reserved | error | pred. alloc | meas. alloc "
-              "| fits 32 (pred.) | OOM at 32 GiB cap | weights-only |", "|" + "---|" * 11]
+            lines.append(
+                f"| {k} | {s['rows']} | {s['median_abs_error_pct']}% | {s['worst_abs_error_pct']}% | "
+                f"{len(s['predicted_fit_but_oom'])} |"
+            )
+    lines += [
+        "",
+        "| # | config | fit row | pred. reserved | meas. reserved | error | pred. alloc | meas. alloc "
+        "| fits 32 (pred.) | OOM at 32 GiB cap | weights-only |",
+        "|" + "---|" * 11,
+    ]
     for r in out["rows"]:
         lines.append(
             f"| {r['index']} | {r['config']} | {'yes' if r['used_for_fit'] else 'no'} | {r['predicted_reserved_gib']:.2f} "
             f"| {r['measured_reserved_gib']:.2f} | {r['reserved_error_pct']:+.1f}% | {r['predicted_allocated_gib']:.2f} "
             f"| {r['measured_allocated_gib']:.2f} | {'yes' if r['fits_32gib_predicted'] else 'no'} "
             f"| {'yes' if r['oom_under_32gib_cap'] else 'no'}{'' if r['oom_source'].startswith('measured') else '*'} "
-            f"| {r['weights_only_estimate_gib']:.2f} |")
-    lines += ["", "\\* inferred from the uncapped run (peak allocated above 32 GiB, or peak reserved well under it) "
-              "rather than a run under the cap.", ""]
+            f"| {r['weights_only_estimate_gib']:.2f} |"
+        )
+    lines += [
+        "",
+        "\\* inferred from the uncapped run (peak allocated above 32 GiB, or peak reserved well under it) "
+        "rather than a run under the cap.",
+        "",
+    ]
     measured = {r["index"] for r in out["rows"]}
     missing = [i for i in range(FIRST_THRESHOLD_INDEX, len(MATRIX)) if i not in measured]
     if missing:
-        lines += [f"Not measured (device time ran out): rows {', '.join(map(str, missing))} of the script, more "
-                  "configurations the planner puts just under the fit threshold; run them with "
-                  f"`measure --always-cap --only {','.join(map(str, missing))}`.", ""]
+        lines += [
+            f"Not measured (device time ran out): rows {', '.join(map(str, missing))} of the script, more "
+            "configurations the planner puts just under the fit threshold; run them with "
+            f"`measure --always-cap --only {','.join(map(str, missing))}`.",
+            "",
+        ]
     lines.append(NOTES)
     return "\n".join(lines)
 
@@ -610,28 +758,50 @@ def stage_config(spec: dict, model_dir: Path, data: Path, work: Path, steps: int
     """A loraship config that forces the spec's strategy: generous gpu_memory_gib, fallback [], packing off."""
     r = spec["lora_r"]
     return {
-        "run_name": "matrix", "base_model": str(model_dir), "workdir": str(work / "work"), "output": str(work / "out"),
+        "run_name": "matrix",
+        "base_model": str(model_dir),
+        "workdir": str(work / "work"),
+        "output": str(work / "out"),
         "datasets": [{"path": str(data), "type": "completion"}],
         # (steps + 1) x micro rows: `steps` full micro-batches to train, one for the eval before training.
-        "val_set_size": 1.0 / (steps + 1), "adapter": spec["adapter"], "lora_r": r, "lora_alpha": 2 * r,
-        "lora_dropout": 0.05, "lora_target_modules": QVO if spec["targets"] == "qvo" else "all-linear",
-        "sequence_len": spec["sequence_len"], "micro_batch_size": spec["micro_batch_size"],
-        "gradient_accumulation_steps": 1, "gradient_checkpointing": spec["gradient_checkpointing"],
-        "fused_loss": "on" if spec["fused_loss"] else "off", "gpu_memory_gib": STAGE_GPU_MEMORY_GIB,
-        "fallback": [], "packing": "off", "offload_activations": "off", "max_steps": steps, "warmup_steps": 0,
-        "save_steps": 10_000, "device": device,
+        "val_set_size": 1.0 / (steps + 1),
+        "adapter": spec["adapter"],
+        "lora_r": r,
+        "lora_alpha": 2 * r,
+        "lora_dropout": 0.05,
+        "lora_target_modules": QVO if spec["targets"] == "qvo" else "all-linear",
+        "sequence_len": spec["sequence_len"],
+        "micro_batch_size": spec["micro_batch_size"],
+        "gradient_accumulation_steps": 1,
+        "gradient_checkpointing": spec["gradient_checkpointing"],
+        "fused_loss": "on" if spec["fused_loss"] else "off",
+        "gpu_memory_gib": STAGE_GPU_MEMORY_GIB,
+        "fallback": [],
+        "packing": "off",
+        "offload_activations": "off",
+        "max_steps": steps,
+        "warmup_steps": 0,
+        "save_steps": 10_000,
+        "device": device,
         "target_gpu_memory_gib": 16,  # a 14B's Q4_K_M alone is 8.3 GiB: above the default 8 GiB inference target
     }
 
 
 def _same_strategy(got: dict, want: dict, device: str) -> bool:
-    keys = ["adapter", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
-            "checkpointed_layers", "offload_layers"] + (["fused_loss"] if device == "cuda" else [])
+    keys = [
+        "adapter",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "gradient_checkpointing",
+        "checkpointed_layers",
+        "offload_layers",
+    ] + (["fused_loss"] if device == "cuda" else [])
     return all(got.get(k) == want.get(k) for k in keys)
 
 
-def run_stage_one(spec: dict, cap_gib: float | None, device: str, models: Path, root: Path, tokenizer: Path,
-                  steps: int) -> dict:
+def run_stage_one(
+    spec: dict, cap_gib: float | None, device: str, models: Path, root: Path, tokenizer: Path, steps: int
+) -> dict:
     """One configuration through loraship.stages.plan + loraship.stages.train, in this (fresh) process."""
     if device == "cuda":
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # what the train stage sets
@@ -640,8 +810,14 @@ def run_stage_one(spec: dict, cap_gib: float | None, device: str, models: Path, 
 
     import torch
 
-    rec: dict = {"config": config_name(spec), "spec": spec, "cap_gib": cap_gib, "through": "train-stage",
-                 "steps": steps, "device": device}
+    rec: dict = {
+        "config": config_name(spec),
+        "spec": spec,
+        "cap_gib": cap_gib,
+        "through": "train-stage",
+        "steps": steps,
+        "device": device,
+    }
     cuda = device == "cuda"
     if cuda and cap_gib:
         torch.cuda.set_per_process_memory_fraction(cap_gib * GIB / torch.cuda.get_device_properties(0).total_memory)
@@ -678,38 +854,57 @@ def run_stage_one(spec: dict, cap_gib: float | None, device: str, models: Path, 
         plan_stage.run(config)
         plan = json.loads((Path(config.workdir) / config.run_name / "plan" / "plan.json").read_text())
         pm = plan["memory"]
-        rec.update(plan_strategy=plan["strategy"], predicted_reserved_gib=pm.get("predicted_reserved_gib"),
-                   predicted_allocated_gib=pm.get("predicted_allocated_gib"),
-                   predicted_total_gib=pm.get("predicted_total_gib"), plan_fits=plan.get("fits"),
-                   plan_reason=plan.get("reason"))
+        rec.update(
+            plan_strategy=plan["strategy"],
+            predicted_reserved_gib=pm.get("predicted_reserved_gib"),
+            predicted_allocated_gib=pm.get("predicted_allocated_gib"),
+            predicted_total_gib=pm.get("predicted_total_gib"),
+            plan_fits=plan.get("fits"),
+            plan_reason=plan.get("reason"),
+        )
         phase = "train"
         metrics = train_stage.run(config)["metrics"]
         rec["wall_stage_s"] = round(time.time() - t0, 1)
         mem = metrics.get("measured_memory") or {}
-        rec.update(strategy=metrics["strategy"], trained_as=metrics["trained_as"],
-                   strategy_as_forced=_same_strategy(metrics["strategy"], forced, device),
-                   oom_retries=len(metrics["oom_retries"]), oom_retry_details=metrics["oom_retries"],
-                   stage_predicted_reserved_gib=metrics.get("predicted_reserved_gib"),
-                   stage_predicted_allocated_gib=metrics.get("predicted_allocated_gib"),
-                   cuda_allocator=metrics.get("cuda_allocator"), step_s=metrics.get("seconds"),
-                   tokens_per_s=metrics.get("tokens_per_s"), loss_first=metrics.get("first_loss"),
-                   loss_last=metrics.get("last_loss"), train_examples=metrics.get("train_examples"),
-                   eval_examples=metrics.get("eval_examples"), truncated_examples=metrics.get("truncated_examples"))
+        rec.update(
+            strategy=metrics["strategy"],
+            trained_as=metrics["trained_as"],
+            strategy_as_forced=_same_strategy(metrics["strategy"], forced, device),
+            oom_retries=len(metrics["oom_retries"]),
+            oom_retry_details=metrics["oom_retries"],
+            stage_predicted_reserved_gib=metrics.get("predicted_reserved_gib"),
+            stage_predicted_allocated_gib=metrics.get("predicted_allocated_gib"),
+            cuda_allocator=metrics.get("cuda_allocator"),
+            step_s=metrics.get("seconds"),
+            tokens_per_s=metrics.get("tokens_per_s"),
+            loss_first=metrics.get("first_loss"),
+            loss_last=metrics.get("last_loss"),
+            train_examples=metrics.get("train_examples"),
+            eval_examples=metrics.get("eval_examples"),
+            truncated_examples=metrics.get("truncated_examples"),
+        )
         if mem:
-            rec.update(train_peak_reserved_gib=mem.get("peak_reserved_gib"),
-                       train_peak_allocated_gib=mem.get("peak_allocated_gib"),
-                       eval_peak_reserved_gib=mem.get("eval_peak_reserved_gib"),
-                       weights_allocated_gib=mem.get("allocated_after_load_gib"))
+            rec.update(
+                train_peak_reserved_gib=mem.get("peak_reserved_gib"),
+                train_peak_allocated_gib=mem.get("peak_allocated_gib"),
+                eval_peak_reserved_gib=mem.get("eval_peak_reserved_gib"),
+                weights_allocated_gib=mem.get("allocated_after_load_gib"),
+            )
             if len(peaks) >= 2 and peaks[-2].get("peak_reserved_gib") == mem.get("eval_peak_reserved_gib"):
                 rec["eval_peak_allocated_gib"] = peaks[-2].get("peak_allocated_gib")
-            pairs = [("train_peak_reserved_gib", "eval_peak_reserved_gib"),
-                     ("train_peak_allocated_gib", "eval_peak_allocated_gib")]
+            pairs = [
+                ("train_peak_reserved_gib", "eval_peak_reserved_gib"),
+                ("train_peak_allocated_gib", "eval_peak_allocated_gib"),
+            ]
             for name, (a, b) in zip(("peak_reserved_gib", "peak_allocated_gib"), pairs):
                 vals = [rec[k] for k in (a, b) if rec.get(k) is not None]
                 if vals:
                     rec[name] = max(vals)  # the row's peak: the eval before training included
-            rec["peak_phase"] = "eval before training" if (rec.get("eval_peak_reserved_gib") or 0) > \
-                (rec.get("train_peak_reserved_gib") or 0) else "training"
+            rec["peak_phase"] = (
+                "eval before training"
+                if (rec.get("eval_peak_reserved_gib") or 0) > (rec.get("train_peak_reserved_gib") or 0)
+                else "training"
+            )
         if cuda:
             rec["reserved_now_gib"] = torch.cuda.memory_reserved() / GIB
             rec["num_alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
@@ -730,16 +925,28 @@ def _build_shape(shape: str, models: Path, tokenizer: Path, device: str) -> floa
     if (models / shape / "config.json").is_file():
         return 0.0
     t0 = time.time()
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import memory_matrix as m; from pathlib import Path; "
-            f"m._train_bench().make_model(m.stage_dims({shape!r}), Path({str(tokenizer)!r}), "
-            f"Path({str(models / shape)!r}), {device!r})")
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import memory_matrix as m; from pathlib import Path; "
+        f"m._train_bench().make_model(m.stage_dims({shape!r}), Path({str(tokenizer)!r}), "
+        f"Path({str(models / shape)!r}), {device!r})"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     return round(time.time() - t0, 1)
 
 
-def measure_stage(out: Path, jobs: list[tuple[int, dict]], always_cap: bool, models: Path, root: Path,
-                  tokenizer: Path, steps: int, device: str, row_timeout: float, deadline_s: float,
-                  prune_models: bool) -> Path:
+def measure_stage(
+    out: Path,
+    jobs: list[tuple[int, dict]],
+    always_cap: bool,
+    models: Path,
+    root: Path,
+    tokenizer: Path,
+    steps: int,
+    device: str,
+    row_timeout: float,
+    deadline_s: float,
+    prune_models: bool,
+) -> Path:
     """Every (index, spec) through plan + train, one fresh process each, shape by shape (each checkpoint built
     once, then deleted with --prune-models when the shape's runs are done); rows saved after each run."""
     out.mkdir(parents=True, exist_ok=True)
@@ -750,8 +957,18 @@ def measure_stage(out: Path, jobs: list[tuple[int, dict]], always_cap: bool, mod
 
     def save():
         tmp = raw_path.with_name(raw_path.name + ".tmp")
-        tmp.write_text(json.dumps({"gpu": _gpu_name() if device == "cuda" else "cpu", "through": "train-stage",
-                                   "steps": steps, "model_build_s": builds, "rows": rows}, indent=1))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "gpu": _gpu_name() if device == "cuda" else "cpu",
+                    "through": "train-stage",
+                    "steps": steps,
+                    "model_build_s": builds,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
         tmp.replace(raw_path)
 
     start = time.time()
@@ -768,8 +985,18 @@ def measure_stage(out: Path, jobs: list[tuple[int, dict]], always_cap: bool, mod
             builds[shape] = _build_shape(shape, models, tokenizer, device)
         except Exception as e:  # e.g. the disk full: record it, go on with the other shapes
             builds[shape] = f"{type(e).__name__}: {str(e)[:300]}"
-            rows += [{"index": i, "config": config_name(s), "spec": s, "cap_gib": c, "through": "train-stage",
-                      "failed": True, "error": f"model build failed: {builds[shape]}"} for i, s, c in todo]
+            rows += [
+                {
+                    "index": i,
+                    "config": config_name(s),
+                    "spec": s,
+                    "cap_gib": c,
+                    "through": "train-stage",
+                    "failed": True,
+                    "error": f"model build failed: {builds[shape]}",
+                }
+                for i, s, c in todo
+            ]
             save()
             continue
         print(json.dumps({"model": shape, "build_s": builds[shape]}), flush=True)
@@ -780,30 +1007,65 @@ def measure_stage(out: Path, jobs: list[tuple[int, dict]], always_cap: bool, mod
                 continue
             log_path = root / f"stage_{i}_{cap}.log"
             root.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, __file__, "one-stage", json.dumps(spec), "--device", device, "--models", str(models),
-                   "--root", str(root), "--tokenizer", str(tokenizer), "--steps", str(steps)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "one-stage",
+                json.dumps(spec),
+                "--device",
+                device,
+                "--models",
+                str(models),
+                "--root",
+                str(root),
+                "--tokenizer",
+                str(tokenizer),
+                "--steps",
+                str(steps),
+            ]
             cmd += ["--cap", str(cap)] if cap else []
             t0 = time.time()
             with open(log_path, "w") as logf:  # a file, not a pipe: a chatty child never blocks
                 try:
-                    subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=row_timeout, cwd=ROOT,
-                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                    subprocess.run(
+                        cmd,
+                        stdout=logf,
+                        stderr=subprocess.STDOUT,
+                        timeout=row_timeout,
+                        cwd=ROOT,
+                        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                    )
                 except subprocess.TimeoutExpired:
                     pass
             log = log_path.read_text(errors="replace")
             line = [ln for ln in log.splitlines() if ln.startswith('{"config"')]
-            rec = json.loads(line[-1]) if line else {"config": config_name(spec), "spec": spec, "cap_gib": cap,
-                                                     "through": "train-stage", "failed": True, "error": log[-1500:]}
+            rec = (
+                json.loads(line[-1])
+                if line
+                else {
+                    "config": config_name(spec),
+                    "spec": spec,
+                    "cap_gib": cap,
+                    "through": "train-stage",
+                    "failed": True,
+                    "error": log[-1500:],
+                }
+            )
             rec.update(index=i, wall_s=round(time.time() - t0, 1))
             rows.append(rec)
             save()
-            print(f"[{time.time() - start:5.0f}s] #{i} cap={cap} oom={rec.get('oom')} "
-                  f"res={rec.get('peak_reserved_gib')} alloc={rec.get('peak_allocated_gib')} "
-                  f"pred={rec.get('predicted_reserved_gib')} phase={rec.get('peak_phase')} "
-                  f"forced={rec.get('strategy_as_forced')} {rec['config']} {rec.get('error', '')[:300]}", flush=True)
+            print(
+                f"[{time.time() - start:5.0f}s] #{i} cap={cap} oom={rec.get('oom')} "
+                f"res={rec.get('peak_reserved_gib')} alloc={rec.get('peak_allocated_gib')} "
+                f"pred={rec.get('predicted_reserved_gib')} phase={rec.get('peak_phase')} "
+                f"forced={rec.get('strategy_as_forced')} {rec['config']} {rec.get('error', '')[:300]}",
+                flush=True,
+            )
             # Near or over 32 GiB: also run under the cap, unless the uncapped peak allocated alone exceeds it.
             if cap is None and not always_cap and device == "cuda" and not rec.get("failed") and not rec.get("oom"):
-                if (rec.get("peak_reserved_gib") or 0) > CAP_GIB - 4 and (rec.get("peak_allocated_gib") or 0) <= CAP_GIB:
+                if (rec.get("peak_reserved_gib") or 0) > CAP_GIB - 4 and (
+                    rec.get("peak_allocated_gib") or 0
+                ) <= CAP_GIB:
                     todo.append((i, spec, CAP_GIB))
         if prune_models:
             import shutil
@@ -826,56 +1088,82 @@ def analyze_stage(raw_path: Path, results: Path) -> dict:
     for i in sorted(by_index):
         slot = by_index[i]
         un = slot.get("uncapped") if slot.get("uncapped") and not slot["uncapped"].get("oom") else slot.get("capped")
-        if not un or un.get("failed") or un.get("oom") or not un.get("peak_reserved_gib") \
-                or un.get("predicted_reserved_gib") is None:
+        if (
+            not un
+            or un.get("failed")
+            or un.get("oom")
+            or not un.get("peak_reserved_gib")
+            or un.get("predicted_reserved_gib") is None
+        ):
             continue
         meas, pred = un["peak_reserved_gib"], un["predicted_reserved_gib"]
         current = predict(un["spec"], "train-stage")
         now = current["predicted_reserved_gib"]
         train_only = un.get("train_peak_reserved_gib")
         capped = slot.get("capped")
-        rows.append({
-            "index": i, "config": un["config"], "spec": un["spec"], "used_for_fit": is_fit_row(i),
-            "cap_gib": un.get("cap_gib"), "strategy_as_forced": un.get("strategy_as_forced"),
-            "predicted_reserved_gib": round(pred, 2), "measured_reserved_gib": round(meas, 2),
-            "predicted_allocated_gib": un.get("predicted_allocated_gib"),
-            "measured_allocated_gib": un.get("peak_allocated_gib"),
-            "train_peak_reserved_gib": train_only, "eval_peak_reserved_gib": un.get("eval_peak_reserved_gib"),
-            "peak_phase": un.get("peak_phase"),
-            "reserved_error_pct": round(100 * (pred - meas) / meas, 1),
-            "reserved_error_current_constants_pct": round(100 * (now - meas) / meas, 1),
-            "reserved_error_training_only_pct": round(100 * (pred - train_only) / train_only, 1) if train_only else None,
-            "oom_under_32gib_cap": None if capped is None else bool(capped.get("oom")),
-            "capped_reserved_gib": None if capped is None or capped.get("oom") else capped.get("peak_reserved_gib"),
-            "fits_32gib_predicted_current_constants": current["fits"],
-        })
+        rows.append(
+            {
+                "index": i,
+                "config": un["config"],
+                "spec": un["spec"],
+                "used_for_fit": is_fit_row(i),
+                "cap_gib": un.get("cap_gib"),
+                "strategy_as_forced": un.get("strategy_as_forced"),
+                "predicted_reserved_gib": round(pred, 2),
+                "measured_reserved_gib": round(meas, 2),
+                "predicted_allocated_gib": un.get("predicted_allocated_gib"),
+                "measured_allocated_gib": un.get("peak_allocated_gib"),
+                "train_peak_reserved_gib": train_only,
+                "eval_peak_reserved_gib": un.get("eval_peak_reserved_gib"),
+                "peak_phase": un.get("peak_phase"),
+                "reserved_error_pct": round(100 * (pred - meas) / meas, 1),
+                "reserved_error_current_constants_pct": round(100 * (now - meas) / meas, 1),
+                "reserved_error_training_only_pct": round(100 * (pred - train_only) / train_only, 1)
+                if train_only
+                else None,
+                "oom_under_32gib_cap": None if capped is None else bool(capped.get("oom")),
+                "capped_reserved_gib": None
+                if capped is None or capped.get("oom")
+                else capped.get("peak_reserved_gib"),
+                "fits_32gib_predicted_current_constants": current["fits"],
+            }
+        )
 
     def summary(sel, key="reserved_error_pct"):
         errs = [abs(r[key]) for r in sel if r.get(key) is not None]
         if not errs:
             return {"rows": 0}
-        return {"rows": len(errs), "median_abs_error_pct": round(statistics.median(errs), 1),
-                "worst_abs_error_pct": round(max(errs), 1),
-                "worst_config": max(sel, key=lambda r: abs(r.get(key) or 0))["config"]}
+        return {
+            "rows": len(errs),
+            "median_abs_error_pct": round(statistics.median(errs), 1),
+            "worst_abs_error_pct": round(max(errs), 1),
+            "worst_config": max(sel, key=lambda r: abs(r.get(key) or 0))["config"],
+        }
 
     held = [r for r in rows if not r["used_for_fit"]]
     out = {
-        "gpu": raw.get("gpu"), "through": "train-stage", "steps": raw.get("steps"),
+        "gpu": raw.get("gpu"),
+        "through": "train-stage",
+        "steps": raw.get("steps"),
         "method": "loraship.stages.plan + loraship.stages.train as shipped, one fresh process per row; measured "
-                  "peak = max(eval before training (model load included), training); 'held_out' scores the "
-                  "prediction the plan made in the run, "
-                  "'held_out_current_constants' the one loraship/planning/memory.py makes now (its HF-loss reserve fitted by "
-                  "fit-stage on the fit rows alone)",
-        "held_out": summary(held), "held_out_current_constants": summary(held, "reserved_error_current_constants_pct"),
+        "peak = max(eval before training (model load included), training); 'held_out' scores the "
+        "prediction the plan made in the run, "
+        "'held_out_current_constants' the one loraship/planning/memory.py makes now (its HF-loss reserve fitted by "
+        "fit-stage on the fit rows alone)",
+        "held_out": summary(held),
+        "held_out_current_constants": summary(held, "reserved_error_current_constants_pct"),
         "held_out_training_only": summary(held, "reserved_error_training_only_pct"),
         "fit_rows": summary([r for r in rows if r["used_for_fit"]]),
-        "fit_rows_current_constants": summary([r for r in rows if r["used_for_fit"]], "reserved_error_current_constants_pct"),
+        "fit_rows_current_constants": summary(
+            [r for r in rows if r["used_for_fit"]], "reserved_error_current_constants_pct"
+        ),
         "all": summary(rows),
         "not_as_forced": [r["config"] for r in rows if r["strategy_as_forced"] is False],
         # The planner's promise: nothing it says fits 32 GiB runs out of memory under a 32 GiB cap.
         "ran_under_32gib_cap": sum(r["oom_under_32gib_cap"] is not None for r in rows),
-        "predicted_to_fit_32gib_but_oom_under_cap": [r["config"] for r in rows if r["oom_under_32gib_cap"]
-                                                     and r["fits_32gib_predicted_current_constants"]],
+        "predicted_to_fit_32gib_but_oom_under_cap": [
+            r["config"] for r in rows if r["oom_under_32gib_cap"] and r["fits_32gib_predicted_current_constants"]
+        ],
         "rows": rows,
     }
     results.parent.mkdir(parents=True, exist_ok=True)
@@ -890,15 +1178,28 @@ def fit_stage(raw_path: Path) -> dict:
     raw = json.loads(raw_path.read_text())
     fractions = []
     for r in raw["rows"]:
-        if r.get("cap_gib") or r.get("failed") or r.get("oom") or not is_fit_row(r["index"]) \
-                or r["spec"]["fused_loss"] or not r.get("peak_reserved_gib"):
+        if (
+            r.get("cap_gib")
+            or r.get("failed")
+            or r.get("oom")
+            or not is_fit_row(r["index"])
+            or r["spec"]["fused_loss"]
+            or not r.get("peak_reserved_gib")
+        ):
             continue
         p = predict(r["spec"], "train-stage")
         loss = p["components_gib"]["logits_and_cross_entropy"]
         # the prediction without the term being fitted: reserved less the cache it adds
         left = r["peak_reserved_gib"] - (p["predicted_reserved_gib"] - p["reclaimable_cache_gib"])
-        fractions.append({"index": r["index"], "config": r["config"], "loss_transient_gib": loss,
-                          "reserved_beyond_prediction_gib": round(left, 3), "fraction": round(left / loss, 4)})
+        fractions.append(
+            {
+                "index": r["index"],
+                "config": r["config"],
+                "loss_transient_gib": loss,
+                "reserved_beyond_prediction_gib": round(left, 3),
+                "fraction": round(left / loss, 4),
+            }
+        )
     if not fractions:
         raise SystemExit("no train-stage fit row with HF cross-entropy in " + str(raw_path))
     value = round(statistics.median(f["fraction"] for f in fractions), 3)
@@ -929,11 +1230,15 @@ def main() -> None:
     sub.add_parser("smoke")
     tiny_tok = ROOT / ".loraship" / "models" / "tiny-llama"
     for name in ("measure-stage", "smoke-stage"):
-        st = sub.add_parser(name, help="through loraship.stages.plan + train" + (" (CPU, tiny)" if "smoke" in name else ""))
+        st = sub.add_parser(
+            name, help="through loraship.stages.plan + train" + (" (CPU, tiny)" if "smoke" in name else "")
+        )
         st.add_argument("--out", type=Path, required=name == "measure-stage", default=Path("/tmp/memory_matrix_smoke"))
         st.add_argument("--root", type=Path, default=None, help="data, work folders and logs (default OUT/stage)")
         st.add_argument("--models", type=Path, default=None, help="random checkpoints (default ROOT/models)")
-        st.add_argument("--tokenizer", type=Path, default=tiny_tok, help="the tiny Llama (its sentencepiece tokenizer)")
+        st.add_argument(
+            "--tokenizer", type=Path, default=tiny_tok, help="the tiny Llama (its sentencepiece tokenizer)"
+        )
         st.add_argument("--steps", type=int, default=3 if name == "measure-stage" else 2)
         st.add_argument("--only", type=lambda s: [int(x) for x in s.split(",")], default=None)
         st.add_argument("--always-cap", action="store_true")
@@ -950,8 +1255,12 @@ def main() -> None:
     os_.add_argument("--steps", type=int, default=3)
     a = sub.add_parser("analyze")
     a.add_argument("raw", type=Path)
-    a.add_argument("--results", type=Path, default=None, help="train-stage raw files only (default "
-                   "bench/results/memory_matrix_stage.json)")
+    a.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="train-stage raw files only (default bench/results/memory_matrix_stage.json)",
+    )
     f = sub.add_parser("fit")
     f.add_argument("raw", type=Path)
     fs = sub.add_parser("fit-stage", help="the train stage's HF-loss allocator reserve, from its fit rows only")
@@ -967,14 +1276,25 @@ def main() -> None:
         root = (args.root or args.out / "stage").resolve()
         models = (args.models or root / "models").resolve()
         jobs = [(0, SMOKE_STAGE)] if smoke else _stage_jobs(args.only)
-        raw = measure_stage(args.out.resolve(), jobs, args.always_cap, models, root, args.tokenizer.resolve(),
-                            args.steps, "cpu" if smoke else "cuda", args.row_timeout, args.deadline_s,
-                            args.prune_models)
+        raw = measure_stage(
+            args.out.resolve(),
+            jobs,
+            args.always_cap,
+            models,
+            root,
+            args.tokenizer.resolve(),
+            args.steps,
+            "cpu" if smoke else "cuda",
+            args.row_timeout,
+            args.deadline_s,
+            args.prune_models,
+        )
         print(raw)
     elif args.cmd == "one-stage":
         sys.path.insert(0, str(ROOT))
-        rec = run_stage_one(json.loads(args.spec), args.cap, args.device, args.models, args.root, args.tokenizer,
-                            args.steps)
+        rec = run_stage_one(
+            json.loads(args.spec), args.cap, args.device, args.models, args.root, args.tokenizer, args.steps
+        )
         print(json.dumps(rec), flush=True)
     elif args.cmd == "smoke":
         for spec in (_c("tiny", "qlora", 8, "qvo", 64, 2), _c("tiny", "lora", 8, "all-linear", 64, 1, ckpt=False)):
@@ -988,9 +1308,16 @@ def main() -> None:
     elif json.loads(args.raw.read_text()).get("through") == "train-stage":
         sys.path.insert(0, str(ROOT))
         out = analyze_stage(args.raw, args.results or ROOT / "bench/results/memory_matrix_stage.json")
-        for k in ("held_out", "held_out_current_constants", "held_out_training_only", "fit_rows",
-                  "fit_rows_current_constants", "all",
-                  "ran_under_32gib_cap", "predicted_to_fit_32gib_but_oom_under_cap"):
+        for k in (
+            "held_out",
+            "held_out_current_constants",
+            "held_out_training_only",
+            "fit_rows",
+            "fit_rows_current_constants",
+            "all",
+            "ran_under_32gib_cap",
+            "predicted_to_fit_32gib_but_oom_under_cap",
+        ):
             print(k, out[k])
         if out["not_as_forced"]:
             print("not trained as forced:", out["not_as_forced"])

@@ -50,8 +50,14 @@ if not all(r["skipped"] for r in results.values()):
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
 
 
@@ -61,9 +67,16 @@ def timed(cmd: list[str], env: dict) -> dict:
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed (its folders are kept) (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return {"seconds": round(seconds, 2), "load_1min_before": round(load_before, 2),
-            "load_1min_after": round(os.getloadavg()[0], 2), "stdout": done.stdout, "stderr": done.stderr}
+        sys.exit(
+            f"{' '.join(cmd)} failed (its folders are kept) (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    return {
+        "seconds": round(seconds, 2),
+        "load_1min_before": round(load_before, 2),
+        "load_1min_after": round(os.getloadavg()[0], 2),
+        "stdout": done.stdout,
+        "stderr": done.stderr,
+    }
 
 
 def main() -> None:
@@ -73,8 +86,13 @@ def main() -> None:
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     tmp = tempfile.mkdtemp(prefix="loraship-noop-")  # kept when a run fails, to look into
     sets = ["--set", f"workdir={tmp}/work", "--set", f"output={tmp}/artifacts"]
-    env = {**os.environ, "PREFECT_HOME": f"{tmp}/prefect", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "LORASHIP_CACHE": os.environ.get("LORASHIP_CACHE", str(ROOT / ".loraship" / "cache"))}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": f"{tmp}/prefect",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "LORASHIP_CACHE": os.environ.get("LORASHIP_CACHE", str(ROOT / ".loraship" / "cache")),
+    }
     run = [*LORASHIP, "run", CONFIG, *sets]
     flow = [sys.executable, "-c", FLOW, CONFIG, *[s for s in sets if s != "--set"]]
     print(f"cold run: {' '.join(run)}", flush=True)
@@ -86,20 +104,26 @@ def main() -> None:
         if "shipped demo" not in lines or lines.count("up to date") != 8:
             sys.exit(f"the rerun did not report all eight stages up to date:\n{lines}")
         skipped_flow.append(timed(flow, env))
-        print(f"repeat {i + 1}: no-op rerun {noop[-1]['seconds']} s, all-skipped flow {skipped_flow[-1]['seconds']} s",
-              flush=True)
+        print(
+            f"repeat {i + 1}: no-op rerun {noop[-1]['seconds']} s, all-skipped flow {skipped_flow[-1]['seconds']} s",
+            flush=True,
+        )
     shutil.rmtree(tmp)
     median_noop = statistics.median(r["seconds"] for r in noop)
     median_flow = statistics.median(r["seconds"] for r in skipped_flow)
     keep = ("seconds", "load_1min_before", "load_1min_after")
     result = {
         "what": "wall time of `loraship run configs/demo.yaml` with every stage up to date (no Prefect), against the "
-                "same rerun through the train-and-ship flow (Prefect's ephemeral server started first); each a fresh "
-                "process, alternating",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git,
-        "commands": {"no_op_rerun": " ".join(["loraship", *run[1:]]).replace(tmp, "$TMP"), "all_skipped_flow": "python -c FLOW "
-                     "(bench/noop_rerun.py: check_inputs, then train_and_ship) with the same config and --set values",
-                     "private": "workdir, output and PREFECT_HOME in a temporary folder"},
+        "same rerun through the train-and-ship flow (Prefect's ephemeral server started first); each a fresh "
+        "process, alternating",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": git,
+        "commands": {
+            "no_op_rerun": " ".join(["loraship", *run[1:]]).replace(tmp, "$TMP"),
+            "all_skipped_flow": "python -c FLOW "
+            "(bench/noop_rerun.py: check_inputs, then train_and_ship) with the same config and --set values",
+            "private": "workdir, output and PREFECT_HOME in a temporary folder",
+        },
         "machine": machine(),
         "noise": "the cores are shared with other engineers' jobs: see each run's 1-minute load average",
         "cold_run": {k: cold[k] for k in keep},
@@ -113,11 +137,13 @@ def main() -> None:
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n| run | median s | runs |\n|---|---|---|\n| cold (every stage runs) | {cold['seconds']} | 1 |\n"
-          f"| no-op `loraship run` | {median_noop} | {len(noop)} |\n"
-          f"| all-skipped flow (Prefect) | {median_flow} | {len(skipped_flow)} |\n"
-          f"ratio no-op / flow: {result['ratio_no_op_to_flow']}; target <= {TARGET_S} s: "
-          f"{'met' if result['target_met'] else 'NOT met'}\nwrote {RESULTS}")
+    print(
+        f"\n| run | median s | runs |\n|---|---|---|\n| cold (every stage runs) | {cold['seconds']} | 1 |\n"
+        f"| no-op `loraship run` | {median_noop} | {len(noop)} |\n"
+        f"| all-skipped flow (Prefect) | {median_flow} | {len(skipped_flow)} |\n"
+        f"ratio no-op / flow: {result['ratio_no_op_to_flow']}; target <= {TARGET_S} s: "
+        f"{'met' if result['target_met'] else 'NOT met'}\nwrote {RESULTS}"
+    )
 
 
 if __name__ == "__main__":

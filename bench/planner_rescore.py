@@ -27,22 +27,32 @@ import train_bench as tb  # noqa: E402
 from loraship.planning import memory  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "train_bench.json"
-CHANGED_PLAN_ROWS = [("qwen2-7b-lora", "loraship-default"), ("qwen2-7b-lora-all-linear", "loraship-default"),
-                     ("qwen2-7b-qlora", "loraship-default"), ("qwen2-14b-qlora", "loraship-default"),
-                     ("qwen2-7b-lora-all-linear", "loraship-lean")]
+CHANGED_PLAN_ROWS = [
+    ("qwen2-7b-lora", "loraship-default"),
+    ("qwen2-7b-lora-all-linear", "loraship-default"),
+    ("qwen2-7b-qlora", "loraship-default"),
+    ("qwen2-14b-qlora", "loraship-default"),
+    ("qwen2-7b-lora-all-linear", "loraship-lean"),
+]
 
 
 def commit_stamp() -> dict:
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
 
-    return {"commit": git("rev-parse", "--short", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--", "loraship", "bench", "tasks"))}
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", "--", "loraship", "bench", "tasks")),
+    }
 
 
 def summary(rows: list[dict], key: str) -> dict:
     errs = [abs(r[key]) for r in rows]
-    return {"n": len(errs), "median_abs_error": round(statistics.median(errs), 4), "worst_abs_error": round(max(errs), 4)}
+    return {
+        "n": len(errs),
+        "median_abs_error": round(statistics.median(errs), 4),
+        "worst_abs_error": round(max(errs), 4),
+    }
 
 
 def rescore(bench: dict) -> dict:
@@ -53,29 +63,45 @@ def rescore(bench: dict) -> dict:
         cfg = tb.bench_config(r)
         strategy = tb.trained_strategy(r, cfg)
         est = memory.estimate(tb.model_config(tb.CASES[r["case"]][0]), cfg, strategy)
-        rows.append({
-            "case": r["case"], "trainer": r["trainer"], "checkpointed_layers": strategy.get("checkpointed_layers"),
-            "changed_plan": (r["case"], r["trainer"]) in CHANGED_PLAN_ROWS, "peak_phase": est["peak_phase"],
-            "measured_reserved_gib": round(r["reserved_gib"], 3), "measured_allocated_gib": round(r["allocated_gib"], 3),
-            "predicted_in_run_gib": r.get("predicted_reserved_gib"),
-            "predicted_reserved_gib": round(est["predicted_reserved_gib"], 3),
-            "predicted_allocated_gib": round(est["predicted_allocated_gib"], 3),
-            "error_in_run": round(r["predicted_reserved_gib"] / r["reserved_gib"] - 1, 4),
-            "error_now": round(est["predicted_reserved_gib"] / r["reserved_gib"] - 1, 4),
-            "allocated_error_now": round(est["predicted_allocated_gib"] / r["allocated_gib"] - 1, 4),
-        })
+        rows.append(
+            {
+                "case": r["case"],
+                "trainer": r["trainer"],
+                "checkpointed_layers": strategy.get("checkpointed_layers"),
+                "changed_plan": (r["case"], r["trainer"]) in CHANGED_PLAN_ROWS,
+                "peak_phase": est["peak_phase"],
+                "measured_reserved_gib": round(r["reserved_gib"], 3),
+                "measured_allocated_gib": round(r["allocated_gib"], 3),
+                "predicted_in_run_gib": r.get("predicted_reserved_gib"),
+                "predicted_reserved_gib": round(est["predicted_reserved_gib"], 3),
+                "predicted_allocated_gib": round(est["predicted_allocated_gib"], 3),
+                "error_in_run": round(r["predicted_reserved_gib"] / r["reserved_gib"] - 1, 4),
+                "error_now": round(est["predicted_reserved_gib"] / r["reserved_gib"] - 1, 4),
+                "allocated_error_now": round(est["predicted_allocated_gib"] / r["allocated_gib"] - 1, 4),
+            }
+        )
     changed = [r for r in rows if r["changed_plan"]]
     return {
         "what": "the planner now (loraship/planning/memory.py) at each loraship row's trained strategy, against the row's "
-                "measured peak; error = predicted / measured - 1 (reserved unless named). In-sample: these rows were "
-                "seen before this planner was written, not a held-out measurement.",
-        "source": {"file": "bench/results/train_bench.json", "run_id": bench["run_id"], "run_commit": bench["commit"],
-                   "device": bench["device"]},
+        "measured peak; error = predicted / measured - 1 (reserved unless named). In-sample: these rows were "
+        "seen before this planner was written, not a held-out measurement.",
+        "source": {
+            "file": "bench/results/train_bench.json",
+            "run_id": bench["run_id"],
+            "run_commit": bench["commit"],
+            "device": bench["device"],
+        },
         **commit_stamp(),
-        "all_rows": {"now": summary(rows, "error_now"), "in_run": summary(rows, "error_in_run"),
-                     "allocated_now": summary(rows, "allocated_error_now")},
-        "changed_plan_rows": {"now": summary(changed, "error_now"), "in_run": summary(changed, "error_in_run"),
-                              "allocated_now": summary(changed, "allocated_error_now")},
+        "all_rows": {
+            "now": summary(rows, "error_now"),
+            "in_run": summary(rows, "error_in_run"),
+            "allocated_now": summary(rows, "allocated_error_now"),
+        },
+        "changed_plan_rows": {
+            "now": summary(changed, "error_now"),
+            "in_run": summary(changed, "error_in_run"),
+            "allocated_now": summary(changed, "allocated_error_now"),
+        },
         "rows": rows,
     }
 
@@ -88,8 +114,10 @@ def main() -> None:
     out = rescore(json.loads(args.results.read_text()))
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     for r in out["rows"]:
-        print(f"{r['case']:26s} {r['trainer']:17s} k={r['checkpointed_layers']:>2} reserved {r['measured_reserved_gib']:6.2f} "
-              f"predicted {r['predicted_reserved_gib']:6.2f} ({r['error_now']:+.2%}; in run {r['error_in_run']:+.2%})")
+        print(
+            f"{r['case']:26s} {r['trainer']:17s} k={r['checkpointed_layers']:>2} reserved {r['measured_reserved_gib']:6.2f} "
+            f"predicted {r['predicted_reserved_gib']:6.2f} ({r['error_now']:+.2%}; in run {r['error_in_run']:+.2%})"
+        )
     print(json.dumps({k: out[k] for k in ("commit", "dirty", "all_rows", "changed_plan_rows")}))
 
 

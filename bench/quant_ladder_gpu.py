@@ -57,8 +57,15 @@ GIB = 2**30
 DEFAULT_ORDER = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "IQ4_XS", "IQ3_M")
 # llama_model_quantize's time per rung relative to Q4_K_M on a Qwen2-7B-shaped GGUF
 # (bench/results/quantize_cost.json, one thread; two threads scale the same).
-QUANTIZE_COST = {"IQ3_M": 4.88, "Q3_K_M": 0.57, "IQ4_XS": 3.0, "Q4_K_M": 1.0, "Q5_K_M": 0.86, "Q6_K": 0.51,
-                 "Q8_0": 0.09}
+QUANTIZE_COST = {
+    "IQ3_M": 4.88,
+    "Q3_K_M": 0.57,
+    "IQ4_XS": 3.0,
+    "Q4_K_M": 1.0,
+    "Q5_K_M": 0.86,
+    "Q6_K": 0.51,
+    "Q8_0": 0.09,
+}
 MEASURE_ALLOWANCE_S = 30  # a 7B rung's load, prompt, generation and NVML read, with room
 PROMPT_REPEATS = 3
 GEN_PROMPT_TOKENS = 32
@@ -104,18 +111,23 @@ def speed_and_memory(job: dict, llm, load_seconds: float) -> dict:
         llm._logits_all = True
     answer, _, gen_seconds = greedy(llm, ids[:GEN_PROMPT_TOKENS], job["gen_tokens"], stops=set())
     cuda = job["device"] == "cuda"
-    out = {"load_seconds": round(load_seconds, 2), "prompt_tokens": len(ids),
-           "prompt_seconds": [round(s, 4) for s in seconds[1:]],
-           "prompt_tokens_per_s": round(len(ids) / statistics.median(seconds[1:]), 1),
-           "gen_tokens": len(answer), "gen_tokens_per_s": round(len(answer) / gen_seconds, 1),
-           "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
-           "gpu_used_gib": im.gpu_used_by_this_process_gib() if cuda else None}
+    out = {
+        "load_seconds": round(load_seconds, 2),
+        "prompt_tokens": len(ids),
+        "prompt_seconds": [round(s, 4) for s in seconds[1:]],
+        "prompt_tokens_per_s": round(len(ids) / statistics.median(seconds[1:]), 1),
+        "gen_tokens": len(answer),
+        "gen_tokens_per_s": round(len(answer) / gen_seconds, 1),
+        "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
+        "gpu_used_gib": im.gpu_used_by_this_process_gib() if cuda else None,
+    }
     handle = im._nvml_handle() if cuda else None
     if handle is not None:  # which figure verify's reading was: this process's own, or the device's
         import pynvml
 
-        out["nvml_lists_this_process"] = any(p.pid == os.getpid()
-                                             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        out["nvml_lists_this_process"] = any(
+            p.pid == os.getpid() for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        )
         out["nvml_device_used_gib"] = pynvml.nvmlDeviceGetMemoryInfo(handle).used / GIB
     return out
 
@@ -133,13 +145,22 @@ def expected_quantize_seconds(quantization: str, done: dict[str, float]) -> floa
 
 def plan_figures(plan_rung: dict) -> dict:
     """What the plan says of a rung, measured or not (plan.json rounds gguf_gib to 0.01 GiB: 0.1-0.3% of a 7B's)."""
-    return {"predicted_bytes": round(plan_rung["gguf_gib"] * GIB),
-            "predicted_gpu_gib": {"plan": plan_rung["total_gib"]},
-            "fits_target_predicted": {"plan": plan_rung["fits_target"]}}
+    return {
+        "predicted_bytes": round(plan_rung["gguf_gib"] * GIB),
+        "predicted_gpu_gib": {"plan": plan_rung["total_gib"]},
+        "fits_target_predicted": {"plan": plan_rung["fits_target"]},
+    }
 
 
-def rung_row(quantization: str, plan_rung: dict, gguf_bytes: int, quantize_seconds: float, memory: dict,
-             measured: dict, target_gib: float) -> dict:
+def rung_row(
+    quantization: str,
+    plan_rung: dict,
+    gguf_bytes: int,
+    quantize_seconds: float,
+    memory: dict,
+    measured: dict,
+    target_gib: float,
+) -> dict:
     """One measured rung. memory: verify's memory_plan of the GGUF; measured: speed_and_memory's."""
     row = {"quant": quantization, "bytes": gguf_bytes, **plan_figures(plan_rung)}
     used = measured.get("gpu_used_gib")
@@ -148,10 +169,12 @@ def rung_row(quantization: str, plan_rung: dict, gguf_bytes: int, quantize_secon
     row.update(
         size_error=round(gguf_bytes / row["predicted_bytes"] - 1, 4),
         measured_gpu_gib=round(used, 3) if used is not None else None,
-        prediction_error={basis: round(gib / used - 1, 4) if used else None
-                          for basis, gib in row["predicted_gpu_gib"].items()},
+        prediction_error={
+            basis: round(gib / used - 1, 4) if used else None for basis, gib in row["predicted_gpu_gib"].items()
+        },
         fits_target_measured=used <= target_gib if used is not None else None,
-        prompt_tokens_per_s=measured["prompt_tokens_per_s"], gen_tokens_per_s=measured["gen_tokens_per_s"],
+        prompt_tokens_per_s=measured["prompt_tokens_per_s"],
+        gen_tokens_per_s=measured["gen_tokens_per_s"],
         quantize_seconds=quantize_seconds,
     )
     return row
@@ -176,8 +199,10 @@ def summary(rows: list[dict], ladder: tuple[str, ...]) -> dict:
         out["largest_fitting"][basis] = fitting[-1] if fitting else None
         if basis != "measured":
             out["fit_disagrees_with_measured"][basis] = [
-                r["quant"] for r in ordered
-                if fit_verdict(r, "measured") is not None and fit_verdict(r, basis) != fit_verdict(r, "measured")]
+                r["quant"]
+                for r in ordered
+                if fit_verdict(r, "measured") is not None and fit_verdict(r, basis) != fit_verdict(r, "measured")
+            ]
     out["rungs_skipped"] = [r["quant"] for r in ordered if "skipped" in r]
 
     def largest(values: dict[str, float]) -> dict | None:
@@ -188,9 +213,15 @@ def summary(rows: list[dict], ladder: tuple[str, ...]) -> dict:
 
     out["max_abs_size_error"] = largest({r["quant"]: r["size_error"] for r in ordered if "size_error" in r})
     out["max_abs_memory_prediction_error"] = {
-        basis: largest({r["quant"]: r["prediction_error"][basis] for r in ordered
-                        if (r.get("prediction_error") or {}).get(basis) is not None})
-        for basis in ("plan", "verify")}
+        basis: largest(
+            {
+                r["quant"]: r["prediction_error"][basis]
+                for r in ordered
+                if (r.get("prediction_error") or {}).get(basis) is not None
+            }
+        )
+        for basis in ("plan", "verify")
+    }
     return out
 
 
@@ -201,12 +232,23 @@ def llama_log_facts(log: str) -> dict:
 
     flash = re.search(r"flash_attn\s*=\s*(\w+)", log)
     offloaded = re.search(r"offloaded (\d+/\d+) layers to GPU", log)
-    return {"llama_cpp_buffers": llama_buffers(log), "flash_attn": flash.group(1) if flash else None,
-            "offloaded": offloaded.group(1) if offloaded else None}
+    return {
+        "llama_cpp_buffers": llama_buffers(log),
+        "flash_attn": flash.group(1) if flash else None,
+        "offloaded": offloaded.group(1) if offloaded else None,
+    }
 
 
-def measure_rung(config, quantization: str, gguf: Path, work: Path, device: str, prompt_text: str,
-                 prompt_tokens: int, gen_tokens: int) -> dict:
+def measure_rung(
+    config,
+    quantization: str,
+    gguf: Path,
+    work: Path,
+    device: str,
+    prompt_text: str,
+    prompt_tokens: int,
+    gen_tokens: int,
+) -> dict:
     """The rung's GGUF as verify predicts (memory_plan) and loads it (measure_apart), timed by speed_and_memory."""
     from loraship.llamacpp.gguf_info import read_gguf_apart
     from loraship.planning import inference_memory as im
@@ -215,17 +257,28 @@ def measure_rung(config, quantization: str, gguf: Path, work: Path, device: str,
 
     info = read_gguf_apart(gguf)
     memory = memory_plan(im.GGUFLayout(**info["layout"]), config)
-    job = {"gguf": str(gguf), "n_ctx": config.target_context, "n_gpu_layers": -1 if device == "cuda" else 0,
-           "device": device, "seed": config.seed, "prompt_text": prompt_text, "prompt_tokens": prompt_tokens,
-           "gen_tokens": gen_tokens}
+    job = {
+        "gguf": str(gguf),
+        "n_ctx": config.target_context,
+        "n_gpu_layers": -1 if device == "cuda" else 0,
+        "device": device,
+        "seed": config.seed,
+        "prompt_text": prompt_text,
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": gen_tokens,
+    }
     work.mkdir(parents=True, exist_ok=True)
     log = io.StringIO()
     # The child imports this module by name; verbose, llama.cpp logs its buffer sizes (read back from the log).
-    child = {"PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")])),
-             "LORASHIP_LLAMA_VERBOSE": "1"}
+    child = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")])),
+        "LORASHIP_LLAMA_VERBOSE": "1",
+    }
     try:
         with environ(child), contextlib.redirect_stderr(log):
-            measured = measure_apart(SimpleNamespace(dir=work), job, entry="speed_and_memory", module=Path(__file__).stem)
+            measured = measure_apart(
+                SimpleNamespace(dir=work), job, entry="speed_and_memory", module=Path(__file__).stem
+            )
     finally:
         (work / f"{quantization}.log").write_text(log.getvalue())
     return {"memory": memory, "measured": measured, **llama_log_facts(log.getvalue())}
@@ -292,9 +345,15 @@ def machine() -> dict:
 
     found = {"cpus": os.cpu_count(), "quantize_threads": cpu_count(), "platform": platform.platform()}
     with contextlib.suppress(Exception):
-        found["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                                       "--format=csv,noheader"], capture_output=True, text=True,
-                                      timeout=20).stdout.strip() or None
+        found["gpu"] = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
+            or None
+        )
     return found
 
 
@@ -310,8 +369,12 @@ def commit() -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen2-7b", help="a folder of examples/models")
-    parser.add_argument("--layers", type=int, help="keep this many decoder layers (every width and the vocabulary stay)")
-    parser.add_argument("--tiny", action="store_true", help=f"a CPU dry run's widths ({TINY}), 2 layers unless --layers")
+    parser.add_argument(
+        "--layers", type=int, help="keep this many decoder layers (every width and the vocabulary stay)"
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help=f"a CPU dry run's widths ({TINY}), 2 layers unless --layers"
+    )
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--target-gib", type=float, default=6.0, help="target_gpu_memory_gib")
     parser.add_argument("--n-ctx", type=int, default=4096, help="target_context, the n_ctx each rung is loaded at")
@@ -319,15 +382,25 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=2, help="LoRA steps of the train stage")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--gen-tokens", type=int, default=128)
-    parser.add_argument("--tokenizer", type=Path, help="Qwen's tokenizer files (default: written by "
-                        "loraship.fixtures.tinyqwen.write_tokenizer)")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="Qwen's tokenizer files (default: written by loraship.fixtures.tinyqwen.write_tokenizer)",
+    )
     parser.add_argument("--root", type=Path, default=Path("/tmp/quant-ladder-gpu"))
     parser.add_argument("--base-dir", type=Path, help="where the random base model is saved (default ROOT/base)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--deadline-s", type=float, help="start no rung expected to end later than this many seconds "
-                        "after this script started")
-    parser.add_argument("--wait-for", type=Path, help="hold convert and what follows until this file exists "
-                        "(llama-cpp-python's CUDA build beside the chain; FILE.failed ends the run)")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        help="start no rung expected to end later than this many seconds after this script started",
+    )
+    parser.add_argument(
+        "--wait-for",
+        type=Path,
+        help="hold convert and what follows until this file exists "
+        "(llama-cpp-python's CUDA build beside the chain; FILE.failed ends the run)",
+    )
     parser.add_argument("--lock", type=Path, help="a lock file held while each rung is measured")
     parser.add_argument("--keep", action="store_true", help="keep the base, merged and F16 files")
     args = parser.parse_args()
@@ -349,24 +422,36 @@ def main() -> None:
     layers = args.layers or (2 if args.tiny else None)
     result: dict = {
         "what": "bench/quant_ladder_gpu.py: a random-weight model in a real shape with Qwen's vocabulary through "
-                "loraship's stages (plan with quantization: auto -> train -> merge -> convert -> quantize, one rung "
-                "per quantize call); each rung loaded as verify loads it (tasks/verify.py measure_apart: every layer "
-                "on the GPU at n_ctx = target_context, flash attention off), its GPU memory through NVML in that "
-                "process, a prompt and greedy generation timed; predictions from plan.json and verify's memory_plan",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit(),
+        "loraship's stages (plan with quantization: auto -> train -> merge -> convert -> quantize, one rung "
+        "per quantize call); each rung loaded as verify loads it (tasks/verify.py measure_apart: every layer "
+        "on the GPU at n_ctx = target_context, flash attention off), its GPU memory through NVML in that "
+        "process, a prompt and greedy generation timed; predictions from plan.json and verify's memory_plan",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "shape": args.shape + (f" ({layers} layers)" if layers else "") + (" (tiny widths)" if args.tiny else ""),
-        "device": args.device, "target_gpu_memory_gib": args.target_gib, "target_context": args.n_ctx,
-        "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "machine": machine(),
-        "versions": versions(), "stage_seconds": {}, "disk_free_gib": {}, "rows": [], "skipped": {},
+        "device": args.device,
+        "target_gpu_memory_gib": args.target_gib,
+        "target_context": args.n_ctx,
+        "prompt_tokens": args.prompt_tokens,
+        "gen_tokens": args.gen_tokens,
+        "machine": machine(),
+        "versions": versions(),
+        "stage_seconds": {},
+        "disk_free_gib": {},
+        "rows": [],
+        "skipped": {},
     }
     rows: dict[str, dict] = {}
     plan_rungs: dict[str, dict] = {}
 
     def save():
-        listed = [rows.get(q) or {"quant": q, "skipped": result["skipped"].get(q, "not run yet"),
-                                   **plan_figures(plan_rungs[q])}
-                  for q in AUTO_LADDER if q in rows or q in plan_rungs]
+        listed = [
+            rows.get(q)
+            or {"quant": q, "skipped": result["skipped"].get(q, "not run yet"), **plan_figures(plan_rungs[q])}
+            for q in AUTO_LADDER
+            if q in rows or q in plan_rungs
+        ]
         result["rows"] = listed
         result["summary"] = summary(listed, AUTO_LADDER)
         result["total_seconds"] = round(time.perf_counter() - started_all, 1)
@@ -396,16 +481,24 @@ def main() -> None:
     base = args.base_dir or root / "base"
     if not (base / "config.json").is_file():  # a rerun on the same machine resumes the chain
         started = time.perf_counter()
-        spec = {"shape": args.shape, "tokenizer": str(tokenizer), "out": str(base), "layers": layers,
-                "device": args.device, "overrides": TINY if args.tiny else None}
-        done = subprocess.run([sys.executable, "-c", _BUILD_MODEL, str(BENCH), json.dumps(spec)], capture_output=True,
-                              text=True)
+        spec = {
+            "shape": args.shape,
+            "tokenizer": str(tokenizer),
+            "out": str(base),
+            "layers": layers,
+            "device": args.device,
+            "overrides": TINY if args.tiny else None,
+        }
+        done = subprocess.run(
+            [sys.executable, "-c", _BUILD_MODEL, str(BENCH), json.dumps(spec)], capture_output=True, text=True
+        )
         if done.returncode != 0:
             raise SystemExit(f"building the random model failed:\n{done.stderr[-3000:]}")
         result["stage_seconds"]["build_model"] = round(time.perf_counter() - started, 1)
 
-    data = chain_config(args.shape.replace("/", "-"), base, root, args.target_gib, args.n_ctx, "auto", args.device,
-                        args.max_steps)
+    data = chain_config(
+        args.shape.replace("/", "-"), base, root, args.target_gib, args.n_ctx, "auto", args.device, args.max_steps
+    )
     config = parse_config(data)
     config_file = root / "config.yaml"
     write_config(config.model_dump(mode="json"), config_file)
@@ -434,8 +527,10 @@ def main() -> None:
         expected = expected_quantize_seconds(quantization, done_seconds)
         elapsed = time.perf_counter() - started_all
         if args.deadline_s and expected is not None and elapsed + expected + MEASURE_ALLOWANCE_S > args.deadline_s:
-            result["skipped"][quantization] = (f"--deadline-s {args.deadline_s:g}: at {elapsed:.0f} s, quantizing is "
-                                               f"expected to take {expected:.0f} s, measuring {MEASURE_ALLOWANCE_S} s")
+            result["skipped"][quantization] = (
+                f"--deadline-s {args.deadline_s:g}: at {elapsed:.0f} s, quantizing is "
+                f"expected to take {expected:.0f} s, measuring {MEASURE_ALLOWANCE_S} s"
+            )
             print(f"{quantization}: skipped, {result['skipped'][quantization]}", flush=True)
             save()
             continue
@@ -456,8 +551,16 @@ def main() -> None:
         try:
             with gpu_lock(args.lock) as waited:
                 measuring = time.perf_counter()
-                found = measure_rung(config, quantization, gguf, root / "measure", args.device, prompt_text,
-                                     args.prompt_tokens, args.gen_tokens)
+                found = measure_rung(
+                    config,
+                    quantization,
+                    gguf,
+                    root / "measure",
+                    args.device,
+                    prompt_text,
+                    args.prompt_tokens,
+                    args.gen_tokens,
+                )
                 measure_seconds = round(time.perf_counter() - measuring, 1)
         except Exception as e:  # noqa: BLE001 - a rung llama.cpp cannot load is a result; the others go on
             result["skipped"][quantization] = f"measuring failed: {str(e)[-1500:]}"
@@ -467,19 +570,36 @@ def main() -> None:
         measured = found["measured"]
         if args.device == "cuda" and not measured["gpu_offload"]:
             raise SystemExit("--device cuda, but this llama-cpp-python has no GPU offload: install its CUDA build")
-        row = rung_row(quantization, plan_rungs[quantization], gguf.stat().st_size, seconds, found["memory"],
-                       measured, args.target_gib)
-        row.update(measure_seconds=measure_seconds, lock_waited_s=waited, load_seconds=measured["load_seconds"],
-                   prompt_seconds=measured["prompt_seconds"], predicted_components=found["memory"]["predicted"],
-                   llama_cpp_buffers=found["llama_cpp_buffers"], flash_attn=found["flash_attn"],
-                   offloaded=found["offloaded"], llama_cpp_gpu_offload=measured["gpu_offload"],
-                   **{k: measured[k] for k in ("nvml_lists_this_process", "nvml_device_used_gib") if k in measured})
+        row = rung_row(
+            quantization,
+            plan_rungs[quantization],
+            gguf.stat().st_size,
+            seconds,
+            found["memory"],
+            measured,
+            args.target_gib,
+        )
+        row.update(
+            measure_seconds=measure_seconds,
+            lock_waited_s=waited,
+            load_seconds=measured["load_seconds"],
+            prompt_seconds=measured["prompt_seconds"],
+            predicted_components=found["memory"]["predicted"],
+            llama_cpp_buffers=found["llama_cpp_buffers"],
+            flash_attn=found["flash_attn"],
+            offloaded=found["offloaded"],
+            llama_cpp_gpu_offload=measured["gpu_offload"],
+            **{k: measured[k] for k in ("nvml_lists_this_process", "nvml_device_used_gib") if k in measured},
+        )
         rows[quantization] = row
         result["stage_seconds"][f"measure/{quantization}"] = round(time.perf_counter() - started, 1)
-        print(f"{quantization:7s} {row['bytes'] / GIB:6.3f} GiB (plan {row['predicted_bytes'] / GIB:6.3f}, "
-              f"{row['size_error']:+.1%})  GPU {row['measured_gpu_gib']} GiB (plan {row['predicted_gpu_gib']['plan']}, "
-              f"verify {row['predicted_gpu_gib']['verify']})  pp {row['prompt_tokens_per_s']} tok/s  "
-              f"tg {row['gen_tokens_per_s']} tok/s  quantize {seconds} s", flush=True)
+        print(
+            f"{quantization:7s} {row['bytes'] / GIB:6.3f} GiB (plan {row['predicted_bytes'] / GIB:6.3f}, "
+            f"{row['size_error']:+.1%})  GPU {row['measured_gpu_gib']} GiB (plan {row['predicted_gpu_gib']['plan']}, "
+            f"verify {row['predicted_gpu_gib']['verify']})  pp {row['prompt_tokens_per_s']} tok/s  "
+            f"tg {row['gen_tokens_per_s']} tok/s  quantize {seconds} s",
+            flush=True,
+        )
         save()
     if not args.keep:
         prune(config, "quantize", base)  # the F16 GGUF

@@ -123,13 +123,18 @@ def main() -> None:
 
     result = {
         "what": "bench/quantize_cost.py: llama_model_quantize (no importance matrix) per rung on a GGUF with "
-                f"{args.shape}'s metadata and 1/{args.scale} of every tensor's rows ({weights:,} weights, the same "
-                "type per tensor as the real model), one process, rungs one after another",
+        f"{args.shape}'s metadata and 1/{args.scale} of every tensor's rows ({weights:,} weights, the same "
+        "type per tensor as the real model), one process, rungs one after another",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": time.strftime("%Y-%m-%d"), "threads": args.threads,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "load_avg_at_end": list(os.getloadavg())},
-        "llama_cpp_python": llama_cpp.__version__, "rungs": rungs,
+        "date": time.strftime("%Y-%m-%d"),
+        "threads": args.threads,
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "load_avg_at_end": list(os.getloadavg()),
+        },
+        "llama_cpp_python": llama_cpp.__version__,
+        "rungs": rungs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

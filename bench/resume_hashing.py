@@ -70,8 +70,11 @@ def layout(total: int) -> dict[str, dict[str, int]]:
     sized = {
         "plan": {PLAN_FILE: 4096, STRATEGY_FILE: 512},
         "train": {"adapter/adapter_model.safetensors": adapter, "adapter/adapter_config.json": 1024},
-        "merge": {**{f"{MERGED_DIR}/model-0000{i}-of-00004.safetensors": merged // 4 for i in range(1, 5)},
-                  f"{MERGED_DIR}/config.json": 1024, "probe.json": 512},
+        "merge": {
+            **{f"{MERGED_DIR}/model-0000{i}-of-00004.safetensors": merged // 4 for i in range(1, 5)},
+            f"{MERGED_DIR}/config.json": 1024,
+            "probe.json": 512,
+        },
         "convert": {F16_GGUF: f16},
         "quantize": {"model-Q4_K_M.gguf": q4},
         "verify": {VERIFY_FILE: 2048},
@@ -110,7 +113,11 @@ def resume(config, root: Path) -> dict:
         seconds = time.perf_counter() - start
     finally:
         mf.sha256_file = real
-    return {"seconds": round(seconds, 3), "files_hashed": hashed["files"], "gib_hashed": round(hashed["bytes"] / 2**30, 3)}
+    return {
+        "seconds": round(seconds, 3),
+        "files_hashed": hashed["files"],
+        "gib_hashed": round(hashed["bytes"] / 2**30, 3),
+    }
 
 
 def main() -> None:
@@ -124,9 +131,18 @@ def main() -> None:
     total = int(args.gib * 2**30)
     free = shutil.disk_usage(args.dir.parent).free
     if free < total * 1.2:
-        sys.exit(f"needs {total * 1.2 / 2**30:.1f} GiB free in {args.dir.parent}, {free / 2**30:.1f} GiB is; pass a smaller --gib")
-    config = parse_config({"run_name": "bench", "base_model": "org/model-7b", "workdir": str(args.dir / "work"),
-                           "output": str(args.dir / "artifacts"), "datasets": [{"path": "data.jsonl", "type": "chat"}]})
+        sys.exit(
+            f"needs {total * 1.2 / 2**30:.1f} GiB free in {args.dir.parent}, {free / 2**30:.1f} GiB is; pass a smaller --gib"
+        )
+    config = parse_config(
+        {
+            "run_name": "bench",
+            "base_model": "org/model-7b",
+            "workdir": str(args.dir / "work"),
+            "output": str(args.dir / "artifacts"),
+            "datasets": [{"path": "data.jsonl", "type": "chat"}],
+        }
+    )
     block = os.urandom(BLOCK)  # incompressible, and every block really allocated (no sparse files)
     start = time.perf_counter()
     for stage, files in layout(total).items():
@@ -147,9 +163,11 @@ def main() -> None:
     result = {
         "what": f"open_stage of all {len(STAGES)} stages on a finished run (resume that skips every stage), page cache evicted",
         "files_gib": round(on_disk / 2**30, 2),
-        "modes": {"full (every upstream output re-hashed; before the digest cache)": full,
-                  "cold (digest cache deleted: each file hashed once)": cold,
-                  "cached (digest cache kept)": cached},
+        "modes": {
+            "full (every upstream output re-hashed; before the digest cache)": full,
+            "cold (digest cache deleted: each file hashed once)": cold,
+            "cached (digest cache kept)": cached,
+        },
         "speedup_cached_vs_full": round(full["seconds"] / max(cached["seconds"], 1e-6), 1),
         "layout_seconds": round(laid_out, 1),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "disk": str(args.dir)},

@@ -77,14 +77,33 @@ def model_config(name: str) -> dict:
     return mc
 
 
-TINY = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=128, intermediate_size=256,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False,
-            max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6)
+TINY = dict(
+    architectures=["Qwen2ForCausalLM"],
+    model_type="qwen2",
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
 
 # case -> (model shape, adapter, rank, target modules, micro-batch, sequence_len, data kind)
 CASES = {
     "qwen2-7b-lora": ("qwen2-7b", "lora", 64, QVO, 2, 4096, "long"),
-    "qwen2-7b-lora-all-linear": ("qwen2-7b", "lora", 16, "all-linear", 2, 4096, "long"),  # Unsloth's fused MLP/QKV paths
+    "qwen2-7b-lora-all-linear": (
+        "qwen2-7b",
+        "lora",
+        16,
+        "all-linear",
+        2,
+        4096,
+        "long",
+    ),  # Unsloth's fused MLP/QKV paths
     "qwen2-7b-qlora": ("qwen2-7b", "qlora", 64, QVO, 2, 4096, "long"),
     "qwen2-14b-qlora": ("qwen2-14b", "qlora", 64, QVO, 2, 4096, "long"),
     "qwen2-14b-lora": ("qwen2-14b", "lora", 64, QVO, 2, 4096, "long"),  # bf16 asked, 32 GiB budget
@@ -109,14 +128,25 @@ CASES.update(HELD_OUT_CASES)
 ACCUMULATION = {"qwen2-14b-qlora-2x2048-ga4": 4}
 CASES["qwen2-14b-qlora-2x2048-ga4"] = ("qwen2-14b", "qlora", 64, QVO, 2, 2048, "long")
 ISSUE_CASES = ["qwen2-7b-lora", "qwen2-7b-lora-all-linear", "qwen2-7b-qlora", "qwen2-14b-qlora", "qwen2-14b-lora"]
-TRAINERS = {"packing": ["loraship-packed", "loraship-padded"], "qwen2-14b-lora-8k": ["loraship-default"],
-            "qwen2-14b-qlora-2x2048-ga4": ["loraship-default", "loraship-lean"]}
+TRAINERS = {
+    "packing": ["loraship-packed", "loraship-padded"],
+    "qwen2-14b-lora-8k": ["loraship-default"],
+    "qwen2-14b-qlora-2x2048-ga4": ["loraship-default", "loraship-lean"],
+}
 PEERS = ["unsloth-sft", "unsloth-loop", "hf-liger"]
 # The order rows run in, when the budget may not cover them all: each phase over every case before the next phase.
-PHASES = [["unsloth-sft", "unsloth-loop", "loraship-default"], ["loraship-lean"], ["loraship-unfused"],
-          ["loraship-lean-full-recompute"], ["hf-liger"]]
+PHASES = [
+    ["unsloth-sft", "unsloth-loop", "loraship-default"],
+    ["loraship-lean"],
+    ["loraship-unfused"],
+    ["loraship-lean-full-recompute"],
+    ["hf-liger"],
+]
 # loraship rows also compared with loraship's own variant that leaves one change out (what that change is worth).
-OWN_BASELINES = {"loraship-default": ["loraship-unfused", "loraship-contiguous"], "loraship-lean": ["loraship-lean-full-recompute"]}
+OWN_BASELINES = {
+    "loraship-default": ["loraship-unfused", "loraship-contiguous"],
+    "loraship-lean": ["loraship-lean-full-recompute"],
+}
 SMOKE_SEQ = 128  # --smoke: the tiny shape at short rows, so the CPU check takes seconds
 LOSS_STEPS = 10  # the first losses every row keeps (`loss_curve`)
 
@@ -134,10 +164,18 @@ def source_stamp() -> dict:
     commit, dirty = os.environ.get("LORASHIP_COMMIT") or None, None
     try:
         if commit is None:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                    check=True).stdout.strip()
-            dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", *STAMPED_SOURCES], cwd=ROOT,
-                                        capture_output=True, text=True, check=True).stdout.strip())
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+            ).stdout.strip()
+            dirty = bool(
+                subprocess.run(
+                    ["git", "status", "--porcelain", "--", *STAMPED_SOURCES],
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout.strip()
+            )
     except (OSError, subprocess.CalledProcessError):
         pass
     digest = hashlib.sha256()
@@ -154,8 +192,17 @@ def machine_stamp() -> dict:
 
     out = {"hostname": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=60, check=True).stdout.strip().splitlines()
+        smi = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
         out["gpus"] = smi
     except (OSError, subprocess.SubprocessError):
         out["gpus"] = []
@@ -182,7 +229,9 @@ print(json.dumps(sorted(rates[1:])[len(rates[1:]) // 2]))
 def host_to_device_gbps() -> float | None:
     """The median pinned host-to-device copy rate of the first GPU, GB/s (the first copy is warm-up), or None."""
     try:
-        done = subprocess.run([sys.executable, "-c", H2D_PROBE], capture_output=True, text=True, timeout=120, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", H2D_PROBE], capture_output=True, text=True, timeout=120, check=True
+        )
         return round(float(json.loads(done.stdout.strip().splitlines()[-1])), 1)
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
@@ -215,9 +264,23 @@ def make_model(mc: dict, tokenizer_dir: Path, out: Path, device: str) -> Path:
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     # The tokenizer's special ids replace the config's own (Qwen3-8B's config.json names its bos and eos).
-    fields = {k: v for k, v in mc.items() if k not in ("architectures", "model_type", "torch_dtype", "transformers_version",
-                                                         "bos_token_id", "eos_token_id", "dtype")}
-    config = AutoConfig.for_model(mc["model_type"], bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **fields)
+    fields = {
+        k: v
+        for k, v in mc.items()
+        if k
+        not in (
+            "architectures",
+            "model_type",
+            "torch_dtype",
+            "transformers_version",
+            "bos_token_id",
+            "eos_token_id",
+            "dtype",
+        )
+    }
+    config = AutoConfig.for_model(
+        mc["model_type"], bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **fields
+    )
     config.architectures = list(mc["architectures"])
     cls = getattr(transformers, mc["architectures"][0])
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: a 14B fp32 build would need 59 GB
@@ -257,8 +320,14 @@ def make_data(tokenizer_dir: Path, folder: Path, seq: int, rows: int, kind: str,
         else:
             n = rng.randint(64, seq) // per
             q = max(1, n // 4)
-            lines.append({"messages": [{"role": "user", "content": sentence * q},
-                                       {"role": "assistant", "content": sentence * max(1, n - q - 1)}]})
+            lines.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": sentence * q},
+                        {"role": "assistant", "content": sentence * max(1, n - q - 1)},
+                    ]
+                }
+            )
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
@@ -303,8 +372,11 @@ class StepClock:
     def timing(self) -> dict:
         """A row's per-step seconds and, when profiled, where its time went (its tokens/s then carries the
         profiler's overhead on two steps)."""
-        return {"step_s": [round(b - a, 4) for a, b in zip(self.times, self.times[1:])], "profile": self.profile,
-                "profiled": self.profile_from is not None}
+        return {
+            "step_s": [round(b - a, 4) for a, b in zip(self.times, self.times[1:])],
+            "profile": self.profile,
+            "profiled": self.profile_from is not None,
+        }
 
     def tokens_per_s(self, tokens_per_step: list[int], warmup: int) -> float | None:
         # Step i is timed from the stamp of step i-1; the first `warmup` steps are left out.
@@ -326,14 +398,24 @@ def top_ops(profiler, device: str, n: int = 40) -> dict:
     events = profiler.key_averages()
 
     def row(e) -> dict:
-        return {"name": e.key[:120], "calls": e.count, "cpu_ms": round(e.cpu_time_total / 1e3, 2),
-                "device_ms": round(getattr(e, "device_time_total", 0) / 1e3, 2)}
+        return {
+            "name": e.key[:120],
+            "calls": e.count,
+            "cpu_ms": round(e.cpu_time_total / 1e3, 2),
+            "device_ms": round(getattr(e, "device_time_total", 0) / 1e3, 2),
+        }
 
-    ops = sorted((row(e) for e in events if e.device_type != DeviceType.CUDA),
-                 key=lambda r: -r["device_ms" if device == "cuda" else "cpu_ms"])
+    ops = sorted(
+        (row(e) for e in events if e.device_type != DeviceType.CUDA),
+        key=lambda r: -r["device_ms" if device == "cuda" else "cpu_ms"],
+    )
     kernels = sorted((row(e) for e in events if e.device_type == DeviceType.CUDA), key=lambda r: -r["device_ms"])
-    return {"ops": ops[:n], "kernels": kernels[:n], "kernel_ms_total": round(sum(k["device_ms"] for k in kernels), 1),
-            "kernel_launches": sum(k["calls"] for k in kernels)}
+    return {
+        "ops": ops[:n],
+        "kernels": kernels[:n],
+        "kernel_ms_total": round(sum(k["device_ms"] for k in kernels), 1),
+        "kernel_launches": sum(k["calls"] for k in kernels),
+    }
 
 
 def spec(case: str, smoke: bool) -> tuple:
@@ -345,12 +427,25 @@ def loraship_config(case: str, trainer: str, model_dir: Path, data: Path, root: 
     """The config every trainer of a case shares (data, split, LoRA, schedule); loraship's trainers add their mode."""
     _shape, adapter, r, targets, micro, seq, kind = spec(case, device == "cpu")
     out = {
-        "run_name": f"{case}-{trainer}", "base_model": str(model_dir), "workdir": str(root / "work"),
-        "output": str(root / "out"), "datasets": [{"path": str(data), "type": "completion" if kind == "long" else "chat"}],
-        "val_set_size": 0.02, "adapter": adapter, "lora_r": r, "lora_alpha": 2 * r, "lora_dropout": 0.0,
-        "lora_target_modules": targets, "sequence_len": seq, "micro_batch_size": micro,
+        "run_name": f"{case}-{trainer}",
+        "base_model": str(model_dir),
+        "workdir": str(root / "work"),
+        "output": str(root / "out"),
+        "datasets": [{"path": str(data), "type": "completion" if kind == "long" else "chat"}],
+        "val_set_size": 0.02,
+        "adapter": adapter,
+        "lora_r": r,
+        "lora_alpha": 2 * r,
+        "lora_dropout": 0.0,
+        "lora_target_modules": targets,
+        "sequence_len": seq,
+        "micro_batch_size": micro,
         "gradient_accumulation_steps": ACCUMULATION.get(case, 1),
-        "max_steps": steps, "warmup_steps": 0, "save_steps": 10_000, "logging_steps": 1, "gpu_memory_gib": CAP_GIB,
+        "max_steps": steps,
+        "warmup_steps": 0,
+        "save_steps": 10_000,
+        "logging_steps": 1,
+        "gpu_memory_gib": CAP_GIB,
         "device": device,
         "target_gpu_memory_gib": 16,  # the 14B's Q4_K_M alone is 8.3 GiB: above the default 8 GiB inference target
     }
@@ -392,8 +487,9 @@ def step_tokens(examples: list[dict], micro: int, accum: int, seed: int, steps: 
 def flops_of(case: str, config, examples: list[dict], smoke: bool) -> float:
     from loraship.planning import flops
 
-    return flops.train_flops_per_token(model_config(spec(case, smoke)[0]), config,
-                                       flops.attention_length([len(e["input_ids"]) for e in examples]))
+    return flops.train_flops_per_token(
+        model_config(spec(case, smoke)[0]), config, flops.attention_length([len(e["input_ids"]) for e in examples])
+    )
 
 
 def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
@@ -410,31 +506,46 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
     metrics = train_stage.run(config)["metrics"]
     train, _ = load_splits(config, AutoTokenizer.from_pretrained(model_dir))
     st = metrics["strategy"]
-    tokens = step_tokens(train.examples, st["micro_batch_size"], st["gradient_accumulation_steps"], config.seed,
-                         metrics["steps"])
+    tokens = step_tokens(
+        train.examples, st["micro_batch_size"], st["gradient_accumulation_steps"], config.seed, metrics["steps"]
+    )
     mem = metrics["measured_memory"]
-    history = [json.loads(x) for x in (Path(config.workdir) / config.run_name / "train" / "loss_history.jsonl")
-               .read_text().splitlines()]
+    history = [
+        json.loads(x)
+        for x in (Path(config.workdir) / config.run_name / "train" / "loss_history.jsonl").read_text().splitlines()
+    ]
     import torch
 
-    return {"reserved_gib": mem.get("peak_reserved_gib"), "allocated_gib": mem.get("peak_allocated_gib"),
-            "tokens_per_s": clock.tokens_per_s(tokens, args.warmup),
-            "fits_32gib": not metrics["oom_retries"] if device == "cuda" else None,
-            "strategy": metrics["trained_as"], "strategy_reason": metrics["strategy_reason"],
-            "packing": metrics["packing"], "oom_retries": metrics["oom_retries"],
-            "predicted_reserved_gib": metrics["predicted_reserved_gib"], "strategy_detail": st,
-            # what the train stage itself reports (steady state, its own warm-up rule), next to the bench's clock
-            "stage_tokens_per_s": metrics.get("tokens_per_s"), "stage_mfu": metrics.get("mfu"),
-            "host_copies": metrics.get("host_copies"),
-            "down_proj_skipped_in_recompute": metrics.get("down_proj_skipped_in_recompute"),
-            "peer_version": {"loraship": source_stamp()["commit"], **versions("torch", "transformers", "peft", "liger-kernel",
-                                                                             "bitsandbytes")},
-            "autocast": "torch.autocast(cuda, bfloat16) around every forward (tasks/train.py compute)" if device == "cuda"
-            else "none (CPU, fp32)",
-            "model_class": json.loads((model_dir / "config.json").read_text())["architectures"][0],
-            "flops_per_token": flops_of(case, config, train.examples, args.smoke),
-            "optimize": getattr(config, "optimize", None), "torch_cuda": torch.version.cuda,
-            **clock.timing(), "loss_curve": [h["loss"] for h in history][:LOSS_STEPS]}
+    return {
+        "reserved_gib": mem.get("peak_reserved_gib"),
+        "allocated_gib": mem.get("peak_allocated_gib"),
+        "tokens_per_s": clock.tokens_per_s(tokens, args.warmup),
+        "fits_32gib": not metrics["oom_retries"] if device == "cuda" else None,
+        "strategy": metrics["trained_as"],
+        "strategy_reason": metrics["strategy_reason"],
+        "packing": metrics["packing"],
+        "oom_retries": metrics["oom_retries"],
+        "predicted_reserved_gib": metrics["predicted_reserved_gib"],
+        "strategy_detail": st,
+        # what the train stage itself reports (steady state, its own warm-up rule), next to the bench's clock
+        "stage_tokens_per_s": metrics.get("tokens_per_s"),
+        "stage_mfu": metrics.get("mfu"),
+        "host_copies": metrics.get("host_copies"),
+        "down_proj_skipped_in_recompute": metrics.get("down_proj_skipped_in_recompute"),
+        "peer_version": {
+            "loraship": source_stamp()["commit"],
+            **versions("torch", "transformers", "peft", "liger-kernel", "bitsandbytes"),
+        },
+        "autocast": "torch.autocast(cuda, bfloat16) around every forward (tasks/train.py compute)"
+        if device == "cuda"
+        else "none (CPU, fp32)",
+        "model_class": json.loads((model_dir / "config.json").read_text())["architectures"][0],
+        "flops_per_token": flops_of(case, config, train.examples, args.smoke),
+        "optimize": getattr(config, "optimize", None),
+        "torch_cuda": torch.version.cuda,
+        **clock.timing(),
+        "loss_curve": [h["loss"] for h in history][:LOSS_STEPS],
+    }
 
 
 def load_unsloth(model_dir, config, seq, adapter, dtype, smoke: bool):
@@ -443,24 +554,40 @@ def load_unsloth(model_dir, config, seq, adapter, dtype, smoke: bool):
     import torch
 
     if smoke:
-        return load_hf(model_dir, config, adapter, dtype, "cpu", liger=False)[0], "HF + PEFT stand-in (Unsloth needs CUDA)"
+        return load_hf(model_dir, config, adapter, dtype, "cpu", liger=False)[
+            0
+        ], "HF + PEFT stand-in (Unsloth needs CUDA)"
     import unsloth
     from unsloth import FastLanguageModel, FastModel
 
     # Unsloth's Gemma 3 notebooks load and wrap it with FastModel (FastLanguageModel hands the load to it anyway).
-    fast = FastModel if json.loads((Path(model_dir) / "config.json").read_text())["model_type"].startswith("gemma3") \
+    fast = (
+        FastModel
+        if json.loads((Path(model_dir) / "config.json").read_text())["model_type"].startswith("gemma3")
         else FastLanguageModel
-    model, _ = fast.from_pretrained(model_name=str(model_dir), max_seq_length=seq, dtype=dtype,
-                                    load_in_4bit=adapter == "qlora")
+    )
+    model, _ = fast.from_pretrained(
+        model_name=str(model_dir), max_seq_length=seq, dtype=dtype, load_in_4bit=adapter == "qlora"
+    )
     torch.manual_seed(config.seed)
     extra = dict(finetune_vision_layers=False) if fast is FastModel else dict(max_seq_length=seq)
     model = fast.get_peft_model(
-        model, r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0, bias="none",
-        target_modules=list(target_modules(config)), use_gradient_checkpointing="unsloth", random_state=config.seed,
-        **extra)
+        model,
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=list(target_modules(config)),
+        use_gradient_checkpointing="unsloth",
+        random_state=config.seed,
+        **extra,
+    )
     fast.for_training(model)
-    return model, f"Unsloth {unsloth.__version__}: {'QLoRA (NF4)' if adapter == 'qlora' else 'bf16 LoRA'}, " \
-                  "use_gradient_checkpointing='unsloth'"
+    return (
+        model,
+        f"Unsloth {unsloth.__version__}: {'QLoRA (NF4)' if adapter == 'qlora' else 'bf16 LoRA'}, "
+        "use_gradient_checkpointing='unsloth'",
+    )
 
 
 def target_modules(config) -> tuple[str, ...]:
@@ -479,19 +606,30 @@ def load_hf(model_dir, config, adapter, dtype, device, liger: bool):
         import liger_kernel.transformers as lk
 
         arch = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
-        getattr(lk, f"apply_liger_kernel_to_{arch}")()  # every kernel it offers: rope, rms_norm, swiglu, fused linear CE
+        getattr(
+            lk, f"apply_liger_kernel_to_{arch}"
+        )()  # every kernel it offers: rope, rms_norm, swiglu, fused linear CE
         kernels = f"all Liger kernels (apply_liger_kernel_to_{arch})"
     kwargs = {"dtype": dtype} | ({"device_map": {"": 0}} if device == "cuda" else {})
     if adapter == "qlora":
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+        )
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.use_cache = False
     model.enable_input_require_grads()  # checkpointing a frozen base needs inputs that carry a graph
     torch.manual_seed(config.seed)
-    model = get_peft_model(model, LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-                                             target_modules=list(target_modules(config)), bias="none",
-                                             task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=list(target_modules(config)),
+            bias="none",
+            task_type="CAUSAL_LM",
+        ),
+    )
     model.train()
     return model, f"HF + PEFT, {'QLoRA (NF4)' if adapter == 'qlora' else 'bf16 LoRA'}, {kernels}, checkpointing on"
 
@@ -557,11 +695,25 @@ def train_with_trainer(model, examples, order, config, device, tok, root: Path, 
 
     rows = [{"input_ids": examples[i]["input_ids"], "labels": examples[i]["labels"]} for step in order for i in step]
     micro = len(order[0])
-    common = dict(output_dir=str(root / "trainer"), per_device_train_batch_size=micro, gradient_accumulation_steps=1,
-                  max_steps=len(order), learning_rate=config.learning_rate, lr_scheduler_type=config.lr_scheduler,
-                  warmup_steps=0, weight_decay=config.weight_decay, max_grad_norm=1.0, optim="adamw_torch",
-                  bf16=device == "cuda", logging_steps=1, save_strategy="no", report_to="none", seed=config.seed,
-                  dataloader_num_workers=0, use_cpu=device == "cpu")
+    common = dict(
+        output_dir=str(root / "trainer"),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=1,
+        max_steps=len(order),
+        learning_rate=config.learning_rate,
+        lr_scheduler_type=config.lr_scheduler,
+        warmup_steps=0,
+        weight_decay=config.weight_decay,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        bf16=device == "cuda",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=config.seed,
+        dataloader_num_workers=0,
+        use_cpu=device == "cpu",
+    )
     losses: list[float] = []
 
     class Record(TrainerCallback):
@@ -586,8 +738,9 @@ def train_with_trainer(model, examples, order, config, device, tok, root: Path, 
 
         args = SFTConfig(**common, max_length=seq, packing=False, shuffle_dataset=False, dataset_num_proc=1)
         cls = type("InOrderSFTTrainer", (SFTTrainer,), sequential)
-        trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
-                      callbacks=[Record()])
+        trainer = cls(
+            model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[Record()]
+        )
     else:
         from transformers import Trainer, TrainingArguments
 
@@ -597,13 +750,18 @@ def train_with_trainer(model, examples, order, config, device, tok, root: Path, 
             ids, labels, mask = collate_padded(features, tok.pad_token_id or 0)
             return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
-        args = TrainingArguments(**common, gradient_checkpointing=True,
-                                 gradient_checkpointing_kwargs={"use_reentrant": False}, remove_unused_columns=False)
+        args = TrainingArguments(
+            **common,
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+            remove_unused_columns=False,
+        )
         cls = type("InOrderTrainer", (Trainer,), sequential)
-        trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=collate,
-                      callbacks=[Record()])
+        trainer = cls(
+            model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=collate, callbacks=[Record()]
+        )
     trainer.train()
-    return losses[:len(order)]
+    return losses[: len(order)]
 
 
 def run_peer(case, trainer, model_dir, data, root, args, device) -> dict:
@@ -633,16 +791,33 @@ def run_peer(case, trainer, model_dir, data, root, args, device) -> dict:
         losses = train_loop(model, examples, order, config, device, tok)
         autocast = "torch.autocast(cuda, bfloat16) around every forward" if device == "cuda" else "none (CPU, fp32)"
     else:
-        losses = train_with_trainer(model, examples, order, config, device, tok, root, sft=trainer == "unsloth-sft", seq=seq)
-        autocast = ("Trainer bf16=True (accelerate's torch.autocast bfloat16)" if device == "cuda" else "none (CPU, fp32)")
+        losses = train_with_trainer(
+            model, examples, order, config, device, tok, root, sft=trainer == "unsloth-sft", seq=seq
+        )
+        autocast = (
+            "Trainer bf16=True (accelerate's torch.autocast bfloat16)" if device == "cuda" else "none (CPU, fp32)"
+        )
     tokens = [sum(len(examples[i]["input_ids"]) for i in step) for step in order]
-    out = {"tokens_per_s": clock.tokens_per_s(tokens, args.warmup), "strategy": strategy, "loss_curve": losses[:LOSS_STEPS],
-           "reserved_gib": None, "allocated_gib": None, "fits_32gib": None, "peer_version": version, "autocast": autocast,
-           "model_class": base_class(model), "flops_per_token": flops_of(case, config, examples, args.smoke),
-           "torch_cuda": torch.version.cuda, **clock.timing()}
+    out = {
+        "tokens_per_s": clock.tokens_per_s(tokens, args.warmup),
+        "strategy": strategy,
+        "loss_curve": losses[:LOSS_STEPS],
+        "reserved_gib": None,
+        "allocated_gib": None,
+        "fits_32gib": None,
+        "peer_version": version,
+        "autocast": autocast,
+        "model_class": base_class(model),
+        "flops_per_token": flops_of(case, config, examples, args.smoke),
+        "torch_cuda": torch.version.cuda,
+        **clock.timing(),
+    }
     if device == "cuda":
-        out.update(reserved_gib=torch.cuda.max_memory_reserved() / GIB, allocated_gib=torch.cuda.max_memory_allocated() / GIB,
-                   fits_32gib=True)
+        out.update(
+            reserved_gib=torch.cuda.max_memory_reserved() / GIB,
+            allocated_gib=torch.cuda.max_memory_allocated() / GIB,
+            fits_32gib=True,
+        )
     return out
 
 
@@ -683,9 +858,14 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
 
     if device == "cuda":
         torch.cuda.set_per_process_memory_fraction(CAP_GIB * GIB / torch.cuda.get_device_properties(0).total_memory)
-    row = {"case": case, "trainer": trainer, "run_id": args.run_id, **source_stamp(),
-           "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-           "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default"}
+    row = {
+        "case": case,
+        "trainer": trainer,
+        "run_id": args.run_id,
+        **source_stamp(),
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default",
+    }
     shape_name, _adapter, _r, _t, _micro, seq, kind = spec(case, args.smoke)
     model_dir = args.models / shape_name
     data = make_data(args.tokenizer, root / "data", seq, args.rows, kind)
@@ -694,18 +874,28 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
     try:
         runner = run_loraship if trainer.startswith("loraship") else run_peer
         row.update(ok=True, **runner(case, trainer, model_dir, data, work, args, device))
-        row["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default"  # as the row ran (Unsloth sets its own)
+        row["allocator"] = (
+            os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default"
+        )  # as the row ran (Unsloth sets its own)
         if device == "cuda":
             row["cuda_context_gib"] = cuda_context_gib()
     except Exception as e:  # a bench records failures instead of stopping
         oom = type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
-        row.update(ok=False, fits_32gib=False if oom and device == "cuda" else None, reserved_gib=None,
-                   allocated_gib=None, tokens_per_s=None, strategy=None,
-                   error=f"{type(e).__name__}: {str(e)[:500]}", trace=traceback.format_exc()[-3000:])
+        row.update(
+            ok=False,
+            fits_32gib=False if oom and device == "cuda" else None,
+            reserved_gib=None,
+            allocated_gib=None,
+            tokens_per_s=None,
+            strategy=None,
+            error=f"{type(e).__name__}: {str(e)[:500]}",
+            trace=traceback.format_exc()[-3000:],
+        )
     from loraship.planning import flops
 
-    row["mfu"], row["mfu_basis"] = flops.mfu(row.get("tokens_per_s"), row.get("flops_per_token") or 0.0,
-                                             row["device"] if device == "cuda" else None)
+    row["mfu"], row["mfu_basis"] = flops.mfu(
+        row.get("tokens_per_s"), row.get("flops_per_token") or 0.0, row["device"] if device == "cuda" else None
+    )
     return row
 
 
@@ -758,43 +948,88 @@ def targets(rows: list[dict]) -> list[dict]:
     for case in ISSUE_CASES:
         row = by.get((case, "loraship-default"), {})
         sft, loop = (ratio(case, "loraship-default", "tokens_per_s", b) for b in ("unsloth-sft", "unsloth-loop"))
-        out.append(check(f"{case}: default tokens/s >= 1.25x unsloth-sft and >= 1.1x unsloth-loop within 32 GiB",
-                         {"case": case, "vs_sft": sft, "vs_loop": loop, "fits_32gib": row.get("fits_32gib"),
-                          "reserved_gib": row.get("reserved_gib")},
-                         sft is not None and sft >= 1.25, loop is not None and loop >= 1.1,
-                         row.get("fits_32gib") is True, (row.get("reserved_gib") or 99) <= CAP_GIB))
+        out.append(
+            check(
+                f"{case}: default tokens/s >= 1.25x unsloth-sft and >= 1.1x unsloth-loop within 32 GiB",
+                {
+                    "case": case,
+                    "vs_sft": sft,
+                    "vs_loop": loop,
+                    "fits_32gib": row.get("fits_32gib"),
+                    "reserved_gib": row.get("reserved_gib"),
+                },
+                sft is not None and sft >= 1.25,
+                loop is not None and loop >= 1.1,
+                row.get("fits_32gib") is True,
+                (row.get("reserved_gib") or 99) <= CAP_GIB,
+            )
+        )
     for case in ISSUE_CASES:
         mem, speed = (ratio(case, "loraship-lean", k, "unsloth-sft") for k in ("reserved_gib", "tokens_per_s"))
-        out.append(check(f"{case}: lean (optimize: memory) reserved <= 1.0x unsloth-sft at tokens/s >= 1.1x",
-                         {"case": case, "reserved_ratio": mem, "tokens_per_s_ratio": speed},
-                         mem is not None and mem <= 1.0, speed is not None and speed >= 1.1))
+        out.append(
+            check(
+                f"{case}: lean (optimize: memory) reserved <= 1.0x unsloth-sft at tokens/s >= 1.1x",
+                {"case": case, "reserved_ratio": mem, "tokens_per_s_ratio": speed},
+                mem is not None and mem <= 1.0,
+                speed is not None and speed >= 1.1,
+            )
+        )
     row = by.get(("qwen2-14b-lora", "loraship-default"), {})
     speed = ratio("qwen2-14b-lora", "loraship-default", "tokens_per_s", "unsloth-loop")
     held = (row.get("reserved_gib") or 0) + (row.get("cuda_context_gib") or 0) if row else None
-    out.append(check("qwen2-14b-lora: default bf16, >= 1.1x unsloth-loop, >= 2 GiB of 32 spare counting the CUDA context",
-                     {"case": "qwen2-14b-lora", "strategy": row.get("strategy"), "tokens_per_s_ratio": speed,
-                      "spare_gib": round(CAP_GIB - held, 2) if held else None},
-                     "QLoRA" not in (row.get("strategy") or "QLoRA"), speed is not None and speed >= 1.1,
-                     held is not None and CAP_GIB - held >= 2))
+    out.append(
+        check(
+            "qwen2-14b-lora: default bf16, >= 1.1x unsloth-loop, >= 2 GiB of 32 spare counting the CUDA context",
+            {
+                "case": "qwen2-14b-lora",
+                "strategy": row.get("strategy"),
+                "tokens_per_s_ratio": speed,
+                "spare_gib": round(CAP_GIB - held, 2) if held else None,
+            },
+            "QLoRA" not in (row.get("strategy") or "QLoRA"),
+            speed is not None and speed >= 1.1,
+            held is not None and CAP_GIB - held >= 2,
+        )
+    )
     for case in ISSUE_CASES:
         base = by.get((case, "unsloth-sft"), {}).get("loss_curve")
         for trainer in ("loraship-default", "loraship-lean"):
             curve = by.get((case, trainer), {}).get("loss_curve")
             diff = max_loss_rel_diff(curve, base) if curve and base else None
-            out.append(check(f"{case}: {trainer} losses within 1% of unsloth-sft step for step",
-                             {"case": case, "trainer": trainer, "max_loss_rel_diff": diff,
-                              "steps": min(len(curve), len(base)) if curve and base else None},
-                             diff is not None and diff <= 0.01))
-    loraship_rows = [r for r in rows if r["trainer"].startswith("loraship") and r["case"] in ISSUE_CASES and r.get("ok")]
-    out.append(check("MFU in every loraship row", {"rows": len(loraship_rows) or None},
-                     all(r.get("mfu") is not None for r in loraship_rows)))
+            out.append(
+                check(
+                    f"{case}: {trainer} losses within 1% of unsloth-sft step for step",
+                    {
+                        "case": case,
+                        "trainer": trainer,
+                        "max_loss_rel_diff": diff,
+                        "steps": min(len(curve), len(base)) if curve and base else None,
+                    },
+                    diff is not None and diff <= 0.01,
+                )
+            )
+    loraship_rows = [
+        r for r in rows if r["trainer"].startswith("loraship") and r["case"] in ISSUE_CASES and r.get("ok")
+    ]
+    out.append(
+        check(
+            "MFU in every loraship row",
+            {"rows": len(loraship_rows) or None},
+            all(r.get("mfu") is not None for r in loraship_rows),
+        )
+    )
     if any(r["case"] == "packing" for r in rows):
         speed = ratio("packing", "loraship-packed", "tokens_per_s", "loraship-padded")
         a, b = (by.get(("packing", t), {}).get("loss_curve") for t in ("loraship-packed", "loraship-padded"))
         loss_diff = max_loss_rel_diff(a, b) if a and b else None
-        out.append(check("packing: non-pad tokens/s >= 1.5x padded, loss curve equal within noise (<= 2%)",
-                         {"case": "packing", "tokens_per_s_ratio": speed, "max_loss_rel_diff": loss_diff},
-                         speed is not None and speed >= 1.5, loss_diff is not None and loss_diff <= 0.02))
+        out.append(
+            check(
+                "packing: non-pad tokens/s >= 1.5x padded, loss curve equal within noise (<= 2%)",
+                {"case": "packing", "tokens_per_s_ratio": speed, "max_loss_rel_diff": loss_diff},
+                speed is not None and speed >= 1.5,
+                loss_diff is not None and loss_diff <= 0.02,
+            )
+        )
     return out
 
 
@@ -802,7 +1037,9 @@ def bench_config(row: dict):
     """The loraship Config a row's case and trainer ran with (paths are placeholders: planning reads none)."""
     from loraship.config import parse_config
 
-    return parse_config(loraship_config(row["case"], row["trainer"], Path("m"), Path("d.jsonl"), Path("r"), 10, "cuda"))
+    return parse_config(
+        loraship_config(row["case"], row["trainer"], Path("m"), Path("d.jsonl"), Path("r"), 10, "cuda")
+    )
 
 
 def trained_strategy(row: dict, cfg) -> dict:
@@ -816,12 +1053,17 @@ def trained_strategy(row: dict, cfg) -> dict:
     words = row["strategy"]
     k = int(re.search(r"checkpointing (\d+) of", words).group(1))
     off = re.search(r"(\d+) of \d+ decoder layers", words)
-    return dict(memory.strategy_from_config(cfg), adapter="qlora" if words.startswith("QLoRA") else "lora",
-                checkpointed_layers=k, gradient_checkpointing=k > 0, offload_layers=int(off.group(1)) if off else 0,
-                micro_batch_size=int(re.search(r"micro-batch (\d+)", words).group(1)),
-                gradient_accumulation_steps=int(re.search(r"micro-batch \d+ x (\d+)", words).group(1)),
-                fused_loss=words.find("fused loss") >= 0,
-                offload_activations=memory.ACTIVATIONS_IN_CPU in words)
+    return dict(
+        memory.strategy_from_config(cfg),
+        adapter="qlora" if words.startswith("QLoRA") else "lora",
+        checkpointed_layers=k,
+        gradient_checkpointing=k > 0,
+        offload_layers=int(off.group(1)) if off else 0,
+        micro_batch_size=int(re.search(r"micro-batch (\d+)", words).group(1)),
+        gradient_accumulation_steps=int(re.search(r"micro-batch \d+ x (\d+)", words).group(1)),
+        fused_loss=words.find("fused loss") >= 0,
+        offload_activations=memory.ACTIVATIONS_IN_CPU in words,
+    )
 
 
 def planner_scores(rows: list[dict]) -> dict:
@@ -840,22 +1082,37 @@ def planner_scores(rows: list[dict]) -> dict:
         cfg = bench_config(r)
         est = memory.estimate(mc, cfg, trained_strategy(r, cfg))
         pred = est["predicted_reserved_gib"]
-        out.append({"case": r["case"], "trainer": r["trainer"], "measured_reserved_gib": round(r["reserved_gib"], 2),
-                    "predicted_in_run_gib": r.get("predicted_reserved_gib"), "predicted_now_gib": round(pred, 2),
-                    "error_now": round(pred / r["reserved_gib"] - 1, 4)})
+        out.append(
+            {
+                "case": r["case"],
+                "trainer": r["trainer"],
+                "measured_reserved_gib": round(r["reserved_gib"], 2),
+                "predicted_in_run_gib": r.get("predicted_reserved_gib"),
+                "predicted_now_gib": round(pred, 2),
+                "error_now": round(pred / r["reserved_gib"] - 1, 4),
+            }
+        )
     errs = [abs(x["error_now"]) for x in out]
-    return {"rows": out, "median_abs_error": round(statistics.median(errs), 4) if errs else None,
-            "worst_abs_error": round(max(errs), 4) if errs else None, "n": len(out)}
+    return {
+        "rows": out,
+        "median_abs_error": round(statistics.median(errs), 4) if errs else None,
+        "worst_abs_error": round(max(errs), 4) if errs else None,
+        "n": len(out),
+    }
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| case | trainer | reserved GiB | allocated GiB | tokens/s | MFU | fits 32 GiB | strategy |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | trainer | reserved GiB | allocated GiB | tokens/s | MFU | fits 32 GiB | strategy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in rows:
-        lines.append(f"| {r['case']} | {r['trainer']} | {f(r.get('reserved_gib'))} | {f(r.get('allocated_gib'))} | "
-                     f"{f(r.get('tokens_per_s'), 0)} | {f(r.get('mfu'), 3)} | {r.get('fits_32gib')} | "
-                     f"{r.get('strategy') or r.get('error', '')[:80]} |")
+        lines.append(
+            f"| {r['case']} | {r['trainer']} | {f(r.get('reserved_gib'))} | {f(r.get('allocated_gib'))} | "
+            f"{f(r.get('tokens_per_s'), 0)} | {f(r.get('mfu'), 3)} | {r.get('fits_32gib')} | "
+            f"{r.get('strategy') or r.get('error', '')[:80]} |"
+        )
     return "\n".join(lines)
 
 
@@ -877,35 +1134,69 @@ def main() -> None:
     p.add_argument("--tokenizer", type=Path, required=True, help="folder with the tiny model's tokenizer files")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--root", type=Path, default=Path("/tmp/loraship-train-bench"), help="models, data, work folders")
-    p.add_argument("--cases", nargs="*", default=ISSUE_CASES, help=f"default: {' '.join(ISSUE_CASES)}; also: "
-                   + " ".join(c for c in CASES if c not in ISSUE_CASES))
-    p.add_argument("--models", type=Path, help="folder for the random checkpoints (default ROOT/models; the 14B "
-                   "takes 28 GiB, so /dev/shm where the disk is short)")
-    p.add_argument("--trainers", nargs="*", help="default: every trainer, phase by phase: "
-                   + "; then ".join(" ".join(ph) for ph in PHASES))
-    p.add_argument("--skip", nargs="*", default=[],
-                   help="trainers left out, everywhere (hf-liger) or in one case (qwen2-7b-qlora:loraship-lean)")
-    p.add_argument("--profile", nargs="*", metavar="CASE", help="torch.profiler over two steps after the warm-up: "
-                   "each row of the cases named (every case when none is), peers' too, gets its top operators and "
-                   "kernels and their total (where its time goes); its tokens/s then carries the profiler's cost")
+    p.add_argument(
+        "--cases",
+        nargs="*",
+        default=ISSUE_CASES,
+        help=f"default: {' '.join(ISSUE_CASES)}; also: " + " ".join(c for c in CASES if c not in ISSUE_CASES),
+    )
+    p.add_argument(
+        "--models",
+        type=Path,
+        help="folder for the random checkpoints (default ROOT/models; the 14B "
+        "takes 28 GiB, so /dev/shm where the disk is short)",
+    )
+    p.add_argument(
+        "--trainers",
+        nargs="*",
+        help="default: every trainer, phase by phase: " + "; then ".join(" ".join(ph) for ph in PHASES),
+    )
+    p.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        help="trainers left out, everywhere (hf-liger) or in one case (qwen2-7b-qlora:loraship-lean)",
+    )
+    p.add_argument(
+        "--profile",
+        nargs="*",
+        metavar="CASE",
+        help="torch.profiler over two steps after the warm-up: "
+        "each row of the cases named (every case when none is), peers' too, gets its top operators and "
+        "kernels and their total (where its time goes); its tokens/s then carries the profiler's cost",
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of tokens/s")
     p.add_argument("--rows", type=int, default=64, help="training rows per dataset")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per (case, trainer)")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny Qwen2 shape; Unsloth's drivers around an HF "
-                   "stand-in (Unsloth needs CUDA): checks the script")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, tiny Qwen2 shape; Unsloth's drivers around an HF stand-in (Unsloth needs CUDA): checks the script",
+    )
     p.add_argument("--one", nargs=2, metavar=("CASE", "TRAINER"), help=argparse.SUPPRESS)
     p.add_argument("--build", metavar="SHAPE", help=argparse.SUPPRESS)
     p.add_argument("--run-id", help=argparse.SUPPRESS)
-    p.add_argument("--resume", action="store_true", help="keep --out's rows that trained (same run id) and run only "
-                   "the pairs missing or failed there")
-    p.add_argument("--drop-models", action="store_true", help="delete each shape's random checkpoint after its last row")
-    p.add_argument("--rescore", action="store_true", help="only rewrite --out's targets and planner scores (the "
-                   "planner as it is now, at each row's trained strategy), no training")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep --out's rows that trained (same run id) and run only the pairs missing or failed there",
+    )
+    p.add_argument(
+        "--drop-models", action="store_true", help="delete each shape's random checkpoint after its last row"
+    )
+    p.add_argument(
+        "--rescore",
+        action="store_true",
+        help="only rewrite --out's targets and planner scores (the "
+        "planner as it is now, at each row's trained strategy), no training",
+    )
     args = p.parse_args()
     if args.rescore:
         result = json.loads(args.out.read_text())
-        result.update(ratios=ratios(result["rows"]), targets=targets(result["rows"]), planner=planner_scores(result["rows"]))
+        result.update(
+            ratios=ratios(result["rows"]), targets=targets(result["rows"]), planner=planner_scores(result["rows"])
+        )
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps({k: result["planner"][k] for k in ("n", "median_abs_error", "worst_abs_error")}))
         return
@@ -932,19 +1223,30 @@ def main() -> None:
 
     def write() -> dict:
         # After every row, so a run cut short (a GPU call's time limit) still leaves what it measured.
-        result = {"run_id": run_id, **stamp, "machine": machine, "device": rows[0].get("device") if rows else None,
-                  "date": time.strftime("%Y-%m-%d"), "steps": args.steps, "warmup": args.warmup,
-                  "cap_gib": None if args.smoke else CAP_GIB, "model_build_s": builds, "rows": rows,
-                  "ratios": ratios(rows), "targets": targets(rows),
-                  "planner": planner_scores(rows) if not args.smoke else None}
+        result = {
+            "run_id": run_id,
+            **stamp,
+            "machine": machine,
+            "device": rows[0].get("device") if rows else None,
+            "date": time.strftime("%Y-%m-%d"),
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "cap_gib": None if args.smoke else CAP_GIB,
+            "model_build_s": builds,
+            "rows": rows,
+            "ratios": ratios(rows),
+            "targets": targets(rows),
+            "planner": planner_scores(rows) if not args.smoke else None,
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.out.with_name(args.out.name + ".tmp")
         tmp.write_text(json.dumps(result, indent=2))
         tmp.replace(args.out)
         return result
 
-    common = ["--tokenizer", str(args.tokenizer), "--root", str(args.root), "--models", str(args.models)] \
-        + (["--smoke"] if args.smoke else [])
+    common = ["--tokenizer", str(args.tokenizer), "--root", str(args.root), "--models", str(args.models)] + (
+        ["--smoke"] if args.smoke else []
+    )
     done = {(r["case"], r["trainer"]) for r in rows}
     todo = [pt for pt in pairs(args.cases, args.trainers, args.skip) if pt not in done]
     # --drop-models: a shape's checkpoint goes once its last row ran (the held-out shapes together exceed a lent
@@ -954,31 +1256,82 @@ def main() -> None:
         name = spec(case, args.smoke)[0]
         if name not in builds:  # each shape when its first row comes, so the first rows start early
             started = time.time()
-            proc = subprocess.run([sys.executable, __file__, *common, "--out", os.devnull, "--build", name], cwd=ROOT,
-                                  capture_output=True, text=True)
-            builds[name] = round(time.time() - started, 1) if proc.returncode == 0 else \
-                f"build failed (rc {proc.returncode}): {proc.stderr[-300:]}"  # e.g. the disk full: the other shapes go on
+            proc = subprocess.run(
+                [sys.executable, __file__, *common, "--out", os.devnull, "--build", name],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
+            builds[name] = (
+                round(time.time() - started, 1)
+                if proc.returncode == 0
+                else f"build failed (rc {proc.returncode}): {proc.stderr[-300:]}"
+            )  # e.g. the disk full: the other shapes go on
             print(json.dumps({"model": name, "build_s": builds[name]}), flush=True)
         if isinstance(builds[name], str):
-            rows.append({"case": case, "trainer": trainer, "run_id": run_id, "ok": False,
-                         "error": f"model build failed: {builds[name]}"})
+            rows.append(
+                {
+                    "case": case,
+                    "trainer": trainer,
+                    "run_id": run_id,
+                    "ok": False,
+                    "error": f"model build failed: {builds[name]}",
+                }
+            )
             write()
             continue
         part = args.root / f"row-{case}-{trainer}.json"
         part.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, *common, "--out", str(part), "--steps", str(args.steps), "--warmup",
-               str(args.warmup), "--rows", str(args.rows), "--run-id", run_id, "--one", case, trainer] \
-            + (["--profile"] if args.profile is not None and (not args.profile or case in args.profile) else [])
+        cmd = [
+            sys.executable,
+            __file__,
+            *common,
+            "--out",
+            str(part),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--rows",
+            str(args.rows),
+            "--run-id",
+            run_id,
+            "--one",
+            case,
+            trainer,
+        ] + (["--profile"] if args.profile is not None and (not args.profile or case in args.profile) else [])
         started = time.time()
         try:
             subprocess.run(cmd, timeout=args.timeout, cwd=ROOT)
         except subprocess.TimeoutExpired:
             pass
-        row = json.loads(part.read_text()) if part.exists() else {
-            "case": case, "trainer": trainer, "run_id": run_id, "ok": False, "error": "process died or timed out"}
+        row = (
+            json.loads(part.read_text())
+            if part.exists()
+            else {
+                "case": case,
+                "trainer": trainer,
+                "run_id": run_id,
+                "ok": False,
+                "error": "process died or timed out",
+            }
+        )
         row["wall_s"] = round(time.time() - started, 1)
-        keys = ("case", "trainer", "ok", "reserved_gib", "tokens_per_s", "mfu", "cuda_context_gib", "wall_s", "allocator",
-                "model_class", "strategy", "loss_curve", "error")
+        keys = (
+            "case",
+            "trainer",
+            "ok",
+            "reserved_gib",
+            "tokens_per_s",
+            "mfu",
+            "cuda_context_gib",
+            "wall_s",
+            "allocator",
+            "model_class",
+            "strategy",
+            "loss_curve",
+            "error",
+        )
         print(json.dumps({k: row.get(k) for k in keys if row.get(k) is not None}), flush=True)
         rows.append(row)
         write()

@@ -50,11 +50,17 @@ def config_dict(name: str, model: Path, root: Path, family: str | None, device: 
     import yaml
 
     data = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    data.update(run_name=name, base_model=str(model), workdir=str(root / "work"), output=str(root / "artifacts"),
-                datasets=[{"path": str(REPO / "data/demo/train.jsonl"), "type": "chat"}],
-                eval_datasets=[{"path": str(REPO / "data/demo/eval.jsonl"), "type": "chat"}],
-                golden_prompts=str(REPO / "data/demo/golden.jsonl"), device=device,
-                imatrix=False)  # the device kit builds no llama.cpp tools: the binding quantizes
+    data.update(
+        run_name=name,
+        base_model=str(model),
+        workdir=str(root / "work"),
+        output=str(root / "artifacts"),
+        datasets=[{"path": str(REPO / "data/demo/train.jsonl"), "type": "chat"}],
+        eval_datasets=[{"path": str(REPO / "data/demo/eval.jsonl"), "type": "chat"}],
+        golden_prompts=str(REPO / "data/demo/golden.jsonl"),
+        device=device,
+        imatrix=False,
+    )  # the device kit builds no llama.cpp tools: the binding quantizes
     if family:
         from loraship.fixtures.families import FAMILIES
         from tests.test_families import FAMILY_OVERRIDES, SEQUENCE_LEN
@@ -63,7 +69,9 @@ def config_dict(name: str, model: Path, root: Path, family: str | None, device: 
         if FAMILIES[family].chat_template:
             data["chat_template"] = FAMILIES[family].chat_template
     if max_steps:  # a CPU dry run of this script only
-        data.update(max_steps=max_steps, save_steps=max_steps, warmup_steps=min(data.get("warmup_steps", 0), max_steps - 1))
+        data.update(
+            max_steps=max_steps, save_steps=max_steps, warmup_steps=min(data.get("warmup_steps", 0), max_steps - 1)
+        )
     return data
 
 
@@ -112,9 +120,16 @@ def run_stage(stage: str, config_file: Path, log_file: Path, env: dict) -> tuple
     """The stage as its image runs it; its output lines, time-stamped as they arrive, also into log_file."""
     lines: list[tuple[float, str]] = []
     with open(log_file, "w", encoding="utf-8") as sink:
-        proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", f"loraship.stages.{stage}", str(config_file)],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", bufsize=1)
+        proc = subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", "-m", f"loraship.stages.{stage}", str(config_file)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            bufsize=1,
+        )
         for line in proc.stdout:
             lines.append((time.time(), line.rstrip("\n")))
             sink.write(line)
@@ -123,9 +138,15 @@ def run_stage(stage: str, config_file: Path, log_file: Path, env: dict) -> tuple
 
 
 def gates_of(verify: dict) -> dict:
-    return {name: {"passed": g.get("passed"), "value": g.get("value"), "threshold": g.get("threshold"),
-                   **({"note": g["note"][:300]} if g.get("note") else {})}
-            for name, g in verify["gates"].items()}
+    return {
+        name: {
+            "passed": g.get("passed"),
+            "value": g.get("value"),
+            "threshold": g.get("threshold"),
+            **({"note": g["note"][:300]} if g.get("note") else {}),
+        }
+        for name, g in verify["gates"].items()
+    }
 
 
 def probe_server(gguf: Path, n_ctx: int, n_gpu_layers: int, log_file: Path, env: dict) -> dict:
@@ -133,8 +154,25 @@ def probe_server(gguf: Path, n_ctx: int, n_gpu_layers: int, log_file: Path, env:
     from loraship.llamacpp.served import _ready, free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "loraship", "--host",
-           "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), "--n_gpu_layers", str(n_gpu_layers), "--verbose", "True"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--model_alias",
+        "loraship",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(n_ctx),
+        "--n_gpu_layers",
+        str(n_gpu_layers),
+        "--verbose",
+        "True",
+    ]
     started = time.perf_counter()
     with open(log_file, "wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -148,22 +186,36 @@ def probe_server(gguf: Path, n_ctx: int, n_gpu_layers: int, log_file: Path, env:
             from openai import OpenAI
 
             client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="probe", timeout=60, max_retries=0)
-            done = client.chat.completions.create(model="loraship", messages=[{"role": "user", "content": "Hello"}],
-                                                  max_tokens=8, temperature=0)
+            done = client.chat.completions.create(
+                model="loraship", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0
+            )
             answer = {"content": done.choices[0].message.content, "finish_reason": done.choices[0].finish_reason}
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)
         proc.wait()
     text = log_file.read_text(errors="replace")
-    keep = [line for line in text.splitlines()
-            if re.search(r"ggml_cuda_init|Device \d+:|offload|CUDA_Host|using device|model buffer|KV buffer|"
-                         r"compute buffer", line) and "assigned to device" not in line]
+    keep = [
+        line
+        for line in text.splitlines()
+        if re.search(
+            r"ggml_cuda_init|Device \d+:|offload|CUDA_Host|using device|model buffer|KV buffer|"
+            r"compute buffer",
+            line,
+        )
+        and "assigned to device" not in line
+    ]
     layers: dict[str, int] = {}
     for device in re.findall(r"layer\s+\d+ assigned to device (\S+?),", text):
         layers[device] = layers.get(device, 0) + 1
-    return {"ready": ready, "ready_seconds": seconds, "answer": answer, "layers_by_device": layers, "offloaded": next(
-        (m.group(0) for m in re.finditer(r"offloaded \d+/\d+ layers to GPU", text)), None), "lines": keep[:40]}
+    return {
+        "ready": ready,
+        "ready_seconds": seconds,
+        "answer": answer,
+        "layers_by_device": layers,
+        "offloaded": next((m.group(0) for m in re.finditer(r"offloaded \d+/\d+ layers to GPU", text)), None),
+        "lines": keep[:40],
+    }
 
 
 # Where the server's model load could fail on a CUDA build (on the H200 a CUDA load after `import numpy`
@@ -187,10 +239,27 @@ LOAD_VARIANTS = {
 def load_bisect(gguf: Path, n_ctx: int, n_gpu_layers: int, env: dict) -> dict:
     found = {}
     for name, imports in LOAD_VARIANTS.items():
-        done = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _LOAD.format(imports=imports), str(gguf),
-                               str(n_ctx), str(n_gpu_layers)], capture_output=True, text=True, env=env, timeout=300)
-        found[name] = {"rc": done.returncode, "loaded": "LOADED" in done.stdout,
-                       "tail": (done.stdout + done.stderr)[-1200:]}
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-X",
+                "faulthandler",
+                "-c",
+                _LOAD.format(imports=imports),
+                str(gguf),
+                str(n_ctx),
+                str(n_gpu_layers),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        found[name] = {
+            "rc": done.returncode,
+            "loaded": "LOADED" in done.stdout,
+            "tail": (done.stdout + done.stderr)[-1200:],
+        }
     return found
 
 
@@ -198,8 +267,22 @@ def versions() -> dict:
     import importlib.metadata as md
 
     found = {"python": sys.version.split()[0]}
-    for name in ("llama_cpp_python", "openai", "fastapi", "uvicorn", "sse-starlette", "starlette", "pydantic",
-                 "pydantic-settings", "httpx2", "torch", "transformers", "peft", "gguf", "numpy"):
+    for name in (
+        "llama_cpp_python",
+        "openai",
+        "fastapi",
+        "uvicorn",
+        "sse-starlette",
+        "starlette",
+        "pydantic",
+        "pydantic-settings",
+        "httpx2",
+        "torch",
+        "transformers",
+        "peft",
+        "gguf",
+        "numpy",
+    ):
         with contextlib.suppress(md.PackageNotFoundError):
             found[name] = md.version(name)
     return found
@@ -228,11 +311,19 @@ def main() -> None:
     root = args.root / args.name
     root.mkdir(parents=True, exist_ok=True)
     config_file = root / "config.yaml"
-    config_file.write_text(yaml.safe_dump(config_dict(args.name, args.model.resolve(), root, args.family, args.device,
-                                                      args.max_steps)))
+    config_file.write_text(
+        yaml.safe_dump(config_dict(args.name, args.model.resolve(), root, args.family, args.device, args.max_steps))
+    )
     config = load_config(config_file)
-    row: dict = {"run": args.name, "family": args.family, "base_model": str(args.model), "device_asked": args.device,
-                 "config": yaml.safe_load(config_file.read_text()), "stage_seconds": {}, "stage_returncodes": {}}
+    row: dict = {
+        "run": args.name,
+        "family": args.family,
+        "base_model": str(args.model),
+        "device_asked": args.device,
+        "config": yaml.safe_load(config_file.read_text()),
+        "stage_seconds": {},
+        "stage_returncodes": {},
+    }
     with contextlib.suppress(FileNotFoundError, json.JSONDecodeError, KeyError):
         row["base_model_build"] = json.loads((args.model / "pretrain_log.json").read_text())
 
@@ -269,12 +360,14 @@ def main() -> None:
         if stage == "verify":
             serving = next((t for t, line in lines if SERVING_LINE in line), None)
             row["gpu_memory_sampled_mib"] = {
-                "samples": len(sampler.samples), "baseline": sampler.baseline(ended - row["stage_seconds"][stage] + 0.5),
+                "samples": len(sampler.samples),
+                "baseline": sampler.baseline(ended - row["stage_seconds"][stage] + 0.5),
                 "peak_before_serving": sampler.peak(0, serving or ended),
                 "peak_while_serving": sampler.peak(serving, ended) if serving else None,
                 "serving_seconds": round(ended - serving, 1) if serving else None,
                 "note": "device-wide NVML memory in use during verify; while serving, only the server process holds "
-                        "a model (the measure child has ended)"}
+                "a model (the measure child has ended)",
+            }
         if rc != 0:
             tail = "\n".join(line for _, line in lines[-40:])
             row.setdefault("stage_errors", {})[stage] = tail[-3000:]
@@ -286,14 +379,23 @@ def main() -> None:
     if verify_file.exists():
         verify = json.loads(verify_file.read_text())
         row.update(
-            verify_passed=verify["passed"], gates=gates_of(verify), served=verify.get("served"),
-            device=verify.get("device"), n_ctx=verify.get("n_ctx"), n_gpu_layers=verify.get("n_gpu_layers"),
-            load_seconds=verify.get("load_seconds"), gpu_memory=verify.get("gpu_memory"),
+            verify_passed=verify["passed"],
+            gates=gates_of(verify),
+            served=verify.get("served"),
+            device=verify.get("device"),
+            n_ctx=verify.get("n_ctx"),
+            n_gpu_layers=verify.get("n_gpu_layers"),
+            load_seconds=verify.get("load_seconds"),
+            gpu_memory=verify.get("gpu_memory"),
             memory_plan_fits=verify.get("memory", {}).get("fits"),
-            prompt_tokens_per_s=verify.get("prompt_tokens_per_s"), gen_tokens_per_s=verify.get("gen_tokens_per_s"),
-            golden_match=verify.get("golden_match"), golden_parted_at_near_tie=verify.get("golden_parted_at_near_tie"),
-            verify_seconds=verify.get("verify_seconds"), gguf_bytes=verify.get("gguf_bytes"),
-            builtin_template_engine=verify.get("builtin_template_engine"))
+            prompt_tokens_per_s=verify.get("prompt_tokens_per_s"),
+            gen_tokens_per_s=verify.get("gen_tokens_per_s"),
+            golden_match=verify.get("golden_match"),
+            golden_parted_at_near_tie=verify.get("golden_parted_at_near_tie"),
+            verify_seconds=verify.get("verify_seconds"),
+            gguf_bytes=verify.get("gguf_bytes"),
+            builtin_template_engine=verify.get("builtin_template_engine"),
+        )
     server_log = stage_dir(config, "verify") / f"server-{config.primary_quantization}.log"
     if server_log.exists():
         row["server_log_tail"] = server_log.read_text(errors="replace")[-2000:]
@@ -301,7 +403,9 @@ def main() -> None:
     gguf = stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization)
     # Without verify.json (verify stopped with an error) the context and layers verify would have used on the GPU.
     n_ctx = row.get("n_ctx") or config.target_context
-    n_gpu_layers = row.get("n_gpu_layers") if row.get("n_gpu_layers") is not None else (-1 if args.device == "cuda" else 0)
+    n_gpu_layers = (
+        row.get("n_gpu_layers") if row.get("n_gpu_layers") is not None else (-1 if args.device == "cuda" else 0)
+    )
     if gguf.exists() and not args.no_probe_server:
         try:
             row["server_probe"] = probe_server(gguf, n_ctx, n_gpu_layers, root / "server-probe.log", env)
@@ -316,8 +420,15 @@ def main() -> None:
     row["total_seconds"] = round(time.perf_counter() - started_all, 1)
     row["versions"] = versions()
     with contextlib.suppress(Exception):
-        row["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                                    capture_output=True, text=True, timeout=20).stdout.strip() or None
+        row["gpu"] = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
+            or None
+        )
     with contextlib.suppress(Exception):
         import llama_cpp
 

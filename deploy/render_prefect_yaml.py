@@ -48,10 +48,15 @@ GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "No
 # here from that one) requests nvidia.com/gpu by default and requires it in its variables schema (a count of at least
 # one); deploy/kubernetes/render.py fails any GPU stage whose Job lacks it.
 K8S_TEMPLATE = ROOT / "deploy" / "kubernetes" / "base-job-template.json"
-K8S_POOLS = {"none": "loraship-kubernetes", "training": "loraship-kubernetes-gpu-train",
-             "inference": "loraship-kubernetes-gpu-inference"}
-K8S_GPU_TEMPLATES = {"training": ROOT / "deploy" / "kubernetes" / "gpu-train-job-template.json",
-                     "inference": ROOT / "deploy" / "kubernetes" / "gpu-inference-job-template.json"}
+K8S_POOLS = {
+    "none": "loraship-kubernetes",
+    "training": "loraship-kubernetes-gpu-train",
+    "inference": "loraship-kubernetes-gpu-inference",
+}
+K8S_GPU_TEMPLATES = {
+    "training": ROOT / "deploy" / "kubernetes" / "gpu-train-job-template.json",
+    "inference": ROOT / "deploy" / "kubernetes" / "gpu-inference-job-template.json",
+}
 # GPUs of one training node, all requested by the train stage's pod: train runs one torchrun rank per GPU the plan
 # wants of those it sees (`gpus: auto`; docs/multi_gpu.md). reference, on the same nodes, needs one.
 TRAINING_NODE_GPUS = 4
@@ -143,13 +148,20 @@ def parent(suffix: str, config: dict[str, Any]) -> dict[str, Any]:
     if suffix == "local":
         variables: dict[str, Any] = {"env": env}
     elif suffix == "docker":
-        variables = {"image": image(PARENT_IMAGE), "image_pull_policy": "IfNotPresent", "env": env,
-                     "volumes": DOCKER_VOLUMES, "container_create_kwargs": docker_kwargs(None)}
+        variables = {
+            "image": image(PARENT_IMAGE),
+            "image_pull_policy": "IfNotPresent",
+            "env": env,
+            "volumes": DOCKER_VOLUMES,
+            "container_create_kwargs": docker_kwargs(None),
+        }
     else:
         variables = {**k8s_variables(PARENT_RESOURCES, gpu=False), "image": image(PARENT_IMAGE), "env": env}
-    where = {"local": "each stage runs as its own flow run of loraship-stage/<stage>-local",
-             "docker": f"every stage in its own container (loraship-<image> images); paths on {SHARED}",
-             "kubernetes": f"every stage as its own Kubernetes Job; paths on the loraship-artifacts PVC at {SHARED}"}
+    where = {
+        "local": "each stage runs as its own flow run of loraship-stage/<stage>-local",
+        "docker": f"every stage in its own container (loraship-<image> images); paths on {SHARED}",
+        "kubernetes": f"every stage as its own Kubernetes Job; paths on the loraship-artifacts PVC at {SHARED}",
+    }
     return {
         "name": suffix,
         "entrypoint": FLOW,
@@ -177,8 +189,12 @@ def stage_deployment(stage: Stage, suffix: str) -> dict[str, Any]:
         d["concurrency_limit"] = {"limit": GPU_SLOTS[stage.gpu], "collision_strategy": "ENQUEUE"}
     d["pull"] = PULL_IMAGE
     if suffix == "docker":
-        variables = {"image": image(stage.image), "image_pull_policy": "IfNotPresent",
-                     "volumes": DOCKER_VOLUMES, "container_create_kwargs": docker_kwargs(stage)}
+        variables = {
+            "image": image(stage.image),
+            "image_pull_policy": "IfNotPresent",
+            "volumes": DOCKER_VOLUMES,
+            "container_create_kwargs": docker_kwargs(stage),
+        }
     else:
         variables = {**k8s_variables(stage.resources, gpu, gpu_count(stage)), "image": image(stage.image)}
     pool = K8S_POOLS[stage.gpu] if suffix == "kubernetes" else POOLS[suffix]
@@ -196,12 +212,15 @@ def gpu_template(base: dict[str, Any], kind: str) -> dict[str, Any]:
     gpus = TRAINING_NODE_GPUS if kind == "training" else 1
     out = json.loads(json.dumps(base))
     props = out["variables"]["properties"]
-    needs_gpu = {"type": "object", "required": ["nvidia.com/gpu"],
-                 "properties": {"nvidia.com/gpu": {"type": "string", "pattern": "^[1-9][0-9]*$"}}}
+    needs_gpu = {
+        "type": "object",
+        "required": ["nvidia.com/gpu"],
+        "properties": {"nvidia.com/gpu": {"type": "string", "pattern": "^[1-9][0-9]*$"}},
+    }
     props["resources"] = {
         **props["resources"],
         "description": f"Container resources; this pool's nodes are the {kind} GPUs, so requests and limits must "
-                       "both carry nvidia.com/gpu (the same count: a GPU is only ever a limit-equals-request resource).",
+        "both carry nvidia.com/gpu (the same count: a GPU is only ever a limit-equals-request resource).",
         "required": ["requests", "limits"],
         "properties": {"requests": needs_gpu, "limits": needs_gpu},
         "default": k8s_variables(resources, True, gpus)["resources"],
@@ -218,8 +237,11 @@ def render_gpu_templates() -> dict[Path, str]:
 
 def deployments() -> list[dict[str, Any]]:
     configs = demo_configs()
-    return [d for suffix in POOLS
-            for d in (parent(suffix, configs[suffix]), *(stage_deployment(s, suffix) for s in STAGE_TABLE))]
+    return [
+        d
+        for suffix in POOLS
+        for d in (parent(suffix, configs[suffix]), *(stage_deployment(s, suffix) for s in STAGE_TABLE))
+    ]
 
 
 class _Dumper(yaml.SafeDumper):
@@ -245,8 +267,7 @@ _Dumper.add_representer(list, _represent_list)
 
 def render() -> str:
     items = deployments()
-    body = {"name": "loraship", "prefect-version": PREFECT_VERSION, "build": None, "push": None,
-            "deployments": items}
+    body = {"name": "loraship", "prefect-version": PREFECT_VERSION, "build": None, "push": None, "deployments": items}
     text = yaml.dump(body, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
     return HEADER.format(count=len(items)) + text
 

@@ -55,10 +55,15 @@ def _summary_markdown(stage: str, manifest: dict) -> str:
             value = f"`{value}`" if len(str(value)) < 300 else "(see manifest)"
         rows.append(f"| {key} | {value} |")
     status = "skipped (up to date)" if manifest.get("_skipped") else "ran"
-    outputs = "\n".join(f"- `{rel}` sha256 `{info['sha256'][:16]}…` ({info['size']} bytes)"
-                        for rel, info in list(manifest.get("outputs", {}).items())[:20])
-    return (f"### {stage}: {status}\n\nFolder: `{manifest.get('_dir')}`\n\n| figure | value |\n|---|---|\n"
-            + "\n".join(rows) + f"\n\n**Outputs**\n{outputs}\n")
+    outputs = "\n".join(
+        f"- `{rel}` sha256 `{info['sha256'][:16]}…` ({info['size']} bytes)"
+        for rel, info in list(manifest.get("outputs", {}).items())[:20]
+    )
+    return (
+        f"### {stage}: {status}\n\nFolder: `{manifest.get('_dir')}`\n\n| figure | value |\n|---|---|\n"
+        + "\n".join(rows)
+        + f"\n\n**Outputs**\n{outputs}\n"
+    )
 
 
 # A PNG up to this size goes into its artifact as a data: URI (the train stage's are ~50 KB); a larger
@@ -76,8 +81,11 @@ def _figures_markdown(stage: str, manifest: dict) -> str | None:
     for rel in pictures:
         path = folder / rel
         data = path.read_bytes()
-        source = (f"data:image/png;base64,{base64.b64encode(data).decode('ascii')}"
-                  if len(data) <= INLINE_IMAGE_BYTES else path.as_uri())
+        source = (
+            f"data:image/png;base64,{base64.b64encode(data).decode('ascii')}"
+            if len(data) <= INLINE_IMAGE_BYTES
+            else path.as_uri()
+        )
         parts.append(f"**{rel}** (`{path}`)\n\n![{rel}]({source})")
     return "\n\n".join(parts) + "\n"
 
@@ -103,10 +111,17 @@ def stage_task(stage: str, config: Config):
     )
     figures = _figures_markdown(stage, manifest)
     if figures:
-        create_markdown_artifact(key=_artifact_key(config.run_name, f"{stage}-figures"), markdown=figures,
-                                 description=f"loraship {stage} figures for run {config.run_name}")
-    return {"stage": stage, "skipped": bool(manifest.get("_skipped")), "dir": manifest["_dir"],
-            "metrics": manifest.get("metrics", {})}
+        create_markdown_artifact(
+            key=_artifact_key(config.run_name, f"{stage}-figures"),
+            markdown=figures,
+            description=f"loraship {stage} figures for run {config.run_name}",
+        )
+    return {
+        "stage": stage,
+        "skipped": bool(manifest.get("_skipped")),
+        "dir": manifest["_dir"],
+        "metrics": manifest.get("metrics", {}),
+    }
 
 
 def _run_child_deployment(stage: str, config: Config, suffix: str):
@@ -144,7 +159,9 @@ def train_and_ship(config: Config, stages: list[str] | None = None):
         results[stage] = outcome
     create_table_artifact(
         key=_artifact_key(config.run_name, "summary"),
-        table=[{"stage": stage, **{k: str(v) for k, v in r.items() if k != "metrics"}} for stage, r in results.items()],
+        table=[
+            {"stage": stage, **{k: str(v) for k, v in r.items() if k != "metrics"}} for stage, r in results.items()
+        ],
         description=f"loraship train-and-ship {config.run_name}: every stage, skipped or run, and where",
     )
     return results

@@ -85,8 +85,10 @@ def resolve_template(value: str) -> str:
         return NAMED_TEMPLATES[value]
     raise ConfigError(
         "chat_template",
-        [f"{value!r} is neither a named template ({', '.join(sorted(NAMED_TEMPLATES))}) nor Jinja text; "
-         "use one of those names or paste the template itself"],
+        [
+            f"{value!r} is neither a named template ({', '.join(sorted(NAMED_TEMPLATES))}) nor Jinja text; "
+            "use one of those names or paste the template itself"
+        ],
     )
 
 
@@ -130,13 +132,18 @@ def require_template(tokenizer, what: str) -> str:
     return template
 
 
-def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False, template: str | None = None) -> str:
+def render(
+    tokenizer, messages: list[dict], *, add_generation_prompt: bool = False, template: str | None = None
+) -> str:
     """The conversation as text, rendered by transformers with the tokenizer's (or the given) template."""
     from jinja2.exceptions import TemplateError
 
     try:
         return tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False,
+            messages,
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
             **template_kwargs_of(tokenizer),
         )
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
@@ -175,7 +182,10 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], l
 
         try:
             enc = tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                messages,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
                 **template_kwargs_of(tokenizer),
             )
         except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
@@ -208,8 +218,11 @@ def special_tokens(tokenizer) -> dict[int, str]:
     """Every special token of the vocabulary, id -> text: the named ones (bos, eos, ...) and the added
     tokens marked special (Llama 3's header tokens, ChatML's markers)."""
     named = {int(i): tokenizer.convert_ids_to_tokens(int(i)) for i in tokenizer.all_special_ids}
-    added = {int(i): token.content for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
-             if getattr(token, "special", False)}
+    added = {
+        int(i): token.content
+        for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+        if getattr(token, "special", False)
+    }
     return {**named, **added}
 
 
@@ -221,14 +234,19 @@ def turn_end(tokenizer) -> dict:
     """The token that ends an assistant turn, found by rendering one with the template (never guessed):
     {"id", "text"}. It must be ONE special token, or no runtime stops where training taught it to:
     a plain-text end marker becomes several ordinary pieces that llama.cpp never treats as an end."""
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _TURN_PROBE},
-                {"role": "user", "content": "Hi"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": _TURN_PROBE},
+        {"role": "user", "content": "Hi"},
+    ]
     text = render(tokenizer, messages)
     at = text.find(_TURN_PROBE)
     if at < 0:
-        raise DataError("the chat template does not render the assistant's message text, so no turn end can be "
-                        "found; use a template that writes message['content'] for assistant turns")
-    after = text[at + len(_TURN_PROBE):].lstrip(" \n")
+        raise DataError(
+            "the chat template does not render the assistant's message text, so no turn end can be "
+            "found; use a template that writes message['content'] for assistant turns"
+        )
+    after = text[at + len(_TURN_PROBE) :].lstrip(" \n")
     ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
     if not ids or ids[0] not in special_tokens(tokenizer):
         pieces = tokenizer.convert_ids_to_tokens(ids[:6])

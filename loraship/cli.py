@@ -67,22 +67,27 @@ def _set_path(data: dict, parts: list[str], value: Any, item: str) -> None:
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
                 have = f"indices 0..{len(node) - 1}" if node else "no entries"
-                raise LorashipError(f"--set {item}: {where} is a list with {have}; use an existing index, or set the "
-                                    f"whole list, e.g. --set '{where}=[...]'")
+                raise LorashipError(
+                    f"--set {item}: {where} is a list with {have}; use an existing index, or set the "
+                    f"whole list, e.g. --set '{where}=[...]'"
+                )
             key: Any = int(part)
         elif isinstance(node, dict):
             if model is not None and part not in model.model_fields:
                 close = difflib.get_close_matches(part, list(model.model_fields), n=1, cutoff=0.6)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
-                raise LorashipError(f"--set {item}: {where} has no key {part!r}{hint}; the keys are described in "
-                                    "loraship/config.py")
+                raise LorashipError(
+                    f"--set {item}: {where} has no key {part!r}{hint}; the keys are described in loraship/config.py"
+                )
             if model is None and part not in node and depth < len(parts) - 1:
-                raise LorashipError(f"--set {item}: {where} has no key {part!r}; set it whole, e.g. "
-                                    f"--set '{where}.{part}=VALUE'")
+                raise LorashipError(
+                    f"--set {item}: {where} has no key {part!r}; set it whole, e.g. --set '{where}.{part}=VALUE'"
+                )
             key = part
         else:
-            raise LorashipError(f"--set {item}: {where} is {node!r}, not a mapping or a list; set it whole, e.g. "
-                                f"--set {where}=VALUE")
+            raise LorashipError(
+                f"--set {item}: {where} is {node!r}, not a mapping or a list; set it whole, e.g. --set {where}=VALUE"
+            )
         if depth == len(parts) - 1:
             node[key] = value
             return
@@ -99,12 +104,15 @@ def _parse_sets(items: list[str]) -> list[tuple[list[str], Any, str]]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise LorashipError(f"--set {item!r}: expected KEY=VALUE, e.g. --set max_steps=10 or "
-                                "--set datasets.0.path=train.jsonl")
+            raise LorashipError(
+                f"--set {item!r}: expected KEY=VALUE, e.g. --set max_steps=10 or --set datasets.0.path=train.jsonl"
+            )
         try:
             parsed.append((key.strip().split("."), yaml.safe_load(value), item))
         except yaml.YAMLError as e:
-            raise LorashipError(f"--set {item}: the value is not valid YAML ({e}); quote it, e.g. --set 'key=\"...\"'") from e
+            raise LorashipError(
+                f"--set {item}: the value is not valid YAML ({e}); quote it, e.g. --set 'key=\"...\"'"
+            ) from e
     return parsed
 
 
@@ -126,7 +134,9 @@ def _load(config_path: Path, overrides: list[str]):
     return parse_config(data, source=f"{config_path} with --set")
 
 
-SET_HELP = "Override a config key, dotted for nested ones: --set max_steps=10, --set datasets.0.path=x.jsonl (repeatable)"
+SET_HELP = (
+    "Override a config key, dotted for nested ones: --set max_steps=10, --set datasets.0.path=x.jsonl (repeatable)"
+)
 
 
 # -- run, plan ---------------------------------------------------------------------------------
@@ -143,15 +153,23 @@ def select_stages(config, config_path: Path, only: str | None, start: str | None
     from loraship.runtime.stage import stage_dir
 
     if only and start:
-        raise LorashipError("--only and --from together: use --only STAGE for one stage, or --from STAGE for it and "
-                            "every stage after it")
+        raise LorashipError(
+            "--only and --from together: use --only STAGE for one stage, or --from STAGE for it and "
+            "every stage after it"
+        )
     for flag, value in (("--only", only), ("--from", start)):
         if value is not None and value not in STAGES:
             raise LorashipError(f"{flag} {value!r}: not a stage; use one of {', '.join(STAGES)}")
-    stages = [only] if only else list(STAGES[STAGES.index(start):]) if start else list(STAGES)
+    stages = [only] if only else list(STAGES[STAGES.index(start) :]) if start else list(STAGES)
     first = stages[0]
-    missing = sorted((s for s in set().union(*(_ancestors(s) for s in stages)) - set(stages)
-                      if read_manifest(stage_dir(config, s)) is None), key=STAGES.index)
+    missing = sorted(
+        (
+            s
+            for s in set().union(*(_ancestors(s) for s in stages)) - set(stages)
+            if read_manifest(stage_dir(config, s)) is None
+        ),
+        key=STAGES.index,
+    )
     direct = [s for s in stage_module(first).UPSTREAM if s in missing] or missing
     if missing:
         flag = f"--only {only}" if only else f"--from {start}"
@@ -163,9 +181,13 @@ def select_stages(config, config_path: Path, only: str | None, start: str | None
     return stages
 
 
-@app.command(epilog=_example("loraship run configs/demo.yaml",
-                             "loraship run configs/demo.yaml --from convert --set quantization=Q8_0",
-                             "loraship run configs/demo.yaml --only verify"))
+@app.command(
+    epilog=_example(
+        "loraship run configs/demo.yaml",
+        "loraship run configs/demo.yaml --from convert --set quantization=Q8_0",
+        "loraship run configs/demo.yaml --only verify",
+    )
+)
 def run(
     config_path: Path = typer.Argument(..., metavar="CONFIG", help="YAML config, e.g. configs/demo.yaml"),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
@@ -181,8 +203,10 @@ def run(
     named = {"run": str(config_path)}
 
     def say(signum: int) -> str:
-        return (f"interrupted ({interrupt.signal_name(signum)}): run {named['run']} stopped; finished stages and "
-                "checkpoints are kept; run the same command again to resume")
+        return (
+            f"interrupted ({interrupt.signal_name(signum)}): run {named['run']} stopped; finished stages and "
+            "checkpoints are kept; run the same command again to resume"
+        )
 
     with interrupt.interruptible(say, teardown=kill_local_prefect) as guard:
         try:
@@ -267,17 +291,23 @@ def _nothing_to_run(config, stages: list[str]) -> bool:
     return True
 
 
-@app.command(epilog=_example("loraship plan configs/demo.yaml",
-                             "loraship plan configs/qwen2-14b-lora.yaml --set gpu_memory_gib=24 --json",
-                             "loraship plan configs/qwen2-14b-lora.yaml --set base_model=examples/models/qwen2-14b "
-                             "--memory-only"))
+@app.command(
+    epilog=_example(
+        "loraship plan configs/demo.yaml",
+        "loraship plan configs/qwen2-14b-lora.yaml --set gpu_memory_gib=24 --json",
+        "loraship plan configs/qwen2-14b-lora.yaml --set base_model=examples/models/qwen2-14b --memory-only",
+    )
+)
 def plan(
     config_path: Path = typer.Argument(..., metavar="CONFIG"),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON"),
-    memory_only: bool = typer.Option(False, "--memory-only",
-                                     help="Predict from config.json alone: skip the input checks (tokenizer, data, "
-                                          "output), e.g. for a folder holding only config.json"),
+    memory_only: bool = typer.Option(
+        False,
+        "--memory-only",
+        help="Predict from config.json alone: skip the input checks (tokenizer, data, "
+        "output), e.g. for a folder holding only config.json",
+    ),
 ) -> None:
     """Check every input as `loraship run` does before training (base model folder, tokenizer, every dataset row,
     golden prompts, workdir, output), then predict GPU memory, disk and the shipped model's footprint (no GPU, no
@@ -299,8 +329,10 @@ def plan(
                 with secret_env(config.env_from_secrets):
                     model_config = read_model_config(check_inputs(config))
             except LorashipError as e:
-                told = LorashipError(f"{e}\n(`loraship plan {config_path} --memory-only` predicts memory from "
-                                     "config.json alone, without these checks)")
+                told = LorashipError(
+                    f"{e}\n(`loraship plan {config_path} --memory-only` predicts memory from "
+                    "config.json alone, without these checks)"
+                )
                 told.exit_code = e.exit_code
                 raise told from e
         try:
@@ -327,8 +359,10 @@ def artifact_words(config) -> str:
     place = artifact_place(config)
     if place == config.output.rstrip("/"):
         return f"{place} (the Hub repository itself)"
-    return (f"{place}/ (the folder named by run_name {config.run_name!r} inside output {config.output!r}; "
-            "output is the folder runs publish under)")
+    return (
+        f"{place}/ (the folder named by run_name {config.run_name!r} inside output {config.output!r}; "
+        "output is the folder runs publish under)"
+    )
 
 
 # The components of the peak (loraship/planning/memory.py estimate): the static terms and the kept activations happen
@@ -355,14 +389,23 @@ def memory_rows(plan: dict) -> list[tuple[str, float, bool]]:
     context, total = mem["cuda_context_gib"], mem["predicted_total_gib"]
     # plan.json carries no reclaimable_cache_gib, but total = reserved - that cache + context (memory.estimate).
     cache = round(reserved + context - total, 2)
-    rows += [(f"allocated (peak, at {phase})", allocated, True),
-             ("+ allocator reserve", round(reserved - allocated, 2), True),
-             ("= reserved (peak)", reserved, True)]
+    rows += [
+        (f"allocated (peak, at {phase})", allocated, True),
+        ("+ allocator reserve", round(reserved - allocated, 2), True),
+        ("= reserved (peak)", reserved, True),
+    ]
     if cache >= 0.01:
         rows.append(("- of reserved, cache the allocator hands back under pressure", cache, True))
-    rows += [("+ CUDA context", context, True), ("= card must hold", total, True),
-             (f"spare of the {plan['budget_gib']:g} GiB budget (the plan keeps a safety margin of "
-              f"{plan['safety_margin_gib']:.2f})", round(plan["budget_gib"] - total, 2), True)]
+    rows += [
+        ("+ CUDA context", context, True),
+        ("= card must hold", total, True),
+        (
+            f"spare of the {plan['budget_gib']:g} GiB budget (the plan keeps a safety margin of "
+            f"{plan['safety_margin_gib']:.2f})",
+            round(plan["budget_gib"] - total, 2),
+            True,
+        ),
+    ]
     return rows
 
 
@@ -380,7 +423,8 @@ def render_plan(plan: dict, disk: dict):
     head = Text.from_markup(
         f"[bold]Training plan[/]: {words}"
         + f"\n{mem['predicted_total_gib']:.1f} GiB predicted of {plan['budget_gib']:g} GiB "
-        f"(safety margin {plan['safety_margin_gib']:.1f} GiB): {verdict}\n{plan['reason']}")
+        f"(safety margin {plan['safety_margin_gib']:.1f} GiB): {verdict}\n{plan['reason']}"
+    )
     t = Table(title="Peak training memory (GiB)", show_footer=False)
     t.add_column("component")
     t.add_column("GiB", justify="right")
@@ -390,17 +434,24 @@ def render_plan(plan: dict, disk: dict):
         t.add_row(f"[bold]{label}" if bold else label, f"[bold]{figure}" if bold else figure)
     t.add_row("weights-only estimate, for comparison (not added)", f"({mem['weights_only_estimate_gib']:.2f})")
     if mem.get("activations_in_cpu_memory_gib"):
-        t.add_row("checkpointed activations in pinned CPU memory (not on the GPU, not added)",
-                  f"({mem['activations_in_cpu_memory_gib']:.2f})")
+        t.add_row(
+            "checkpointed activations in pinned CPU memory (not on the GPU, not added)",
+            f"({mem['activations_in_cpu_memory_gib']:.2f})",
+        )
     a = Table(title="Alternatives")
     for c in ("adapter", "offload", "micro x GA", "fused", "ckpt layers", "GiB", "fits"):
         a.add_column(c)
     for r in plan["alternatives"]:
-        a.add_row(r["adapter"], str(r["offload_layers"]), f"{r['micro_batch_size']} x {r['gradient_accumulation_steps']}",
-                  str(r["fused_loss"]), str(r.get("checkpointed_layers", r["gradient_checkpointing"]))
-                  + (" (in CPU memory)" if r.get("offload_activations") else ""),
-                  f"{r['predicted_total_gib']:.1f}",
-                  "yes" if r["fits"] else "no")
+        a.add_row(
+            r["adapter"],
+            str(r["offload_layers"]),
+            f"{r['micro_batch_size']} x {r['gradient_accumulation_steps']}",
+            str(r["fused_loss"]),
+            str(r.get("checkpointed_layers", r["gradient_checkpointing"]))
+            + (" (in CPU memory)" if r.get("offload_activations") else ""),
+            f"{r['predicted_total_gib']:.1f}",
+            "yes" if r["fits"] else "no",
+        )
     inf = disk["inference"]
     d = Table(title="Disk and inference (GiB)")
     d.add_column("item")
@@ -408,11 +459,16 @@ def render_plan(plan: dict, disk: dict):
     for k, v in disk["disk_gib"].items():
         d.add_row(f"disk: {k}", f"{v:.2f}")
     for k in ("gguf_gib", "kv_cache_gib", "compute_buffer_gib", "cuda_context_gib", "total_gib"):
-        d.add_row(f"inference ({inf['quantization']}, n_ctx {inf['target_context']}): {k.removesuffix('_gib')}", f"{inf[k]:.2f}")
+        d.add_row(
+            f"inference ({inf['quantization']}, n_ctx {inf['target_context']}): {k.removesuffix('_gib')}",
+            f"{inf[k]:.2f}",
+        )
     d.add_row(f"fits the {inf['target_gpu_memory_gib']:g} GiB target", "yes" if inf["fits_target"] else "no")
     others = {q: f for q, f in (inf.get("by_quantization") or {}).items() if q != inf["quantization"]}
     for q, f in others.items():  # the other quantizations of the list: same context, their own weights
-        d.add_row(f"inference ({q}): total, fits the target: {'yes' if f['fits_target'] else 'no'}", f"{f['total_gib']:.2f}")
+        d.add_row(
+            f"inference ({q}): total, fits the target: {'yes' if f['fits_target'] else 'no'}", f"{f['total_gib']:.2f}"
+        )
     parts = [head, t, a]
     if plan.get("distributed"):
         parts.append(gpu_table(plan["distributed"]))
@@ -424,18 +480,27 @@ def gpu_table(distributed: dict):
     from rich.table import Table
 
     chosen = distributed.get("chosen")
-    how = (f"gpus: {distributed['requested']} -> {chosen['engine']} on {chosen['gpus']}" if chosen else
-           f"gpus: auto: train takes the fastest fitting option on the GPUs it sees (at least {distributed['min_gpus']})")
+    how = (
+        f"gpus: {distributed['requested']} -> {chosen['engine']} on {chosen['gpus']}"
+        if chosen
+        else f"gpus: auto: train takes the fastest fitting option on the GPUs it sees (at least {distributed['min_gpus']})"
+    )
     g = Table(title=f"GPUs ({how})")
     for c in ("GPUs", "engine", "GiB per GPU", "tokens/s", "fits"):
         g.add_column(c, justify="left" if c == "engine" else "right")
     for o in distributed["options"]:
         mark = " *" if chosen and (o["gpus"], o["engine"]) == (chosen["gpus"], chosen["engine"]) else ""
-        g.add_row(f"{o['gpus']}{mark}", o["engine"], f"{o['per_gpu_gib']:.1f}",
-                  "-" if o["tokens_per_s"] is None else f"{o['tokens_per_s']:,.0f}", "yes" if o["fits"] else "no")
+        g.add_row(
+            f"{o['gpus']}{mark}",
+            o["engine"],
+            f"{o['per_gpu_gib']:.1f}",
+            "-" if o["tokens_per_s"] is None else f"{o['tokens_per_s']:,.0f}",
+            "yes" if o["fits"] else "no",
+        )
     # Why it chose: the chosen option's reasoning, or under auto that of the fewest GPUs that fit.
-    shown = chosen or next((o for o in distributed["options"] if o["gpus"] == distributed["min_gpus"] and o["fits"]),
-                           None)
+    shown = chosen or next(
+        (o for o in distributed["options"] if o["gpus"] == distributed["min_gpus"] and o["fits"]), None
+    )
     if shown:
         g.caption = shown["why"]
     return g
@@ -457,7 +522,9 @@ def status(
         config = _load(config_path, set_)
         states = run_states(config)
     if as_json:
-        out.print_json(data={"run_name": config.run_name, "run_dir": str(run_dir(config)), "stages": list(states.values())})
+        out.print_json(
+            data={"run_name": config.run_name, "run_dir": str(run_dir(config)), "stages": list(states.values())}
+        )
         return
     table = Table(title=f"run {config.run_name} ({run_dir(config)})")
     for column in ("stage", "state", "details"):
@@ -465,7 +532,9 @@ def status(
     colour = {"done": "green", "stale": "yellow", "not run": "dim"}
     for s in states.values():
         if s["state"] == "done":
-            when = datetime.datetime.fromtimestamp(s["finished"]).strftime("%Y-%m-%d %H:%M") if s.get("finished") else "?"
+            when = (
+                datetime.datetime.fromtimestamp(s["finished"]).strftime("%Y-%m-%d %H:%M") if s.get("finished") else "?"
+            )
             details = f"finished {when} in {s.get('seconds')} s"
         else:
             details = "; ".join(s["reasons"])
@@ -474,7 +543,9 @@ def status(
 
 
 # -- GGUF: inspect, verify, chat -------------------------------------------------------------
-@app.command(epilog=_example("loraship inspect artifacts/demo/model-Q4_K_M.gguf", "loraship inspect artifacts/demo --json"))
+@app.command(
+    epilog=_example("loraship inspect artifacts/demo/model-Q4_K_M.gguf", "loraship inspect artifacts/demo --json")
+)
 def inspect(
     gguf: Path = typer.Argument(..., metavar="GGUF", help="A .gguf file, or an artifact folder holding one"),
     as_json: bool = typer.Option(False, "--json", help="Print everything as JSON"),
@@ -485,8 +556,10 @@ def inspect(
     if as_json:
         out.print_json(data=info)
         return
-    out.print(f"[bold]{info['file']}[/]  {human_size(info['bytes'])}, {info['architecture']}, file type {info['file_type']}, "
-              f"{info['tensor_count']} tensors, {info['parameters']:,} parameters, name {info['name']!r}")
+    out.print(
+        f"[bold]{info['file']}[/]  {human_size(info['bytes'])}, {info['architecture']}, file type {info['file_type']}, "
+        f"{info['tensor_count']} tensors, {info['parameters']:,} parameters, name {info['name']!r}"
+    )
     types = Table(title="tensor types")
     for column in ("type", "tensors", "parameters", "size"):
         types.add_column(column, justify="left" if column == "type" else "right")
@@ -507,8 +580,11 @@ def inspect(
         meta.add_row(key, value if isinstance(value, str) else short(value, 100))
     out.print(meta)
     out.print("[bold]chat template[/]")
-    out.print(info["chat_template"] or "(none: a completion model; `loraship chat` needs a template)",
-              markup=False, highlight=False)
+    out.print(
+        info["chat_template"] or "(none: a completion model; `loraship chat` needs a template)",
+        markup=False,
+        highlight=False,
+    )
 
 
 @app.command(epilog=_example("loraship verify artifacts/demo/model-Q4_K_M.gguf --context 8192 --gpu-gib 8"))
@@ -538,13 +614,21 @@ def verify(
         raise typer.Exit(1)
 
 
-@app.command(epilog=_example("loraship chat artifacts/demo", "echo 'What is the capital of Zorvia?' | loraship chat "
-                             "artifacts/demo/model-Q4_K_M.gguf --temperature 0"))
+@app.command(
+    epilog=_example(
+        "loraship chat artifacts/demo",
+        "echo 'What is the capital of Zorvia?' | loraship chat artifacts/demo/model-Q4_K_M.gguf --temperature 0",
+    )
+)
 def chat(
     artifact: Path = typer.Argument(..., metavar="ARTIFACT", help="A .gguf file, or an artifact folder holding one"),
     system: str = typer.Option(None, "--system", help="System message that opens the conversation"),
-    context: int = typer.Option(None, "--context", min=64,
-                                help="Context size, tokens of the whole conversation (default: the model's, at most 4096)"),
+    context: int = typer.Option(
+        None,
+        "--context",
+        min=64,
+        help="Context size, tokens of the whole conversation (default: the model's, at most 4096)",
+    ),
     max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="Most tokens per answer"),
     temperature: float = typer.Option(0.7, "--temperature", min=0.0, help="0 answers greedily"),
     seed: int = typer.Option(0, "--seed", help="Sampling seed"),
@@ -558,8 +642,10 @@ def chat(
         path = gguf_file(artifact)
         fields = read_gguf_apart(path)["fields"]
         if not fields.get(GGUF_KEY_CHAT_TEMPLATE):
-            raise LorashipError(f"{path}: no chat template in the GGUF (a completion model), so there are no turns to "
-                                "render; train with chat data or set `chat_template:` in the config, then ship again")
+            raise LorashipError(
+                f"{path}: no chat template in the GGUF (a completion model), so there are no turns to "
+                "render; train with chat data or set `chat_template:` in the config, then ship again"
+            )
         trained = fields.get(f"{fields.get('general.architecture')}.context_length") or 4096
         # llama.cpp in a child that loads the GGUF first: this process has imported numpy (loraship/llamacpp/llama_child.py).
         llm = ChatChild(path, n_ctx=context or min(int(trained), 4096), seed=seed)
@@ -601,14 +687,24 @@ def _chat_loop(llm, path: Path, system: str | None, **sampling) -> None:
 
 
 # -- init ------------------------------------------------------------------------------------
-@app.command(epilog=_example("loraship init Qwen/Qwen2.5-0.5B-Instruct data/train.jsonl -o my-run.yaml",
-                             "loraship init --from-axolotl axolotl/qlora.yml -o my-run.yaml"))
+@app.command(
+    epilog=_example(
+        "loraship init Qwen/Qwen2.5-0.5B-Instruct data/train.jsonl -o my-run.yaml",
+        "loraship init --from-axolotl axolotl/qlora.yml -o my-run.yaml",
+    )
+)
 def init(
     base_model: str = typer.Argument(None, metavar="BASE_MODEL", help="Hugging Face model id or local model folder"),
-    dataset: Path = typer.Argument(None, metavar="DATASET", help="JSONL training data (chat, ShareGPT, alpaca or completion rows)"),
+    dataset: Path = typer.Argument(
+        None, metavar="DATASET", help="JSONL training data (chat, ShareGPT, alpaca or completion rows)"
+    ),
     output: Path = typer.Option(Path("config.yaml"), "-o", "--output", help="Config file to write"),
-    from_axolotl: Path = typer.Option(None, "--from-axolotl", metavar="FILE", help="Import an Axolotl YAML config instead"),
-    gpu_gib: float = typer.Option(None, "--gpu-gib", min=0.1, help="Training GPU memory, GiB (default: this machine's GPU)"),
+    from_axolotl: Path = typer.Option(
+        None, "--from-axolotl", metavar="FILE", help="Import an Axolotl YAML config instead"
+    ),
+    gpu_gib: float = typer.Option(
+        None, "--gpu-gib", min=0.1, help="Training GPU memory, GiB (default: this machine's GPU)"
+    ),
     force: bool = typer.Option(False, "--force", help="Overwrite OUTPUT (and a converted dataset) if it exists"),
 ) -> None:
     """Write a starter config, inferring what it can: the data's row type, whether the base model has a chat
@@ -618,8 +714,10 @@ def init(
             raise LorashipError(f"{output} exists; choose another file with -o, or pass --force to overwrite it")
         if from_axolotl is not None:
             if base_model or dataset:
-                raise LorashipError("--from-axolotl takes the base model and data from the Axolotl file; pass either "
-                                    "BASE_MODEL DATASET or --from-axolotl FILE")
+                raise LorashipError(
+                    "--from-axolotl takes the base model and data from the Axolotl file; pass either "
+                    "BASE_MODEL DATASET or --from-axolotl FILE"
+                )
             data, notes, ignored = import_axolotl(from_axolotl, output, force)
             if gpu_gib:
                 data["gpu_memory_gib"] = gpu_gib
@@ -627,21 +725,28 @@ def init(
             data, notes = starter_config(base_model, dataset, output, gpu_gib, force)
             ignored = []
         else:
-            raise LorashipError("init needs BASE_MODEL and DATASET (e.g. loraship init Qwen/Qwen2.5-0.5B-Instruct "
-                                "train.jsonl), or --from-axolotl FILE")
+            raise LorashipError(
+                "init needs BASE_MODEL and DATASET (e.g. loraship init Qwen/Qwen2.5-0.5B-Instruct "
+                "train.jsonl), or --from-axolotl FILE"
+            )
         from loraship.config import parse_config
 
         # Checked before writing; run_name as load_config will default it, from the file's name.
-        config = parse_config({"run_name": output.stem, **data},
-                              source=f"{from_axolotl} (Axolotl)" if from_axolotl else "starter config")
+        config = parse_config(
+            {"run_name": output.stem, **data}, source=f"{from_axolotl} (Axolotl)" if from_axolotl else "starter config"
+        )
         notes.append(f"artifact: {artifact_words(config)}")
         output.parent.mkdir(parents=True, exist_ok=True)
         write_config(output, data, notes, ignored, force)
     for note in notes:
         out.print(f"  {note}", markup=False, highlight=False)
     if ignored:
-        err.print(f"warning: {len(ignored)} Axolotl key(s) have no loraship equivalent and were ignored: "
-                  f"{', '.join(ignored)}", markup=False, highlight=False)
+        err.print(
+            f"warning: {len(ignored)} Axolotl key(s) have no loraship equivalent and were ignored: "
+            f"{', '.join(ignored)}",
+            markup=False,
+            highlight=False,
+        )
     out.print(f"[green]wrote[/] {output}; next: loraship plan {output}", highlight=False)
 
 
@@ -676,8 +781,12 @@ def build_tools() -> None:
         out.print(str(tools_dir()))
 
 
-@app.command(epilog=_example("loraship gitops --from ${{ github.event.before }} --to ${{ github.sha }}",
-                             "loraship gitops --from HEAD~1 --dry-run"))
+@app.command(
+    epilog=_example(
+        "loraship gitops --from ${{ github.event.before }} --to ${{ github.sha }}",
+        "loraship gitops --from HEAD~1 --dry-run",
+    )
+)
 def gitops(
     from_ref: str = typer.Option(..., "--from", help="Git ref before the push (e.g. github.event.before)"),
     to_ref: str = typer.Option("HEAD", "--to", help="Git ref after the push"),
@@ -686,15 +795,24 @@ def gitops(
     deployment: str = typer.Option("train-and-ship/local", help="Deployment to trigger per changed spec"),
     wait: bool = typer.Option(True, help="Wait for each run and fail if it fails"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only list what would be triggered"),
-    retry_failed: bool = typer.Option(False, "--retry-failed",
-                                      help="Start again a spec whose latest run failed, crashed or was cancelled"),
+    retry_failed: bool = typer.Option(
+        False, "--retry-failed", help="Start again a spec whose latest run failed, crashed or was cancelled"
+    ),
 ) -> None:
     """Trigger one run per run spec changed between two refs; the same spec content never triggers twice."""
     from loraship.runtime.gitops import trigger_changed_specs
 
     with _user_errors():
-        results = trigger_changed_specs(from_ref, to_ref, repo=repo, specs_dir=specs_dir, deployment=deployment,
-                                        wait=wait, dry_run=dry_run, retry_failed=retry_failed)
+        results = trigger_changed_specs(
+            from_ref,
+            to_ref,
+            repo=repo,
+            specs_dir=specs_dir,
+            deployment=deployment,
+            wait=wait,
+            dry_run=dry_run,
+            retry_failed=retry_failed,
+        )
     out.print_json(data=results)
     if not all(r["ok"] for r in results):
         raise typer.Exit(1)

@@ -65,8 +65,9 @@ class DatasetSpec(BaseModel):
 
 
 # llama.cpp quantizations loraship ships and verifies (constants.QUANT_GATES holds each one's default gates).
-Quantization = Literal["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "IQ4_XS", "Q3_K_L", "Q3_K_M", "IQ3_M",
-                       "auto"]  # auto: the smallest of constants.AUTO_LADDER that verify passes
+Quantization = Literal[
+    "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "IQ4_XS", "Q3_K_L", "Q3_K_M", "IQ3_M", "auto"
+]  # auto: the smallest of constants.AUTO_LADDER that verify passes
 
 
 class Config(BaseModel):
@@ -83,10 +84,14 @@ class Config(BaseModel):
         "('org/name') resolved with huggingface_hub at run time."
     )
     base_model_revision: str | None = Field(None, description="Hub revision (commit, tag, branch) to pin.")
-    trust_remote_code: bool = Field(False, description="Run model code shipped with the checkpoint. Off unless you trust it.")
+    trust_remote_code: bool = Field(
+        False, description="Run model code shipped with the checkpoint. Off unless you trust it."
+    )
     allow_pickle: bool = Field(False, description="Accept pickle (.bin/.pt) checkpoints; safetensors only by default.")
 
-    adapter: Literal["lora", "qlora"] = Field("lora", description="lora: bf16 base; qlora: NF4 base with double quant (bitsandbytes).")
+    adapter: Literal["lora", "qlora"] = Field(
+        "lora", description="lora: bf16 base; qlora: NF4 base with double quant (bitsandbytes)."
+    )
     lora_r: int = Field(16, ge=1, le=1024, description="LoRA rank.")
     lora_alpha: int = Field(32, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
     lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
@@ -107,24 +112,31 @@ class Config(BaseModel):
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    num_epochs: float = Field(1.0, gt=0.0, le=1000, description="Passes over the training split (ignored when max_steps is set).")
+    num_epochs: float = Field(
+        1.0, gt=0.0, le=1000, description="Passes over the training split (ignored when max_steps is set)."
+    )
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; overrides num_epochs.")
     seed: int = Field(42, description="Seed for data order, LoRA init and dropout.")
     optimize: Literal["speed", "memory"] = Field(
-        "speed", description="What the plan spends the training GPU on; the one switch for how training uses it. "
+        "speed",
+        description="What the plan spends the training GPU on; the one switch for how training uses it. "
         "'speed': the fastest strategy that fits gpu_memory_gib with its safety margin (as few of the first layers "
         "checkpointed as fit, checkpointed activations in CPU memory only where that is what makes it fit). 'memory': "
         "the least GPU memory (every layer checkpointed, their inputs in pinned CPU memory; the last one only where "
         "that saves memory), at some speed. "
-        "gradient_checkpointing and offload_activations, where set, override it.")
+        "gradient_checkpointing and offload_activations, where set, override it.",
+    )
     gradient_checkpointing: bool | None = Field(
-        None, description="Unset: as `optimize` says. true: recompute every decoder layer's activations in backward. "
-        "false: checkpoint only as many of the first layers as gpu_memory_gib needs.")
+        None,
+        description="Unset: as `optimize` says. true: recompute every decoder layer's activations in backward. "
+        "false: checkpoint only as many of the first layers as gpu_memory_gib needs.",
+    )
     fused_loss: Literal["auto", "on", "off"] = Field(
         "auto", description="Liger fused linear cross-entropy: 'auto' uses it on CUDA when liger-kernel is installed."
     )
     offload_activations: Literal["auto", "on", "off"] = Field(
-        "auto", description="Checkpointed layers' inputs kept in pinned CPU memory instead of on the GPU (copied out "
+        "auto",
+        description="Checkpointed layers' inputs kept in pinned CPU memory instead of on the GPU (copied out "
         "in forward, prefetched back for backward): 'auto' when that is what makes the plan fit gpu_memory_gib (the "
         "rung before a smaller micro-batch or streamed weights; always under optimize: memory), 'on' always (the "
         "least GPU memory), 'off' never.",
@@ -158,7 +170,9 @@ class Config(BaseModel):
     eval_datasets: list[DatasetSpec] = Field(
         default_factory=list, description="Held-out data; when empty, val_set_size of the training data is held out."
     )
-    val_set_size: float = Field(0.1, ge=0.0, lt=1.0, description="Fraction held out for eval when eval_datasets is empty.")
+    val_set_size: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Fraction held out for eval when eval_datasets is empty."
+    )
 
     gpu_memory_gib: float = Field(32.0, gt=0, le=4096, description="Training GPU's memory; the plan must fit it.")
     gpus: int | Literal["auto"] = Field(
@@ -169,9 +183,15 @@ class Config(BaseModel):
         "GPUs; the plan fails, naming the count that fits, when N are too few, and train fails before any step when "
         "fewer than N are visible. See docs/multi_gpu.md.",
     )
-    target_gpu_memory_gib: float = Field(8.0, gt=0, le=4096, description="Inference GPU's memory; verify checks the GGUF fits.")
-    target_context: int = Field(4096, ge=128, description="Context the shipped model must serve on the target GPU (KV cache).")
-    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where train/merge/verify run; 'auto' prefers CUDA.")
+    target_gpu_memory_gib: float = Field(
+        8.0, gt=0, le=4096, description="Inference GPU's memory; verify checks the GGUF fits."
+    )
+    target_context: int = Field(
+        4096, ge=128, description="Context the shipped model must serve on the target GPU (KV cache)."
+    )
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Where train/merge/verify run; 'auto' prefers CUDA."
+    )
 
     quantization: list[Quantization] = Field(
         default_factory=lambda: ["Q4_K_M"],
@@ -190,20 +210,23 @@ class Config(BaseModel):
         "false: quantize with llama-cpp-python's binding, no importance matrix, no tools to build.",
     )
     imatrix_min_tokens: int = Field(
-        1024, ge=128,
+        1024,
+        ge=128,
         description="Fewest training-text tokens the importance matrix may be computed from; fewer fails the plan "
         "stage, before training (and quantize, which counts again), naming the count (add training data, lower this, "
         "or set imatrix: false). llama-imatrix reads them in chunks of min(512, imatrix_min_tokens / 2) tokens.",
     )
     imatrix_max_tokens: int = Field(
-        32768, ge=256,
+        32768,
+        ge=256,
         description="Most training-text tokens the importance matrix is computed from (64 chunks of 512): llama-imatrix "
         "runs the F16 model on the CPU, about linear in tokens, so a large dataset is sampled (whole rows, seeded by "
         "`seed`, spread over the split) rather than read in full. Raise it for a finer matrix at that cost.",
     )
     golden_prompts: str | None = Field(
-        None, description="A local JSONL of {'messages': [...]} or {'prompt': ...}: greedy answers must agree between HF "
-        "and llama.cpp."
+        None,
+        description="A local JSONL of {'messages': [...]} or {'prompt': ...}: greedy answers must agree between HF "
+        "and llama.cpp.",
     )
     max_new_tokens: int = Field(24, ge=1, le=4096, description="Greedy tokens generated per golden prompt.")
     golden_match_min: float = Field(
@@ -215,7 +238,10 @@ class Config(BaseModel):
         "golden_margin nats, so either token is its answer); decisive tokens are held to full agreement.",
     )
     decisive_flips_max: float | None = Field(
-        None, ge=0.0, le=1.0, description="Share of decisive golden-answer tokens (see golden_margin) the GGUF may pick "
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Share of decisive golden-answer tokens (see golden_margin) the GGUF may pick "
         "differently; unset: the quantization's own default (0 from Q5 up, 0.025 for 4-bit, 0.05 for 3-bit).",
     )
     golden_margin: float = Field(
@@ -225,50 +251,73 @@ class Config(BaseModel):
         "HF answer teacher-forced, llama.cpp must pick the same token at every decisive position.",
     )
     perplexity_ratio_max: float | None = Field(
-        None, ge=1.0, description="Largest allowed GGUF/merged-HF perplexity ratio on the eval split; unset: the "
-        "quantization's own default (Q4_K_M 1.1, Q8_0 1.02; loraship/constants.py QUANT_GATES)."
+        None,
+        ge=1.0,
+        description="Largest allowed GGUF/merged-HF perplexity ratio on the eval split; unset: the "
+        "quantization's own default (Q4_K_M 1.1, Q8_0 1.02; loraship/constants.py QUANT_GATES).",
     )
     verify_max_examples: int = Field(64, ge=1, description="Eval examples scored by verify (both runtimes).")
     min_golden_prompts: int = Field(
         4, ge=1, description="Fewest golden prompts verify must see; fewer fails as 'not enough evidence', never 0/0."
     )
     min_decisive_positions: int = Field(
-        8, ge=1, description="Fewest decisive answer tokens (see golden_margin) the teacher-forced agreement gate must see."
+        8,
+        ge=1,
+        description="Fewest decisive answer tokens (see golden_margin) the teacher-forced agreement gate must see.",
     )
     min_scored_tokens: int = Field(
         64, ge=1, description="Fewest eval target tokens the perplexity gate must score under both runtimes."
     )
     reference_top_k: int = Field(
-        64, ge=2, le=4096,
+        64,
+        ge=2,
+        le=4096,
         description="HF log-probs kept per scored eval position by the reference stage; the rest of the distribution is "
         "kept as one lumped tail, which bounds verify's KL divergence from below (top_k_mass in reference.json says how tight).",
     )
     reference_full_logprob_tokens: int = Field(
-        2048, ge=0, description="Scored eval tokens whose full-vocabulary log-probs (fp16) the reference stage stores, "
+        2048,
+        ge=0,
+        description="Scored eval tokens whose full-vocabulary log-probs (fp16) the reference stage stores, "
         "so verify's KL divergence there is exact, as llama-perplexity --kl-divergence computes it (capped by "
         "reference_full_logprob_mib and by the eval split).",
     )
     reference_full_logprob_mib: int = Field(
-        1024, ge=0, description="Size budget of those log-probs: 2 bytes x vocabulary per token (2,048 tokens of a "
+        1024,
+        ge=0,
+        description="Size budget of those log-probs: 2 bytes x vocabulary per token (2,048 tokens of a "
         "152k vocabulary take 594 MiB).",
     )
     kl_topk_mass_min: float = Field(
-        0.95, ge=0.0, le=1.0, description="Where too few tokens have exact KL (fewer than min_scored_tokens), KL falls "
+        0.95,
+        ge=0.0,
+        le=1.0,
+        description="Where too few tokens have exact KL (fewer than min_scored_tokens), KL falls "
         "back to the top-k bound, which fails unless HF's top-k covers at least this mean probability mass.",
     )
     finetune_kl_fraction_max: float = Field(
-        0.5, gt=0, description="Fine-tune kept: mean KL(merged || GGUF) at most this fraction of mean KL(merged || base) "
+        0.5,
+        gt=0,
+        description="Fine-tune kept: mean KL(merged || GGUF) at most this fraction of mean KL(merged || base) "
         "on the same eval tokens; a GGUF that drifted back toward the base model fails.",
     )
     kl_mean_max: float | None = Field(
-        None, gt=0, description="Largest mean KL divergence (HF -> GGUF, nats per token) on the eval split; unset: the "
+        None,
+        gt=0,
+        description="Largest mean KL divergence (HF -> GGUF, nats per token) on the eval split; unset: the "
         "quantization's own default (Q4_K_M 0.1, Q8_0 0.005; llama.cpp reports 0.031 and 0.0014 for Llama-3-8B).",
     )
     kl_p99_max: float | None = Field(
-        None, gt=0, description="Largest 99th-percentile KL divergence per token on the eval split; unset: the "
-        "quantization's own default (Q4_K_M 1.0).")
+        None,
+        gt=0,
+        description="Largest 99th-percentile KL divergence per token on the eval split; unset: the "
+        "quantization's own default (Q4_K_M 1.0).",
+    )
     same_top_min: float | None = Field(
-        None, ge=0.0, le=1.0, description="Smallest fraction of eval positions where the GGUF's top token is HF's; "
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Smallest fraction of eval positions where the GGUF's top token is HF's; "
         "unset: the quantization's own default (Q4_K_M 0.85, Q8_0 0.95; llama.cpp reports 91.9% and 97.7% for Llama-3-8B).",
     )
     adapter_gguf: bool = Field(
@@ -278,12 +327,17 @@ class Config(BaseModel):
         "then gates base GGUF + adapter against the merged GGUF (adapter_kl_mean_max, adapter_same_top_min).",
     )
     adapter_kl_mean_max: float = Field(
-        0.1, gt=0, description="With adapter_gguf: largest mean KL divergence (merged GGUF -> base GGUF + adapter, nats "
+        0.1,
+        gt=0,
+        description="With adapter_gguf: largest mean KL divergence (merged GGUF -> base GGUF + adapter, nats "
         "per token) on the eval split. Both sides are quantized, each from different weights, so their difference is "
         "quantization noise of the same order as kl_mean_max's.",
     )
     adapter_same_top_min: float = Field(
-        0.85, ge=0.0, le=1.0, description="With adapter_gguf: smallest fraction of eval positions where base GGUF + "
+        0.85,
+        ge=0.0,
+        le=1.0,
+        description="With adapter_gguf: smallest fraction of eval positions where base GGUF + "
         "adapter picks the merged GGUF's top token.",
     )
     chat_template: str | None = Field(
@@ -306,7 +360,9 @@ class Config(BaseModel):
         "exports the secret into its own environment at run time. Only block names are stored in the config, so "
         "secrets never reach logs, manifests or model cards.",
     )
-    workdir: str = Field(".loraship/work", description="Local folder for stage outputs (checkpoints, merged model, F16 GGUF).")
+    workdir: str = Field(
+        ".loraship/work", description="Local folder for stage outputs (checkpoints, merged model, F16 GGUF)."
+    )
     output: str = Field(
         "artifacts",
         description="The folder runs publish under: the artifact lands in <output>/<run_name>/ (`loraship plan` prints "
@@ -381,12 +437,16 @@ class Config(BaseModel):
         if self.warmup_steps and self.max_steps and self.warmup_steps >= self.max_steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than max_steps ({self.max_steps})")
         if self.imatrix_max_tokens < self.imatrix_min_tokens:
-            raise ValueError(f"imatrix_max_tokens ({self.imatrix_max_tokens}) is below imatrix_min_tokens "
-                             f"({self.imatrix_min_tokens}); raise imatrix_max_tokens or lower imatrix_min_tokens")
+            raise ValueError(
+                f"imatrix_max_tokens ({self.imatrix_max_tokens}) is below imatrix_min_tokens "
+                f"({self.imatrix_min_tokens}); raise imatrix_max_tokens or lower imatrix_min_tokens"
+            )
         if self.adapter_gguf and self.auto_quantization:
-            raise ValueError("adapter_gguf quantizes the adapter's base like the shipped GGUF, which quantization 'auto' "
-                             "chooses only at verify; name the quantization (e.g. quantization: Q4_K_M) or set "
-                             "adapter_gguf: false")
+            raise ValueError(
+                "adapter_gguf quantizes the adapter's base like the shipped GGUF, which quantization 'auto' "
+                "chooses only at verify; name the quantization (e.g. quantization: Q4_K_M) or set "
+                "adapter_gguf: false"
+            )
         return self
 
     # -- helpers -----------------------------------------------------------------------
@@ -417,7 +477,9 @@ class Config(BaseModel):
         """verify's quality limits for one quantization: what the config sets, else that quantization's
         calibrated default (loraship/constants.py QUANT_GATES)."""
         defaults = dict(zip(QUANT_GATE_FIELDS, QUANT_GATES[quantization]))
-        return {name: default if getattr(self, name) is None else getattr(self, name) for name, default in defaults.items()}
+        return {
+            name: default if getattr(self, name) is None else getattr(self, name) for name, default in defaults.items()
+        }
 
     @property
     def primary_quantization(self) -> str:
@@ -491,8 +553,13 @@ class _StrictLoader(yaml.SafeLoader):
             except TypeError:
                 continue  # an unhashable key: SafeLoader reports it
             if first != key_node.start_mark.line + 1:
-                raise ConfigError(self.source, [f"key {key!r} appears twice (lines {first} and "
-                                                f"{key_node.start_mark.line + 1}); keep one of them"])
+                raise ConfigError(
+                    self.source,
+                    [
+                        f"key {key!r} appears twice (lines {first} and "
+                        f"{key_node.start_mark.line + 1}); keep one of them"
+                    ],
+                )
         return super().construct_mapping(node, deep=deep)
 
 
@@ -501,8 +568,13 @@ def _expanded_size(node, sizes: dict[int, int], path: frozenset = frozenset()) -
     if id(node) in path:
         raise ValueError("an alias refers to a value that contains it")
     if id(node) not in sizes:
-        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
-                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        children = (
+            [n for pair in node.value for n in pair]
+            if isinstance(node, yaml.MappingNode)
+            else node.value
+            if isinstance(node, yaml.SequenceNode)
+            else []
+        )
         sizes[id(node)] = 1 + sum(_expanded_size(c, sizes, path | {id(node)}) for c in children)
     return sizes[id(node)]
 
@@ -519,8 +591,13 @@ def _read_yaml(text: str, source: str) -> Any:
         except ValueError as e:
             raise ConfigError(source, [f"{e} (a recursive YAML alias); write the value out"]) from e
         if size > MAX_YAML_VALUES:
-            raise ConfigError(source, [f"YAML aliases expand to {size:,} values (more than {MAX_YAML_VALUES:,}): an alias "
-                                       "bomb, or aliases nested too deep; write the values out instead"])
+            raise ConfigError(
+                source,
+                [
+                    f"YAML aliases expand to {size:,} values (more than {MAX_YAML_VALUES:,}): an alias "
+                    "bomb, or aliases nested too deep; write the values out instead"
+                ],
+            )
         return loader.construct_document(node)
     finally:
         loader.dispose()

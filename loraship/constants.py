@@ -53,12 +53,16 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
 # llama.cpp's llama_ftype values = GGUF general.file_type, from gguf-py (the format's own package).
 GGUF_FILE_TYPES = {
-    "F16": int(LlamaFileType.MOSTLY_F16), "Q8_0": int(LlamaFileType.MOSTLY_Q8_0),
+    "F16": int(LlamaFileType.MOSTLY_F16),
+    "Q8_0": int(LlamaFileType.MOSTLY_Q8_0),
     "Q6_K": int(LlamaFileType.MOSTLY_Q6_K),
-    "Q5_K_M": int(LlamaFileType.MOSTLY_Q5_K_M), "Q5_K_S": int(LlamaFileType.MOSTLY_Q5_K_S),
-    "Q4_K_M": int(LlamaFileType.MOSTLY_Q4_K_M), "Q4_K_S": int(LlamaFileType.MOSTLY_Q4_K_S),
+    "Q5_K_M": int(LlamaFileType.MOSTLY_Q5_K_M),
+    "Q5_K_S": int(LlamaFileType.MOSTLY_Q5_K_S),
+    "Q4_K_M": int(LlamaFileType.MOSTLY_Q4_K_M),
+    "Q4_K_S": int(LlamaFileType.MOSTLY_Q4_K_S),
     "IQ4_XS": int(LlamaFileType.MOSTLY_IQ4_XS),
-    "Q3_K_L": int(LlamaFileType.MOSTLY_Q3_K_L), "Q3_K_M": int(LlamaFileType.MOSTLY_Q3_K_M),
+    "Q3_K_L": int(LlamaFileType.MOSTLY_Q3_K_L),
+    "Q3_K_M": int(LlamaFileType.MOSTLY_Q3_K_M),
     "IQ3_M": int(LlamaFileType.MOSTLY_IQ3_M),
 }
 
@@ -66,8 +70,19 @@ GGUF_FILE_TYPES = {
 # lists for Llama-3-8B (8.03e9 weights; tools/quantize/quantize.cpp in the pinned sdist), x 8 bits
 # / weights; IQ4_XS and IQ3_M from their nominal bpw plus the K-quant mixes' overhead (Q4_K_M: 4.58 GiB
 # ~ 4.85 bpw).
-BITS_PER_WEIGHT = {"Q8_0": 8.5, "Q6_K": 6.57, "Q5_K_M": 5.69, "Q5_K_S": 5.57, "Q4_K_M": 4.85, "Q4_K_S": 4.67,
-                   "IQ4_XS": 4.5, "Q3_K_L": 4.31, "Q3_K_M": 4.0, "IQ3_M": 3.9, "F16": 16.0}
+BITS_PER_WEIGHT = {
+    "Q8_0": 8.5,
+    "Q6_K": 6.57,
+    "Q5_K_M": 5.69,
+    "Q5_K_S": 5.57,
+    "Q4_K_M": 4.85,
+    "Q4_K_S": 4.67,
+    "IQ4_XS": 4.5,
+    "Q3_K_L": 4.31,
+    "Q3_K_M": 4.0,
+    "IQ3_M": 3.9,
+    "F16": 16.0,
+}
 
 # verify's default quality gates per quantization (config fields left unset take these). Calibrated on
 # llama.cpp's own scoreboard, Llama-3-8B on wikitext, no imatrix (tools/perplexity/README.md in the pinned
@@ -112,8 +127,29 @@ GGUF_KEY_PRE = Keys.Tokenizer.PRE
 
 # Token texts llama.cpp treats as end-of-generation by name, besides the GGUF's eos/eot/eom ids
 # (the `special_eog_ids` list in vendor/llama.cpp/src/llama-vocab.cpp of the pinned llama-cpp-python 0.3.36).
-LLAMA_CPP_EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
-    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
-})
+LLAMA_CPP_EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<｜end▁of▁sentence｜>",
+        "[e~[",
+    }
+)

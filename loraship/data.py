@@ -39,11 +39,22 @@ MAX_LISTED_PROBLEMS = 20
 # No tool role: many templates (Llama 2/3 base, Mistral) cannot render one, and chat rows refuse it too.
 ROLES = ("system", "user", "assistant")
 # ShareGPT speaker names (as FastChat, Axolotl and the common dumps write them) -> chat roles.
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "model": "assistant", "bot": "assistant"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+}
 # Top-level columns each row type needs (the rest of DATASET_FIELDS are keys inside each message).
-REQUIRED_COLUMNS = {"alpaca": ("instruction", "output"), "chat": ("messages",), "sharegpt": ("conversations",),
-                    "completion": ("text",)}
+REQUIRED_COLUMNS = {
+    "alpaca": ("instruction", "output"),
+    "chat": ("messages",),
+    "sharegpt": ("conversations",),
+    "completion": ("text",),
+}
 LIST_COLUMN = {"chat": "messages", "sharegpt": "conversations"}
 TABULAR_SUFFIXES = {".parquet": "parquet", ".csv": "csv"}
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -64,8 +75,10 @@ def _messages_problem(msgs: list[dict]) -> str | None:
         return "no assistant message, so nothing to learn (loss is only on assistant turns)"
     if msgs[-1]["role"] != "assistant":
         # A trailing prompt teaches nothing and renders as an unanswered turn in the training text.
-        return (f"the conversation ends with a {msgs[-1]['role']!r} turn; a training row must end with the "
-                "assistant's answer (remove the trailing turn or add its answer)")
+        return (
+            f"the conversation ends with a {msgs[-1]['role']!r} turn; a training row must end with the "
+            "assistant's answer (remove the trailing turn or add its answer)"
+        )
     return None
 
 
@@ -91,15 +104,22 @@ def _row_problem(row, kind: str) -> str | None:
             if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
                 return f"conversations[{j}] must be {{'from': role, 'value': string}}"
             if turn.get("from") not in SHAREGPT_ROLES:
-                return (f"conversations[{j}]: unknown role from={turn.get('from')!r}; use one of "
-                        f"{', '.join(SHAREGPT_ROLES)} (or rename it in the file)")
+                return (
+                    f"conversations[{j}]: unknown role from={turn.get('from')!r}; use one of "
+                    f"{', '.join(SHAREGPT_ROLES)} (or rename it in the file)"
+                )
         problem = _messages_problem(as_messages(row, kind))
         return problem.replace("messages[", "conversations[") if problem else None
     elif kind == "golden":  # verify's prompts: a conversation to answer, or a bare user prompt
         msgs = row.get("messages")
-        if not isinstance(row.get("prompt"), str) and (not isinstance(msgs, list) or not msgs or any(
-            not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str) for m in msgs
-        )):
+        if not isinstance(row.get("prompt"), str) and (
+            not isinstance(msgs, list)
+            or not msgs
+            or any(
+                not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        ):
             return "golden rows need 'prompt' (string) or 'messages' (list of {role, content})"
         if "expect_regex" in row:
             try:
@@ -139,11 +159,15 @@ def filesystem_problem(url: str) -> str | None:
         fsspec.get_filesystem_class(scheme)
     except ImportError as e:  # fsspec knows the scheme, its package is not installed (s3 -> s3fs)
         package = known_implementations.get(scheme, {}).get("class", "").split(".")[0] or "the package fsspec names"
-        return (f"no installed filesystem serves '{scheme}://' ({e}); pip install {package} into this environment "
-                "(the image of every stage that reads it), or copy the file to a local path")
+        return (
+            f"no installed filesystem serves '{scheme}://' ({e}); pip install {package} into this environment "
+            "(the image of every stage that reads it), or copy the file to a local path"
+        )
     except ValueError:  # fsspec: "Protocol not known"
-        return (f"'{scheme}://' is a URL scheme no fsspec filesystem knows; use a local path, "
-                "hf://datasets/<org>/<name>, or an fsspec URL (s3://, gs://, az://, file://, ...)")
+        return (
+            f"'{scheme}://' is a URL scheme no fsspec filesystem knows; use a local path, "
+            "hf://datasets/<org>/<name>, or an fsspec URL (s3://, gs://, az://, file://, ...)"
+        )
     return None
 
 
@@ -152,8 +176,10 @@ def _read_bytes(path: str | Path) -> bytes:
     if url_scheme(path) is None:
         path = Path(path)
         if not path.is_file():
-            raise DataError(f"dataset {path}: file not found; check datasets[].path (relative paths start at the "
-                            "config file's folder)")
+            raise DataError(
+                f"dataset {path}: file not found; check datasets[].path (relative paths start at the "
+                "config file's folder)"
+            )
         return path.read_bytes()
     problem = filesystem_problem(str(path))
     if problem:
@@ -163,14 +189,16 @@ def _read_bytes(path: str | Path) -> bytes:
     try:
         fs, inner = fsspec.core.url_to_fs(str(path))
         if not fs.isfile(inner):
-            raise DataError(f"dataset {path}: file not found; check datasets[].path and that these credentials can "
-                            "read it")
+            raise DataError(
+                f"dataset {path}: file not found; check datasets[].path and that these credentials can read it"
+            )
         return fs.cat_file(inner)
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - each filesystem raises its own types (credentials, network)
-        raise DataError(f"dataset {path}: cannot read it ({type(e).__name__}: {e}); check the URL and the "
-                        "filesystem's credentials") from e
+        raise DataError(
+            f"dataset {path}: cannot read it ({type(e).__name__}: {e}); check the URL and the filesystem's credentials"
+        ) from e
 
 
 def _json_records(raw: bytes, where: str, suffix: str) -> list[tuple[int, object]]:
@@ -211,23 +239,33 @@ def map_fields(row, kind: str, fields: dict[str, str]):
         turns = row.get(fields.get(list_name, list_name))
         inner = {name: fields[name] for name in names[1:] if name in fields}
         if inner and isinstance(turns, list):
-            turns = [{**{k: v for k, v in t.items() if k not in inner.values()}, **{n: t.get(c) for n, c in inner.items()}}
-                     if isinstance(t, dict) else t for t in turns]
+            turns = [
+                {**{k: v for k, v in t.items() if k not in inner.values()}, **{n: t.get(c) for n, c in inner.items()}}
+                if isinstance(t, dict)
+                else t
+                for t in turns
+            ]
         out[list_name] = turns
     return out
 
 
 def _missing_columns(where: str, kind: str, fields: dict[str, str], columns: list[str]) -> None:
     """One line naming a mapped or required column the data does not have, and the columns it does."""
-    columns_read = (LIST_COLUMN[kind],) if kind in LIST_COLUMN else DATASET_FIELDS[kind]  # role/content are message keys
+    columns_read = (
+        (LIST_COLUMN[kind],) if kind in LIST_COLUMN else DATASET_FIELDS[kind]
+    )  # role/content are message keys
     for name in columns_read:
         if name in fields and fields[name] not in columns:
-            raise DataError(f"dataset {where}: fields maps {name} to column {fields[name]!r}, which it does not have "
-                            f"(columns: {', '.join(map(str, columns))}); fix datasets[].fields")
+            raise DataError(
+                f"dataset {where}: fields maps {name} to column {fields[name]!r}, which it does not have "
+                f"(columns: {', '.join(map(str, columns))}); fix datasets[].fields"
+            )
     for name in REQUIRED_COLUMNS[kind]:
         if name not in fields and name not in columns:
-            raise DataError(f"dataset {where} ({kind}): no column {name!r} (columns: {', '.join(map(str, columns))}); "
-                            f"rename the column or map it with fields: {{{name}: <column>}}")
+            raise DataError(
+                f"dataset {where} ({kind}): no column {name!r} (columns: {', '.join(map(str, columns))}); "
+                f"rename the column or map it with fields: {{{name}: <column>}}"
+            )
 
 
 def _check_rows(records, where: str, kind: str, fields: dict[str, str], unit: str) -> list[dict]:
@@ -274,8 +312,10 @@ def _datasets_module(where: str):
     try:
         import datasets
     except ImportError as e:
-        raise DataError(f"dataset {where}: reading it needs the `datasets` package, which is not installed; "
-                        "pip install 'loraship[train]' (or datasets), or convert the data to JSONL") from e
+        raise DataError(
+            f"dataset {where}: reading it needs the `datasets` package, which is not installed; "
+            "pip install 'loraship[train]' (or datasets), or convert the data to JSONL"
+        ) from e
     return datasets
 
 
@@ -290,19 +330,30 @@ def load_table(spec):
             if problem:
                 raise DataError(f"dataset {where}: {problem}")
             # datasets reads a URL through fsspec; the Arrow copy goes to loraship's cache as for local files.
-            return datasets.load_dataset(TABULAR_SUFFIXES[Path(spec.path).suffix.lower()], data_files=spec.path,
-                                         split="train", cache_dir=str(cache_root() / "datasets"))
+            return datasets.load_dataset(
+                TABULAR_SUFFIXES[Path(spec.path).suffix.lower()],
+                data_files=spec.path,
+                split="train",
+                cache_dir=str(cache_root() / "datasets"),
+            )
         if repo is None:
             path = Path(spec.path).expanduser()
             if not path.is_file():
-                raise DataError(f"dataset {path}: file not found; check datasets[].path (relative paths start at the "
-                                "config file's folder)")
+                raise DataError(
+                    f"dataset {path}: file not found; check datasets[].path (relative paths start at the "
+                    "config file's folder)"
+                )
             # Local files get their Arrow copy in loraship's cache, not the user's Hugging Face one.
-            return datasets.load_dataset(TABULAR_SUFFIXES[path.suffix.lower()], data_files=str(path), split="train",
-                                         cache_dir=str(cache_root() / "datasets"))
+            return datasets.load_dataset(
+                TABULAR_SUFFIXES[path.suffix.lower()],
+                data_files=str(path),
+                split="train",
+                cache_dir=str(cache_root() / "datasets"),
+            )
         if "/" in repo.split("/", 2)[-1] and Path(repo).suffix.lower() in TABULAR_SUFFIXES:  # one file in a Hub repo
-            return datasets.load_dataset(TABULAR_SUFFIXES[Path(repo).suffix.lower()], data_files=f"hf://datasets/{repo}",
-                                         split=spec.split)
+            return datasets.load_dataset(
+                TABULAR_SUFFIXES[Path(repo).suffix.lower()], data_files=f"hf://datasets/{repo}", split=spec.split
+            )
         return datasets.load_dataset(repo, split=spec.split)
     except DataError:
         raise
@@ -314,8 +365,11 @@ def load_table(spec):
                 f"({cause}); download it once online (python -c \"import datasets; datasets.load_dataset('{repo}', "
                 f"split='{spec.split}')\"), unset HF_HUB_OFFLINE, or point path at a local .jsonl/.parquet/.csv file"
             ) from e
-        hint = ("check the id, the split and HF_TOKEN for a private dataset" if repo
-                else "check that the file is valid " + Path(spec.path).suffix.lstrip(".").upper())
+        hint = (
+            "check the id, the split and HF_TOKEN for a private dataset"
+            if repo
+            else "check that the file is valid " + Path(spec.path).suffix.lstrip(".").upper()
+        )
         raise DataError(f"dataset {where}: cannot load it ({cause}); {hint}") from e
 
 
@@ -337,8 +391,10 @@ def read_dataset(spec) -> list[dict]:
     table = load_table(spec)
     _missing_columns(spec.path, spec.type, spec.fields, table.column_names)
     by_name = {v: k for k, v in spec.fields.items()}
-    records = [(i, {c: _cell(v, by_name.get(c, c), spec.type) for c, v in row.items()})
-               for i, row in enumerate(table.to_list(), start=1)]
+    records = [
+        (i, {c: _cell(v, by_name.get(c, c), spec.type) for c, v in row.items()})
+        for i, row in enumerate(table.to_list(), start=1)
+    ]
     return _check_rows(records, spec.path, spec.type, spec.fields, "row")
 
 
@@ -361,7 +417,9 @@ def as_messages(row: dict, kind: str) -> list[dict]:
     if kind == "chat":
         return row["messages"]
     if kind == "sharegpt":
-        return [{"role": SHAREGPT_ROLES.get(t["from"], t["from"]), "content": t["value"]} for t in row["conversations"]]
+        return [
+            {"role": SHAREGPT_ROLES.get(t["from"], t["from"]), "content": t["value"]} for t in row["conversations"]
+        ]
     prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
 
@@ -396,7 +454,9 @@ def labels_of(record: dict, train_on_inputs: bool) -> list[int]:
     return [tok if keep else IGNORE_INDEX for tok, keep in zip(record["input_ids"], record["learn"])]
 
 
-def examples_from(records: list[dict], sequence_len: int, truncation: str, train_on_inputs: bool = False) -> TokenizedSplit:
+def examples_from(
+    records: list[dict], sequence_len: int, truncation: str, train_on_inputs: bool = False
+) -> TokenizedSplit:
     out = TokenizedSplit()
     for record in records:
         ids, labels = record["input_ids"], labels_of(record, train_on_inputs)
@@ -413,8 +473,9 @@ def examples_from(records: list[dict], sequence_len: int, truncation: str, train
     return out
 
 
-def tokenize_rows(rows: list[dict], kind: str, tokenizer, sequence_len: int, truncation: str,
-                  train_on_inputs: bool = False) -> TokenizedSplit:
+def tokenize_rows(
+    rows: list[dict], kind: str, tokenizer, sequence_len: int, truncation: str, train_on_inputs: bool = False
+) -> TokenizedSplit:
     if kind != "completion" and rows:
         require_template(tokenizer, f"{kind} rows")
     return examples_from([encode_row(row, kind, tokenizer) for row in rows], sequence_len, truncation, train_on_inputs)
@@ -450,10 +511,18 @@ def encoded_dataset(spec, tokenizer) -> list[dict]:
     (examples_from): changing them retrains without re-tokenizing."""
     from loraship.runtime.manifest import atomic_write_json
 
-    key = hashlib.sha256(json.dumps({
-        "version": TOKENIZED_CACHE_VERSION, "data": dataset_identity(spec), "tokenizer": tokenizer_fingerprint(tokenizer),
-        "type": spec.type, "fields": spec.fields,
-    }, sort_keys=True).encode()).hexdigest()
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "version": TOKENIZED_CACHE_VERSION,
+                "data": dataset_identity(spec),
+                "tokenizer": tokenizer_fingerprint(tokenizer),
+                "type": spec.type,
+                "fields": spec.fields,
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()
     cached = cache_root() / "tokenized" / f"{key}.json"
     if cached.is_file():
         try:
@@ -510,9 +579,16 @@ def eval_records(config, tokenizer) -> list[dict]:
         if not positions:
             continue
         completion = kind == "completion"  # a rendered template carries its own BOS text
-        records.append({"kind": kind, "text": record["text"], "add_bos": completion,
-                        "served_ids": record["served_ids"] if completion else list(record["input_ids"]),
-                        "input_ids": ids, "positions": positions})
+        records.append(
+            {
+                "kind": kind,
+                "text": record["text"],
+                "add_bos": completion,
+                "served_ids": record["served_ids"] if completion else list(record["input_ids"]),
+                "input_ids": ids,
+                "positions": positions,
+            }
+        )
         if len(records) == config.verify_max_examples:
             break
     return records
@@ -544,7 +620,12 @@ def golden_rows(config) -> list[dict]:
         rows = []
         for row in read_rows(config.golden_prompts, "golden"):
             messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
-            rows.append({**{k: v for k, v in row.items() if k != "prompt"}, "messages": conversation_prompt(messages) or messages})
+            rows.append(
+                {
+                    **{k: v for k, v in row.items() if k != "prompt"},
+                    "messages": conversation_prompt(messages) or messages,
+                }
+            )
         return rows
     train_rows, eval_rows = split_rows(config)
     prompts = []
@@ -563,8 +644,9 @@ def load_splits(config, tokenizer) -> tuple[TokenizedSplit, TokenizedSplit]:
     for items in encoded_splits(config, tokenizer):
         merged = TokenizedSplit()
         for kind in DATASET_FIELDS:  # grouped by row type, as before the cache
-            part = examples_from([r for k, r in items if k == kind], config.sequence_len, config.truncation,
-                                 config.train_on_inputs)
+            part = examples_from(
+                [r for k, r in items if k == kind], config.sequence_len, config.truncation, config.train_on_inputs
+            )
             merged.examples += part.examples
             merged.truncated += part.truncated
             merged.dropped += part.dropped

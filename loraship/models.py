@@ -11,7 +11,14 @@ from loraship.errors import ConfigError, LorashipError
 from loraship.safetensors_check import read_header, safetensors_problem
 
 # What `plan` needs; training needs the weights too.
-METADATA_PATTERNS = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "chat_template*", "*.model"]
+METADATA_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "chat_template*",
+    "*.model",
+]
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -40,8 +47,16 @@ def resolve_base_model(config: Config, weights: bool = True) -> Path:
 
 # Keys of config.json that the planner, transformers and llama.cpp's converter read as numbers; a list or
 # a string there fails deep inside them (TypeError, AttributeError) instead of with a message.
-CONFIG_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "vocab_size", "max_position_embeddings")
+CONFIG_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 REPLACE = "replace it with the file from the original checkpoint (its Hugging Face repository)"
@@ -70,11 +85,15 @@ def _config_json_problems(data: dict) -> list[str]:
     problems = []
     archs = data.get("architectures")
     if archs is not None and not (isinstance(archs, list) and archs and all(isinstance(a, str) and a for a in archs)):
-        problems.append(f"'architectures' is {json.dumps(archs)[:60]}, not a list of model class names "
-                        "such as [\"LlamaForCausalLM\"]")
+        problems.append(
+            f"'architectures' is {json.dumps(archs)[:60]}, not a list of model class names "
+            'such as ["LlamaForCausalLM"]'
+        )
     if not isinstance(data.get("model_type"), str) or not data["model_type"]:
-        problems.append("'model_type' is missing or not a name (such as \"llama\"); transformers and the planner "
-                        "pick the architecture by it")
+        problems.append(
+            "'model_type' is missing or not a name (such as \"llama\"); transformers and the planner "
+            "pick the architecture by it"
+        )
     text = data.get("text_config")
     if text is not None and not isinstance(text, dict):
         problems.append(f"'text_config' is {_kind(text)}, not an object")
@@ -96,18 +115,26 @@ def _tokenizer_config_problems(data: dict) -> list[str]:
     problems = []
     template = data.get("chat_template")
     named = isinstance(template, list) and all(
-        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in template)
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in template
+    )
     if template is not None and not isinstance(template, str) and not named:
-        problems.append(f"'chat_template' is {_kind(template)}, not a Jinja template string (or a list of "
-                        "{name, template} objects)")
+        problems.append(
+            f"'chat_template' is {_kind(template)}, not a Jinja template string (or a list of "
+            "{name, template} objects)"
+        )
     for key in SPECIAL_TOKEN_KEYS:
         value = data.get(key)
-        if value is not None and not isinstance(value, str) and not (isinstance(value, dict)
-                                                                    and isinstance(value.get("content"), str)):
+        if (
+            value is not None
+            and not isinstance(value, str)
+            and not (isinstance(value, dict) and isinstance(value.get("content"), str))
+        ):
             problems.append(f"'{key}' is {_kind(value)}, not a token string (or an object with its 'content')")
     added = data.get("added_tokens_decoder")
-    if added is not None and not (isinstance(added, dict) and all(
-            isinstance(v, dict) and isinstance(v.get("content"), str) for v in added.values())):
+    if added is not None and not (
+        isinstance(added, dict)
+        and all(isinstance(v, dict) and isinstance(v.get("content"), str) for v in added.values())
+    ):
         problems.append("'added_tokens_decoder' is not an object mapping token ids to {\"content\": ...} objects")
     return problems
 
@@ -148,8 +175,10 @@ def read_model_config(folder: Path) -> dict:
     planner reads it with (plan stage, `loraship plan`, `loraship init`) must not meet a list or a string."""
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"base model {str(folder)!r}", ["no config.json; this does not look like a Hugging Face "
-                                                          "model folder; point base_model at one"])
+        raise ConfigError(
+            f"base model {str(folder)!r}",
+            ["no config.json; this does not look like a Hugging Face model folder; point base_model at one"],
+        )
     data, problems = json_file_problems(path, _config_json_problems)
     if problems:
         raise ConfigError(f"base model {str(folder)!r}", problems)
@@ -172,7 +201,9 @@ def base_model_problems(config: Config, folder: Path, weights: bool = True) -> l
     """Everything wrong with a base model folder, listed at once."""
     where = f"base_model {str(folder)!r}"
     if not folder.is_dir():
-        return [f"{where}: folder does not exist; point base_model at a folder holding config.json, a tokenizer and *.safetensors"]
+        return [
+            f"{where}: folder does not exist; point base_model at a folder holding config.json, a tokenizer and *.safetensors"
+        ]
     problems = [f"{where}: {p}" for p in model_json_problems(folder)]
     model_config = json_file_problems(folder / "config.json")[0] if (folder / "config.json").is_file() else None
     if model_config and model_config.get("auto_map") and not config.trust_remote_code:
@@ -181,7 +212,9 @@ def base_model_problems(config: Config, folder: Path, weights: bool = True) -> l
             "you set trust_remote_code: true"
         )
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        problems.append(f"{where}: no tokenizer (tokenizer.json or tokenizer.model); copy the tokenizer files into the folder")
+        problems.append(
+            f"{where}: no tokenizer (tokenizer.json or tokenizer.model); copy the tokenizer files into the folder"
+        )
     problems += [f"{where}: {p}" for p in sentencepiece_problems(folder)]
     if weights:
         safetensors = list(folder.glob("*.safetensors"))
@@ -213,10 +246,15 @@ def shard_index_problems(folder: Path) -> list[str]:
         if data is None:
             continue
         weight_map = data.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map or not all(
-                isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items()):
-            problems.append(f"{index.name}: 'weight_map' is {json.dumps(weight_map)[:60]}, not an object mapping "
-                            f"tensor names to shard files; {SHARD_INDEX_FIX}")
+        if (
+            not isinstance(weight_map, dict)
+            or not weight_map
+            or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items())
+        ):
+            problems.append(
+                f"{index.name}: 'weight_map' is {json.dumps(weight_map)[:60]}, not an object mapping "
+                f"tensor names to shard files; {SHARD_INDEX_FIX}"
+            )
             continue
         root = folder.resolve()
         shards = sorted(set(weight_map.values()))
@@ -228,9 +266,11 @@ def shard_index_problems(folder: Path) -> list[str]:
         if missing:
             named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
             present = len(shards) - len(missing)
-            problems.append(f"{index.name} names {named}, {'which is' if len(missing) == 1 else 'which are'} not in "
-                            f"{folder} ({present} of the {len(shards)} shards it names {'is' if present == 1 else 'are'} "
-                            "there); fix: download the missing shard or the whole checkpoint again")
+            problems.append(
+                f"{index.name} names {named}, {'which is' if len(missing) == 1 else 'which are'} not in "
+                f"{folder} ({present} of the {len(shards)} shards it names {'is' if present == 1 else 'are'} "
+                "there); fix: download the missing shard or the whole checkpoint again"
+            )
     return problems
 
 
@@ -245,14 +285,18 @@ def sentencepiece_problems(folder: Path) -> list[str]:
     try:
         import sentencepiece
     except ImportError as e:
-        return [f"tokenizer.model cannot be read without sentencepiece ({e}); fix: pip install sentencepiece "
-                "protobuf (both in loraship[train])"]
+        return [
+            f"tokenizer.model cannot be read without sentencepiece ({e}); fix: pip install sentencepiece "
+            "protobuf (both in loraship[train])"
+        ]
     try:
         sentencepiece.SentencePieceProcessor(model_file=str(path))
     except Exception as e:  # noqa: BLE001 - sentencepiece raises RuntimeError or OSError, with C++ text
         reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
-        return [f"tokenizer.model ({path.stat().st_size} bytes) does not load in sentencepiece ({reason}); it is "
-                f"truncated or not a sentencepiece model; fix: {REPLACE}"]
+        return [
+            f"tokenizer.model ({path.stat().st_size} bytes) does not load in sentencepiece ({reason}); it is "
+            f"truncated or not a sentencepiece model; fix: {REPLACE}"
+        ]
     return []
 
 
@@ -295,15 +339,19 @@ def embedding_problems(config: Config, folder: Path, model_config: dict) -> list
         return []
     where = f"base_model {str(folder)!r}"
     if not ties_embeddings(model_config):
-        return [f"{where}: the weights have {LM_HEAD} but no {EMBED_TOKENS}, and config.json does not tie the two "
-                "(tie_word_embeddings is not true), so the model would start from a random embedding; use the "
-                "checkpoint's complete weights"]
+        return [
+            f"{where}: the weights have {LM_HEAD} but no {EMBED_TOKENS}, and config.json does not tie the two "
+            "(tie_word_embeddings is not true), so the model would start from a random embedding; use the "
+            "checkpoint's complete weights"
+        ]
     if config.adapter_gguf:
-        return [f"{where}: the tied embedding is stored only as {LM_HEAD} (no {EMBED_TOKENS}); adapter_gguf converts "
-                "this base as it is, and llama.cpp's converter would write a GGUF without token_embd.weight that "
-                "llama.cpp cannot load. Set adapter_gguf: false (the merged model is written with the embedding "
-                "under its own name), or re-save the base with transformers' save_pretrained, which stores it as "
-                f"{EMBED_TOKENS}"]
+        return [
+            f"{where}: the tied embedding is stored only as {LM_HEAD} (no {EMBED_TOKENS}); adapter_gguf converts "
+            "this base as it is, and llama.cpp's converter would write a GGUF without token_embd.weight that "
+            "llama.cpp cannot load. Set adapter_gguf: false (the merged model is written with the embedding "
+            "under its own name), or re-save the base with transformers' save_pretrained, which stores it as "
+            f"{EMBED_TOKENS}"
+        ]
     return []
 
 

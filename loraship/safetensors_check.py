@@ -35,8 +35,11 @@ def read_header(path: Path) -> tuple[int, dict]:
 
 def _offsets(name: str, info) -> tuple[int, int]:
     offsets = info.get("data_offsets") if isinstance(info, dict) else None
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+    ):
         raise ValueError(f"tensor {name!r} has data_offsets {offsets!r}, not two byte positions")
     return offsets[0], offsets[1]
 
@@ -55,12 +58,16 @@ def safetensors_problem(path: Path) -> str | None:
             return f"{path}: tensor {name!r} has data_offsets [{begin}, {end}], which end before they begin; {_FIX}"
     if spans and max(end for _, end, _ in spans) > data_bytes:
         begin, end, name = max(spans, key=lambda s: s[1])
-        return (f"{path}: truncated or its header is wrong: tensor {name!r} has data_offsets [{begin}, {end}] past the "
-                f"end of the data ({data_bytes} bytes; the file has {size}, its header needs {8 + header_len + end}); {_FIX}")
+        return (
+            f"{path}: truncated or its header is wrong: tensor {name!r} has data_offsets [{begin}, {end}] past the "
+            f"end of the data ({data_bytes} bytes; the file has {size}, its header needs {8 + header_len + end}); {_FIX}"
+        )
     for (b1, e1, n1), (b2, e2, n2) in zip(spans, spans[1:]):
         if b2 < e1:
-            return (f"{path}: tensors {n1!r} [{b1}, {e1}) and {n2!r} [{b2}, {e2}) overlap in its header's data_offsets; "
-                    f"the file is corrupt or crafted; {_FIX} from a trusted source")
+            return (
+                f"{path}: tensors {n1!r} [{b1}, {e1}) and {n2!r} [{b2}, {e2}) overlap in its header's data_offsets; "
+                f"the file is corrupt or crafted; {_FIX} from a trusted source"
+            )
     from safetensors import SafetensorError, safe_open
 
     try:

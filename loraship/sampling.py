@@ -21,11 +21,29 @@ from loraship.errors import LorashipError
 # HF generation_config keys that make model.generate(do_sample=False) something other than argmax
 # decoding (sampling-only knobs warn under do_sample false; the others change the greedy pick).
 HF_NOT_GREEDY_KEYS = (
-    "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
-    "num_beams", "num_beam_groups", "penalty_alpha", "diversity_penalty", "length_penalty", "early_stopping",
-    "no_repeat_ngram_size", "encoder_repetition_penalty", "encoder_no_repeat_ngram_size", "bad_words_ids",
-    "sequence_bias", "suppress_tokens", "begin_suppress_tokens", "exponential_decay_length_penalty",
-    "guidance_scale", "dola_layers",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "num_beams",
+    "num_beam_groups",
+    "penalty_alpha",
+    "diversity_penalty",
+    "length_penalty",
+    "early_stopping",
+    "no_repeat_ngram_size",
+    "encoder_repetition_penalty",
+    "encoder_no_repeat_ngram_size",
+    "bad_words_ids",
+    "sequence_bias",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "exponential_decay_length_penalty",
+    "guidance_scale",
+    "dola_layers",
 )
 
 
@@ -47,8 +65,10 @@ class Sampling:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(record) - known)
         if unknown:
-            raise LorashipError(f"sampling settings {unknown} are unknown (known: {sorted(known)}); the verify.json "
-                                "was written by another loraship: run the verify stage again")
+            raise LorashipError(
+                f"sampling settings {unknown} are unknown (known: {sorted(known)}); the verify.json "
+                "was written by another loraship: run the verify stage again"
+            )
         try:
             return cls(**{k: type(getattr(cls(), k))(v) for k, v in record.items()})
         except (TypeError, ValueError) as e:
@@ -65,16 +85,22 @@ class Sampling:
         """Keyword arguments for the `openai` client's chat.completions.create: the OpenAI fields as
         themselves, llama.cpp's own (top_k, min_p, repeat_penalty) in extra_body, which the client
         merges into the JSON body and llama-cpp-python's server and llama-server read."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty,
-                "extra_body": {"top_k": self.top_k, "min_p": self.min_p, "repeat_penalty": self.repeat_penalty}}
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "extra_body": {"top_k": self.top_k, "min_p": self.min_p, "repeat_penalty": self.repeat_penalty},
+        }
 
     def llama_server_flags(self) -> str:
         """llama-server's flags for the same settings (each one's help text in llama.cpp's common/arg.cpp
         names its off value): they become the defaults of every request that does not set its own."""
-        return (f"--temp {self.temperature:g} --top-k {self.top_k} --top-p {self.top_p:g} --min-p {self.min_p:g} "
-                f"--repeat-penalty {self.repeat_penalty:g} --presence-penalty {self.presence_penalty:g} "
-                f"--frequency-penalty {self.frequency_penalty:g}")
+        return (
+            f"--temp {self.temperature:g} --top-k {self.top_k} --top-p {self.top_p:g} --min-p {self.min_p:g} "
+            f"--repeat-penalty {self.repeat_penalty:g} --presence-penalty {self.presence_penalty:g} "
+            f"--frequency-penalty {self.frequency_penalty:g}"
+        )
 
     def ollama_parameters(self) -> list[tuple[str, str]]:
         """Modelfile PARAMETER names and values (Ollama's option names are llama.cpp's)."""
@@ -86,12 +112,17 @@ class Sampling:
         repetition_penalty is not llama.cpp's (it penalises every earlier token, prompt included, with no
         last-n window), so other settings are refused rather than written as something else."""
         if not self.greedy:
-            raise LorashipError(f"only greedy decoding is written to generation_config.json, not {self.record()}; "
-                                "ship the default sampling settings")
+            raise LorashipError(
+                f"only greedy decoding is written to generation_config.json, not {self.record()}; "
+                "ship the default sampling settings"
+            )
         out = {k: v for k, v in gen.items() if k not in HF_NOT_GREEDY_KEYS}
         out.update(do_sample=False, repetition_penalty=1.0)
-        changed = {k: gen[k] for k in (*HF_NOT_GREEDY_KEYS, "do_sample", "repetition_penalty")
-                   if k in gen and gen[k] != out.get(k)}
+        changed = {
+            k: gen[k]
+            for k in (*HF_NOT_GREEDY_KEYS, "do_sample", "repetition_penalty")
+            if k in gen and gen[k] != out.get(k)
+        }
         return out, changed
 
 

@@ -39,20 +39,33 @@ def detect_dataset_type(path: Path, sample: int = 200) -> str:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise LorashipError(f"dataset {path} line {number}: malformed JSON ({e.msg}); one JSON object per "
-                                        "line (JSONL)") from e
+                    raise LorashipError(
+                        f"dataset {path} line {number}: malformed JSON ({e.msg}); one JSON object per line (JSONL)"
+                    ) from e
                 keys = set(row) if isinstance(row, dict) else set()
-                kind = ("chat" if "messages" in keys else "sharegpt" if "conversations" in keys
-                        else "alpaca" if {"instruction", "output"} <= keys else "completion" if "text" in keys else None)
+                kind = (
+                    "chat"
+                    if "messages" in keys
+                    else "sharegpt"
+                    if "conversations" in keys
+                    else "alpaca"
+                    if {"instruction", "output"} <= keys
+                    else "completion"
+                    if "text" in keys
+                    else None
+                )
                 if kind is None:
                     raise LorashipError(
                         f"dataset {path} line {number}: cannot tell the row type from its keys {sorted(keys)}; rows need "
-                        "'messages' (chat), 'conversations' (ShareGPT), 'instruction'+'output' (alpaca) or 'text' (completion)")
+                        "'messages' (chat), 'conversations' (ShareGPT), 'instruction'+'output' (alpaca) or 'text' (completion)"
+                    )
                 kinds.setdefault(kind, number)
                 if len(kinds) > 1:
                     (a, la), (b, lb) = list(kinds.items())[:2]
-                    raise LorashipError(f"dataset {path}: line {la} is a {a} row but line {lb} a {b} row; keep one row "
-                                        "type per file (split it into two datasets)")
+                    raise LorashipError(
+                        f"dataset {path}: line {la} is a {a} row but line {lb} a {b} row; keep one row "
+                        "type per file (split it into two datasets)"
+                    )
                 if number >= sample:
                     break
     except UnicodeDecodeError as e:
@@ -62,8 +75,15 @@ def detect_dataset_type(path: Path, sample: int = 200) -> str:
     return next(iter(kinds))
 
 
-def _dataset_entry(path: Path | str, kind: str, config_dir: Path, notes: list[str], force: bool,
-                   fields: dict[str, str] | None = None, split: str | None = None) -> dict:
+def _dataset_entry(
+    path: Path | str,
+    kind: str,
+    config_dir: Path,
+    notes: list[str],
+    force: bool,
+    fields: dict[str, str] | None = None,
+    split: str | None = None,
+) -> dict:
     """A datasets[] entry for the config in config_dir, its rows read now (every bad one named) rather than at plan time."""
     from loraship.config import DatasetSpec
     from loraship.data import hub_dataset_id, read_dataset
@@ -113,18 +133,27 @@ def template_for_base(folder: Path, row_type: str, trust_remote_code: bool = Fal
             ids = ", ".join(f"{m} ({tokenizer.convert_tokens_to_ids(m)})" for m in markers)
             return name, f"{words} are special tokens of its vocabulary: {ids}"
     if tokenizer.eos_token is None:
-        raise LorashipError(f"base model {folder}: its tokenizer has no EOS and no turn-end special token, so no chat "
-                            "template can end a turn where a runtime stops; set chat_template: to a template ending "
-                            "assistant turns with one of its special tokens, or train on completion rows")
-    if {"[INST]", "[/INST]"} <= special or "mistral" in json.loads((folder / "config.json").read_text()).get("model_type", ""):
+        raise LorashipError(
+            f"base model {folder}: its tokenizer has no EOS and no turn-end special token, so no chat "
+            "template can end a turn where a runtime stops; set chat_template: to a template ending "
+            "assistant turns with one of its special tokens, or train on completion rows"
+        )
+    if {"[INST]", "[/INST]"} <= special or "mistral" in json.loads((folder / "config.json").read_text()).get(
+        "model_type", ""
+    ):
         return "mistral", f"Mistral's [INST] turns, each answer ended by the EOS {tokenizer.eos_token!r}"
     if row_type == "alpaca":
-        return "alpaca", f"instruction rows and no turn markers among its special tokens; each response ends with " \
-                         f"the EOS {tokenizer.eos_token!r}"
+        return (
+            "alpaca",
+            f"instruction rows and no turn markers among its special tokens; each response ends with "
+            f"the EOS {tokenizer.eos_token!r}",
+        )
     return "alpaca", f"no turn markers among its special tokens; each answer ends with the EOS {tokenizer.eos_token!r}"
 
 
-def starter_config(base_model: str, dataset: Path, out_file: Path, gpu_gib: float | None, force: bool) -> tuple[dict, list[str]]:
+def starter_config(
+    base_model: str, dataset: Path, out_file: Path, gpu_gib: float | None, force: bool
+) -> tuple[dict, list[str]]:
     """Config keys for a base model and a dataset, and what was inferred (for the header)."""
     from loraship.planning import memory
     from loraship.config import Config, parse_config
@@ -135,10 +164,16 @@ def starter_config(base_model: str, dataset: Path, out_file: Path, gpu_gib: floa
     kind = detect_dataset_type(dataset)
     entry = _dataset_entry(dataset, kind, out_file.parent, notes, force)
     defaults = {k: Config.model_fields[k].default for k in ("adapter", "lora_r", "lora_alpha", "lora_dropout")}
-    data: dict[str, Any] = {"base_model": base_model, "datasets": [entry], **defaults, "lora_target_modules": "all-linear"}
+    data: dict[str, Any] = {
+        "base_model": base_model,
+        "datasets": [entry],
+        **defaults,
+        "lora_target_modules": "all-linear",
+    }
     # Resolved against the config's folder, as load_config will.
-    config = parse_config({**data, "datasets": [{**entry, "path": str(out_file.parent / entry["path"])}]},
-                          source="starter config")
+    config = parse_config(
+        {**data, "datasets": [{**entry, "path": str(out_file.parent / entry["path"])}]}, source="starter config"
+    )
     folder = resolve_base_model(config, weights=False)
     model_config = model_config_of(config)
     if entry["type"] != "completion":
@@ -151,10 +186,21 @@ def starter_config(base_model: str, dataset: Path, out_file: Path, gpu_gib: floa
     data["sequence_len"] = min(Config.model_fields["sequence_len"].default, max_positions or 10**9)
     found = gpu_total_gib()
     data["gpu_memory_gib"] = gpu_gib or (round(found, 1) if found else Config.model_fields["gpu_memory_gib"].default)
-    notes.append(f"training GPU: {data['gpu_memory_gib']:g} GiB (" + ("--gpu-gib" if gpu_gib else "this machine's GPU"
-                 if found else "no GPU here; the default, change gpu_memory_gib to your card's") + ")")
+    notes.append(
+        f"training GPU: {data['gpu_memory_gib']:g} GiB ("
+        + (
+            "--gpu-gib"
+            if gpu_gib
+            else "this machine's GPU"
+            if found
+            else "no GPU here; the default, change gpu_memory_gib to your card's"
+        )
+        + ")"
+    )
     try:
-        planned = memory.plan_training(model_config, parse_config({**data, "datasets": config.model_dump()["datasets"]}))
+        planned = memory.plan_training(
+            model_config, parse_config({**data, "datasets": config.model_dump()["datasets"]})
+        )
         if planned["strategy"]["adapter"] != data["adapter"]:
             data["adapter"] = planned["strategy"]["adapter"]
         notes.append(f"memory plan: {planned['reason']}")
@@ -171,11 +217,17 @@ def write_config(out_file: Path, data: dict, notes: list[str], warnings: list[st
     from loraship.config import load_config
     from loraship.runtime.manifest import atomic_write_text
 
-    header = [f"# Written by `loraship init`. Run with:  loraship run {out_file}",
-              "# Keys not set here take the defaults described in loraship/config.py.",
-              *(f"#   {n}" for n in notes), *(f"#   ignored: {w}" for w in warnings)]
-    text = "\n".join(line.replace("\n", " ") for line in header) + "\n" + yaml.safe_dump(
-        data, sort_keys=False, allow_unicode=True, width=120)
+    header = [
+        f"# Written by `loraship init`. Run with:  loraship run {out_file}",
+        "# Keys not set here take the defaults described in loraship/config.py.",
+        *(f"#   {n}" for n in notes),
+        *(f"#   ignored: {w}" for w in warnings),
+    ]
+    text = (
+        "\n".join(line.replace("\n", " ") for line in header)
+        + "\n"
+        + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120)
+    )
     if out_file.exists() and not force:
         raise LorashipError(f"{out_file} exists; choose another file with -o, or pass --force to overwrite it")
     atomic_write_text(out_file, text)
@@ -184,21 +236,59 @@ def write_config(out_file: Path, data: dict, notes: list[str], warnings: list[st
 
 # Axolotl keys with the same meaning and name in loraship's config.
 AXOLOTL_SAME = (
-    "base_model", "trust_remote_code", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "sequence_len",
-    "micro_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler", "warmup_steps", "weight_decay",
-    "num_epochs", "max_steps", "seed", "gradient_checkpointing", "save_steps", "logging_steps", "val_set_size",
+    "base_model",
+    "trust_remote_code",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "sequence_len",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "lr_scheduler",
+    "warmup_steps",
+    "weight_decay",
+    "num_epochs",
+    "max_steps",
+    "seed",
+    "gradient_checkpointing",
+    "save_steps",
+    "logging_steps",
+    "val_set_size",
 )
 # Axolotl chat_template names with a loraship equivalent (loraship/chat.py NAMED_TEMPLATES).
 AXOLOTL_TEMPLATES = {"chatml": "chatml", "llama3": "llama3", "alpaca": "alpaca"}
 # Optimizers that are loraship's own (torch AdamW).
 ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"}
-AXOLOTL_DATASET_KEYS = {"path", "type", "ds_type", "split", "field_messages", "message_property_mappings",
-                        "message_field_role", "message_field_content", "field", "field_instruction", "field_input",
-                        "field_output", "roles_to_train", "train_on_eos"}
+AXOLOTL_DATASET_KEYS = {
+    "path",
+    "type",
+    "ds_type",
+    "split",
+    "field_messages",
+    "message_property_mappings",
+    "message_field_role",
+    "message_field_content",
+    "field",
+    "field_instruction",
+    "field_input",
+    "field_output",
+    "roles_to_train",
+    "train_on_eos",
+}
 
 
-def _axolotl_dataset(spec, where: str, source: Path, out_dir: Path, problems: list[str], ignored: list[str],
-                     notes: list[str], force: bool) -> dict | None:
+def _axolotl_dataset(
+    spec,
+    where: str,
+    source: Path,
+    out_dir: Path,
+    problems: list[str],
+    ignored: list[str],
+    notes: list[str],
+    force: bool,
+) -> dict | None:
     if not isinstance(spec, dict) or not isinstance(spec.get("path"), str):
         problems.append(f"{where}: needs a 'path' (a local JSONL file)")
         return None
@@ -211,19 +301,28 @@ def _axolotl_dataset(spec, where: str, source: Path, out_dir: Path, problems: li
     fields: dict[str, str] = {}
     if axolotl_type == "alpaca":
         kind = "alpaca"
-        fields = {name: spec[f"field_{name}"] for name in ("instruction", "input", "output") if spec.get(f"field_{name}")}
+        fields = {
+            name: spec[f"field_{name}"] for name in ("instruction", "input", "output") if spec.get(f"field_{name}")
+        }
     elif axolotl_type == "completion":
         kind, fields = "completion", ({"text": spec["field"]} if spec.get("field", "text") != "text" else {})
-    elif axolotl_type == "sharegpt" or (axolotl_type == "chat_template" and (role_key, content_key) == ("from", "value")):
+    elif axolotl_type == "sharegpt" or (
+        axolotl_type == "chat_template" and (role_key, content_key) == ("from", "value")
+    ):
         kind = "sharegpt"
         fields = {"conversations": messages_key} if messages_key not in ("conversations", "messages") else {}
     elif axolotl_type == "chat_template":
         kind = "chat"
-        fields = {name: key for name, key in (("messages", messages_key), ("role", role_key), ("content", content_key))
-                  if key != name}
+        fields = {
+            name: key
+            for name, key in (("messages", messages_key), ("role", role_key), ("content", content_key))
+            if key != name
+        }
     if kind is None:
-        problems.append(f"{where}: type {axolotl_type!r} has no loraship equivalent; use alpaca, completion, "
-                        "chat_template or sharegpt, converting the file if needed")
+        problems.append(
+            f"{where}: type {axolotl_type!r} has no loraship equivalent; use alpaca, completion, "
+            "chat_template or sharegpt, converting the file if needed"
+        )
         return None
     from loraship.data import hub_dataset_id
 
@@ -232,8 +331,10 @@ def _axolotl_dataset(spec, where: str, source: Path, out_dir: Path, problems: li
         path = (source.parent / path) if (source.parent / path).exists() else path
     if not Path(path).is_file():
         if hub_dataset_id(spec["path"]) is None:
-            problems.append(f"{where}.path {spec['path']!r}: not a local file nor a Hub dataset id; point path at a "
-                            ".jsonl/.json/.parquet/.csv file or an '<org>/<name>' Hub dataset")
+            problems.append(
+                f"{where}.path {spec['path']!r}: not a local file nor a Hub dataset id; point path at a "
+                ".jsonl/.json/.parquet/.csv file or an '<org>/<name>' Hub dataset"
+            )
             return None
         path = spec["path"]
     try:
@@ -269,7 +370,9 @@ def import_axolotl(source: Path, out_file: Path, force: bool) -> tuple[dict, lis
             data[key] = value
         elif key == "adapter":
             if value not in ("lora", "qlora"):
-                problems.append(f"adapter {value!r}: loraship trains LoRA or QLoRA adapters only; set adapter: lora or qlora")
+                problems.append(
+                    f"adapter {value!r}: loraship trains LoRA or QLoRA adapters only; set adapter: lora or qlora"
+                )
             else:
                 data.setdefault("adapter", value)
         elif key == "load_in_4bit":
@@ -290,15 +393,19 @@ def import_axolotl(source: Path, out_file: Path, force: bool) -> tuple[dict, lis
             elif value in AXOLOTL_TEMPLATES:
                 data["chat_template"] = AXOLOTL_TEMPLATES[value]
             elif value != "tokenizer_default":
-                problems.append(f"chat_template {value!r}: no loraship equivalent; use tokenizer_default (the base model's), "
-                                f"{', '.join(AXOLOTL_TEMPLATES)}, or jinja with chat_template_jinja")
+                problems.append(
+                    f"chat_template {value!r}: no loraship equivalent; use tokenizer_default (the base model's), "
+                    f"{', '.join(AXOLOTL_TEMPLATES)}, or jinja with chat_template_jinja"
+                )
         elif key in ("datasets", "test_datasets"):
             target = "datasets" if key == "datasets" else "eval_datasets"
             if not isinstance(value, list) or not value:
                 problems.append(f"{key}: expected a non-empty list of {{path, type}}")
                 continue
-            entries = [_axolotl_dataset(spec, f"{key}[{i}]", source, out_file.parent, problems, ignored, notes, force)
-                       for i, spec in enumerate(value)]
+            entries = [
+                _axolotl_dataset(spec, f"{key}[{i}]", source, out_file.parent, problems, ignored, notes, force)
+                for i, spec in enumerate(value)
+            ]
             data[target] = [e for e in entries if e]
         elif key == "optimizer" and value in ADAMW:
             pass  # loraship's optimizer is torch AdamW

@@ -28,8 +28,15 @@ import sys
 from pathlib import Path
 
 from loraship.constants import (
-    ADAPTER_DIR, ADAPTER_GGUF, F16_GGUF, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_FILE_TYPE, GGUF_METADATA_FILE, MERGED_DIR,
-    OLLAMA_FILE, base_gguf_name,
+    ADAPTER_DIR,
+    ADAPTER_GGUF,
+    F16_GGUF,
+    GGUF_KEY_CHAT_TEMPLATE,
+    GGUF_KEY_FILE_TYPE,
+    GGUF_METADATA_FILE,
+    MERGED_DIR,
+    OLLAMA_FILE,
+    base_gguf_name,
 )
 from loraship.chat import set_template_kwargs, stop_ids, template_kwargs, template_of
 from loraship.errors import IntegrityError, LorashipError
@@ -50,8 +57,14 @@ TIMEOUT_S = 4 * 3600
 log = logging.getLogger("loraship.convert")
 
 
-def convert(merged_dir: Path, out_file: Path, outtype: str = "f16", metadata: Path | None = None,
-            progress_key: str | None = None, add_space_prefix: bool | None = None) -> None:
+def convert(
+    merged_dir: Path,
+    out_file: Path,
+    outtype: str = "f16",
+    metadata: Path | None = None,
+    progress_key: str | None = None,
+    add_space_prefix: bool | None = None,
+) -> None:
     """progress_key: the Prefect progress artifact's key (loraship/runtime/progress.py) inside a flow run.
     add_space_prefix: the value a sentencepiece GGUF must carry (space_prefix.choose), checked once written."""
     script = converter_dir() / "convert_hf_to_gguf.py"
@@ -59,8 +72,20 @@ def convert(merged_dir: Path, out_file: Path, outtype: str = "f16", metadata: Pa
     progress = LlamaCppProgress(STAGE, log, key=progress_key)
     with space_prefix.converter_input(merged_dir, add_space_prefix) as source:
         write_with_tool(
-            lambda tmp: [sys.executable, str(script), str(source), "--outfile", str(tmp), "--outtype", outtype, *extra],
-            out_file, f"convert_hf_to_gguf.py on {merged_dir}", TIMEOUT_S, on_line=progress,
+            lambda tmp: [
+                sys.executable,
+                str(script),
+                str(source),
+                "--outfile",
+                str(tmp),
+                "--outtype",
+                outtype,
+                *extra,
+            ],
+            out_file,
+            f"convert_hf_to_gguf.py on {merged_dir}",
+            TIMEOUT_S,
+            on_line=progress,
         )
     progress.close()
     if add_space_prefix is None:
@@ -72,9 +97,11 @@ def convert(merged_dir: Path, out_file: Path, outtype: str = "f16", metadata: Pa
         set_add_space_prefix(out_file, add_space_prefix)
         written = space_prefix.gguf_value(read_gguf(out_file)["fields"])
     if written is not None and written != add_space_prefix:
-        raise IntegrityError(f"{out_file}: tokenizer.ggml.add_space_prefix is {written}, but llama.cpp needs "
-                             f"{add_space_prefix} to tokenize this run's texts as HF did, and setting it in a copy "
-                             "of the GGUF did not take; do not ship it")
+        raise IntegrityError(
+            f"{out_file}: tokenizer.ggml.add_space_prefix is {written}, but llama.cpp needs "
+            f"{add_space_prefix} to tokenize this run's texts as HF did, and setting it in a copy "
+            "of the GGUF did not take; do not ship it"
+        )
 
 
 # In a child process, with the converter's own gguf-py (its gguf_new_metadata.py puts it first on sys.path):
@@ -98,9 +125,18 @@ def set_add_space_prefix(gguf_path: Path, value: bool) -> None:
     """Rewrite gguf_path (atomically) with tokenizer.ggml.add_space_prefix = value."""
     script = converter_dir() / "gguf-py" / "gguf" / "scripts" / "gguf_new_metadata.py"
     write_with_tool(
-        lambda tmp: [sys.executable, "-c", _SET_ADD_PREFIX, str(script), str(gguf_path), str(tmp),
-                     "true" if value else "false"],
-        gguf_path, f"setting tokenizer.ggml.add_space_prefix in {gguf_path.name}", TIMEOUT_S,
+        lambda tmp: [
+            sys.executable,
+            "-c",
+            _SET_ADD_PREFIX,
+            str(script),
+            str(gguf_path),
+            str(tmp),
+            "true" if value else "false",
+        ],
+        gguf_path,
+        f"setting tokenizer.ggml.add_space_prefix in {gguf_path.name}",
+        TIMEOUT_S,
     )
 
 
@@ -109,9 +145,21 @@ def convert_adapter(adapter_dir: Path, base_dir: Path, out_file: Path, progress_
     script = lora_converter()
     progress = LlamaCppProgress(f"{STAGE} adapter", log, key=progress_key)
     write_with_tool(
-        lambda tmp: [sys.executable, str(script), str(adapter_dir), "--base", str(base_dir), "--outfile", str(tmp),
-                     "--outtype", "f16"],
-        out_file, f"convert_lora_to_gguf.py on {adapter_dir}", TIMEOUT_S, on_line=progress,
+        lambda tmp: [
+            sys.executable,
+            str(script),
+            str(adapter_dir),
+            "--base",
+            str(base_dir),
+            "--outfile",
+            str(tmp),
+            "--outtype",
+            "f16",
+        ],
+        out_file,
+        f"convert_lora_to_gguf.py on {adapter_dir}",
+        TIMEOUT_S,
+        on_line=progress,
     )
     progress.close()
 
@@ -136,12 +184,18 @@ def adapter_ggufs(config, ctx, progress_key: str | None, add_space_prefix: bool 
     convert_adapter(ctx.upstream_dir("train") / ADAPTER_DIR, base_dir, ctx.dir / ADAPTER_GGUF, progress_key)
     fields = read_gguf(ctx.dir / ADAPTER_GGUF)
     if fields["fields"].get(Keys.General.TYPE) != "adapter" or fields["fields"].get(Keys.Adapter.TYPE) != "lora":
-        raise LorashipError(f"{ctx.dir / ADAPTER_GGUF}: not a LoRA adapter GGUF (general.type "
-                            f"{fields['fields'].get(Keys.General.TYPE)!r}); run the convert stage again")
+        raise LorashipError(
+            f"{ctx.dir / ADAPTER_GGUF}: not a LoRA adapter GGUF (general.type "
+            f"{fields['fields'].get(Keys.General.TYPE)!r}); run the convert stage again"
+        )
     check_loads(base_out, lora=ctx.dir / ADAPTER_GGUF)  # the pair llama-server --lora would load
-    return {"adapter_tensor_count": fields["tensor_count"], "adapter_bytes": (ctx.dir / ADAPTER_GGUF).stat().st_size,
-            "lora_alpha": fields["fields"].get(Keys.Adapter.LORA_ALPHA), "base_tensor_count": base_info["tensor_count"],
-            "base_bytes": base_out.stat().st_size}
+    return {
+        "adapter_tensor_count": fields["tensor_count"],
+        "adapter_bytes": (ctx.dir / ADAPTER_GGUF).stat().st_size,
+        "lora_alpha": fields["fields"].get(Keys.Adapter.LORA_ALPHA),
+        "base_tensor_count": base_info["tensor_count"],
+        "base_bytes": base_out.stat().st_size,
+    }
 
 
 def base_label(base_model: str) -> str:
@@ -206,9 +260,14 @@ def run(config) -> dict:
     # adapter_gguf reads the train stage's adapter (only it, not the checkpoints) and quantizes the base.
     adapter = {"train": (ADAPTER_DIR,)} if config.adapter_gguf else {}
     # The base ships in the primary quantization only: adding another to the list does not convert again.
-    ctx = open_stage(config, STAGE, UPSTREAM + tuple(adapter), FIELDS,
-                     extra_inputs={"adapter_base_quantization": config.primary_quantization} if adapter else None,
-                     consumes=adapter)
+    ctx = open_stage(
+        config,
+        STAGE,
+        UPSTREAM + tuple(adapter),
+        FIELDS,
+        extra_inputs={"adapter_base_quantization": config.primary_quantization} if adapter else None,
+        consumes=adapter,
+    )
     if ctx.done:
         return ctx.done
     reset_dir(ctx)
@@ -229,8 +288,13 @@ def run(config) -> dict:
         raise LorashipError(f"run {config.run_name!r}: {problem}")
     out = ctx.dir / F16_GGUF
     progress_key = artifact_key(config.run_name, STAGE, "progress")
-    convert(merged, out, metadata=ctx.dir / GGUF_METADATA_FILE, progress_key=progress_key,
-            add_space_prefix=add_space_prefix)
+    convert(
+        merged,
+        out,
+        metadata=ctx.dir / GGUF_METADATA_FILE,
+        progress_key=progress_key,
+        add_space_prefix=add_space_prefix,
+    )
     info = read_gguf_of_type(out, "F16")
     check_loads(out)
     extra = {"adapter_gguf": adapter_ggufs(config, ctx, progress_key, add_space_prefix)} if config.adapter_gguf else {}

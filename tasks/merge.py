@@ -23,8 +23,14 @@ from loraship.data import load_splits
 from loraship.errors import IntegrityError, LorashipError
 from loraship.runtime.manifest import atomic_path, atomic_write_json
 from loraship.models import (
-    EMBED_TOKENS, LM_HEAD, check_base_model, embedding_only_as_lm_head, hf_offline_if_local, resolve_base_model,
-    ties_embeddings, weight_files,
+    EMBED_TOKENS,
+    LM_HEAD,
+    check_base_model,
+    embedding_only_as_lm_head,
+    hf_offline_if_local,
+    resolve_base_model,
+    ties_embeddings,
+    weight_files,
 )
 from loraship.planning.preflight import check_free_disk
 from loraship.runtime.progress import Progress, artifact_key
@@ -82,8 +88,9 @@ def lora_deltas(adapter_dir: Path) -> tuple[dict, float]:
     return {name: (ab["A"], ab["B"]) for name, ab in pairs.items()}, scale
 
 
-def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: str = "bfloat16",
-                 progress_key: str | None = None) -> dict:
+def merge_shards(
+    base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: str = "bfloat16", progress_key: str | None = None
+) -> dict:
     """progress_key: the Prefect progress artifact's key inside a flow run (loraship/runtime/progress.py)."""
     import torch
     from safetensors import safe_open
@@ -116,7 +123,9 @@ def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: s
         save_file(merged, out_dir / shard.name, metadata={"format": "pt"})
         progress.update(sum(sizes[: i + 1]), f"shard {i + 1}/{len(shards)} ({shard.name})")
     if remaining:
-        raise LorashipError(f"adapter weights with no matching base weight: {sorted(remaining)[:5]}; wrong base model?")
+        raise LorashipError(
+            f"adapter weights with no matching base weight: {sorted(remaining)[:5]}; wrong base model?"
+        )
     index = base_dir / "model.safetensors.index.json"
     if index.exists():
         data = json.loads(index.read_text(encoding="utf-8"))
@@ -127,8 +136,7 @@ def merge_shards(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype_name: s
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
     if (base_dir / "generation_config.json").exists():
         shutil.copy(base_dir / "generation_config.json", out_dir)
-    return {"merged_modules": len(deltas), "scale": scale, "shards": len(shards),
-            "renamed_tensors": renamed}
+    return {"merged_modules": len(deltas), "scale": scale, "shards": len(shards), "renamed_tensors": renamed}
 
 
 def copy_tokenizer(base_dir: Path, out_dir: Path, trust_remote_code: bool) -> None:
@@ -179,7 +187,11 @@ def stop_at_turn_end(out_dir: Path) -> dict | None:
     gen = json.loads(gen_file.read_text(encoding="utf-8")) if gen_file.exists() else {}
     if not gen:
         model_config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
-        gen = {k: model_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if model_config.get(k) is not None}
+        gen = {
+            k: model_config[k]
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if model_config.get(k) is not None
+        }
     eos = gen.get("eos_token_id")
     eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
@@ -204,8 +216,11 @@ def greedy_generation_config(out_dir: Path) -> dict:
     gen = json.loads(gen_file.read_text(encoding="utf-8")) if gen_file.exists() else {}
     if not gen:
         model_config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
-        gen = {k: model_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-               if model_config.get(k) is not None}
+        gen = {
+            k: model_config[k]
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if model_config.get(k) is not None
+        }
     shipped, changed = GREEDY.generation_config(gen)
     gen_file.write_text(json.dumps(shipped, indent=2), encoding="utf-8")
     return changed
@@ -224,8 +239,12 @@ def ensure_added_tokens_decoder(config_file: Path, tokenizer) -> None:
         return
     data["added_tokens_decoder"] = {
         str(token_id): {
-            "content": tok.content, "lstrip": tok.lstrip, "rstrip": tok.rstrip,
-            "normalized": tok.normalized, "single_word": tok.single_word, "special": tok.special,
+            "content": tok.content,
+            "lstrip": tok.lstrip,
+            "rstrip": tok.rstrip,
+            "normalized": tok.normalized,
+            "single_word": tok.single_word,
+            "special": tok.special,
         }
         for token_id, tok in sorted(tokenizer.added_tokens_decoder.items())
     }
@@ -246,12 +265,21 @@ def probe_device(base_bytes: int) -> tuple[str | None, str]:
         return "cpu", ""
     if torch.cuda.is_available() and needed < 0.9 * torch.cuda.mem_get_info()[0]:
         return "cuda", ""
-    return None, (f"an fp32 probe needs about {needed / 2**30:.1f} GiB; {available / 2**30:.1f} GiB RAM free and "
-                  "no GPU with that much free memory")
+    return None, (
+        f"an fp32 probe needs about {needed / 2**30:.1f} GiB; {available / 2**30:.1f} GiB RAM free and "
+        "no GPU with that much free memory"
+    )
 
 
-def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples: list[dict], trained_adapter: str,
-          device: str = "cpu") -> dict:
+def probe(
+    config,
+    base_dir: Path,
+    adapter_dir: Path,
+    merged_dir: Path,
+    examples: list[dict],
+    trained_adapter: str,
+    device: str = "cpu",
+) -> dict:
     """Logits on a probe batch: base, base+adapter (unmerged), merged; plus the NF4 view for QLoRA."""
     import torch
     from peft import PeftModel
@@ -260,8 +288,11 @@ def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples:
     from loraship.training.packing import collate_padded
 
     ids, _labels, mask = collate_padded(examples, pad_id=0)
-    load = dict(dtype=torch.float32, trust_remote_code=config.trust_remote_code,
-                **({"device_map": {"": 0}} if device == "cuda" else {}))
+    load = dict(
+        dtype=torch.float32,
+        trust_remote_code=config.trust_remote_code,
+        **({"device_map": {"": 0}} if device == "cuda" else {}),
+    )
 
     def logits(model):
         with torch.no_grad():
@@ -289,14 +320,18 @@ def probe(config, base_dir: Path, adapter_dir: Path, merged_dir: Path, examples:
         "max_abs_diff_merged_vs_adapter": merge_error,
         "max_abs_diff_adapter_vs_base": adapter_effect,
         "kl_adapter_to_merged": kl(adapted, merged_logits),
-        "argmax_agreement_merged_vs_adapter": float((merged_logits.argmax(-1) == adapted.argmax(-1))[valid].float().mean()),
+        "argmax_agreement_merged_vs_adapter": float(
+            (merged_logits.argmax(-1) == adapted.argmax(-1))[valid].float().mean()
+        ),
         # bf16 storage of W + sBA rounds each weight; the merge is correct when that error is
         # a small fraction of what the adapter changed.
         "merge_matches_adapter": merge_error <= 0.1 * adapter_effect,
         "merge_differs_from_base": adapter_effect > 1e-4,
     }
     if trained_adapter == "qlora":
-        result["kl_nf4_training_view_to_merged_bf16"] = nf4_view_kl(config, base_dir, adapter_dir, ids, mask, merged_logits, kl)
+        result["kl_nf4_training_view_to_merged_bf16"] = nf4_view_kl(
+            config, base_dir, adapter_dir, ids, mask, merged_logits, kl
+        )
     return result
 
 
@@ -306,8 +341,12 @@ def nf4_view_kl(config, base_dir, adapter_dir, ids, mask, merged_logits, kl) -> 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
     base = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quant, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
     with torch.no_grad():

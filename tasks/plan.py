@@ -20,10 +20,31 @@ from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 STAGE = "plan"
 UPSTREAM: tuple[str, ...] = ()
 FIELDS = (
-    "base_model", "base_model_revision", "trust_remote_code", "allow_pickle", "adapter", "lora_r", "lora_alpha",
-    "lora_target_modules", "sequence_len", "micro_batch_size", "gradient_accumulation_steps", "optimize", "gradient_checkpointing",
-    "fused_loss", "gpu_memory_gib", "target_gpu_memory_gib", "target_context", "quantization", "datasets",
-    "eval_datasets", "device", "fallback", "offload_activations", "train_on_inputs", "gpus",
+    "base_model",
+    "base_model_revision",
+    "trust_remote_code",
+    "allow_pickle",
+    "adapter",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "sequence_len",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "optimize",
+    "gradient_checkpointing",
+    "fused_loss",
+    "gpu_memory_gib",
+    "target_gpu_memory_gib",
+    "target_context",
+    "quantization",
+    "datasets",
+    "eval_datasets",
+    "device",
+    "fallback",
+    "offload_activations",
+    "train_on_inputs",
+    "gpus",
 )
 
 
@@ -69,9 +90,14 @@ def run(config) -> dict:
     atomic_write_json(ctx.dir / PLAN_FILE, plan)
     atomic_write_json(
         ctx.dir / STRATEGY_FILE,
-        {"strategy": training["strategy"], "memory": training["memory"], "model_dir": str(model_dir), "inputs": inputs,
-         # The engine and GPU count per visible devices (multi_gpu.choose_engine reads it at train time).
-         "distributed": training["distributed"]},
+        {
+            "strategy": training["strategy"],
+            "memory": training["memory"],
+            "model_dir": str(model_dir),
+            "inputs": inputs,
+            # The engine and GPU count per visible devices (multi_gpu.choose_engine reads it at train time).
+            "distributed": training["distributed"],
+        },
     )
     return ctx.finish(
         {

@@ -22,12 +22,33 @@ from loraship.publishing import hub
 
 from loraship.llamacpp import ollama
 from loraship.constants import (
-    ADAPTER_DIR, ADAPTER_GGUF, GENERATION_CONFIG_FILE, GGUF_METADATA_FILE, LADDER_PLOT_FILE, LOSS_PLOT_FILE,
-    MANIFEST_NAME, MEMORY_PLOT_FILE, MERGED_DIR, MODEL_CARD, MODELFILE, OLLAMA_FILE, PLAN_FILE, STAGES, VERIFY_FILE,
-    base_gguf_name, quantized_gguf_name,
+    ADAPTER_DIR,
+    ADAPTER_GGUF,
+    GENERATION_CONFIG_FILE,
+    GGUF_METADATA_FILE,
+    LADDER_PLOT_FILE,
+    LOSS_PLOT_FILE,
+    MANIFEST_NAME,
+    MEMORY_PLOT_FILE,
+    MERGED_DIR,
+    MODEL_CARD,
+    MODELFILE,
+    OLLAMA_FILE,
+    PLAN_FILE,
+    STAGES,
+    VERIFY_FILE,
+    base_gguf_name,
+    quantized_gguf_name,
 )
 from loraship.errors import OutputError
-from loraship.runtime.manifest import DigestCache, atomic_path, atomic_write_json, describe_files, sha256_file, sha256_json
+from loraship.runtime.manifest import (
+    DigestCache,
+    atomic_path,
+    atomic_write_json,
+    describe_files,
+    sha256_file,
+    sha256_json,
+)
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir, stage_dir
 from loraship.sampling import GREEDY, Sampling
 from loraship.verification.figures import figures
@@ -57,8 +78,14 @@ def serve_commands(config, verify: dict) -> dict:
     # llama.cpp's idiom for "every layer"); otherwise as many as verify found fit.
     layers = 999 if memory.get("fits", True) else memory.get("gpu_layers_at_target_context", 0)
     name = config.run_name.lower()  # Ollama model names are lower case
-    adapter = (f"llama-server -m {base_gguf_name(config.primary_quantization)} --lora {ADAPTER_GGUF} --jinja "
-               f"-c {config.target_context} -ngl {layers} {flags}") if config.adapter_gguf else None
+    adapter = (
+        (
+            f"llama-server -m {base_gguf_name(config.primary_quantization)} --lora {ADAPTER_GGUF} --jinja "
+            f"-c {config.target_context} -ngl {layers} {flags}"
+        )
+        if config.adapter_gguf
+        else None
+    )
     return {
         "llama_server": f"llama-server -m {gguf} --jinja -c {config.target_context} -ngl {layers} {flags}",
         "llama_server_adapter": adapter,
@@ -76,12 +103,17 @@ def sampling_note(verify: dict) -> str:
     measured = ""
     if defaults:
         settings = defaults.get("settings") or {}
-        named = ", ".join(f"{k} {v:g}" for k, v in settings.items() if isinstance(v, (int, float)) and
-                          k in ("repeat_penalty", "top_k", "min_p"))
-        measured = (f" Verify asked every golden chat prompt once more as a plain OpenAI request at temperature 0, "
-                    f"the rest left to llama-cpp-python's server defaults ({named}): "
-                    f"{defaults['differ_from_gguf_greedy']} of {defaults['requests']} answers differed from the "
-                    "verified ones.")
+        named = ", ".join(
+            f"{k} {v:g}"
+            for k, v in settings.items()
+            if isinstance(v, (int, float)) and k in ("repeat_penalty", "top_k", "min_p")
+        )
+        measured = (
+            f" Verify asked every golden chat prompt once more as a plain OpenAI request at temperature 0, "
+            f"the rest left to llama-cpp-python's server defaults ({named}): "
+            f"{defaults['differ_from_gguf_greedy']} of {defaults['requests']} answers differed from the "
+            "verified ones."
+        )
     if not sampling.greedy:
         return f"Sampling settings verify served the model with: {sampling.record()}.{measured}"
     return (
@@ -91,8 +123,9 @@ def sampling_note(verify: dict) -> str:
         f"`PARAMETER repeat_penalty {sampling.repeat_penalty:g}`, ...). "
         "Ollama and llama-cpp-python's server default to `repeat_penalty` 1.1, which changes answers that repeat "
         "words of the question, and OpenAI clients never send it: served without these settings, send "
-        "`repeat_penalty: 1.0` in each request (`extra_body={\"repeat_penalty\": 1.0}` with the openai client)."
-        + measured)
+        '`repeat_penalty: 1.0` in each request (`extra_body={"repeat_penalty": 1.0}` with the openai client).'
+        + measured
+    )
 
 
 def card_data(config, metadata: dict, adapter: str):
@@ -125,11 +158,15 @@ def ladder_table(verify: dict) -> str:
         f"| {r['quant']} | {_figure((r['bytes'] or 0) / 2**20, 1)} MiB | {_figure(r['kl_mean'], 4)} | "
         f"{_figure(r['kl_p99'], 4)} | {_figure(r['same_top'], 1, percent=True)} | {_figure(r['ppl_ratio'], 4)} | "
         f"{'yes' if r['fits'] else 'no'} | {'shipped' if r['quant'] == verify['shipped_quantization'] else 'FAIL: ' + ', '.join(r['failed_gates'])} |"
-        if r["tried"] else f"| {r['quant']} | | | | | | | not tried: a smaller rung passed |"
-        for r in verify["ladder"])
-    return ("\n`quantization: auto` verified the ladder smallest first and shipped the first rung that passed every "
-            "gate under its own limits:\n\n| rung | size | KL mean | KL p99 | same top token | perplexity ratio | "
-            "fits the target | result |\n|---|---|---|---|---|---|---|---|\n" + rows + "\n")
+        if r["tried"]
+        else f"| {r['quant']} | | | | | | | not tried: a smaller rung passed |"
+        for r in verify["ladder"]
+    )
+    return (
+        "\n`quantization: auto` verified the ladder smallest first and shipped the first rung that passed every "
+        "gate under its own limits:\n\n| rung | size | KL mean | KL p99 | same top token | perplexity ratio | "
+        "fits the target | result |\n|---|---|---|---|---|---|---|---|\n" + rows + "\n"
+    )
 
 
 def _figure(value, digits: int, percent: bool = False) -> str:
@@ -139,8 +176,10 @@ def _figure(value, digits: int, percent: bool = False) -> str:
 
 
 # The train stage's pictures and their captions in the card.
-PICTURES = {LOSS_PLOT_FILE: "training and eval loss",
-            MEMORY_PLOT_FILE: "memory plan: predicted components and measured peak"}
+PICTURES = {
+    LOSS_PLOT_FILE: "training and eval loss",
+    MEMORY_PLOT_FILE: "memory plan: predicted components and measured peak",
+}
 
 
 def shipped_pictures(train_manifest: dict) -> list[str]:
@@ -154,14 +193,19 @@ def imatrix_line(quant: dict) -> str:
     if not made and quant.get("imatrix_unused"):
         return f"Quantized with llama-cpp-python's quantize binding, {quant['imatrix_unused']}."
     if not made:
-        return ("Quantized without an importance matrix (`imatrix: false`: llama-cpp-python's quantize binding).")
+        return "Quantized without an importance matrix (`imatrix: false`: llama-cpp-python's quantize binding)."
     split = made.get("split_texts")
-    drawn = (f", drawn by seed from the split's {split} texts of {made['split_tokens']:,} tokens"
-             if split and split > made["texts"] else "")
-    return (f"Quantized with an importance matrix computed by llama.cpp's `llama-imatrix` over this run's own "
-            f"training texts ({made['text_tokens']:,} tokens in {made['texts']} texts{drawn}, chat template applied, "
-            f"{made['chunks']} chunks of {made['chunk_tokens']} tokens; sha256 `{made['sha256'][:16]}…`) and "
-            "`llama-quantize --imatrix`, both built from the same pinned llama.cpp.")
+    drawn = (
+        f", drawn by seed from the split's {split} texts of {made['split_tokens']:,} tokens"
+        if split and split > made["texts"]
+        else ""
+    )
+    return (
+        f"Quantized with an importance matrix computed by llama.cpp's `llama-imatrix` over this run's own "
+        f"training texts ({made['text_tokens']:,} tokens in {made['texts']} texts{drawn}, chat template applied, "
+        f"{made['chunks']} chunks of {made['chunk_tokens']} tokens; sha256 `{made['sha256'][:16]}…`) and "
+        "`llama-quantize --imatrix`, both built from the same pinned llama.cpp."
+    )
 
 
 def ladder_picture(verify_manifest: dict) -> str:
@@ -179,11 +223,16 @@ def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, fac
         f"| {q}{' (primary)' if q == config.primary_quantization else ''} | `{quantized_gguf_name(q)}` | "
         f"{_figure((f['gguf_bytes'] or 0) / 2**20, 1)} MiB | {_figure(f['perplexity_ratio'], 4)} | {_figure(f['kl_mean'], 4)} | "
         f"{_figure(f['same_top_rate'], 1, percent=True)} | {'pass' if f['passed'] else 'FAIL'} |"
-        for q, f in quantization_figures(config, verify).items())
-    other_ggufs = "".join(f"- `{quantized_gguf_name(q)}`: the same model quantized to {q} (verified the same way)\n"
-                          for q in config.quantizations[1:])
-    gates = "\n".join(f"| {name} | {'pass' if g['passed'] else 'FAIL'} | {g['value']} | {g['threshold']} |"
-                      for name, g in verify["gates"].items())
+        for q, f in quantization_figures(config, verify).items()
+    )
+    other_ggufs = "".join(
+        f"- `{quantized_gguf_name(q)}`: the same model quantized to {q} (verified the same way)\n"
+        for q in config.quantizations[1:]
+    )
+    gates = "\n".join(
+        f"| {name} | {'pass' if g['passed'] else 'FAIL'} | {g['value']} | {g['threshold']} |"
+        for name, g in verify["gates"].items()
+    )
     versions = manifests["verify"]["versions"]
     commands = serve_commands(config, verify)
     agreement = verify["eval_agreement"]
@@ -192,12 +241,20 @@ def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, fac
     predicted = plan["memory"]
     components = "\n".join(f"| {name} | {value:.3f} |" for name, value in predicted["components_gib"].items())
     measured = train.get("measured_memory") or {}
-    speed = f"{train['tokens_per_s']:,.0f} tokens/s, {train.get('tokens_per_s_basis')}" if train.get("tokens_per_s") else "n/a"
-    mfu = f"{train['mfu']:.1%} ({train.get('mfu_basis')})" if train.get("mfu") is not None else \
-        f"n/a ({train.get('mfu_basis') or 'not measured'})"
+    speed = (
+        f"{train['tokens_per_s']:,.0f} tokens/s, {train.get('tokens_per_s_basis')}"
+        if train.get("tokens_per_s")
+        else "n/a"
+    )
+    mfu = (
+        f"{train['mfu']:.1%} ({train.get('mfu_basis')})"
+        if train.get("mfu") is not None
+        else f"n/a ({train.get('mfu_basis') or 'not measured'})"
+    )
     measured_line = (
         f"measured on the training GPU: peak reserved {_gib(measured.get('peak_reserved_gib'))}, peak allocated "
-        f"{_gib(measured.get('peak_allocated_gib'))}" if measured.get("peak_reserved_gib") is not None
+        f"{_gib(measured.get('peak_allocated_gib'))}"
+        if measured.get("peak_reserved_gib") is not None
         else f"not measured: trained on the {train.get('device', 'cpu')}, where there is no GPU memory to measure"
     )
     trained = train.get("strategy") or {}
@@ -212,7 +269,8 @@ def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, fac
         template_note = (
             f"The Modelfile carries the chat template as an Ollama Go template ({facts['family']} family), which renders "
             "the same prompt text as the model's own template"
-            + (", and its default system prompt (`SYSTEM`)" if facts.get("system") else "") + "."
+            + (", and its default system prompt (`SYSTEM`)" if facts.get("system") else "")
+            + "."
         )
     else:
         template_note = (
@@ -222,56 +280,75 @@ def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, fac
         )
     pictures = shipped_pictures(manifests["train"])
     picture_lines = "".join(f"\n![{PICTURES[name]}]({name})\n" for name in pictures)
-    picture_files = (f"- {', '.join(f'`{name}`' for name in pictures)}: loss curves and the memory plan against the "
-                     "measured peak\n") if pictures else ""
-    ladder_block = (f"\n![each quantization's size against its KL divergence; passed green, failed red]"
-                    f"({ladder_picture(manifests['verify'])})\n") if ladder_picture(manifests["verify"]) else ""
+    picture_files = (
+        (
+            f"- {', '.join(f'`{name}`' for name in pictures)}: loss curves and the memory plan against the "
+            "measured peak\n"
+        )
+        if pictures
+        else ""
+    )
+    ladder_block = (
+        (
+            f"\n![each quantization's size against its KL divergence; passed green, failed red]"
+            f"({ladder_picture(manifests['verify'])})\n"
+        )
+        if ladder_picture(manifests["verify"])
+        else ""
+    )
     if ladder_picture(manifests["verify"]):
         picture_files += f"- `{LADDER_PLOT_FILE}`: each verified quantization's size against its KL divergence\n"
     adapter_block = (
-        f"The adapter alone (`{ADAPTER_GGUF}`) on the base model quantized the same way (verify gated the pair "
-        f"against the merged GGUF):\n\n```bash\n{commands['llama_server_adapter']}\n```\n\n"
-    ) if commands["llama_server_adapter"] else ""
-    license_line = f"License: {metadata['general.license']} (from the base model's card).\n\n" \
-        if metadata.get("general.license") else ""
+        (
+            f"The adapter alone (`{ADAPTER_GGUF}`) on the base model quantized the same way (verify gated the pair "
+            f"against the merged GGUF):\n\n```bash\n{commands['llama_server_adapter']}\n```\n\n"
+        )
+        if commands["llama_server_adapter"]
+        else ""
+    )
+    license_line = (
+        f"License: {metadata['general.license']} (from the base model's card).\n\n"
+        if metadata.get("general.license")
+        else ""
+    )
     body = f"""# {config.run_name}
 
-Fine-tuned from `{config.base_model}` with a {'QLoRA' if adapter == 'qlora' else 'LoRA'} adapter (r={config.lora_r},
+Fine-tuned from `{config.base_model}` with a {"QLoRA" if adapter == "qlora" else "LoRA"} adapter (r={config.lora_r},
 alpha={config.lora_alpha}, targets {config.lora_target_modules}) and shipped as
-`{gguf}` ({quant['bytes'] / 2**20:.1f} MiB, GGUF `general.name` `{metadata.get('general.name', config.run_name)}`) by loraship.
+`{gguf}` ({quant["bytes"] / 2**20:.1f} MiB, GGUF `general.name` `{metadata.get("general.name", config.run_name)}`) by loraship.
 
-{license_line}Verified with llama.cpp from llama-cpp-python {versions.get('llama-cpp-python', '?')}: load it with the
+{license_line}Verified with llama.cpp from llama-cpp-python {versions.get("llama-cpp-python", "?")}: load it with the
 same or a newer llama.cpp.
 
 ## Run it
 
 ```bash
-{commands['llama_server']}
+{commands["llama_server"]}
 ```
 
 {adapter_block}```bash
-{commands['ollama_create']}
-{commands['ollama_run']}
+{commands["ollama_create"]}
+{commands["ollama_run"]}
 ```
 
 `-c {config.target_context}` is the context verify checked against the target GPU ({config.target_gpu_memory_gib:g} GiB);
-`-ngl {commands['gpu_layers']}` puts {'every layer' if commands['gpu_layers'] == 999 else f"{commands['gpu_layers']} layers"} on it.
+`-ngl {commands["gpu_layers"]}` puts {"every layer" if commands["gpu_layers"] == 999 else f"{commands['gpu_layers']} layers"} on it.
 Stop tokens: {stops}. {template_note}
 
 {sampling_note(verify)}
 
 ## Training
-- trained as: {train.get('trained_as', 'n/a')}
-- why: {train.get('strategy_reason') or 'n/a'}{retried}
-- steps: {train['steps']}, train examples: {train['train_examples']}, eval examples: {train['eval_examples']}
+- trained as: {train.get("trained_as", "n/a")}
+- why: {train.get("strategy_reason") or "n/a"}{retried}
+- steps: {train["steps"]}, train examples: {train["train_examples"]}, eval examples: {train["eval_examples"]}
 - speed: {speed}; model FLOPs utilisation {mfu}
-- eval loss: {train['eval_loss_before']:.4f} (base) -> {train['eval_loss_after']:.4f} (fine-tuned)
-- truncation policy: {train['truncation_policy']} ({train['truncated_examples']} examples truncated)
+- eval loss: {train["eval_loss_before"]:.4f} (base) -> {train["eval_loss_after"]:.4f} (fine-tuned)
+- truncation policy: {train["truncation_policy"]} ({train["truncated_examples"]} examples truncated)
 
 ## Memory
-Planned for a {plan.get('budget_gib', config.gpu_memory_gib):g} GiB training GPU: {plan.get('reason', 'n/a')}. Predicted peak
-{_gib(predicted.get('predicted_total_gib'))} (reserved {_gib(predicted.get('predicted_reserved_gib'))}); for the strategy that
-trained, predicted reserved {_gib(train.get('predicted_reserved_gib'))}, {measured_line}.
+Planned for a {plan.get("budget_gib", config.gpu_memory_gib):g} GiB training GPU: {plan.get("reason", "n/a")}. Predicted peak
+{_gib(predicted.get("predicted_total_gib"))} (reserved {_gib(predicted.get("predicted_reserved_gib"))}); for the strategy that
+trained, predicted reserved {_gib(train.get("predicted_reserved_gib"))}, {measured_line}.
 
 | component | predicted GiB |
 |---|---|
@@ -290,17 +367,17 @@ Each made from the same F16 GGUF and verified against the merged HF model on the
 |---|---|---|---|
 {gates}
 
-On the eval split ({agreement['scored_tokens']} scored tokens): perplexity merged HF
-{agreement['hf_perplexity']:.4f}, GGUF {agreement['gguf_perplexity']:.4f}; mean KL divergence
-{agreement['kl_mean']:.4f} nats/token (99th percentile {agreement['kl_p99']:.4f}); same top
-token {agreement['same_top_rate']:.1%}. GPU memory at n_ctx {config.target_context}: predicted
-{gpu['predicted_gib']:.2f} GiB, measured {f"{measured_gpu:.2f} GiB" if measured_gpu is not None else 'n/a (verified on CPU)'}
+On the eval split ({agreement["scored_tokens"]} scored tokens): perplexity merged HF
+{agreement["hf_perplexity"]:.4f}, GGUF {agreement["gguf_perplexity"]:.4f}; mean KL divergence
+{agreement["kl_mean"]:.4f} nats/token (99th percentile {agreement["kl_p99"]:.4f}); same top
+token {agreement["same_top_rate"]:.1%}. GPU memory at n_ctx {config.target_context}: predicted
+{gpu["predicted_gib"]:.2f} GiB, measured {f"{measured_gpu:.2f} GiB" if measured_gpu is not None else "n/a (verified on CPU)"}
 (target {config.target_gpu_memory_gib:g} GiB).
 
 ## Files
 - `{gguf}`: the model for llama.cpp / Ollama / LM Studio
 {other_ggufs}- `{MODELFILE}`: `ollama create` reads it (FROM the GGUF beside it, context, sampling settings, stop \
-tokens{', template' if facts.get('family') else ''})
+tokens{", template" if facts.get("family") else ""})
 - `{GENERATION_CONFIG_FILE}`: the same greedy decoding for transformers (`do_sample` false, `repetition_penalty` \
 1.0), with the merged model's stop tokens
 - `adapter/`: the PEFT LoRA adapter (safetensors)
@@ -338,9 +415,11 @@ def stage_artifact(config, ctx) -> Path:
     sampling = shipped_sampling(verify)
     (root / MODELFILE).write_text(
         ollama.modelfile(gguf, facts, facts.get("stop_tokens") or [], config.target_context, sampling),
-        encoding="utf-8")
-    write_generation_config(ctx.upstream_dir("merge") / MERGED_DIR / GENERATION_CONFIG_FILE,
-                            root / GENERATION_CONFIG_FILE, sampling)
+        encoding="utf-8",
+    )
+    write_generation_config(
+        ctx.upstream_dir("merge") / MERGED_DIR / GENERATION_CONFIG_FILE, root / GENERATION_CONFIG_FILE, sampling
+    )
     (root / MODEL_CARD).write_text(model_card(config, ctx.upstream, verify, plan, facts, metadata), encoding="utf-8")
     return root
 
@@ -400,13 +479,18 @@ def sync(root: Path, files: dict, destination: str, cache: DigestCache | None = 
     try:
         fs, base = fsspec.core.url_to_fs(destination)
         manifest = root / MANIFEST_NAME
-        wanted = {**files, MANIFEST_NAME: {"size": manifest.stat().st_size,
-                                           "sha256": cache.sha256(manifest) if cache else sha256_file(manifest)}}
+        wanted = {
+            **files,
+            MANIFEST_NAME: {
+                "size": manifest.stat().st_size,
+                "sha256": cache.sha256(manifest) if cache else sha256_file(manifest),
+            },
+        }
         local = isinstance(fs, LocalFileSystem)
         dest_cache = cache if local else None  # a remote store is always read back
         fs.makedirs(base, exist_ok=True)
         stale = [rel for rel, info in wanted.items() if not _remote_matches(fs, f"{base}/{rel}", info, dest_cache)]
-        present = {p[len(base) + 1:] for p in fs.find(base) if p.startswith(base + "/")}
+        present = {p[len(base) + 1 :] for p in fs.find(base) if p.startswith(base + "/")}
         extra = sorted(rel for rel in present if rel not in wanted)
         if not stale and not extra:
             return {"uploaded": [], "removed": []}
@@ -469,7 +553,9 @@ def send(root: Path, files: dict, destination: str, cache: DigestCache, run_name
 # Publish reads these upstream files; the merged weights and the F16 GGUF (tens of GB on a
 # 7B model) only through their manifests, so it does not hash them again.
 CONSUMES = {
-    "plan": (PLAN_FILE,), "train": (ADAPTER_DIR, *PICTURES), "merge": (f"{MERGED_DIR}/{GENERATION_CONFIG_FILE}",),
+    "plan": (PLAN_FILE,),
+    "train": (ADAPTER_DIR, *PICTURES),
+    "merge": (f"{MERGED_DIR}/{GENERATION_CONFIG_FILE}",),
     "convert": (GGUF_METADATA_FILE, OLLAMA_FILE),
     "verify": (VERIFY_FILE, LADDER_PLOT_FILE),
 }
@@ -516,16 +602,30 @@ def run(config) -> dict:
         # The decoding verify served the GGUF with, which the Modelfile, the card and generation_config.json carry.
         "sampling": shipped_sampling(verify).record(),
         # Every GGUF shipped, the primary first: its file's checksum beside the figures verify measured for it.
-        "quantizations": {q: {"gguf": quantized_gguf_name(q), "sha256": files[quantized_gguf_name(q)]["sha256"],
-                              "size": files[quantized_gguf_name(q)]["size"], "verify": figures}
-                          for q, figures in quantization_figures(config, verify).items()},
+        "quantizations": {
+            q: {
+                "gguf": quantized_gguf_name(q),
+                "sha256": files[quantized_gguf_name(q)]["sha256"],
+                "size": files[quantized_gguf_name(q)]["size"],
+                "verify": figures,
+            }
+            for q, figures in quantization_figures(config, verify).items()
+        },
         "files": files,
     }
     atomic_write_json(root / MANIFEST_NAME, published)
     sent = send(root, files, destination, cache, config.run_name)
-    return ctx.finish({"destination": destination, "files": len(files), "files_sha256": sha256_json(files),
-                       "artifact_files": files, "uploaded": len(sent["uploaded"]), "removed": sent["removed"],
-                       **({"hub_commit": sent["commit"]} if "commit" in sent else {})})
+    return ctx.finish(
+        {
+            "destination": destination,
+            "files": len(files),
+            "files_sha256": sha256_json(files),
+            "artifact_files": files,
+            "uploaded": len(sent["uploaded"]),
+            "removed": sent["removed"],
+            **({"hub_commit": sent["commit"]} if "commit" in sent else {}),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,12 @@ import time
 from pathlib import Path
 
 from loraship.constants import (
-    F16_GGUF, GGUF_KEY_FILE_TYPE, IMATRIX_FILE, IMATRIX_TEXT_FILE, MERGED_DIR, quantized_gguf_name,
+    F16_GGUF,
+    GGUF_KEY_FILE_TYPE,
+    IMATRIX_FILE,
+    IMATRIX_TEXT_FILE,
+    MERGED_DIR,
+    quantized_gguf_name,
 )
 from loraship.errors import DataError, IntegrityError
 from loraship.llamacpp.gguf_info import read_gguf, read_gguf_of_type
@@ -94,10 +99,30 @@ def compute_imatrix(config, src: Path, out: Path, texts: list[str], tokens: int)
     # --parse-special: the template's markers (<|im_start|>, ...) are the special tokens training saw, not text;
     # -c = -b: one chunk per batch; --no-ppl: the perplexity of the calibration text is not needed.
     write_with_tool(
-        lambda tmp: [str(tool("llama-imatrix")), "-m", str(src), "-f", str(text_file), "-o", str(tmp),
-                     "--output-format", "gguf", "--parse-special", "-c", str(chunk), "-b", str(chunk), "--no-ppl",
-                     "-t", str(cpu_count()), "--output-frequency", "1000000"],
-        out, f"llama-imatrix over {text_file.name}", TIMEOUT_S,
+        lambda tmp: [
+            str(tool("llama-imatrix")),
+            "-m",
+            str(src),
+            "-f",
+            str(text_file),
+            "-o",
+            str(tmp),
+            "--output-format",
+            "gguf",
+            "--parse-special",
+            "-c",
+            str(chunk),
+            "-b",
+            str(chunk),
+            "--no-ppl",
+            "-t",
+            str(cpu_count()),
+            "--output-frequency",
+            "1000000",
+        ],
+        out,
+        f"llama-imatrix over {text_file.name}",
+        TIMEOUT_S,
         on_line=lambda line: log.debug("llama-imatrix: %s", line.rstrip()),
     )
     return describe_imatrix(out) | {"text_tokens": tokens, "texts": len(texts), "text_sha256": sha256_file(text_file)}
@@ -111,7 +136,9 @@ def describe_imatrix(path: Path) -> dict:
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError) as e:
-        raise IntegrityError(f"{path}: not a readable importance matrix ({e}); delete it and run quantize again") from e
+        raise IntegrityError(
+            f"{path}: not a readable importance matrix ({e}); delete it and run quantize again"
+        ) from e
 
     def scalar(key):
         field = reader.get_field(key)
@@ -119,10 +146,17 @@ def describe_imatrix(path: Path) -> dict:
 
     weights = sorted({t.name.rsplit(".", 1)[0] for t in reader.tensors if t.name.endswith(".in_sum2")})
     if not weights:
-        raise IntegrityError(f"{path}: llama-imatrix wrote no statistics for any weight; run quantize again, or set "
-                             "imatrix: false")
-    return {"file": path.name, "sha256": sha256_file(path), "chunks": scalar("imatrix.chunk_count"),
-            "chunk_tokens": scalar("imatrix.chunk_size"), "weights": len(weights), "bytes": path.stat().st_size}
+        raise IntegrityError(
+            f"{path}: llama-imatrix wrote no statistics for any weight; run quantize again, or set imatrix: false"
+        )
+    return {
+        "file": path.name,
+        "sha256": sha256_file(path),
+        "chunks": scalar("imatrix.chunk_count"),
+        "chunk_tokens": scalar("imatrix.chunk_size"),
+        "weights": len(weights),
+        "bytes": path.stat().st_size,
+    }
 
 
 def last_manifest(ctx) -> dict | None:
@@ -137,16 +171,22 @@ def same_source(ctx, last: dict | None) -> bool:
     if last is None:
         return False
     f16 = ctx.upstream["convert"]["outputs"].get(F16_GGUF, {}).get("sha256")
-    return (last.get("inputs", {}).get("convert", {}).get("outputs", {}).get(F16_GGUF, {}).get("sha256") == f16
-            and last.get("versions", {}).get("llama-cpp-python") == library_versions().get("llama-cpp-python"))
+    return last.get("inputs", {}).get("convert", {}).get("outputs", {}).get(F16_GGUF, {}).get(
+        "sha256"
+    ) == f16 and last.get("versions", {}).get("llama-cpp-python") == library_versions().get("llama-cpp-python")
 
 
 def reusable_imatrix(ctx, last: dict | None, text_sha256: str) -> dict | None:
     """The last run's importance matrix, if it was computed from the same F16 GGUF and the same training texts
     and is still intact."""
     made = ((last or {}).get("metrics") or {}).get("imatrix")
-    if not (made and same_source(ctx, last) and made.get("text_sha256") == text_sha256
-            and IMATRIX_FILE in last.get("outputs", {}) and not check_outputs(last, ctx.dir, only=(IMATRIX_FILE,))):
+    if not (
+        made
+        and same_source(ctx, last)
+        and made.get("text_sha256") == text_sha256
+        and IMATRIX_FILE in last.get("outputs", {})
+        and not check_outputs(last, ctx.dir, only=(IMATRIX_FILE,))
+    ):
         return None
     return made
 
@@ -159,16 +199,25 @@ def reusable(ctx, quantizations: list[str], imatrix_sha256: str | None = None) -
     if not same_source(ctx, last):
         return []
     made = (last.get("metrics") or {}).get("quantizations") or {}
-    names = [q for q in quantizations if quantized_gguf_name(q) in last.get("outputs", {})
-             and (made.get(q) or {}).get("imatrix_sha256") == imatrix_sha256]
+    names = [
+        q
+        for q in quantizations
+        if quantized_gguf_name(q) in last.get("outputs", {})
+        and (made.get(q) or {}).get("imatrix_sha256") == imatrix_sha256
+    ]
     return [q for q in names if not check_outputs(last, ctx.dir, only=(quantized_gguf_name(q),))]
 
 
 def describe(out: Path, quantization: str, f16_bytes: int) -> dict:
     info = read_gguf_of_type(out, quantization)
     size = out.stat().st_size
-    return {"quantization": quantization, "file_type": info["fields"][GGUF_KEY_FILE_TYPE],
-            "tensor_count": info["tensor_count"], "bytes": size, "compression_vs_f16": round(f16_bytes / size, 3)}
+    return {
+        "quantization": quantization,
+        "file_type": info["fields"][GGUF_KEY_FILE_TYPE],
+        "tensor_count": info["tensor_count"],
+        "bytes": size,
+        "compression_vs_f16": round(f16_bytes / size, 3),
+    }
 
 
 def merge_tokenizer_files(config) -> tuple[str, ...]:
@@ -177,10 +226,15 @@ def merge_tokenizer_files(config) -> tuple[str, ...]:
 
     merge = read_manifest(stage_dir(config, "merge"))
     if merge is None:
-        raise IntegrityError(f"stage 'merge' has no manifest in {stage_dir(config, 'merge')}; run it first "
-                             "(imatrix: true renders the training texts with the merged model's tokenizer)")
-    return tuple(rel for rel in merge["outputs"] if rel.startswith(MERGED_DIR + "/")
-                 and not rel.endswith((".safetensors", ".bin", ".pt", ".index.json")))
+        raise IntegrityError(
+            f"stage 'merge' has no manifest in {stage_dir(config, 'merge')}; run it first "
+            "(imatrix: true renders the training texts with the merged model's tokenizer)"
+        )
+    return tuple(
+        rel
+        for rel in merge["outputs"]
+        if rel.startswith(MERGED_DIR + "/") and not rel.endswith((".safetensors", ".bin", ".pt", ".index.json"))
+    )
 
 
 def depends_on(config) -> dict[str, tuple[str, ...]]:
@@ -198,8 +252,14 @@ def run(config) -> dict:
         read_gguf(f16)  # a truncated input is named before anything else is asked of the run (the merge stage)
     # imatrix: the merged tokenizer (not its weights) and the data fields are inputs too.
     merge = depends_on(config)
-    ctx = open_stage(config, STAGE, UPSTREAM + tuple(merge), FIELDS + (IMATRIX_FIELDS if merge else ()),
-                     consumes=merge, depends_on=merge)
+    ctx = open_stage(
+        config,
+        STAGE,
+        UPSTREAM + tuple(merge),
+        FIELDS + (IMATRIX_FIELDS if merge else ()),
+        consumes=merge,
+        depends_on=merge,
+    )
     if ctx.done:
         return ctx.done
     quantizations = config.quantizations
@@ -214,7 +274,9 @@ def run(config) -> dict:
         imatrix = reusable_imatrix(ctx, last_manifest(ctx), text_sha256)
         imatrix_path = ctx.dir / IMATRIX_FILE
     # A matrix still to be computed has no sha256 yet, and no GGUF of the last run was made with it.
-    kept = [] if use_imatrix and imatrix is None else reusable(ctx, quantizations, imatrix["sha256"] if imatrix else None)
+    kept = (
+        [] if use_imatrix and imatrix is None else reusable(ctx, quantizations, imatrix["sha256"] if imatrix else None)
+    )
     keep_imatrix = (IMATRIX_FILE, IMATRIX_TEXT_FILE) if imatrix else ()
     reset_dir(ctx, keep=tuple(quantized_gguf_name(q) for q in kept) + keep_imatrix)
     if use_imatrix and imatrix is None:
@@ -222,9 +284,15 @@ def run(config) -> dict:
         started = time.time()
         imatrix = compute_imatrix(config, src, imatrix_path, texts, tokens) | drawn_from
         imatrix["seconds"] = round(time.time() - started, 1)
-        log.info("quantize: importance matrix from %d training tokens in %d of %d texts (%d chunks of %d) in %.0f s",
-                 tokens, len(texts), drawn_from["split_texts"], imatrix["chunks"] or 0, imatrix["chunk_tokens"] or 0,
-                 imatrix["seconds"])
+        log.info(
+            "quantize: importance matrix from %d training tokens in %d of %d texts (%d chunks of %d) in %.0f s",
+            tokens,
+            len(texts),
+            drawn_from["split_texts"],
+            imatrix["chunks"] or 0,
+            imatrix["chunk_tokens"] or 0,
+            imatrix["seconds"],
+        )
     elif imatrix:
         log.info("quantize: keeping the importance matrix the last run computed from the same F16 GGUF and texts")
     todo = [q for q in quantizations if q not in kept]
@@ -233,16 +301,30 @@ def run(config) -> dict:
     if todo:
         check_free_disk(ctx.dir, src.stat().st_size * 0.6 * len(todo), f"quantize ({', '.join(todo)})")
     for quantization in todo:
-        quantize(src, ctx.dir / quantized_gguf_name(quantization), quantization,
-                 progress_key=artifact_key(config.run_name, STAGE, "progress"), imatrix=imatrix_path)
+        quantize(
+            src,
+            ctx.dir / quantized_gguf_name(quantization),
+            quantization,
+            progress_key=artifact_key(config.run_name, STAGE, "progress"),
+            imatrix=imatrix_path,
+        )
         check_loads(ctx.dir / quantized_gguf_name(quantization))
     quantizer = tools_quantizer() if imatrix else "llama-cpp-python llama_model_quantize"
-    each = {q: {**describe(ctx.dir / quantized_gguf_name(q), q, src.stat().st_size), "reused": q in kept,
-                "quantizer": quantizer, "imatrix_sha256": imatrix["sha256"] if imatrix else None}
-            for q in quantizations}
+    each = {
+        q: {
+            **describe(ctx.dir / quantized_gguf_name(q), q, src.stat().st_size),
+            "reused": q in kept,
+            "quantizer": quantizer,
+            "imatrix_sha256": imatrix["sha256"] if imatrix else None,
+        }
+        for q in quantizations
+    }
     # imatrix: true where no quantization asked for can use the matrix: said, not silently dropped.
-    unused = (f"no importance matrix: {', '.join(quantizations)} cannot use one (llama.cpp's Q8_0 ignores it)"
-              if config.imatrix and not use_imatrix else None)
+    unused = (
+        f"no importance matrix: {', '.join(quantizations)} cannot use one (llama.cpp's Q8_0 ignores it)"
+        if config.imatrix and not use_imatrix
+        else None
+    )
     # The primary's figures stay at the top level, where one-quantization runs always had them.
     return ctx.finish({**each[quantizations[0]], "quantizations": each, "imatrix": imatrix, "imatrix_unused": unused})
 

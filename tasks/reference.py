@@ -19,7 +19,13 @@ from __future__ import annotations
 import logging
 
 from loraship.chat import (
-    render, set_template_kwargs, special_tokens, stop_ids, template_kwargs, template_kwargs_of, template_of,
+    render,
+    set_template_kwargs,
+    special_tokens,
+    stop_ids,
+    template_kwargs,
+    template_kwargs_of,
+    template_of,
     turn_end_id,
 )
 from loraship.constants import MERGED_DIR, REFERENCE_FILE, REFERENCE_TOPK_FILE
@@ -34,9 +40,24 @@ from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 STAGE = "reference"
 UPSTREAM = ("merge",)
 FIELDS = (
-    "golden_prompts", "max_new_tokens", "verify_max_examples", "reference_top_k", "datasets", "eval_datasets",
-    "val_set_size", "sequence_len", "truncation", "seed", "device", "chat_template", "thinking", "train_on_inputs",
-    "reference_full_logprob_tokens", "reference_full_logprob_mib", "base_model", "base_model_revision",
+    "golden_prompts",
+    "max_new_tokens",
+    "verify_max_examples",
+    "reference_top_k",
+    "datasets",
+    "eval_datasets",
+    "val_set_size",
+    "sequence_len",
+    "truncation",
+    "seed",
+    "device",
+    "chat_template",
+    "thinking",
+    "train_on_inputs",
+    "reference_full_logprob_tokens",
+    "reference_full_logprob_mib",
+    "base_model",
+    "base_model_revision",
 )
 log = logging.getLogger("loraship.reference")
 
@@ -46,7 +67,11 @@ def adds_bos(tokenizer) -> bool:
     sample = "Hello world"
     with_special = tokenizer(sample)["input_ids"]
     plain = tokenizer(sample, add_special_tokens=False)["input_ids"]
-    return tokenizer.bos_token_id is not None and len(with_special) > len(plain) and with_special[0] == tokenizer.bos_token_id
+    return (
+        tokenizer.bos_token_id is not None
+        and len(with_special) > len(plain)
+        and with_special[0] == tokenizer.bos_token_id
+    )
 
 
 def template_markers(tokenizer) -> list[str]:
@@ -55,7 +80,11 @@ def template_markers(tokenizer) -> list[str]:
     template = template_of(tokenizer) or ""
     special = set(special_tokens(tokenizer).values())
     end = turn_end_id(tokenizer)
-    named = {tokenizer.bos_token, tokenizer.eos_token, tokenizer.convert_ids_to_tokens(end) if end is not None else None}
+    named = {
+        tokenizer.bos_token,
+        tokenizer.eos_token,
+        tokenizer.convert_ids_to_tokens(end) if end is not None else None,
+    }
     return sorted(t for t in special if t and (t in template or t in named))
 
 
@@ -66,7 +95,13 @@ def golden_records(config, tokenizer) -> list[dict]:
         if "messages" in row:
             text = render(tokenizer, row["messages"], add_generation_prompt=True)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            record = {"kind": "chat", "messages": row["messages"], "prompt_text": text, "prompt_ids": ids, "add_bos": False}
+            record = {
+                "kind": "chat",
+                "messages": row["messages"],
+                "prompt_text": text,
+                "prompt_ids": ids,
+                "add_bos": False,
+            }
         else:
             ids = tokenizer(row["text"], add_special_tokens=True)["input_ids"]
             record = {"kind": "text", "prompt_text": row["text"], "prompt_ids": ids, "add_bos": True}
@@ -83,8 +118,9 @@ def full_rows_budget(n_positions: int, vocab: int, tokens: int, mib: int) -> int
     return max(0, min(n_positions, tokens, (mib * 2**20) // (2 * vocab)))
 
 
-def score_eval(model, records: list[dict], top_k: int, progress: Progress | None = None,
-               full_tokens: int = 0, full_mib: int = 0) -> tuple[dict, dict]:
+def score_eval(
+    model, records: list[dict], top_k: int, progress: Progress | None = None, full_tokens: int = 0, full_mib: int = 0
+) -> tuple[dict, dict]:
     """HF log-probs at every scored position: top-k everywhere, the full distribution (fp16) at the
     first positions the budget allows (verify's KL divergence is exact there); npz arrays and summary."""
     import numpy as np
@@ -107,7 +143,7 @@ def score_eval(model, records: list[dict], top_k: int, progress: Progress | None
         values, indices = logprobs.topk(top_k, dim=-1)
         take = min(budget - filled, len(positions))
         if take > 0:
-            full[filled:filled + take] = logprobs[:take].cpu().numpy().astype(np.float16)
+            full[filled : filled + take] = logprobs[:take].cpu().numpy().astype(np.float16)
             filled += take
         example += [n] * len(positions)
         position += positions
@@ -154,7 +190,7 @@ def score_base(base, records: list[dict], full):
         with torch.no_grad():
             logits = base(input_ids=torch.tensor([record["input_ids"]], device=base.device)).logits[0]
         q = torch.log_softmax(logits[record["positions"][:take]].double(), -1).cpu().numpy()
-        p = full[row:row + take].astype(np.float64)
+        p = full[row : row + take].astype(np.float64)
         p = p - np.log(np.exp(p).sum(-1, keepdims=True))  # renormalise what fp16 rounded
         kls.append((np.exp(p) * (p - q)).sum(-1))
         row += take
@@ -170,15 +206,23 @@ def base_answers(base, records: list[dict], max_new: int, stops: list[int]) -> N
         with torch.no_grad():
             # Argmax whatever the base's generation_config suggests (Qwen2.5-Instruct's repetition_penalty 1.05
             # would otherwise shape the answer the fine-tune is judged against).
-            out = base.generate(torch.tensor([record["prompt_ids"]], device=base.device), max_new_tokens=max_new,
-                                do_sample=False, repetition_penalty=1.0, num_beams=1, eos_token_id=stops or None,
-                                pad_token_id=(stops or [0])[0])
-        new = out[0, len(record["prompt_ids"]):].tolist()
+            out = base.generate(
+                torch.tensor([record["prompt_ids"]], device=base.device),
+                max_new_tokens=max_new,
+                do_sample=False,
+                repetition_penalty=1.0,
+                num_beams=1,
+                eos_token_id=stops or None,
+                pad_token_id=(stops or [0])[0],
+            )
+        new = out[0, len(record["prompt_ids"]) :].tolist()
         cut = next((i for i, t in enumerate(new) if t in stops), None)
         record["base_answer_ids"] = new[:cut] if cut is not None else new
 
 
-def greedy_answers(model, records: list[dict], max_new: int, stops: list[int], progress: Progress | None = None) -> None:
+def greedy_answers(
+    model, records: list[dict], max_new: int, stops: list[int], progress: Progress | None = None
+) -> None:
     """HF greedy answer per golden prompt, then HF's top-1 and margin at each answer token (teacher-forced)."""
     import torch
 
@@ -187,10 +231,16 @@ def greedy_answers(model, records: list[dict], max_new: int, stops: list[int], p
             progress.update(n, f"golden prompt {n + 1}/{len(records)}")
         prompt = record["prompt_ids"]
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new, do_sample=False,
-                                 repetition_penalty=1.0, num_beams=1, eos_token_id=stops or None,
-                                 pad_token_id=(stops or [0])[0])
-        new = out[0, len(prompt):].tolist()
+            out = model.generate(
+                torch.tensor([prompt], device=model.device),
+                max_new_tokens=max_new,
+                do_sample=False,
+                repetition_penalty=1.0,
+                num_beams=1,
+                eos_token_id=stops or None,
+                pad_token_id=(stops or [0])[0],
+            )
+        new = out[0, len(prompt) :].tolist()
         cut = next((i for i, t in enumerate(new) if t in stops), None)
         answer = new[:cut] if cut is not None else new
         forced = answer + ([new[cut]] if cut is not None else [])
@@ -201,7 +251,9 @@ def greedy_answers(model, records: list[dict], max_new: int, stops: list[int], p
             continue
         full = prompt + forced
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([full], device=model.device)).logits[0, len(prompt) - 1 : len(full) - 1]
+            logits = model(input_ids=torch.tensor([full], device=model.device)).logits[
+                0, len(prompt) - 1 : len(full) - 1
+            ]
         top2 = torch.log_softmax(logits.float(), -1).topk(2, dim=-1)
         record["top1"] = top2.indices[:, 0].tolist()
         record["margins"] = [round(float(m), 5) for m in (top2.values[:, 0] - top2.values[:, 1])]
@@ -234,12 +286,19 @@ def run(config) -> dict:
         raise LorashipError("reference: the eval split has no scored tokens; add eval_datasets or raise val_set_size")
     # One progress artifact for the stage: the eval texts, then the golden prompts.
     key = artifact_key(config.run_name, STAGE, "progress")
-    arrays, summary = score_eval(model, evaluation, config.reference_top_k,
-                                 Progress(f"{STAGE}: eval", len(evaluation), log, key=key),
-                                 config.reference_full_logprob_tokens, config.reference_full_logprob_mib)
+    arrays, summary = score_eval(
+        model,
+        evaluation,
+        config.reference_top_k,
+        Progress(f"{STAGE}: eval", len(evaluation), log, key=key),
+        config.reference_full_logprob_tokens,
+        config.reference_full_logprob_mib,
+    )
     golden = golden_records(config, tokenizer)
     stops = stop_ids(tokenizer, merged)
-    greedy_answers(model, golden, config.max_new_tokens, stops, Progress(f"{STAGE}: golden", len(golden), log, key=key))
+    greedy_answers(
+        model, golden, config.max_new_tokens, stops, Progress(f"{STAGE}: golden", len(golden), log, key=key)
+    )
     for record in golden:
         record["answer_text"] = tokenizer.decode(record["answer_ids"], skip_special_tokens=True).strip()
     # The base model, after the merged one is freed (both at once would not fit a 14B on the card).
@@ -247,7 +306,9 @@ def run(config) -> dict:
     if device == "cuda":
         torch.cuda.empty_cache()
     log.info("%s: the base model on the same positions and golden prompts", STAGE)
-    base = AutoModelForCausalLM.from_pretrained(resolve_base_model(config, weights=True), dtype=dtype).to(device).eval()
+    base = (
+        AutoModelForCausalLM.from_pretrained(resolve_base_model(config, weights=True), dtype=dtype).to(device).eval()
+    )
     arrays["base_kl"] = score_base(base, evaluation, arrays["full_logprobs"])
     base_answers(base, golden, config.max_new_tokens, stops)
     del base
@@ -269,7 +330,9 @@ def run(config) -> dict:
             # The variables every rendering passed the template (config `thinking`); the served check passes them too.
             "template_kwargs": template_kwargs_of(tokenizer),
         },
-        "eval": [{k: r[k] for k in ("kind", "text", "add_bos", "served_ids", "input_ids", "positions")} for r in evaluation],
+        "eval": [
+            {k: r[k] for k in ("kind", "text", "add_bos", "served_ids", "input_ids", "positions")} for r in evaluation
+        ],
         "golden": golden,
         **summary,
     }

@@ -33,7 +33,13 @@ from loraship.training import distributed, norm_kernels, packed_attention
 
 from loraship.publishing import plots
 from loraship.constants import (
-    ADAPTER_DIR, CHECKPOINTS_DIR, LOSS_HISTORY_FILE, LOSS_PLOT_FILE, MEMORY_PLOT_FILE, PLAN_FILE, STRATEGY_FILE,
+    ADAPTER_DIR,
+    CHECKPOINTS_DIR,
+    LOSS_HISTORY_FILE,
+    LOSS_PLOT_FILE,
+    MEMORY_PLOT_FILE,
+    PLAN_FILE,
+    STRATEGY_FILE,
 )
 from loraship.chat import set_template_kwargs, template_kwargs, template_of, use_configured_template
 from loraship.data import IGNORE_INDEX, load_splits
@@ -50,10 +56,34 @@ UPSTREAM = ("plan",)
 # Training depends on the plan's strategy only, not its inference estimates (`loraship status` keys it the same way).
 DEPENDS_ON = {"plan": (STRATEGY_FILE,)}
 FIELDS = (
-    "adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "sequence_len", "truncation",
-    "micro_batch_size", "gradient_accumulation_steps", "learning_rate", "lr_scheduler", "warmup_steps",
-    "weight_decay", "num_epochs", "max_steps", "seed", "optimize", "gradient_checkpointing", "fused_loss", "datasets",
-    "eval_datasets", "val_set_size", "device", "packing", "fallback", "offload_activations", "chat_template", "thinking",
+    "adapter",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "sequence_len",
+    "truncation",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "lr_scheduler",
+    "warmup_steps",
+    "weight_decay",
+    "num_epochs",
+    "max_steps",
+    "seed",
+    "optimize",
+    "gradient_checkpointing",
+    "fused_loss",
+    "datasets",
+    "eval_datasets",
+    "val_set_size",
+    "device",
+    "packing",
+    "fallback",
+    "offload_activations",
+    "chat_template",
+    "thinking",
     "train_on_inputs",
 )
 REPLANNED_FILE = "replanned.json"  # in the checkpoints folder: kept, like the checkpoints, for a rerun
@@ -89,8 +119,11 @@ def checkpoint_first_layers(model, k: int | None) -> None:
     layers = decoder_layers(model)
     if not layers:
         if k is not None and k < (getattr(model.config, "num_hidden_layers", None) or 0):
-            log.warning("train: this architecture has no per-layer checkpointing flags; every layer is checkpointed, "
-                        "not the first %d", k)
+            log.warning(
+                "train: this architecture has no per-layer checkpointing flags; every layer is checkpointed, "
+                "not the first %d",
+                k,
+            )
         return
     if k is None or k >= len(layers):
         return
@@ -170,9 +203,14 @@ class LoadedModel:
     fused_loss: bool  # Liger's fused loss applied: evaluate() asks it to skip the logits
 
 
-def load_model(model_dir: Path, config, strategy: Strategy | dict, device: str,
-               engine: distributed.Engine = distributed.ONE_PROCESS.engine,
-               rank: distributed.Rank | None = None) -> LoadedModel:
+def load_model(
+    model_dir: Path,
+    config,
+    strategy: Strategy | dict,
+    device: str,
+    engine: distributed.Engine = distributed.ONE_PROCESS.engine,
+    rank: distributed.Rank | None = None,
+) -> LoadedModel:
     """The base with its LoRA adapter as `strategy` trains it: precision, streamed weights, checkpointed layers,
     Liger's kernels, fused LoRA nodes; in train mode. Under FSDP2 (LoRA) only rank 0 reads the weights; the other
     ranks' parameters stay on the meta device until distributed.wrap sends them their shards."""
@@ -185,13 +223,19 @@ def load_model(model_dir: Path, config, strategy: Strategy | dict, device: str,
     def empty():
         # The class, config, dtype and attention from_pretrained gets: from_config's share of kwargs.
         base = AutoConfig.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code)
-        return AutoModelForCausalLM.from_config(base, **{k: v for k, v in kwargs.items()
-                                                         if k in ("dtype", "attn_implementation", "trust_remote_code")})
+        return AutoModelForCausalLM.from_config(
+            base, **{k: v for k, v in kwargs.items() if k in ("dtype", "attn_implementation", "trust_remote_code")}
+        )
 
     # With offload the model is assembled on the CPU and moved to the GPU after the frozen
     # weights of the offloaded layers were set aside (loraship/training/offload.py).
-    model = distributed.load_base(engine, rank, strategy.adapter, build=empty,
-                                  load=lambda: AutoModelForCausalLM.from_pretrained(model_dir, **kwargs))
+    model = distributed.load_base(
+        engine,
+        rank,
+        strategy.adapter,
+        build=empty,
+        load=lambda: AutoModelForCausalLM.from_pretrained(model_dir, **kwargs),
+    )
     if strategy.adapter == "qlora" and device != "cuda":
         # bitsandbytes (0.50) repacks an NF4 layer, one way, into an inference-only CPU layout the first time it
         # runs in eval mode on an AVX512-BF16 CPU; training afterwards goes through that inference kernel, whose
@@ -233,12 +277,23 @@ def load_model(model_dir: Path, config, strategy: Strategy | dict, device: str,
     # from_pretrained returns eval mode, where HF silently skips gradient checkpointing
     # (seen on the H200: 67.6 GiB instead of 23.5). Train mode, always.
     model.train()
-    return LoadedModel(model=model, activation_offload=activation_offload, weight_prefetcher=prefetcher,
-                       fused_lora=fused_lora, recompute_skips=skips, fused_loss=fused_loss)
+    return LoadedModel(
+        model=model,
+        activation_offload=activation_offload,
+        weight_prefetcher=prefetcher,
+        fused_lora=fused_lora,
+        recompute_skips=skips,
+        fused_loss=fused_loss,
+    )
 
 
-def model_kwargs(model_dir: Path, config, strategy: Strategy, device: str,
-                 engine: distributed.Engine = distributed.ONE_PROCESS.engine) -> tuple[dict, int]:
+def model_kwargs(
+    model_dir: Path,
+    config,
+    strategy: Strategy,
+    device: str,
+    engine: distributed.Engine = distributed.ONE_PROCESS.engine,
+) -> tuple[dict, int]:
     """from_pretrained's arguments for `strategy` on `device`, and how many layers stream from CPU memory; refuses,
     before any weight loads, what the plan cannot have meant."""
     import torch
@@ -263,12 +318,16 @@ def model_kwargs(model_dir: Path, config, strategy: Strategy, device: str,
     # before the layer count is known: a plan from before checkpointed_layers means every layer or none.
     checkpointed = strategy.checkpointed(offload)
     if offload and checkpointed < offload:
-        raise LorashipError(f"the plan streams {offload} layers but checkpoints only {checkpointed}: streamed layers "
-                            "must be among the checkpointed ones (a plan edited by hand?); re-plan")
+        raise LorashipError(
+            f"the plan streams {offload} layers but checkpoints only {checkpointed}: streamed layers "
+            "must be among the checkpointed ones (a plan edited by hand?); re-plan"
+        )
     if offload and engine.distributed:
-        raise LorashipError(f"the plan streams {offload} layers' weights from CPU memory and trains on "
-                            f"{engine.world_size} GPUs ({engine.name}), which loraship does not combine; fix: re-plan "
-                            "(gpus: 1 for the streamed plan, or more GPUs with fallback that leaves offload out)")
+        raise LorashipError(
+            f"the plan streams {offload} layers' weights from CPU memory and trains on "
+            f"{engine.world_size} GPUs ({engine.name}), which loraship does not combine; fix: re-plan "
+            "(gpus: 1 for the streamed plan, or more GPUs with fallback that leaves offload out)"
+        )
     if device == "cuda" and not offload and engine.name != "fsdp2":
         # This rank's own card (torchrun's LOCAL_RANK, made current by init_rank); 0 in one process.
         kwargs["device_map"] = {"": torch.cuda.current_device()}
@@ -317,8 +376,11 @@ def stream_frozen_weights(model, strategy: Strategy, n_layers: int):
     from loraship.training.offload import offload_frozen_layers
 
     streamed = memory.streamed_layers(strategy.to_json(), n_layers)
-    log.info("train: %.2f GiB of frozen weights kept in CPU memory (decoder layers %s)",
-             offload_frozen_layers(model, streamed) / 2**30, ", ".join(map(str, streamed)))
+    log.info(
+        "train: %.2f GiB of frozen weights kept in CPU memory (decoder layers %s)",
+        offload_frozen_layers(model, streamed) / 2**30,
+        ", ".join(map(str, streamed)),
+    )
     model.to("cuda")
     return getattr(model.get_base_model().model, "_loraship_prefetcher", None)
 
@@ -334,10 +396,16 @@ def apply_fused_loss(model) -> None:
     # transformers/model/gemma2.py passes it to the loss.)
     model_type = model.config.model_type
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN or model_type in LIGER_NO_FUSED_LOSS:
-        raise LorashipError(f"the plan uses Liger's fused loss, but liger-kernel has no fused loss for model_type "
-                            f"{model_type!r}; set fused_loss: off and plan again")
-    _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False,
-                                    **norm_kernels.liger_norm_kwargs())
+        raise LorashipError(
+            f"the plan uses Liger's fused loss, but liger-kernel has no fused loss for model_type "
+            f"{model_type!r}; set fused_loss: off and plan again"
+        )
+    _apply_liger_kernel_to_instance(
+        model=model.get_base_model(),
+        fused_linear_cross_entropy=True,
+        cross_entropy=False,
+        **norm_kernels.liger_norm_kwargs(),
+    )
     # The default keeps Liger's kernels everywhere: the fastest of the settings (bench/results/train_bench_gemma3_kernels.json).
     norm_kernels.adjust_norms(model)
     norm_kernels.compile_decoder_layers(decoder_layers(model))
@@ -362,8 +430,15 @@ def compute(device: str):
     return contextlib.nullcontext()
 
 
-def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, device: str,
-             progress: Progress | None = None, fused_loss: bool = False) -> float | None:
+def evaluate(
+    model,
+    examples: list[dict],
+    batch_size: int,
+    pad_id: int,
+    device: str,
+    progress: Progress | None = None,
+    fused_loss: bool = False,
+) -> float | None:
     """Mean loss per target token over the eval split; `fused_loss`: the model runs Liger's (LoadedModel.fused_loss)."""
     import torch
 
@@ -386,8 +461,9 @@ def evaluate(model, examples: list[dict], batch_size: int, pad_id: int, device: 
             total += float(loss) * n
             count += n
             if progress is not None:
-                progress.update(batch, f"batch {batch}/{batches}, loss so far {total / max(count, 1):.4f}",
-                                total=batches)
+                progress.update(
+                    batch, f"batch {batch}/{batches}, loss so far {total / max(count, 1):.4f}", total=batches
+                )
     model.train(was_training)
     return total / max(count, 1)
 
@@ -425,8 +501,14 @@ def save_checkpoint(folder: Path, model, optimizer, scheduler, step: int, histor
             tmp.mkdir()
             wrapped.model.save_pretrained(tmp, safe_serialization=True, state_dict=adapter)
             torch.save(
-                {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "step": step, "rng": rng,
-                 "history": history, "world_size": wrapped.engine.world_size},
+                {
+                    "optimizer": optimizer_state,
+                    "scheduler": scheduler.state_dict(),
+                    "step": step,
+                    "rng": rng,
+                    "history": history,
+                    "world_size": wrapped.engine.world_size,
+                },
                 tmp / "trainer_state.pt",
             )
     distributed.barrier(wrapped.rank)
@@ -451,17 +533,24 @@ def load_checkpoint(folder: Path, model, optimizer, scheduler) -> tuple[int, lis
     state = torch.load(last / "trainer_state.pt", weights_only=True)
     distributed.load_optimizer_state(wrapped, optimizer, state["optimizer"])
     if state.get("world_size", 1) != world_size:
-        log.warning("train: the checkpoint was written by %d rank(s), this run has %d: a global step holds another "
-                    "number of examples, so the rest of this epoch draws them in another order than it would have",
-                    state.get("world_size", 1), world_size)
+        log.warning(
+            "train: the checkpoint was written by %d rank(s), this run has %d: a global step holds another "
+            "number of examples, so the rest of this epoch draws them in another order than it would have",
+            state.get("world_size", 1),
+            world_size,
+        )
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     cuda_rng = state["rng"].get("cuda")
     if cuda_rng is not None and torch.cuda.is_available():
         if len(cuda_rng) != torch.cuda.device_count():
-            log.warning("train: checkpoint holds CUDA RNG state for %d devices, %d visible; dropout may differ "
-                        "from an uninterrupted run", len(cuda_rng), torch.cuda.device_count())
+            log.warning(
+                "train: checkpoint holds CUDA RNG state for %d devices, %d visible; dropout may differ "
+                "from an uninterrupted run",
+                len(cuda_rng),
+                torch.cuda.device_count(),
+            )
         else:
             torch.cuda.set_rng_state_all(cuda_rng)
     log.info("train: resumed from checkpoint at step %d", state["step"])
@@ -478,8 +567,11 @@ def set_checkpoints_aside(folder: Path, old: Strategy, new: Strategy, attempt: i
     rerun of the same inputs keeps), not deleted."""
     import torch
 
-    found = [p for p in sorted(folder.iterdir()) if p.name == "last" or p.name.startswith(".old-last.")] \
-        if folder.is_dir() else []
+    found = (
+        [p for p in sorted(folder.iterdir()) if p.name == "last" or p.name.startswith(".old-last.")]
+        if folder.is_dir()
+        else []
+    )
     if not found:
         return None
     state = next((p / "trainer_state.pt" for p in found if (p / "trainer_state.pt").is_file()), None)
@@ -489,12 +581,20 @@ def set_checkpoints_aside(folder: Path, old: Strategy, new: Strategy, attempt: i
     for p in found:
         # Not under an .old-last name: load_checkpoint takes those for a checkpoint killed mid-replacement.
         os.replace(p, aside / p.name.removeprefix("."))
-    why = (f"the re-plan changed the base's precision from {old.base_precision} to {new.base_precision}: the "
-           f"checkpointed adapter and optimizer state were trained against the {old.base_precision} weights, so "
-           f"training started again from step 0")
+    why = (
+        f"the re-plan changed the base's precision from {old.base_precision} to {new.base_precision}: the "
+        f"checkpointed adapter and optimizer state were trained against the {old.base_precision} weights, so "
+        f"training started again from step 0"
+    )
     log.warning("train: %s; the checkpoints of step %s are kept in %s", why, step, aside)
-    return {"after_attempt": attempt, "from_precision": old.base_precision, "to_precision": new.base_precision,
-            "set_aside_step": step, "set_aside_to": str(aside.relative_to(folder.parent)), "why": why}
+    return {
+        "after_attempt": attempt,
+        "from_precision": old.base_precision,
+        "to_precision": new.base_precision,
+        "set_aside_step": step,
+        "set_aside_to": str(aside.relative_to(folder.parent)),
+        "why": why,
+    }
 
 
 def use_packing(config, model, device: str) -> tuple[bool, str]:
@@ -508,18 +608,25 @@ def use_packing(config, model, device: str) -> tuple[bool, str]:
         import torch
 
         # One SDPA call per example is right but slow on a GPU: padding wins there.
-        why_not = (f"torch {torch.__version__} has no variable-length attention (torch.nn.attention.varlen, "
-                   "torch >= 2.10)")
+        why_not = (
+            f"torch {torch.__version__} has no variable-length attention (torch.nn.attention.varlen, torch >= 2.10)"
+        )
     if why_not is None:
         model.set_attn_implementation(packed_attention.register())
-        return True, (f"packing: {config.packing}; examples laid end to end, each attending to itself only "
-                      f"({kernel} attention; a micro-batch of one length runs as a plain batch)")
+        return True, (
+            f"packing: {config.packing}; examples laid end to end, each attending to itself only "
+            f"({kernel} attention; a micro-batch of one length runs as a plain batch)"
+        )
     if config.packing == "on":
-        raise LorashipError(f"packing: on, but {why_not}; set packing: auto (pads where packing is unsupported) or off")
+        raise LorashipError(
+            f"packing: on, but {why_not}; set packing: auto (pads where packing is unsupported) or off"
+        )
     return False, f"padded batches: {why_not}"
 
 
-def micro_batch(examples: list[dict], rows: list[list[int]], packed: bool, pad_id: int, device: str) -> tuple[dict, int, int]:
+def micro_batch(
+    examples: list[dict], rows: list[list[int]], packed: bool, pad_id: int, device: str
+) -> tuple[dict, int, int]:
     """Model inputs for one micro-batch, its number of real (non-pad) tokens and of target tokens."""
     batch = [examples[i] for row in rows for i in row]
     if packed and len({len(e["input_ids"]) for e in batch}) == 1:
@@ -562,8 +669,10 @@ def gpu_memory_text(device: str) -> str:
     import torch
 
     gib = 2**30
-    return (f", GPU {torch.cuda.memory_allocated() / gib:.1f} GiB allocated, {torch.cuda.memory_reserved() / gib:.1f} "
-            f"reserved (peak {torch.cuda.max_memory_reserved() / gib:.1f})")
+    return (
+        f", GPU {torch.cuda.memory_allocated() / gib:.1f} GiB allocated, {torch.cuda.memory_reserved() / gib:.1f} "
+        f"reserved (peak {torch.cuda.max_memory_reserved() / gib:.1f})"
+    )
 
 
 def peak_memory(device: str) -> dict:
@@ -571,8 +680,10 @@ def peak_memory(device: str) -> dict:
         return {}
     import torch
 
-    return {"peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
 
 # Optimizer steps left out of the steady-state rate: the first allocates AdamW's state and runs every kernel's first
@@ -588,8 +699,9 @@ def steady_rate(stamps: list[tuple[float, int]], warmup: int = WARMUP_STEPS) -> 
     (t0, n0), (t1, n1) = stamps[warmup - 1] if warmup else (0.0, 0), stamps[-1]
     if t1 <= t0:
         return None, "no steady-state rate: no time elapsed after the warm-up"
-    return round((n1 - n0) / (t1 - t0), 1), (f"steady state: steps {warmup + 1}-{len(stamps)} of this run, the first "
-                                              f"{warmup} (warm-up) left out")
+    return round((n1 - n0) / (t1 - t0), 1), (
+        f"steady state: steps {warmup + 1}-{len(stamps)} of this run, the first {warmup} (warm-up) left out"
+    )
 
 
 def flops_per_token(model_dir: Path, config, lengths: list[int]) -> float | None:
@@ -646,8 +758,17 @@ class StepLoop:
     stamps: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens so far) after each step
 
 
-def train_once(config, ctx, model_dir: Path, strategy: Strategy | dict, device: str, tokenizer, train,
-               evaluation, ranks: distributed.Ranks = distributed.ONE_PROCESS) -> dict:
+def train_once(
+    config,
+    ctx,
+    model_dir: Path,
+    strategy: Strategy | dict,
+    device: str,
+    tokenizer,
+    train,
+    evaluation,
+    ranks: distributed.Ranks = distributed.ONE_PROCESS,
+) -> dict:
     """One attempt at training `strategy` to the end (resuming its checkpoints), evals before and after; the
     adapter and the loss history written to the stage folder. Raises what the attempt raised (out of memory too)."""
     import torch
@@ -658,8 +779,13 @@ def train_once(config, ctx, model_dir: Path, strategy: Strategy | dict, device: 
     model = loaded.model
     # DDP around it, or FSDP2's shards in place (its parameters replaced: the optimizer is made after), filled from
     # rank 0's weights where only rank 0 read them.
-    wrapped = distributed.wrap(model, ranks.engine, ranks.rank, decoder_layers(model),
-                               from_rank0=distributed.rank0_loads_weights(ranks.engine, strategy.adapter))
+    wrapped = distributed.wrap(
+        model,
+        ranks.engine,
+        ranks.rank,
+        decoder_layers(model),
+        from_rank0=distributed.rank0_loads_weights(ranks.engine, strategy.adapter),
+    )
     resident_gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
     packed, packing_why = use_packing(config, model, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -668,8 +794,17 @@ def train_once(config, ctx, model_dir: Path, strategy: Strategy | dict, device: 
     micro, accum = strategy.micro_batch_size, strategy.gradient_accumulation_steps * ranks.world_size
     examples = train.examples
     lengths = [len(e["input_ids"]) for e in examples]
-    batches = Batches(examples, lengths, micro, accum, steps_per_epoch(len(examples), micro, accum), packed, pad_id,
-                      config.seed, config.sequence_len)
+    batches = Batches(
+        examples,
+        lengths,
+        micro,
+        accum,
+        steps_per_epoch(len(examples), micro, accum),
+        packed,
+        pad_id,
+        config.seed,
+        config.sequence_len,
+    )
     total_steps = config.max_steps or max(1, math.ceil(batches.per_epoch * config.num_epochs))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
@@ -677,8 +812,15 @@ def train_once(config, ctx, model_dir: Path, strategy: Strategy | dict, device: 
 
     eval_batch = max(1, micro)
     eval_key = artifact_key(config.run_name, STAGE, "eval-progress")
-    eval_before = evaluate_base(model, evaluation.examples, eval_batch, pad_id, device,
-                                Progress("train: eval before (base model)", None, log, key=eval_key), loaded.fused_loss)
+    eval_before = evaluate_base(
+        model,
+        evaluation.examples,
+        eval_batch,
+        pad_id,
+        device,
+        Progress("train: eval before (base model)", None, log, key=eval_key),
+        loaded.fused_loss,
+    )
     eval_peak = peak_memory(device)
     # The evaluation's activations and logits are free now; hand their cached blocks back so that
     # training's own peak, not the eval's leftovers, shapes the allocator's segments.
@@ -689,15 +831,25 @@ def train_once(config, ctx, model_dir: Path, strategy: Strategy | dict, device: 
         torch.cuda.reset_peak_memory_stats()
     loop = StepLoop(step, history, started=time.perf_counter())
     per_token = flops_per_token(model_dir, config, lengths)
-    run_steps(config, ctx, wrapped, ranks, batches, trainable, optimizer, scheduler, total_steps, loop, per_token, device)
+    run_steps(
+        config, ctx, wrapped, ranks, batches, trainable, optimizer, scheduler, total_steps, loop, per_token, device
+    )
     seconds = time.perf_counter() - loop.started
     measured = distributed.worst_rank_memory(peak_memory(device), ranks.rank)  # the card that limits the plan
-    eval_after = evaluate(model, evaluation.examples, eval_batch, pad_id, device,
-                          Progress("train: eval after", None, log, key=eval_key), fused_loss=loaded.fused_loss)
+    eval_after = evaluate(
+        model,
+        evaluation.examples,
+        eval_batch,
+        pad_id,
+        device,
+        Progress("train: eval after", None, log, key=eval_key),
+        fused_loss=loaded.fused_loss,
+    )
     save_adapter(ctx.dir, wrapped, tokenizer, loop.history)
     if measured:
-        measured.update(allocated_after_load_gib=resident_gib,
-                        eval_peak_reserved_gib=eval_peak.get("peak_reserved_gib"))
+        measured.update(
+            allocated_after_load_gib=resident_gib, eval_peak_reserved_gib=eval_peak.get("peak_reserved_gib")
+        )
     return {
         "steps": total_steps,
         "resumed_from_step": resumed_from,
@@ -711,8 +863,7 @@ def train_once(config, ctx, model_dir: Path, strategy: Strategy | dict, device: 
     }
 
 
-def attempt_metrics(loaded: LoadedModel, loop: StepLoop, seconds: float, per_token: float | None,
-                    device: str) -> dict:
+def attempt_metrics(loaded: LoadedModel, loop: StepLoop, seconds: float, per_token: float | None, device: str) -> dict:
     """The attempt's speed and what load_model applied, for the manifest."""
     steady, steady_basis = steady_rate(loop.stamps)
     return {
@@ -731,8 +882,20 @@ def attempt_metrics(loaded: LoadedModel, loop: StepLoop, seconds: float, per_tok
     }
 
 
-def run_steps(config, ctx, wrapped: distributed.Wrapped, ranks: distributed.Ranks, batches: Batches, trainable: list,
-              optimizer, scheduler, total_steps: int, loop: StepLoop, per_token: float | None, device: str) -> None:
+def run_steps(
+    config,
+    ctx,
+    wrapped: distributed.Wrapped,
+    ranks: distributed.Ranks,
+    batches: Batches,
+    trainable: list,
+    optimizer,
+    scheduler,
+    total_steps: int,
+    loop: StepLoop,
+    per_token: float | None,
+    device: str,
+) -> None:
     """The optimizer steps from loop.step to total_steps: each accumulates its micro-batches, steps the optimizer,
     reports progress, and every save_steps checkpoints."""
     import torch
@@ -751,14 +914,16 @@ def run_steps(config, ctx, wrapped: distributed.Wrapped, ranks: distributed.Rank
         loop.stamps.append((elapsed, loop.tokens_seen))
         report_progress(progress, loop, total_steps, step_loss, elapsed, per_token, peak, device)
         if loop.step % config.logging_steps == 0 or loop.step == total_steps:
-            loop.history.append({"step": loop.step, "epoch": epoch, "loss": round(step_loss, 6),
-                                 "lr": scheduler.get_last_lr()[0]})
+            loop.history.append(
+                {"step": loop.step, "epoch": epoch, "loss": round(step_loss, 6), "lr": scheduler.get_last_lr()[0]}
+            )
         if loop.step % config.save_steps == 0 and loop.step < total_steps:
             save_checkpoint(ctx.dir / CHECKPOINTS_DIR, wrapped, optimizer, scheduler, loop.step, loop.history)
 
 
-def accumulate_step(wrapped: distributed.Wrapped, ranks: distributed.Ranks, batches: Batches, group: list,
-                    loop: StepLoop, device: str) -> float:
+def accumulate_step(
+    wrapped: distributed.Wrapped, ranks: distributed.Ranks, batches: Batches, group: list, loop: StepLoop, device: str
+) -> float:
     """Forward and backward of this rank's share of one optimizer step's micro-batches, gradients synced across the
     ranks on the last; the step's loss per target token, summed over the ranks (every rank reports the global one)."""
     examples = batches.examples
@@ -769,8 +934,14 @@ def accumulate_step(wrapped: distributed.Wrapped, ranks: distributed.Ranks, batc
     share = distributed.rank_share(group, ranks.index, ranks.world_size)
     for m, (rows, counts) in enumerate(share):
         with distributed.accumulating(wrapped, final=m == len(share) - 1):
-            loss, n_tokens = forward_backward(wrapped.module, batches, rows, step_targets, device,
-                                              weight=distributed.gradient_scale(ranks.engine) if counts else 0.0)
+            loss, n_tokens = forward_backward(
+                wrapped.module,
+                batches,
+                rows,
+                step_targets,
+                device,
+                weight=distributed.gradient_scale(ranks.engine) if counts else 0.0,
+            )
         step_loss = step_loss + loss  # read once a step: one sync, not one each
         tokens += n_tokens if counts else 0
     step_loss, tokens = distributed.all_sum([float(step_loss), tokens], ranks.rank)
@@ -778,8 +949,9 @@ def accumulate_step(wrapped: distributed.Wrapped, ranks: distributed.Ranks, batc
     return step_loss
 
 
-def forward_backward(model, batches: Batches, rows: list[list[int]], step_targets: int, device: str,
-                     weight: float = 1.0):
+def forward_backward(
+    model, batches: Batches, rows: list[list[int]], step_targets: int, device: str, weight: float = 1.0
+):
     """One micro-batch: forward, backward of its share of the step's loss times `weight` (the engine's gradient
     scale; 0 for a rank's stand-in micro-batch); that share (on the device, detached, 0 for a stand-in) and its
     real tokens."""
@@ -799,14 +971,24 @@ def optimizer_step(trainable: list, optimizer, scheduler) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def report_progress(progress: Progress, loop: StepLoop, total_steps: int, step_loss: float, elapsed: float,
-                    per_token: float | None, peak: float | None, device: str) -> None:
+def report_progress(
+    progress: Progress,
+    loop: StepLoop,
+    total_steps: int,
+    step_loss: float,
+    elapsed: float,
+    per_token: float | None,
+    peak: float | None,
+    device: str,
+) -> None:
     rate, _ = steady_rate(loop.stamps)
     if rate is None:
         speed = f"{loop.tokens_seen / max(elapsed, 1e-9):,.0f} tokens/s (warm-up)"
     else:
         speed = f"{rate:,.0f} tokens/s" + (f", MFU {rate * per_token / 1e12 / peak:.0%}" if peak else "")
-    progress.update(loop.step, f"step {loop.step}/{total_steps}, loss {step_loss:.4f}, {speed}{gpu_memory_text(device)}")
+    progress.update(
+        loop.step, f"step {loop.step}/{total_steps}, loss {step_loss:.4f}, {speed}{gpu_memory_text(device)}"
+    )
 
 
 def save_adapter(folder: Path, wrapped: distributed.Wrapped, tokenizer, history: list[dict]) -> None:
@@ -833,13 +1015,17 @@ def host_copy_stats(loaded: LoadedModel) -> dict | None:
         out["streamed_weights"] = {"layer_passes": prefetcher.passes, "not_copied_ahead": prefetcher.late}
     acts = loaded.activation_offload
     if acts is not None:
-        out["checkpointed_inputs"] = {"still_on_gpu": acts.resident, "prefetched": acts.prefetched,
-                                      "copied_when_needed": acts.synchronous}
+        out["checkpointed_inputs"] = {
+            "still_on_gpu": acts.resident,
+            "prefetched": acts.prefetched,
+            "copied_when_needed": acts.synchronous,
+        }
     return out or None
 
 
-def evaluate_base(model, examples, batch_size, pad_id, device, progress: Progress | None = None,
-                  fused_loss: bool = False):
+def evaluate_base(
+    model, examples, batch_size, pad_id, device, progress: Progress | None = None, fused_loss: bool = False
+):
     """Eval loss of the base model alone: the adapter switched off."""
     with model.disable_adapter():
         return evaluate(model, examples, batch_size, pad_id, device, progress, fused_loss)
@@ -927,22 +1113,43 @@ def starting_plan(ctx, config, model_config: dict, n_layers: int | None, device:
         # The plan was made where liger-kernel is importable and this machine lacks it: the HF loss
         # needs more memory than planned, so plan again here, with the same ladder and fallback.
         plan = memory.plan_training(model_config, config)
-        start = Attempts(plan, for_device(plan["strategy"], config, device, n_layers),
-                         f"re-planned in the train environment, where liger-kernel is not importable: {plan['reason']}")
+        start = Attempts(
+            plan,
+            for_device(plan["strategy"], config, device, n_layers),
+            f"re-planned in the train environment, where liger-kernel is not importable: {plan['reason']}",
+        )
     replanned = ctx.dir / CHECKPOINTS_DIR / REPLANNED_FILE
     if replanned.is_file():
         # An earlier run of these exact inputs ran out of memory and re-planned: start where it ended.
         saved = json.loads(replanned.read_text(encoding="utf-8"))
-        start = Attempts(saved["plan"], for_device(saved["plan"]["strategy"], config, device, n_layers), start.reason,
-                         tuple(saved["attempts"]), tuple(saved.get("restarts", [])))
-        log.info("train: starting from the strategy re-planned after %d out-of-memory error(s): %s",
-                 len(start.failed), start.strategy.to_json())
+        start = Attempts(
+            saved["plan"],
+            for_device(saved["plan"]["strategy"], config, device, n_layers),
+            start.reason,
+            tuple(saved["attempts"]),
+            tuple(saved.get("restarts", [])),
+        )
+        log.info(
+            "train: starting from the strategy re-planned after %d out-of-memory error(s): %s",
+            len(start.failed),
+            start.strategy.to_json(),
+        )
     return start
 
 
-def train_until_it_fits(config, ctx, model_dir: Path, model_config: dict, n_layers: int | None, start: Attempts,
-                        device: str, tokenizer, train, evaluation,
-                        engine: distributed.Engine = distributed.ONE_PROCESS.engine) -> tuple[dict, Attempts]:
+def train_until_it_fits(
+    config,
+    ctx,
+    model_dir: Path,
+    model_config: dict,
+    n_layers: int | None,
+    start: Attempts,
+    device: str,
+    tokenizer,
+    train,
+    evaluation,
+    engine: distributed.Engine = distributed.ONE_PROCESS.engine,
+) -> tuple[dict, Attempts]:
     """train_once, and after each out-of-memory error the next smaller plan (replan_after_oom) until one trains to
     the end; the result and how the attempts went. Raises naming the fix when no smaller plan is left."""
     import torch
@@ -951,8 +1158,9 @@ def train_until_it_fits(config, ctx, model_dir: Path, model_config: dict, n_laye
     while True:
         failure = None
         try:
-            return train_attempt(config, ctx, model_dir, now.strategy, device, tokenizer, train, evaluation,
-                                 engine), now
+            return train_attempt(
+                config, ctx, model_dir, now.strategy, device, tokenizer, train, evaluation, engine
+            ), now
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
@@ -967,21 +1175,38 @@ def train_until_it_fits(config, ctx, model_dir: Path, model_config: dict, n_laye
             torch.cuda.reset_peak_memory_stats()
 
 
-def after_out_of_memory(config, ctx, model_config: dict, n_layers: int | None, now: Attempts, failure: str,
-                        device: str, measured: dict | None = None) -> Attempts:
+def after_out_of_memory(
+    config,
+    ctx,
+    model_config: dict,
+    n_layers: int | None,
+    now: Attempts,
+    failure: str,
+    device: str,
+    measured: dict | None = None,
+) -> Attempts:
     """The attempts after `now` ran out of memory: the next smaller plan, persisted so that a rerun starts from it,
     the old checkpoints set aside where it changes the base's precision."""
     measured = peak_memory(device) if measured is None else measured
     nxt = memory.replan_after_oom(now.plan, model_config, config, measured)
-    failed = (*now.failed, {"strategy": now.strategy.to_json(), "error": failure, "measured": measured,
-                            "under_predicted": (nxt or {}).get("oom_component")})
+    failed = (
+        *now.failed,
+        {
+            "strategy": now.strategy.to_json(),
+            "error": failure,
+            "measured": measured,
+            "under_predicted": (nxt or {}).get("oom_component"),
+        },
+    )
     if nxt is None:
         raise LorashipError(
             f"out of GPU memory with every plan tried ({len(failed)}); under-predicted: "
             f"{failed[-1]['under_predicted'] or 'unknown'}; last error: {failure}. Lower sequence_len or "
             f"micro_batch_size, allow more in fallback (now {list(config.fallback)}), or use a larger GPU."
         ) from RuntimeError(failure)
-    log.warning("train: out of memory (%s under-predicted); retrying with %s", nxt.get("oom_component"), nxt["strategy"])
+    log.warning(
+        "train: out of memory (%s under-predicted); retrying with %s", nxt.get("oom_component"), nxt["strategy"]
+    )
     strategy = for_device(nxt["strategy"], config, device, n_layers)
     restarts = now.restarts
     # A strategy on the same precision of the base resumes the checkpoints (the same LoRA parameters, trained
@@ -995,8 +1220,17 @@ def after_out_of_memory(config, ctx, model_config: dict, n_layers: int | None, n
     return out
 
 
-def train_attempt(config, ctx, model_dir: Path, strategy: Strategy, device: str, tokenizer, train, evaluation,
-                  engine: distributed.Engine) -> dict:
+def train_attempt(
+    config,
+    ctx,
+    model_dir: Path,
+    strategy: Strategy,
+    device: str,
+    tokenizer,
+    train,
+    evaluation,
+    engine: distributed.Engine,
+) -> dict:
     """train_once in this process, or on the engine's ranks, each running train_once on its share of every step."""
     if not engine.distributed:
         return train_once(config, ctx, model_dir, strategy, device, tokenizer, train, evaluation)
@@ -1008,14 +1242,26 @@ def train_on_ranks(config, ctx, model_dir: Path, strategy: Strategy, device: str
     rank 0's result. Raises what a rank raised: its LorashipError, RanksOutOfMemory (which the re-plan takes for its
     own out-of-memory error), or RankFailed naming a rank that died and where a rerun resumes."""
     folder = ctx.dir / RANKS_DIR
-    job = distributed.RankJob(config=config.model_dump(mode="json"), stage_dir=str(ctx.dir), model_dir=str(model_dir),
-                              strategy=strategy.to_json(), engine=engine.name, world_size=engine.world_size,
-                              device=device, result_file=str(folder / "result.json"))
+    job = distributed.RankJob(
+        config=config.model_dump(mode="json"),
+        stage_dir=str(ctx.dir),
+        model_dir=str(model_dir),
+        strategy=strategy.to_json(),
+        engine=engine.name,
+        world_size=engine.world_size,
+        device=device,
+        result_file=str(folder / "result.json"),
+    )
     folder.mkdir(parents=True, exist_ok=True)
     job.write(folder / "job.json")
     log.info("train: %s on %d ranks (%s), under torchrun", engine.name, engine.world_size, device)
-    distributed.launch_ranks(f"loraship.stages.{STAGE}", [RANK_JOB_ARG, str(folder / "job.json")], engine.world_size,
-                             folder, resume_hint=lambda: resume_words(ctx.dir / CHECKPOINTS_DIR))
+    distributed.launch_ranks(
+        f"loraship.stages.{STAGE}",
+        [RANK_JOB_ARG, str(folder / "job.json")],
+        engine.world_size,
+        folder,
+        resume_hint=lambda: resume_words(ctx.dir / CHECKPOINTS_DIR),
+    )
     return json.loads(Path(job.result_file).read_text(encoding="utf-8"))
 
 
@@ -1052,18 +1298,37 @@ def serve_rank_job(job_file: Path) -> int:
         model_dir = Path(job.model_dir)
         tokenizer = load_tokenizer(model_dir, config)
         train, evaluation = load_splits(config, tokenizer)
-        distributed.check_same_inputs(rank, {
-            "config": config.fingerprint(), "strategy": sha256_json(job.strategy),
-            "train data": sha256_json([e["input_ids"] for e in train.examples]),
-            "eval data": sha256_json([e["input_ids"] for e in evaluation.examples])})
+        distributed.check_same_inputs(
+            rank,
+            {
+                "config": config.fingerprint(),
+                "strategy": sha256_json(job.strategy),
+                "train data": sha256_json([e["input_ids"] for e in train.examples]),
+                "eval data": sha256_json([e["input_ids"] for e in evaluation.examples]),
+            },
+        )
         strategy = Strategy.from_json(job.strategy)
         import_training_stack(strategy, job.device)
         ranks = distributed.Ranks(distributed.Engine(job.engine, job.world_size), rank)
-        return train_once(config, RankStage(Path(job.stage_dir)), model_dir, strategy, job.device, tokenizer, train,
-                          evaluation, ranks)
+        return train_once(
+            config,
+            RankStage(Path(job.stage_dir)),
+            model_dir,
+            strategy,
+            job.device,
+            tokenizer,
+            train,
+            evaluation,
+            ranks,
+        )
 
-    return distributed.serve_rank(work, job.device, Path(job.result_file), is_out_of_memory=is_out_of_memory,
-                                  measure=lambda: peak_memory(job.device))
+    return distributed.serve_rank(
+        work,
+        job.device,
+        Path(job.result_file),
+        is_out_of_memory=is_out_of_memory,
+        measure=lambda: peak_memory(job.device),
+    )
 
 
 def training_engine(ctx, config, device: str) -> tuple[distributed.Engine, dict]:
@@ -1080,13 +1345,23 @@ def training_engine(ctx, config, device: str) -> tuple[distributed.Engine, dict]
 def draw_figures(config, folder: Path, result: dict, predicted: dict, device: str, trained_as: str) -> list[str]:
     """The loss curves and the memory plan as PNGs in the stage folder (outputs of its manifest)."""
     history = [json.loads(line) for line in (folder / LOSS_HISTORY_FILE).read_text(encoding="utf-8").splitlines()]
-    plots.loss_curves(history, folder / LOSS_PLOT_FILE, eval_before=result["eval_loss_before"],
-                      eval_after=result["eval_loss_after"], steps=result["steps"],
-                      title=f"{config.run_name}: loss ({trained_as})")
+    plots.loss_curves(
+        history,
+        folder / LOSS_PLOT_FILE,
+        eval_before=result["eval_loss_before"],
+        eval_after=result["eval_loss_after"],
+        steps=result["steps"],
+        title=f"{config.run_name}: loss ({trained_as})",
+    )
     # The budget line only where a GPU measured something: on the CPU it would dwarf the predicted bar.
-    plots.memory_plan(predicted, result["measured_memory"], folder / MEMORY_PLOT_FILE, device=device,
-                      budget_gib=config.gpu_memory_gib if device == "cuda" else None,
-                      title=f"{config.run_name}: training memory, plan vs measured ({trained_as})")
+    plots.memory_plan(
+        predicted,
+        result["measured_memory"],
+        folder / MEMORY_PLOT_FILE,
+        device=device,
+        budget_gib=config.gpu_memory_gib if device == "cuda" else None,
+        title=f"{config.run_name}: training memory, plan vs measured ({trained_as})",
+    )
     return [LOSS_PLOT_FILE, MEMORY_PLOT_FILE]
 
 
@@ -1122,8 +1397,9 @@ def run(config) -> dict:
     start = starting_plan(ctx, config, model_config, n_layers, device)
     engine, option = training_engine(ctx, config, device)
     import_training_stack(start.strategy, device)
-    result, final = train_until_it_fits(config, ctx, model_dir, model_config, n_layers, start, device, tokenizer,
-                                        train, evaluation, engine)
+    result, final = train_until_it_fits(
+        config, ctx, model_dir, model_config, n_layers, start, device, tokenizer, train, evaluation, engine
+    )
     metrics = {
         **result,
         "device": device,
@@ -1138,8 +1414,9 @@ def run(config) -> dict:
         "predicted_reserved_gib": final.plan["memory"].get("predicted_reserved_gib"),
         "predicted_allocated_gib": final.plan["memory"].get("predicted_allocated_gib"),
         "data_fingerprint": sha256_json([e["input_ids"] for e in train.examples]),
-        "figures": draw_figures(config, ctx.dir, result, final.plan["memory"], device,
-                                f"{final.strategy.adapter} on {device}"),
+        "figures": draw_figures(
+            config, ctx.dir, result, final.plan["memory"], device, f"{final.strategy.adapter} on {device}"
+        ),
     }
     atomic_write_json(ctx.dir / "train_metrics.json", metrics)
     return ctx.finish(metrics, outputs=None)

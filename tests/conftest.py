@@ -24,8 +24,14 @@ if WORKER and not os.environ.get("PREFECT_HOME", "").endswith(f"xdist-{WORKER}")
 # pytest-xdist 3.8's loadgroup cannot split test_families.py by family under pytest 9.2 (it renames node ids
 # through an attribute pytest no longer reads). The longest files go first, so that none starts last while
 # the other worker idles (a serial run's durations: bench/results/ci_time.json); the rest keep their order.
-LONG_FILES = ("tests/test_families.py", "tests/test_real_models.py", "tests/test_turn_end.py",
-              "tests/test_interrupt.py", "tests/test_pipeline.py", "tests/test_adapter_gguf.py")
+LONG_FILES = (
+    "tests/test_families.py",
+    "tests/test_real_models.py",
+    "tests/test_turn_end.py",
+    "tests/test_interrupt.py",
+    "tests/test_pipeline.py",
+    "tests/test_adapter_gguf.py",
+)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -89,7 +95,9 @@ def loss_and_grads(model, ids):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    return loss.item(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None
+    }
 
 
 @pytest.fixture(scope="session")

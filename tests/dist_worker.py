@@ -47,15 +47,24 @@ def load(model_dir: str, adapter: str, engine, rank):
     kwargs = {}
     if adapter == "qlora":
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32, **dist_lib.quantization_storage(engine, torch.float32))
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+            **dist_lib.quantization_storage(engine, torch.float32),
+        )
 
     def from_pretrained():
         LOADS.append(model_dir)
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs)
 
-    model = dist_lib.load_base(engine, rank, adapter, load=from_pretrained, build=lambda: AutoModelForCausalLM.from_config(
-        AutoConfig.from_pretrained(model_dir), dtype=torch.float32))
+    model = dist_lib.load_base(
+        engine,
+        rank,
+        adapter,
+        load=from_pretrained,
+        build=lambda: AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32),
+    )
     meta = sum(p.is_meta for p in model.parameters())
     for module in model.modules():  # as tasks/train.py: bitsandbytes' CPU inference layout cannot train
         if hasattr(module, "support_avx512bf16_for_cpu"):
@@ -63,8 +72,9 @@ def load(model_dir: str, adapter: str, engine, rank):
     model.config.use_cache = False
     # The same seed on every rank: the same LoRA initialisation (FSDP2 keeps each rank's own shard of it).
     torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
-                                             task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    )
     model.train()
     return model, [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)], meta
 
@@ -88,9 +98,15 @@ def main() -> None:
         return
     import torch
 
-    raise SystemExit(dist_lib.serve_rank(lambda rank: work(a, rank), "cpu", out / "result.json",
-                                         is_out_of_memory=lambda e: isinstance(e, torch.OutOfMemoryError),
-                                         measure=lambda: {"peak_reserved_gib": 9.5}))
+    raise SystemExit(
+        dist_lib.serve_rank(
+            lambda rank: work(a, rank),
+            "cpu",
+            out / "result.json",
+            is_out_of_memory=lambda e: isinstance(e, torch.OutOfMemoryError),
+            measure=lambda: {"peak_reserved_gib": 9.5},
+        )
+    )
 
 
 def work(a, rank) -> dict:
@@ -108,8 +124,11 @@ def train(a, out: Path, engine, rank, data: list[dict]) -> dict:
     model, layers, meta = load(a.model, a.adapter, engine, rank)
     wrapped = dist_lib.wrap(model, engine, rank, layers, from_rank0=dist_lib.rank0_loads_weights(engine, a.adapter))
     # Each rank's full copy of the starting adapter (rank 0's initialisation, sent to the others' shards).
-    start = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
-             for k, v in wrapped.model.state_dict().items() if "lora_" in k}
+    start = {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+        for k, v in wrapped.model.state_dict().items()
+        if "lora_" in k
+    }
     trainable = [p for p in wrapped.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=2e-3)
     lengths = [len(e["input_ids"]) for e in data]
@@ -127,8 +146,9 @@ def train(a, out: Path, engine, rank, data: list[dict]) -> dict:
     while step < a.steps:
         epoch, within = divmod(step, per_epoch)
         group = epoch_steps(lengths, a.micro, accum, SEED, epoch, None)[within]
-        step_targets = sum(1 for rows in group for row in rows for i in row for t in data[i]["labels"][1:]
-                           if t != IGNORE_INDEX)
+        step_targets = sum(
+            1 for rows in group for row in rows for i in row for t in data[i]["labels"][1:] if t != IGNORE_INDEX
+        )
         share = dist_lib.rank_share(group, me, engine.world_size)
         local_loss, local_tokens = 0.0, 0
         for m, (rows, counts) in enumerate(share):

@@ -14,7 +14,13 @@ import pytest
 
 from loraship.config import parse_config
 from loraship.constants import (
-    ADAPTER_DIR, ADAPTER_GGUF, GGUF_FILE_TYPES, GGUF_KEY_FILE_TYPE, REFERENCE_FILE, VERIFY_FILE, base_gguf_name,
+    ADAPTER_DIR,
+    ADAPTER_GGUF,
+    GGUF_FILE_TYPES,
+    GGUF_KEY_FILE_TYPE,
+    REFERENCE_FILE,
+    VERIFY_FILE,
+    base_gguf_name,
     quantized_gguf_name,
 )
 from loraship.errors import LorashipError
@@ -167,7 +173,9 @@ def test_a_wrong_adapter_gguf_fails_the_gate(pipeline_run, tiny_model, tmp_path,
         bent = tmp_path / "bent-adapter"
         shutil.copytree(adapter_dir, bent)
         weights = load_file(bent / "adapter_model.safetensors")
-        save_file({k: v * factor if "lora_B" in k else v for k, v in weights.items()}, bent / "adapter_model.safetensors")
+        save_file(
+            {k: v * factor if "lora_B" in k else v for k, v in weights.items()}, bent / "adapter_model.safetensors"
+        )
         real(bent, base_dir, out_file, progress_key)
 
     monkeypatch.setattr(convert_stage, "convert_adapter", wrong_adapter)
@@ -203,10 +211,19 @@ def test_a_gguf_that_lost_the_fine_tune_fails_the_fine_tune_gates(adapter_run, t
 
     config, _ = adapter_run
     reference_dir = stage_dir(config, "reference")
-    job = {"gguf": str(stage_dir(config, "convert") / base_gguf_name(config.primary_quantization)), "n_ctx": 256,
-           "n_gpu_layers": 0, "device": "cpu", "seed": config.seed, "reference": str(reference_dir / REFERENCE_FILE),
-           "topk": str(reference_dir / REFERENCE_TOPK_FILE), "fields": {}, "max_new_tokens": config.max_new_tokens,
-           "golden_margin": config.golden_margin, "min_scored_tokens": config.min_scored_tokens}
+    job = {
+        "gguf": str(stage_dir(config, "convert") / base_gguf_name(config.primary_quantization)),
+        "n_ctx": 256,
+        "n_gpu_layers": 0,
+        "device": "cpu",
+        "seed": config.seed,
+        "reference": str(reference_dir / REFERENCE_FILE),
+        "topk": str(reference_dir / REFERENCE_TOPK_FILE),
+        "fields": {},
+        "max_new_tokens": config.max_new_tokens,
+        "golden_margin": config.golden_margin,
+        "min_scored_tokens": config.min_scored_tokens,
+    }
     measured = measure_apart(SimpleNamespace(dir=tmp_path), job)
     agreement = measured["eval_agreement"]
     assert agreement["kl_method"] == "exact" and agreement["finetune_tokens"] >= config.min_scored_tokens

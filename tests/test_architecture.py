@@ -76,8 +76,10 @@ def test_no_import_cycles_among_top_level_imports():
     graph = import_graph()
     assert len(graph) > 20 and sum(map(len, graph.values())) > 20, "the import graph came out (nearly) empty"
     found = cycles(graph)
-    assert not found, (f"import circles among top-level imports in loraship/: {found}; fix: move the shared part into "
-                       f"a module both import, or import inside the function that needs it")
+    assert not found, (
+        f"import circles among top-level imports in loraship/: {found}; fix: move the shared part into "
+        f"a module both import, or import inside the function that needs it"
+    )
 
 
 def test_the_cycle_finder_sees_a_circle():
@@ -89,7 +91,10 @@ def test_planning_has_no_circles_even_through_lazy_imports():
     """The planner's modules layer strictly (shape -> targets, knobs -> estimate, flops -> step_time -> strategy):
     not even an import inside a function goes back up."""
     graph = import_graph(lazy=True)
-    planning = {m: {w for w in ws if w.startswith("loraship.planning")} for m, ws in graph.items()
-                if m.startswith("loraship.planning")}
+    planning = {
+        m: {w for w in ws if w.startswith("loraship.planning")}
+        for m, ws in graph.items()
+        if m.startswith("loraship.planning")
+    }
     assert len(planning) > 5
     assert not cycles(planning), cycles(planning)

@@ -15,7 +15,15 @@ import pytest
 from loraship.llamacpp import ollama
 from loraship.chat import NAMED_TEMPLATES
 from loraship.constants import (
-    GENERATION_CONFIG_FILE, LOSS_PLOT_FILE, MANIFEST_NAME, MEMORY_PLOT_FILE, MODEL_CARD, MODELFILE, PLAN_FILE, VERIFY_FILE, quantized_gguf_name,
+    GENERATION_CONFIG_FILE,
+    LOSS_PLOT_FILE,
+    MANIFEST_NAME,
+    MEMORY_PLOT_FILE,
+    MODEL_CARD,
+    MODELFILE,
+    PLAN_FILE,
+    VERIFY_FILE,
+    quantized_gguf_name,
 )
 from loraship.runtime.stage import stage_dir
 from loraship.sampling import GREEDY
@@ -75,10 +83,19 @@ CASES = [
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of Zorvia?"}],
     [{"role": "system", "content": "Answer in one line."}, {"role": "user", "content": "Hi"}],
-    [{"role": "user", "content": "One"}, {"role": "assistant", "content": "Answer: 1."},
-     {"role": "user", "content": "Two"}, {"role": "assistant", "content": "Answer: 2."}, {"role": "user", "content": "Three"}],
-    [{"role": "system", "content": "Be brief.\nVery brief."}, {"role": "user", "content": "One"},
-     {"role": "assistant", "content": "Answer: 1."}, {"role": "user", "content": "Two"}],
+    [
+        {"role": "user", "content": "One"},
+        {"role": "assistant", "content": "Answer: 1."},
+        {"role": "user", "content": "Two"},
+        {"role": "assistant", "content": "Answer: 2."},
+        {"role": "user", "content": "Three"},
+    ],
+    [
+        {"role": "system", "content": "Be brief.\nVery brief."},
+        {"role": "user", "content": "One"},
+        {"role": "assistant", "content": "Answer: 1."},
+        {"role": "user", "content": "Two"},
+    ],
 ]
 
 
@@ -170,8 +187,14 @@ func main() {
 
 def _go_render(binary: Path, template: str, conversations: list[list[dict]]) -> list[str]:
     cases = [[{"Role": m["role"], "Content": m["content"]} for m in c] for c in conversations]
-    done = subprocess.run([str(binary)], input=json.dumps({"Template": template, "Cases": cases}), text=True,
-                          capture_output=True, check=True, timeout=60)
+    done = subprocess.run(
+        [str(binary)],
+        input=json.dumps({"Template": template, "Cases": cases}),
+        text=True,
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
     return json.loads(done.stdout)
 
 
@@ -190,8 +213,12 @@ def test_go_templates_render_what_the_model_was_trained_on(tokenizers, tmp_path)
         tokenizer = tokenizer_for(tokenizers, kind, template)
         facts = ollama.recognise(tokenizer)
         conversations = [c for c in CONVERSATIONS if _hf_prompt(tokenizer, c) is not None]
-        as_ollama = [c if c[0]["role"] == "system" or not facts["system"]
-                     else [{"role": "system", "content": facts["system"]}, *c] for c in conversations]
+        as_ollama = [
+            c
+            if c[0]["role"] == "system" or not facts["system"]
+            else [{"role": "system", "content": facts["system"]}, *c]
+            for c in conversations
+        ]
         go = _go_render(binary, facts["template"], as_ollama)
         for conversation, rendered in zip(conversations, go):
             assert rendered == _hf_prompt(tokenizer, conversation), (case, conversation)
@@ -207,10 +234,20 @@ def test_modelfile_of_a_recognised_family(tokenizers):
     stops = [line for line in lines if line.startswith("PARAMETER stop ")]
     assert stops == ['PARAMETER stop "<|im_end|>"', 'PARAMETER stop "<|endoftext|>"', 'PARAMETER stop "<|im_start|>"']
     # The settings verify served it with: Ollama's own defaults (temperature 0.8, repeat_penalty 1.1) answer otherwise.
-    settings = [line for line in lines if line.startswith("PARAMETER ") and not line.startswith(("PARAMETER stop ",
-                                                                                                 "PARAMETER num_ctx "))]
-    assert settings == ["PARAMETER temperature 0", "PARAMETER top_k 0", "PARAMETER top_p 1", "PARAMETER min_p 0",
-                        "PARAMETER repeat_penalty 1", "PARAMETER presence_penalty 0", "PARAMETER frequency_penalty 0"]
+    settings = [
+        line
+        for line in lines
+        if line.startswith("PARAMETER ") and not line.startswith(("PARAMETER stop ", "PARAMETER num_ctx "))
+    ]
+    assert settings == [
+        "PARAMETER temperature 0",
+        "PARAMETER top_k 0",
+        "PARAMETER top_p 1",
+        "PARAMETER min_p 0",
+        "PARAMETER repeat_penalty 1",
+        "PARAMETER presence_penalty 0",
+        "PARAMETER frequency_penalty 0",
+    ]
     template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
     assert template == facts["template"]
     assert 'SYSTEM """You are Qwen, created by Alibaba Cloud. You are a helpful assistant."""' in lines
@@ -247,8 +284,10 @@ def test_published_modelfile_and_card(pipeline_run):
     assert {"gguf", *config.quantizations}.issubset(card.data.tags)
     assert card.data.pipeline_tag == "text-generation" and card.data.library_name == "gguf"
     assert card.data.base_model is None  # a local folder is no Hub id
-    assert (f"llama-server -m {gguf} --jinja -c {config.target_context} -ngl 999 --temp 0 --top-k 0 --top-p 1 --min-p 0 "
-            "--repeat-penalty 1 --presence-penalty 0 --frequency-penalty 0") in card.text
+    assert (
+        f"llama-server -m {gguf} --jinja -c {config.target_context} -ngl 999 --temp 0 --top-k 0 --top-p 1 --min-p 0 "
+        "--repeat-penalty 1 --presence-penalty 0 --frequency-penalty 0"
+    ) in card.text
     assert "PARAMETER repeat_penalty 1" in modelfile and "PARAMETER temperature 0" in modelfile
     assert "`repeat_penalty` 1.1" in card.text and '`extra_body={"repeat_penalty": 1.0}`' in card.text
     assert f"ollama create {config.run_name} -f {MODELFILE}" in card.text
@@ -291,8 +330,12 @@ def test_card_of_a_hub_base_that_fell_back_to_qlora_and_does_not_fit_whole(pipel
     verify = json.loads((stage_dir(config, "verify") / VERIFY_FILE).read_text(encoding="utf-8"))
     verify["memory"] = {**verify["memory"], "fits": False, "gpu_layers_at_target_context": 21}
     plan = json.loads((stage_dir(config, "plan") / PLAN_FILE).read_text(encoding="utf-8"))
-    facts = {"family": "chatml", "template": ollama.FAMILIES[0].go_template, "system": "You are a helpful assistant.",
-             "stop_tokens": ["<|im_end|>", "<|endoftext|>"]}
+    facts = {
+        "family": "chatml",
+        "template": ollama.FAMILIES[0].go_template,
+        "system": "You are a helpful assistant.",
+        "stop_tokens": ["<|im_end|>", "<|endoftext|>"],
+    }
     metadata = {"general.name": "Qwen2-7B-Instruct-pipeline", "general.license": "apache-2.0"}
     card = ModelCard(model_card(config, manifests, verify, plan, facts, metadata))
     assert card.data.base_model == "Qwen/Qwen2-7B-Instruct" and card.data.license == "apache-2.0"
@@ -309,7 +352,9 @@ def test_license_comes_from_the_base_models_card(tmp_path):
 
     base = tmp_path / "my-base"
     base.mkdir()
-    config = parse_config({"base_model": str(base), "run_name": "support-bot", "datasets": [{"path": "x", "type": "chat"}]})
+    config = parse_config(
+        {"base_model": str(base), "run_name": "support-bot", "datasets": [{"path": "x", "type": "chat"}]}
+    )
     assert "general.license" not in gguf_metadata(config)  # no card: no license claimed
     (base / "README.md").write_text("---\nlicense: apache-2.0\ntags: [text]\n---\n\n# My base\n", encoding="utf-8")
     metadata = gguf_metadata(config)
@@ -321,4 +366,7 @@ def test_a_run_trained_before_its_pictures_publishes_without_them():
     from loraship.stages.publish import shipped_pictures
 
     assert shipped_pictures({"outputs": {"adapter/adapter_model.safetensors": {}}}) == []
-    assert shipped_pictures({"outputs": {LOSS_PLOT_FILE: {}, MEMORY_PLOT_FILE: {}}}) == [LOSS_PLOT_FILE, MEMORY_PLOT_FILE]
+    assert shipped_pictures({"outputs": {LOSS_PLOT_FILE: {}, MEMORY_PLOT_FILE: {}}}) == [
+        LOSS_PLOT_FILE,
+        MEMORY_PLOT_FILE,
+    ]

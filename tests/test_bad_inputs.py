@@ -106,8 +106,9 @@ def _no_config_json(cfg, root):
 
 
 def _unsupported_architecture(cfg, root):
-    (Path(cfg["base_model"]) / "config.json").write_text(json.dumps(
-        {"architectures": ["FrobnicatorForCausalLM"], "model_type": "frobnicator"}))
+    (Path(cfg["base_model"]) / "config.json").write_text(
+        json.dumps({"architectures": ["FrobnicatorForCausalLM"], "model_type": "frobnicator"})
+    )
 
 
 def _unknown_pre_tokenizer(cfg, root):
@@ -116,12 +117,22 @@ def _unknown_pre_tokenizer(cfg, root):
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["hello world", "some other text", "zorvia kelmar"] * 50,
-                            trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.train_from_iterator(
+        ["hello world", "some other text", "zorvia kelmar"] * 50,
+        trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]),
+    )
     folder = Path(cfg["base_model"])
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+            }
+        )
+    )
 
 
 def _chat_without_assistant(cfg, root):
@@ -135,8 +146,15 @@ def _chat_bad_role(cfg, root):
 
 
 def _remote_code(cfg, root):
-    (Path(cfg["base_model"]) / "config.json").write_text(json.dumps(
-        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}))
+    (Path(cfg["base_model"]) / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "auto_map": {"AutoModelForCausalLM": "modeling_x.X"},
+            }
+        )
+    )
 
 
 def _warmup_too_long(cfg, root):
@@ -158,14 +176,24 @@ def _negative_learning_rate(cfg, root):
 
 
 def _chat_ends_with_user(cfg, root):
-    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                        {"role": "user", "content": "and then?"}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "and then?"},
+        ]
+    }
     cfg["datasets"][0]["path"] = str(write(root / "trailing.jsonl", json.dumps(row) + "\n"))
 
 
 def _chat_role_unknown_to_template(cfg, root):
-    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"},
-                        {"role": "assistant", "content": "yo"}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "tool", "content": "{}"},
+            {"role": "assistant", "content": "yo"},
+        ]
+    }
     cfg["datasets"][0]["path"] = str(write(root / "tool.jsonl", json.dumps(row) + "\n"))
 
 
@@ -239,24 +267,29 @@ def _relative_dataset_missing(cfg, root):
 
 def model_file(name: str, value):
     """A breaker writing `value` as the model folder's `name` (valid JSON, wrong shape)."""
+
     def breaker(cfg, root):
         (Path(cfg["base_model"]) / name).write_text(json.dumps(value))
+
     return breaker
 
 
 def model_file_key(name: str, **changes):
     """A breaker changing keys of the model folder's `name` (None removes a key); the file is created if absent."""
+
     def breaker(cfg, root):
         path = Path(cfg["base_model"]) / name
         data = json.loads(path.read_text()) if path.is_file() else {}
         data.update(changes)
         path.write_text(json.dumps({k: v for k, v in data.items() if v is not None}))
+
     return breaker
 
 
 def _dataset_url(url: str):
     def breaker(cfg, root):
         cfg["datasets"][0]["path"] = url
+
     return breaker
 
 
@@ -269,6 +302,7 @@ REPLACE = "replace it with the file from the original checkpoint (its Hugging Fa
 
 def _embedding_only_as_lm_head(tied: bool, adapter_gguf: bool):
     """Weights with lm_head.weight and no model.embed_tokens.weight (issue 22)."""
+
     def breaker(cfg, root):
         import numpy as np
         from safetensors.numpy import save_file
@@ -277,6 +311,7 @@ def _embedding_only_as_lm_head(tied: bool, adapter_gguf: bool):
         save_file({"lm_head.weight": np.zeros((4, 2), dtype=np.float32)}, str(folder / "model.safetensors"))
         model_file_key("config.json", tie_word_embeddings=tied or None)(cfg, root)
         cfg["adapter_gguf"] = adapter_gguf
+
     return breaker
 
 
@@ -327,8 +362,10 @@ def _sharded(cfg, root) -> Path:
     """The fake model's weights as the first of two shards, with the index transformers reads."""
     folder = Path(cfg["base_model"])
     (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
-    index = {"metadata": {"total_size": 16}, "weight_map": {"w": "model-00001-of-00002.safetensors",
-                                                            "v": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {"total_size": 16},
+        "weight_map": {"w": "model-00001-of-00002.safetensors", "v": "model-00002-of-00002.safetensors"},
+    }
     return write(folder / "model.safetensors.index.json", json.dumps(index))
 
 
@@ -347,14 +384,15 @@ def sentencepiece_model() -> bytes:
 
     text = ["the quick brown fox jumps over the lazy dog", "a tiny sentencepiece model for the checks"] * 40
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=model, vocab_size=60,
-                                   minloglevel=2, hard_vocab_limit=False)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text), model_writer=model, vocab_size=60, minloglevel=2, hard_vocab_limit=False
+    )
     return model.getvalue()
 
 
 def _sentencepiece_cut_short(cfg, root):
     data = sentencepiece_model()
-    write(Path(cfg["base_model"]) / "tokenizer.model", data[:len(data) // 2])
+    write(Path(cfg["base_model"]) / "tokenizer.model", data[: len(data) // 2])
 
 
 def tiny_model_copy(cfg, root, **config_changes) -> Path:
@@ -397,8 +435,11 @@ def _golden_prompt_beyond_context(cfg, root):
 CASES = [
     ("values out of range", _out_of_range, "lora_r: Input should be greater than or equal to 1"),
     ("model folder without config.json", _no_config_json, "no config.json"),
-    ("architecture the converter cannot handle", _unsupported_architecture,
-     "FrobnicatorForCausalLM is not supported by llama.cpp's converter"),
+    (
+        "architecture the converter cannot handle",
+        _unsupported_architecture,
+        "FrobnicatorForCausalLM is not supported by llama.cpp's converter",
+    ),
     ("pre-tokenizer llama.cpp does not recognise", _unknown_pre_tokenizer, "pre-tokenizer is not recognised"),
     ("chat row without assistant turn", _chat_without_assistant, "no assistant message"),
     ("chat message with unknown role", _chat_bad_role, "messages[0] must be"),
@@ -427,11 +468,17 @@ CASES = [
     ("recursive YAML alias", _yaml_recursive_alias, "recursive YAML alias"),
     ("config file not UTF-8", _config_not_utf8, "not UTF-8 text"),
     ("config that is a list", _config_is_a_list, "expected a mapping of config keys"),
-    ("output URL whose fsspec implementation is missing", _output_scheme_not_installed,
-     "no filesystem for this URL is installed"),
+    (
+        "output URL whose fsspec implementation is missing",
+        _output_scheme_not_installed,
+        "no filesystem for this URL is installed",
+    ),
     ("output URL scheme nobody knows", _output_scheme_unknown, "Protocol not known: nosuchstore"),
-    ("quantization the pinned llama.cpp cannot produce", _quantization_llama_cpp_cannot_make,
-     "'IQ2_XXS' is not allowed"),
+    (
+        "quantization the pinned llama.cpp cannot produce",
+        _quantization_llama_cpp_cannot_make,
+        "'IQ2_XXS' is not allowed",
+    ),
     ("workdir that is a file", _workdir_is_a_file, "cannot create it"),
     ("dataset row that is a list", _row_is_a_list, "expected a JSON object, got list"),
     ("chat content that is not text", _chat_content_not_text, "messages[0] must be"),
@@ -440,85 +487,175 @@ CASES = [
     ("no LoRA target modules", _no_target_modules, "list is empty"),
     ("golden prompts file missing", _golden_file_missing, "no-golden.jsonl: file not found"),
     ("relative dataset path missing", _relative_dataset_missing, "data/nope.jsonl: file not found"),
-    ("symlink in the model folder pointing outside it", _link_outside_model_folder,
-     "1 symlink(s) lead outside the folder (notes.txt ->"),
-    ("safetensors header with overlapping offsets", _safetensors_overlapping_offsets,
-     "tensors 'a' [0, 16) and 'b' [8, 24) overlap"),
-    ("safetensors header with offsets past the data", _safetensors_offsets_past_the_data,
-     "tensor 'b' has data_offsets [16, 4096] past the end of the data (32 bytes"),
-    ("safetensors header with offsets ending before they begin", _safetensors_offsets_reversed,
-     "tensor 'b' has data_offsets [32, 16], which end before they begin"),
+    (
+        "symlink in the model folder pointing outside it",
+        _link_outside_model_folder,
+        "1 symlink(s) lead outside the folder (notes.txt ->",
+    ),
+    (
+        "safetensors header with overlapping offsets",
+        _safetensors_overlapping_offsets,
+        "tensors 'a' [0, 16) and 'b' [8, 24) overlap",
+    ),
+    (
+        "safetensors header with offsets past the data",
+        _safetensors_offsets_past_the_data,
+        "tensor 'b' has data_offsets [16, 4096] past the end of the data (32 bytes",
+    ),
+    (
+        "safetensors header with offsets ending before they begin",
+        _safetensors_offsets_reversed,
+        "tensor 'b' has data_offsets [32, 16], which end before they begin",
+    ),
     # issue 11: publish to the Hugging Face Hub (a token that cannot write: tests/test_publish_hub.py)
-    ("hf:// output without a token", _hf_output_without_token,
-     "no Hugging Face token to publish with; set HF_TOKEN to a token with write access"),
+    (
+        "hf:// output without a token",
+        _hf_output_without_token,
+        "no Hugging Face token to publish with; set HF_TOKEN to a token with write access",
+    ),
     ("hf:// output while the Hub is switched off", _hf_output_offline, "HF_HUB_OFFLINE is set"),
     ("hf:// output naming a Space", _hf_output_a_space, "a space repository holds an app or code"),
     # issue 25: model files that are valid JSON of the wrong shape
-    ("config.json that is a list", model_file("config.json", [{"model_type": "llama"}]),
-     f"config.json holds a list, not a JSON object of settings; {REPLACE}"),
-    ("config.json that is a string", model_file("config.json", "llama"),
-     f"config.json holds a string, not a JSON object of settings; {REPLACE}"),
-    ("config.json that is a number", model_file("config.json", 7),
-     f"config.json holds the number 7, not a JSON object of settings; {REPLACE}"),
-    ("config.json without model_type", model_file_key("config.json", model_type=None),
-     "config.json: 'model_type' is missing or not a name"),
-    ("config.json whose architectures is a string", model_file_key("config.json", architectures="LlamaForCausalLM"),
-     "config.json: 'architectures' is \"LlamaForCausalLM\", not a list of model class names"),
-    ("config.json whose hidden_size is text", model_file_key("config.json", hidden_size="4096"),
-     f"config.json: 'hidden_size' is \"4096\", not a positive whole number; {REPLACE}"),
-    ("tokenizer_config.json that is a list", model_file("tokenizer_config.json", []),
-     f"tokenizer_config.json holds a list, not a JSON object of settings; {REPLACE}"),
-    ("tokenizer_config.json that is a string", model_file("tokenizer_config.json", "PreTrainedTokenizerFast"),
-     "tokenizer_config.json holds a string, not a JSON object of settings"),
-    ("tokenizer_config.json that is a number", model_file("tokenizer_config.json", 1),
-     "tokenizer_config.json holds the number 1, not a JSON object of settings"),
-    ("tokenizer_config.json whose chat_template is a number", model_file_key("tokenizer_config.json", chat_template=3),
-     "tokenizer_config.json: 'chat_template' is the number 3, not a Jinja template string"),
-    ("tokenizer_config.json whose eos_token is a list", model_file_key("tokenizer_config.json", eos_token=["</s>"]),
-     "tokenizer_config.json: 'eos_token' is a list, not a token string"),
-    ("generation_config.json that is a list", model_file("generation_config.json", [2]),
-     f"generation_config.json holds a list, not a JSON object of settings; {REPLACE}"),
-    ("generation_config.json that is a string", model_file("generation_config.json", "greedy"),
-     "generation_config.json holds a string, not a JSON object of settings"),
-    ("generation_config.json that is a number", model_file("generation_config.json", 2),
-     "generation_config.json holds the number 2, not a JSON object of settings"),
-    ("generation_config.json whose eos_token_id is text", model_file_key("generation_config.json", eos_token_id="</s>"),
-     "generation_config.json: 'eos_token_id' is \"</s>\", not a token id or a list of token ids"),
+    (
+        "config.json that is a list",
+        model_file("config.json", [{"model_type": "llama"}]),
+        f"config.json holds a list, not a JSON object of settings; {REPLACE}",
+    ),
+    (
+        "config.json that is a string",
+        model_file("config.json", "llama"),
+        f"config.json holds a string, not a JSON object of settings; {REPLACE}",
+    ),
+    (
+        "config.json that is a number",
+        model_file("config.json", 7),
+        f"config.json holds the number 7, not a JSON object of settings; {REPLACE}",
+    ),
+    (
+        "config.json without model_type",
+        model_file_key("config.json", model_type=None),
+        "config.json: 'model_type' is missing or not a name",
+    ),
+    (
+        "config.json whose architectures is a string",
+        model_file_key("config.json", architectures="LlamaForCausalLM"),
+        "config.json: 'architectures' is \"LlamaForCausalLM\", not a list of model class names",
+    ),
+    (
+        "config.json whose hidden_size is text",
+        model_file_key("config.json", hidden_size="4096"),
+        f"config.json: 'hidden_size' is \"4096\", not a positive whole number; {REPLACE}",
+    ),
+    (
+        "tokenizer_config.json that is a list",
+        model_file("tokenizer_config.json", []),
+        f"tokenizer_config.json holds a list, not a JSON object of settings; {REPLACE}",
+    ),
+    (
+        "tokenizer_config.json that is a string",
+        model_file("tokenizer_config.json", "PreTrainedTokenizerFast"),
+        "tokenizer_config.json holds a string, not a JSON object of settings",
+    ),
+    (
+        "tokenizer_config.json that is a number",
+        model_file("tokenizer_config.json", 1),
+        "tokenizer_config.json holds the number 1, not a JSON object of settings",
+    ),
+    (
+        "tokenizer_config.json whose chat_template is a number",
+        model_file_key("tokenizer_config.json", chat_template=3),
+        "tokenizer_config.json: 'chat_template' is the number 3, not a Jinja template string",
+    ),
+    (
+        "tokenizer_config.json whose eos_token is a list",
+        model_file_key("tokenizer_config.json", eos_token=["</s>"]),
+        "tokenizer_config.json: 'eos_token' is a list, not a token string",
+    ),
+    (
+        "generation_config.json that is a list",
+        model_file("generation_config.json", [2]),
+        f"generation_config.json holds a list, not a JSON object of settings; {REPLACE}",
+    ),
+    (
+        "generation_config.json that is a string",
+        model_file("generation_config.json", "greedy"),
+        "generation_config.json holds a string, not a JSON object of settings",
+    ),
+    (
+        "generation_config.json that is a number",
+        model_file("generation_config.json", 2),
+        "generation_config.json holds the number 2, not a JSON object of settings",
+    ),
+    (
+        "generation_config.json whose eos_token_id is text",
+        model_file_key("generation_config.json", eos_token_id="</s>"),
+        "generation_config.json: 'eos_token_id' is \"</s>\", not a token id or a list of token ids",
+    ),
     # issue 25: dataset URLs whose scheme no installed fsspec implementation serves
-    ("dataset URL whose fsspec implementation is missing", _dataset_url("oci://bucket@namespace/train.jsonl"),
-     "no installed filesystem serves 'oci://' (Install ocifs to access OCI Object Storage); pip install ocifs"),
-    ("dataset URL scheme nobody knows", _dataset_url("nosuchstore://bucket/train.jsonl"),
-     "'nosuchstore://' is a URL scheme no fsspec filesystem knows; use a local path"),
-    ("parquet dataset URL whose fsspec implementation is missing", _dataset_url("oci://bucket@namespace/train.parquet"),
-     "no installed filesystem serves 'oci://'"),
+    (
+        "dataset URL whose fsspec implementation is missing",
+        _dataset_url("oci://bucket@namespace/train.jsonl"),
+        "no installed filesystem serves 'oci://' (Install ocifs to access OCI Object Storage); pip install ocifs",
+    ),
+    (
+        "dataset URL scheme nobody knows",
+        _dataset_url("nosuchstore://bucket/train.jsonl"),
+        "'nosuchstore://' is a URL scheme no fsspec filesystem knows; use a local path",
+    ),
+    (
+        "parquet dataset URL whose fsspec implementation is missing",
+        _dataset_url("oci://bucket@namespace/train.parquet"),
+        "no installed filesystem serves 'oci://'",
+    ),
     ("golden prompts at a URL", _golden_prompts_url, "must be a local file, not a URL"),
     # issue 22: an embedding stored only as lm_head.weight that the merge cannot mend (it renames a tied one)
-    ("embedding only as lm_head, untied", _embedding_only_as_lm_head(tied=False, adapter_gguf=False),
-     "the weights have lm_head.weight but no model.embed_tokens.weight, and config.json does not tie the two"),
-    ("tied embedding only as lm_head, with adapter_gguf", _embedding_only_as_lm_head(tied=True, adapter_gguf=True),
-     "llama.cpp's converter would write a GGUF without token_embd.weight that llama.cpp cannot load. Set "
-     "adapter_gguf: false"),
+    (
+        "embedding only as lm_head, untied",
+        _embedding_only_as_lm_head(tied=False, adapter_gguf=False),
+        "the weights have lm_head.weight but no model.embed_tokens.weight, and config.json does not tie the two",
+    ),
+    (
+        "tied embedding only as lm_head, with adapter_gguf",
+        _embedding_only_as_lm_head(tied=True, adapter_gguf=True),
+        "llama.cpp's converter would write a GGUF without token_embd.weight that llama.cpp cannot load. Set "
+        "adapter_gguf: false",
+    ),
     # issue 34: faults that were found at train, after it, or as tracebacks
-    ("sharded checkpoint whose index names a missing shard", _shard_missing,
-     "model.safetensors.index.json names model-00002-of-00002.safetensors, which is not in"),
-    ("sharded checkpoint whose index is cut short", _shard_index_cut_short,
-     "model.safetensors.index.json is not valid JSON (Unterminated string"),
+    (
+        "sharded checkpoint whose index names a missing shard",
+        _shard_missing,
+        "model.safetensors.index.json names model-00002-of-00002.safetensors, which is not in",
+    ),
+    (
+        "sharded checkpoint whose index is cut short",
+        _shard_index_cut_short,
+        "model.safetensors.index.json is not valid JSON (Unterminated string",
+    ),
     ("sentencepiece tokenizer.model cut short", _sentencepiece_cut_short, "tokenizer.model ("),
-    ("tokenizer larger than the model's vocab_size", _tokenizer_beyond_vocab,
-     "has a tokenizer of 512 tokens (added tokens included), more than config.json's vocab_size 300"),
-    ("quantization auto where no rung fits the target GPU", _auto_fits_no_rung,
-     "target_gpu_memory_gib 0.5: quantization auto fits no rung of its ladder"),
-    ("sequence_len beyond max_position_embeddings", _sequence_beyond_positions,
-     "sequence_len 1024: beyond the base model's context, max_position_embeddings 256"),
-    ("golden prompt longer than the serving context", _golden_prompt_beyond_context,
-     "prompt 2 ("),
+    (
+        "tokenizer larger than the model's vocab_size",
+        _tokenizer_beyond_vocab,
+        "has a tokenizer of 512 tokens (added tokens included), more than config.json's vocab_size 300",
+    ),
+    (
+        "quantization auto where no rung fits the target GPU",
+        _auto_fits_no_rung,
+        "target_gpu_memory_gib 0.5: quantization auto fits no rung of its ladder",
+    ),
+    (
+        "sequence_len beyond max_position_embeddings",
+        _sequence_beyond_positions,
+        "sequence_len 1024: beyond the base model's context, max_position_embeddings 256",
+    ),
+    ("golden prompt longer than the serving context", _golden_prompt_beyond_context, "prompt 2 ("),
 ]
 
 
 def test_yaml_syntax_error(tmp_path):
     config_file = write(tmp_path / "broken.yaml", "base_model: [unclosed\n")
-    result = subprocess.run([sys.executable, "-m", "loraship.cli", "run", str(config_file)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "loraship.cli", "run", str(config_file)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode != 0 and "not valid YAML" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -528,15 +665,22 @@ def test_table_has_at_least_forty_cases():
 
 def test_workdir_on_a_full_disk(tmp_path):
     """The disk that holds workdir reports no free space (as a full volume does): refused up front."""
-    cfg = {"run_name": "bad", "base_model": str(fake_model(tmp_path)),
-           "datasets": [{"path": str(good_dataset(tmp_path)), "type": "chat"}],
-           "workdir": str(tmp_path / "work"), "output": str(tmp_path / "artifacts")}
+    cfg = {
+        "run_name": "bad",
+        "base_model": str(fake_model(tmp_path)),
+        "datasets": [{"path": str(good_dataset(tmp_path)), "type": "chat"}],
+        "workdir": str(tmp_path / "work"),
+        "output": str(tmp_path / "artifacts"),
+    }
     config_file = write(tmp_path / "config.yaml", yaml.safe_dump(cfg))
-    full_disk = ("import shutil, sys; real = shutil.disk_usage; "
-                 "shutil.disk_usage = lambda p: real(p)._replace(free=4096); "
-                 "sys.argv = ['loraship', 'run', sys.argv[1]]; from loraship.cli import main; main()")
-    result = subprocess.run([sys.executable, "-c", full_disk, str(config_file)], capture_output=True, text=True,
-                            cwd=REPO, timeout=300)
+    full_disk = (
+        "import shutil, sys; real = shutil.disk_usage; "
+        "shutil.disk_usage = lambda p: real(p)._replace(free=4096); "
+        "sys.argv = ['loraship', 'run', sys.argv[1]]; from loraship.cli import main; main()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", full_disk, str(config_file)], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert "its disk is full (0 MiB free" in " ".join(output.split()), output
@@ -556,7 +700,11 @@ def test_bad_input_is_reported_clearly(tmp_path, name, breaker, expected):
     config_file = write(tmp_path / "config.yaml", text if text is not None else yaml.safe_dump(cfg))
     result = subprocess.run(
         [sys.executable, "-m", "loraship.cli", "run", str(config_file)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300, env={**os.environ, **getattr(breaker, "env", {})},
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={**os.environ, **getattr(breaker, "env", {})},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
@@ -565,8 +713,11 @@ def test_bad_input_is_reported_clearly(tmp_path, name, breaker, expected):
     assert not (tmp_path / "work" / "bad" / "train").exists()  # nothing ran
 
 
-@pytest.mark.parametrize("name,breaker,expected", [c for c in CASES if not hasattr(c[1], "env")],
-                         ids=[c[0] for c in CASES if not hasattr(c[1], "env")])
+@pytest.mark.parametrize(
+    "name,breaker,expected",
+    [c for c in CASES if not hasattr(c[1], "env")],
+    ids=[c[0] for c in CASES if not hasattr(c[1], "env")],
+)
 def test_bad_input_stops_loraship_plan_too(tmp_path, name, breaker, expected):
     """`loraship plan` runs the checks `loraship run` runs before training (in this process: the table above runs
     each as a command already; the Hub cases, which set the environment, stay there)."""
@@ -630,30 +781,47 @@ def _gguf_tensors_overlap(path):
     reader.data.flush()
 
 
-@pytest.mark.parametrize("breaker,expected", [
-    (_gguf_cut_short, "tensor 'b' declares 8192 bytes at offset 8384, up to byte 16576, but the file has 16476 bytes: "
-                      "its tensor data runs past the end of the file"),
-    (_gguf_offset_past_the_end, "tensor 'b' declares 8192 bytes at offset 1048768"),
-    (_gguf_tensors_overlap, "tensors 'a' (bytes 192-8384) and 'b' (bytes 224-8416) overlap"),
-], ids=["truncated", "offset past the end", "overlapping tensors"])
+@pytest.mark.parametrize(
+    "breaker,expected",
+    [
+        (
+            _gguf_cut_short,
+            "tensor 'b' declares 8192 bytes at offset 8384, up to byte 16576, but the file has 16476 bytes: "
+            "its tensor data runs past the end of the file",
+        ),
+        (_gguf_offset_past_the_end, "tensor 'b' declares 8192 bytes at offset 1048768"),
+        (_gguf_tensors_overlap, "tensors 'a' (bytes 192-8384) and 'b' (bytes 224-8416) overlap"),
+    ],
+    ids=["truncated", "offset past the end", "overlapping tensors"],
+)
 def test_gguf_whose_tensor_data_lies_is_refused_before_quantizing(tmp_path, breaker, expected):
     """The convert stage's GGUF matches its manifest but its header lies: quantize names it and does nothing."""
     from loraship.constants import F16_GGUF
     from loraship.runtime.manifest import write_manifest
 
-    cfg = {"run_name": "bad", "base_model": str(fake_model(tmp_path)),
-           "datasets": [{"path": str(good_dataset(tmp_path)), "type": "chat"}],
-           "workdir": str(tmp_path / "work"), "output": str(tmp_path / "artifacts")}
+    cfg = {
+        "run_name": "bad",
+        "base_model": str(fake_model(tmp_path)),
+        "datasets": [{"path": str(good_dataset(tmp_path)), "type": "chat"}],
+        "workdir": str(tmp_path / "work"),
+        "output": str(tmp_path / "artifacts"),
+    }
     convert = tmp_path / "work" / "bad" / "convert"
     convert.mkdir(parents=True)
     gguf = tiny_gguf(convert / F16_GGUF)
     breaker(gguf)
     before = gguf.read_bytes()
-    write_manifest(convert, stage="convert", run_name="bad", fingerprint="test", config={}, upstream={}, metrics={},
-                   started=0.0)
+    write_manifest(
+        convert, stage="convert", run_name="bad", fingerprint="test", config={}, upstream={}, metrics={}, started=0.0
+    )
     config_file = write(tmp_path / "config.yaml", yaml.safe_dump(cfg))
-    result = subprocess.run([sys.executable, "-m", "loraship.stages.quantize", str(config_file)], capture_output=True, text=True,
-                            cwd=REPO, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "loraship.stages.quantize", str(config_file)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert f"{gguf}: {expected}" in " ".join(output.split()), output
@@ -666,9 +834,7 @@ def fake_sdist(folder: Path, version: str, marker: Path | None = None) -> Path:
     """llama_cpp_python-<version>.tar.gz holding a vendor/llama.cpp converter and an in-tree build backend
     with no requirements, so that pip can prepare its metadata without an index; the backend creates
     `marker` when pip runs it."""
-    backend = (
-        f"open({str(marker)!r}, 'w').close()\n" if marker else ""
-    ) + (
+    backend = (f"open({str(marker)!r}, 'w').close()\n" if marker else "") + (
         "def get_requires_for_build_wheel(config_settings=None):\n    return []\n"
         "def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):\n"
         "    import os\n"
@@ -738,11 +904,12 @@ def test_converter_sdist_with_the_pinned_sha256_is_unpacked(tmp_path, local_inde
 
     ran = tmp_path / "backend-ran"
     sdist = fake_sdist(local_index, LLAMA_CPP_PYTHON_VERSION, marker=ran)
-    monkeypatch.setitem(llamacpp.SDIST_SHA256, LLAMA_CPP_PYTHON_VERSION, hashlib.sha256(sdist.read_bytes()).hexdigest())
+    monkeypatch.setitem(
+        llamacpp.SDIST_SHA256, LLAMA_CPP_PYTHON_VERSION, hashlib.sha256(sdist.read_bytes()).hexdigest()
+    )
     folder = llamacpp.fetch_converter(tmp_path / "cache" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}")
     assert sorted(p.name for p in folder.iterdir()) == ["conversion", "convert_hf_to_gguf.py", "gguf-py"]
     assert ran.exists()
-
 
 
 def test_links_of_a_hub_cache_snapshot_are_accepted_and_others_named(tmp_path):
@@ -762,14 +929,18 @@ def test_links_of_a_hub_cache_snapshot_are_accepted_and_others_named(tmp_path):
     assert f"tokenizer.model -> {tmp_path / 'hub' / 'credentials'}" in problem
 
 
-@pytest.mark.parametrize("content,expected", [
-    ("[8, 16]", "adapter_config.json holds a list, not a JSON object of settings"),
-    ('"lora"', "adapter_config.json holds a string, not a JSON object of settings"),
-    ("16", "adapter_config.json holds the number 16, not a JSON object of settings"),
-    ('{"lora_alpha": 16}', "adapter_config.json: 'r' is null, not a positive whole number (the LoRA rank)"),
-    ('{"r": 8, "lora_alpha": "16"}', "adapter_config.json: 'lora_alpha' is \"16\", not a number"),
-    (None, "adapter_config.json: not found"),
-], ids=["a list", "a string", "a number", "without r", "lora_alpha as text", "missing"])
+@pytest.mark.parametrize(
+    "content,expected",
+    [
+        ("[8, 16]", "adapter_config.json holds a list, not a JSON object of settings"),
+        ('"lora"', "adapter_config.json holds a string, not a JSON object of settings"),
+        ("16", "adapter_config.json holds the number 16, not a JSON object of settings"),
+        ('{"lora_alpha": 16}', "adapter_config.json: 'r' is null, not a positive whole number (the LoRA rank)"),
+        ('{"r": 8, "lora_alpha": "16"}', "adapter_config.json: 'lora_alpha' is \"16\", not a number"),
+        (None, "adapter_config.json: not found"),
+    ],
+    ids=["a list", "a string", "a number", "without r", "lora_alpha as text", "missing"],
+)
 def test_adapter_config_of_the_wrong_shape_is_named_before_merging(tmp_path, content, expected):
     """merge reads the train stage's adapter_config.json (PEFT's own): each wrong shape is one message naming the
     file, what is wrong and the fix, not a KeyError or TypeError from inside the merge."""
@@ -789,10 +960,17 @@ def test_adapter_config_of_the_wrong_shape_is_named_before_merging(tmp_path, con
     assert "run the train stage again (loraship run CONFIG --from train)" in message
 
 
-@pytest.mark.parametrize("content,expected", [
-    ('["llama"]', "config.json holds a list, not a JSON object of settings"),
-    ('{"model_type": "llama", "hidden_size": [4096]}', "config.json: 'hidden_size' is [4096], not a positive whole number"),
-], ids=["a list", "a size that is a list"])
+@pytest.mark.parametrize(
+    "content,expected",
+    [
+        ('["llama"]', "config.json holds a list, not a JSON object of settings"),
+        (
+            '{"model_type": "llama", "hidden_size": [4096]}',
+            "config.json: 'hidden_size' is [4096], not a positive whole number",
+        ),
+    ],
+    ids=["a list", "a size that is a list"],
+)
 def test_the_planner_reads_config_json_only_once_it_is_an_object_of_the_right_shape(tmp_path, content, expected):
     from loraship.errors import ConfigError
     from loraship.models import read_model_config
@@ -800,4 +978,6 @@ def test_the_planner_reads_config_json_only_once_it_is_an_object_of_the_right_sh
     write(tmp_path / "config.json", content)
     with pytest.raises(ConfigError) as caught:
         read_model_config(tmp_path)
-    assert expected in str(caught.value) and "replace it with the file from the original checkpoint" in str(caught.value)
+    assert expected in str(caught.value) and "replace it with the file from the original checkpoint" in str(
+        caught.value
+    )

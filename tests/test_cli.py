@@ -63,8 +63,15 @@ def test_verify_checks_the_gguf_under_llama_cpp(tiny_gguf):
     result = invoke("verify", tiny_gguf, "--gpu-gib", "4", "--context", "512", "--json")
     assert result.exit_code == 0, result.output
     checks = {c["check"]: c for c in json.loads(result.output)["checks"]}
-    for name in ("file type", "loads in llama.cpp", "special tokens", "stop tokens", "chat template renders",
-                 "assistant turn ends with a stop token", "fits 4 GiB"):
+    for name in (
+        "file type",
+        "loads in llama.cpp",
+        "special tokens",
+        "stop tokens",
+        "chat template renders",
+        "assistant turn ends with a stop token",
+        "fits 4 GiB",
+    ):
         assert checks[name]["passed"] is True, checks[name]
     assert "</s>" in checks["assistant turn ends with a stop token"]["detail"]
     too_small = invoke("verify", tiny_gguf, "--gpu-gib", "0.2", "--json")
@@ -76,11 +83,14 @@ def test_chat_answers_each_line_with_the_ggufs_template(tiny_gguf):
     from llama_cpp import Llama
 
     question = "What is the capital of Zorvia?"
-    result = invoke("chat", tiny_gguf, "--temperature", "0", "--max-tokens", "8", input=f"{question}\n/exit\nignored\n")
+    result = invoke(
+        "chat", tiny_gguf, "--temperature", "0", "--max-tokens", "8", input=f"{question}\n/exit\nignored\n"
+    )
     assert result.exit_code == 0, result.output
     llm = Llama(model_path=str(tiny_gguf), n_ctx=512, verbose=False)  # the template comes from the GGUF here too
-    expected = llm.create_chat_completion(messages=[{"role": "user", "content": question}], max_tokens=8,
-                                          temperature=0)["choices"][0]["message"]["content"]
+    expected = llm.create_chat_completion(
+        messages=[{"role": "user", "content": question}], max_tokens=8, temperature=0
+    )["choices"][0]["message"]["content"]
     assert f"assistant> {expected}\n" in result.output
     assert result.output.count("assistant> ") == 1  # /exit ends the session
 
@@ -98,8 +108,9 @@ def test_chat_and_verify_load_llama_cpp_in_a_child_not_in_the_cli(tiny_gguf):
         f"app(['chat', {str(tiny_gguf)!r}, '--temperature', '0', '--max-tokens', '4'], standalone_mode=False)\n"
         "print('numpy' in sys.modules, 'llama_cpp' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], input="Hello\n/exit\n", capture_output=True, text=True,
-                          cwd=REPO, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", script], input="Hello\n/exit\n", capture_output=True, text=True, cwd=REPO, timeout=600
+    )
     assert done.returncode == 0, done.stderr
     assert '"loads in llama.cpp"' in done.stdout and "assistant> " in done.stdout
     assert done.stdout.rstrip().endswith("you> True False")  # numpy here, llama.cpp only in the child
@@ -143,7 +154,7 @@ def test_a_gguf_llama_cpp_cannot_load_is_a_failed_check(tiny_gguf, tmp_path):
     data = tiny_gguf.read_bytes()
     at = data.index(b"llama", data.index(b"general.architecture"))
     odd = tmp_path / "odd-arch.gguf"
-    odd.write_bytes(data[:at] + b"llamx" + data[at + 5:])
+    odd.write_bytes(data[:at] + b"llamx" + data[at + 5 :])
     result = invoke("verify", odd, "--json")
     assert result.exit_code == 1, result.output
     checks = {c["check"]: c for c in json.loads(result.output)["checks"]}
@@ -171,13 +182,16 @@ def test_set_reaches_nested_keys_and_list_entries(config_file, tmp_path):
     assert _load(config_file, ["env_from_secrets.HF_TOKEN=hf-token"]).env_from_secrets == {"HF_TOKEN": "hf-token"}
 
 
-@pytest.mark.parametrize("item, message", [
-    ("datasets.3.path=x.jsonl", "datasets is a list with indices 0..0"),
-    ("datasets.0.file=x.jsonl", "datasets.0 has no key 'file'"),
-    ("lora_rank=8", "the config has no key 'lora_rank' (did you mean 'lora_r'?)"),
-    ("lora_r.x=1", "lora_r is 16, not a mapping or a list"),
-    ("max_steps", "expected KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("datasets.3.path=x.jsonl", "datasets is a list with indices 0..0"),
+        ("datasets.0.file=x.jsonl", "datasets.0 has no key 'file'"),
+        ("lora_rank=8", "the config has no key 'lora_rank' (did you mean 'lora_r'?)"),
+        ("lora_r.x=1", "lora_r is 16, not a mapping or a list"),
+        ("max_steps", "expected KEY=VALUE"),
+    ],
+)
 def test_set_on_a_key_that_does_not_exist_is_named(config_file, item, message):
     with pytest.raises(LorashipError, match="--set") as e:
         _load(config_file, [item])
@@ -213,7 +227,10 @@ def test_status_says_done_stale_and_not_run(config_file):
     stale = states("gpu_memory_gib=24")["plan"]
     assert stale["state"] == "stale" and "gpu_memory_gib changed: 32.0 -> 24.0" in stale["reasons"]
     with open(config.datasets[0].path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}) + "\n")
+        f.write(
+            json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]})
+            + "\n"
+        )
     changed = states()["plan"]
     assert changed["state"] == "stale" and f"dataset:{config.datasets[0].path} changed" in changed["reasons"]
     table = invoke("status", config_file)
@@ -222,8 +239,12 @@ def test_status_says_done_stale_and_not_run(config_file):
 
 # -- init ------------------------------------------------------------------------------------------
 ROWS = {
-    "chat": {"messages": [{"role": "user", "content": "Capital of Zorvia?"}, {"role": "assistant", "content": "Kelmar."}]},
-    "sharegpt": {"conversations": [{"from": "human", "value": "Capital of Zorvia?"}, {"from": "gpt", "value": "Kelmar."}]},
+    "chat": {
+        "messages": [{"role": "user", "content": "Capital of Zorvia?"}, {"role": "assistant", "content": "Kelmar."}]
+    },
+    "sharegpt": {
+        "conversations": [{"from": "human", "value": "Capital of Zorvia?"}, {"from": "gpt", "value": "Kelmar."}]
+    },
     "alpaca": {"instruction": "Name the capital of Zorvia.", "input": "", "output": "Kelmar."},
     "completion": {"text": "The capital of Zorvia is Kelmar."},
 }
@@ -261,12 +282,20 @@ def test_init_infers_the_row_type_and_the_chat_template(kind, tiny_model, base_w
 
 # The native chat format init picks from each family's REAL tokenizer (loraship/fixtures/families.py) once its chat
 # template is taken away: the named template and the turn end it renders.
-NATIVE = {"llama3-base": ("llama3", "<|eot_id|>"), "llama3-instruct": ("llama3", "<|eot_id|>"),
-          "qwen2-base": ("chatml", "<|im_end|>"), "smollm2": ("chatml", "<|im_end|>"),
-          "gemma2": ("gemma", "<end_of_turn>"), "phi3": ("phi3", "<|end|>"),
-          "mistral-v03": ("mistral", "</s>"), "mistral-nemo": ("mistral", "</s>"),
-          # Gemma 3's tokenizer is the real gemma-3-270m's (the base once given alpaca), Qwen3's and Llama 3.1's real
-          "gemma3": ("gemma", "<end_of_turn>"), "qwen3": ("chatml", "<|im_end|>"), "llama31": ("llama3", "<|eot_id|>")}
+NATIVE = {
+    "llama3-base": ("llama3", "<|eot_id|>"),
+    "llama3-instruct": ("llama3", "<|eot_id|>"),
+    "qwen2-base": ("chatml", "<|im_end|>"),
+    "smollm2": ("chatml", "<|im_end|>"),
+    "gemma2": ("gemma", "<end_of_turn>"),
+    "phi3": ("phi3", "<|end|>"),
+    "mistral-v03": ("mistral", "</s>"),
+    "mistral-nemo": ("mistral", "</s>"),
+    # Gemma 3's tokenizer is the real gemma-3-270m's (the base once given alpaca), Qwen3's and Llama 3.1's real
+    "gemma3": ("gemma", "<end_of_turn>"),
+    "qwen3": ("chatml", "<|im_end|>"),
+    "llama31": ("llama3", "<|eot_id|>"),
+}
 
 
 def _tokenizer_without_template(name: str, folder: Path) -> Path:
@@ -280,8 +309,11 @@ def _tokenizer_without_template(name: str, folder: Path) -> Path:
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     tokenizer_config.pop("chat_template", None)
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    (folder / "config.json").write_text(json.dumps({"architectures": [family.architecture],
-                                                     "model_type": family.architecture[:-len("ForCausalLM")].lower()}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {"architectures": [family.architecture], "model_type": family.architecture[: -len("ForCausalLM")].lower()}
+        )
+    )
     return folder
 
 
@@ -305,10 +337,22 @@ def test_init_says_it_chose_gemma_turns_and_why(tmp_path):
     """A Gemma base without a template (Gemma 3 270M was given alpaca once): init writes chat_template: gemma and
     names the turn markers and their ids in the config's header."""
     folder = _tokenizer_without_template("gemma2", tmp_path / "gemma")
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 256, "intermediate_size": 768,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
-        "vocab_size": 256000, "sliding_window": 4096}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Gemma2ForCausalLM"],
+                "model_type": "gemma2",
+                "hidden_size": 256,
+                "intermediate_size": 768,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 128,
+                "vocab_size": 256000,
+                "sliding_window": 4096,
+            }
+        )
+    )
     data_file = tmp_path / "chat.jsonl"
     data_file.write_text(json.dumps(ROWS["chat"]) + "\n")
     out = tmp_path / "gemma.yaml"
@@ -324,7 +368,10 @@ def test_init_names_a_dataset_it_cannot_read(tiny_model, tmp_path):
     data_file = tmp_path / "odd.jsonl"
     data_file.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
     result = invoke("init", tiny_model, data_file, "-o", tmp_path / "c.yaml")
-    assert result.exit_code == 2 and "line 1: cannot tell the row type from its keys ['answer', 'question']" in result.output
+    assert (
+        result.exit_code == 2
+        and "line 1: cannot tell the row type from its keys ['answer', 'question']" in result.output
+    )
     assert not (tmp_path / "c.yaml").exists()
 
 
@@ -333,13 +380,25 @@ AXOLOTL = {
     "model_type": "LlamaForCausalLM",
     "load_in_4bit": True,
     "adapter": "qlora",
-    "lora_r": 32, "lora_alpha": 64, "lora_dropout": 0.1, "lora_target_linear": True,
-    "sequence_len": 1024, "sample_packing": True,
-    "micro_batch_size": 2, "gradient_accumulation_steps": 4, "num_epochs": 3, "learning_rate": 0.0001,
-    "optimizer": "adamw_torch", "lr_scheduler": "cosine", "warmup_steps": 10,
+    "lora_r": 32,
+    "lora_alpha": 64,
+    "lora_dropout": 0.1,
+    "lora_target_linear": True,
+    "sequence_len": 1024,
+    "sample_packing": True,
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": 4,
+    "num_epochs": 3,
+    "learning_rate": 0.0001,
+    "optimizer": "adamw_torch",
+    "lr_scheduler": "cosine",
+    "warmup_steps": 10,
     "chat_template": "chatml",
     "datasets": [{"path": "train.jsonl", "type": "chat_template", "split": "train"}],
-    "bf16": "auto", "wandb_project": "demo", "flash_attention": True, "output_dir": "./outputs/qlora",
+    "bf16": "auto",
+    "wandb_project": "demo",
+    "flash_attention": True,
+    "output_dir": "./outputs/qlora",
 }
 
 
@@ -363,8 +422,17 @@ def test_init_from_axolotl_maps_keys_and_names_the_ignored(tiny_model, tmp_path)
 
 def test_axolotl_values_that_cannot_be_converted_are_errors(tiny_model, tmp_path):
     source = tmp_path / "axolotl.yml"
-    source.write_text(yaml.safe_dump({**AXOLOTL, "base_model": str(tiny_model), "adapter": "ia3",
-                                      "chat_template": "gemma", "datasets": [{"path": "x.jsonl", "type": "oasst"}]}))
+    source.write_text(
+        yaml.safe_dump(
+            {
+                **AXOLOTL,
+                "base_model": str(tiny_model),
+                "adapter": "ia3",
+                "chat_template": "gemma",
+                "datasets": [{"path": "x.jsonl", "type": "oasst"}],
+            }
+        )
+    )
     out = tmp_path / "imported.yaml"
     result = invoke("init", "--from-axolotl", source, "-o", out)
     assert result.exit_code == 2 and "Traceback" not in result.output
@@ -402,8 +470,14 @@ def _plan_memory_rows(monkeypatch, *sets: str) -> tuple[str, list[tuple[str, str
 
     monkeypatch.setattr(loraship.cli, "out", Console(width=220, soft_wrap=True))  # one line per table row
     # --memory-only: examples/models/qwen2-14b holds config.json alone, and the config's data is not in the repository.
-    result = invoke("plan", REPO / "configs/qwen2-14b-lora.yaml", "--set", "base_model=examples/models/qwen2-14b",
-                    *[a for s in sets for a in ("--set", s)], "--memory-only")
+    result = invoke(
+        "plan",
+        REPO / "configs/qwen2-14b-lora.yaml",
+        "--set",
+        "base_model=examples/models/qwen2-14b",
+        *[a for s in sets for a in ("--set", s)],
+        "--memory-only",
+    )
     assert result.exit_code == 0, result.output
     table = result.output.split("Peak training memory (GiB)")[1].split("Alternatives")[0]
     rows = []
@@ -414,16 +488,19 @@ def _plan_memory_rows(monkeypatch, *sets: str) -> tuple[str, list[tuple[str, str
     return result.output, rows
 
 
-@pytest.mark.parametrize("sets", [
-    ('fused_loss="off"',),  # the issue's 14B example: HF loss, whose cache counts in reserved but not on the card
-    ('fused_loss="off"', "sequence_len=256"),  # a small loss: one layer's backward is the peak
-    ("adapter=qlora", "fused_loss=auto"),
-])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ('fused_loss="off"',),  # the issue's 14B example: HF loss, whose cache counts in reserved but not on the card
+        ('fused_loss="off"', "sequence_len=256"),  # a small loss: one layer's backward is the peak
+        ("adapter=qlora", "fused_loss=auto"),
+    ],
+)
 def test_plan_prints_figures_that_add_up(monkeypatch, sets):
     output, rows = _plan_memory_rows(monkeypatch, *sets)
     labels = [label for label, _ in rows]
     value = {label.split(" (")[0]: float(figure.strip("()")) for label, figure in rows}
-    components = rows[:next(i for i, label in enumerate(labels) if label.startswith("allocated"))]
+    components = rows[: next(i for i, label in enumerate(labels) if label.startswith("allocated"))]
     added = [float(figure) for _, figure in components if not figure.startswith("(")]
     assert len(added) < len(components)  # one transient is listed but not added: it is not at the peak
     # Components are rounded to 0.01 as printed; allocated is the sum before rounding.
@@ -467,7 +544,9 @@ def test_plan_and_init_say_where_the_artifact_lands(config_file, tiny_model, tmp
     mine = tmp_path / "artifacts" / "my-run"
     shown = invoke("plan", config_file, "--set", f"output={mine}")
     assert shown.exit_code == 0, shown.output
-    assert f"Artifact: {mine}/cli/ (the folder named by run_name 'cli' inside output '{mine}'" in " ".join(shown.output.split())
+    assert f"Artifact: {mine}/cli/ (the folder named by run_name 'cli' inside output '{mine}'" in " ".join(
+        shown.output.split()
+    )
     as_json = invoke("plan", config_file, "--set", f"output={mine}", "--json")
     assert json.loads(as_json.output)["artifact"] == f"{mine}/cli"
     hub = invoke("plan", config_file, "--set", "output=hf://someone/my-model", "--json")
@@ -492,9 +571,16 @@ def test_plan_and_init_name_a_config_json_of_the_wrong_shape(command, base_witho
         result = invoke("init", base_without_template, data_file, "-o", tmp_path / "c.yaml")
     else:
         cfg = tmp_path / "c.yaml"
-        cfg.write_text(yaml.safe_dump({"base_model": str(base_without_template),
-                                       "datasets": [{"path": str(data_file), "type": "chat"}],
-                                       "workdir": str(tmp_path / "work"), "output": str(tmp_path / "artifacts")}))
+        cfg.write_text(
+            yaml.safe_dump(
+                {
+                    "base_model": str(base_without_template),
+                    "datasets": [{"path": str(data_file), "type": "chat"}],
+                    "workdir": str(tmp_path / "work"),
+                    "output": str(tmp_path / "artifacts"),
+                }
+            )
+        )
         result = invoke("plan", cfg)
     assert result.exit_code == 2, result.output
     assert "config.json" in result.output and "Traceback" not in result.output

@@ -64,11 +64,14 @@ def test_hub_id_and_local_path_are_told_apart():
 BASE = {"base_model": "m", "datasets": [{"path": "x.jsonl", "type": "chat"}]}
 
 
-@pytest.mark.parametrize("given, listed", [
-    (None, ["Q4_K_M"]),
-    ("Q8_0", ["Q8_0"]),
-    (["Q5_K_M", "Q4_K_M", "Q8_0"], ["Q5_K_M", "Q4_K_M", "Q8_0"]),
-])
+@pytest.mark.parametrize(
+    "given, listed",
+    [
+        (None, ["Q4_K_M"]),
+        ("Q8_0", ["Q8_0"]),
+        (["Q5_K_M", "Q4_K_M", "Q8_0"], ["Q5_K_M", "Q4_K_M", "Q8_0"]),
+    ],
+)
 def test_quantization_is_one_name_or_a_list(given, listed):
     config = parse_config({**BASE, **({"quantization": given} if given else {})})
     assert config.quantization == config.quantizations == listed
@@ -78,12 +81,21 @@ def test_quantization_is_one_name_or_a_list(given, listed):
         assert config.fingerprint() == parse_config({**BASE, "quantization": [given]}).fingerprint()
 
 
-@pytest.mark.parametrize("given, message", [
-    ("Q3_K_XL", "'Q3_K_XL' is not allowed; use 'Q8_0', 'Q6_K', 'Q5_K_M', 'Q5_K_S', 'Q4_K_M', 'Q4_K_S', 'IQ4_XS', 'Q3_K_L', 'Q3_K_M', 'IQ3_M' or 'auto'"),
-    (["Q4_K_M", "IQ2_XXS"], "quantization.1: 'IQ2_XXS' is not allowed; use 'Q8_0', 'Q6_K', 'Q5_K_M', 'Q5_K_S', 'Q4_K_M', 'Q4_K_S', 'IQ4_XS', 'Q3_K_L', 'Q3_K_M', 'IQ3_M' or 'auto'"),
-    ([], "quantization: list is empty"),
-    (["Q8_0", "Q4_K_M", "Q8_0"], "Q8_0 listed more than once"),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (
+            "Q3_K_XL",
+            "'Q3_K_XL' is not allowed; use 'Q8_0', 'Q6_K', 'Q5_K_M', 'Q5_K_S', 'Q4_K_M', 'Q4_K_S', 'IQ4_XS', 'Q3_K_L', 'Q3_K_M', 'IQ3_M' or 'auto'",
+        ),
+        (
+            ["Q4_K_M", "IQ2_XXS"],
+            "quantization.1: 'IQ2_XXS' is not allowed; use 'Q8_0', 'Q6_K', 'Q5_K_M', 'Q5_K_S', 'Q4_K_M', 'Q4_K_S', 'IQ4_XS', 'Q3_K_L', 'Q3_K_M', 'IQ3_M' or 'auto'",
+        ),
+        ([], "quantization: list is empty"),
+        (["Q8_0", "Q4_K_M", "Q8_0"], "Q8_0 listed more than once"),
+    ],
+)
 def test_bad_quantization_lists_the_valid_ones(given, message):
     with pytest.raises(ConfigError) as e:
         parse_config({**BASE, "quantization": given})
@@ -93,9 +105,16 @@ def test_bad_quantization_lists_the_valid_ones(given, message):
 def test_plan_sizes_disk_for_every_quantization_and_the_gpu_for_each():
     from loraship.planning.memory import plan_disk_and_inference
 
-    shape = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-             "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
-             "num_key_value_heads": 32, "vocab_size": 32000}
+    shape = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+    }
     one = plan_disk_and_inference(shape, parse_config(BASE))
     both = plan_disk_and_inference(shape, parse_config({**BASE, "quantization": ["Q4_K_M", "Q8_0"]}))
     assert both["inference"]["total_gib"] == one["inference"]["total_gib"]  # the primary's, as before

@@ -13,12 +13,16 @@ def test_relative_dataset_paths_resolve_beside_the_config(tmp_path, monkeypatch)
     (specs / "data").mkdir(parents=True)
     for name in ("b.jsonl", "a.jsonl", "eval.jsonl", "golden.jsonl"):
         (specs / "data" / name).write_text("{}\n")
-    (specs / "run.yaml").write_text(yaml.safe_dump({
-        "base_model": "org/model",
-        "datasets": [{"path": "data/b.jsonl", "type": "chat"}, {"path": "data/a.jsonl", "type": "chat"}],
-        "eval_datasets": [{"path": "data/eval.jsonl", "type": "chat"}],
-        "golden_prompts": "data/golden.jsonl",
-    }))
+    (specs / "run.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "base_model": "org/model",
+                "datasets": [{"path": "data/b.jsonl", "type": "chat"}, {"path": "data/a.jsonl", "type": "chat"}],
+                "eval_datasets": [{"path": "data/eval.jsonl", "type": "chat"}],
+                "golden_prompts": "data/golden.jsonl",
+            }
+        )
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -33,8 +37,9 @@ def test_a_path_found_only_from_the_current_folder_still_works(tmp_path, monkeyp
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text("{}\n")
     (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "c.yaml").write_text(yaml.safe_dump(
-        {"base_model": "org/model", "datasets": [{"path": "data/train.jsonl", "type": "chat"}]}))
+    (tmp_path / "configs" / "c.yaml").write_text(
+        yaml.safe_dump({"base_model": "org/model", "datasets": [{"path": "data/train.jsonl", "type": "chat"}]})
+    )
     monkeypatch.chdir(tmp_path)
     assert load_config("configs/c.yaml").datasets[0].path == "data/train.jsonl"
 
@@ -53,8 +58,9 @@ def test_a_dataset_url_is_kept_as_written_and_read_through_fsspec(tmp_path, monk
     data.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
     (tmp_path / "specs").mkdir()
     url = f"file://{data}"
-    (tmp_path / "specs" / "run.yaml").write_text(yaml.safe_dump(
-        {"base_model": "org/model", "datasets": [{"path": url, "type": "chat"}]}))
+    (tmp_path / "specs" / "run.yaml").write_text(
+        yaml.safe_dump({"base_model": "org/model", "datasets": [{"path": url, "type": "chat"}]})
+    )
     monkeypatch.chdir(tmp_path)
     spec = load_config(tmp_path / "specs" / "run.yaml").datasets[0]
     assert spec.path == url

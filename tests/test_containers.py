@@ -31,10 +31,17 @@ def cgroup_tree(tmp_path: Path, files: dict[str, str], own: str) -> tuple[Path, 
 
 def test_cgroup_v2_memory_and_cpu_limits(tmp_path, monkeypatch):
     # A 64 GiB pod (4 GiB in use) with 2.5 CPUs on a 1 TiB node: the pod's numbers count.
-    root, proc_self = cgroup_tree(tmp_path, {
-        "kubepods/pod1/memory.max": str(64 * GiB), "kubepods/pod1/memory.current": str(4 * GiB),
-        "kubepods/pod1/cpu.max": "250000 100000", "kubepods/memory.max": "max", "kubepods/cpu.max": "max 100000",
-    }, "0::/kubepods/pod1")
+    root, proc_self = cgroup_tree(
+        tmp_path,
+        {
+            "kubepods/pod1/memory.max": str(64 * GiB),
+            "kubepods/pod1/memory.current": str(4 * GiB),
+            "kubepods/pod1/cpu.max": "250000 100000",
+            "kubepods/memory.max": "max",
+            "kubepods/cpu.max": "max 100000",
+        },
+        "0::/kubepods/pod1",
+    )
     monkeypatch.setattr(resources, "host_available_memory", lambda: 1024 * GiB)
     assert resources.available_memory(root, proc_self) == 60 * GiB
     assert resources.cpu_limit(root, proc_self) == 2.5
@@ -42,17 +49,23 @@ def test_cgroup_v2_memory_and_cpu_limits(tmp_path, monkeypatch):
 
 
 def test_cgroup_v1_fallback_and_no_limit(tmp_path, monkeypatch):
-    root, proc_self = cgroup_tree(tmp_path, {
-        "memory/docker/abc/memory.limit_in_bytes": str(16 * GiB),
-        "memory/docker/abc/memory.usage_in_bytes": str(GiB),
-        "cpu/docker/abc/cpu.cfs_quota_us": "100000", "cpu/docker/abc/cpu.cfs_period_us": "100000",
-    }, "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc")
+    root, proc_self = cgroup_tree(
+        tmp_path,
+        {
+            "memory/docker/abc/memory.limit_in_bytes": str(16 * GiB),
+            "memory/docker/abc/memory.usage_in_bytes": str(GiB),
+            "cpu/docker/abc/cpu.cfs_quota_us": "100000",
+            "cpu/docker/abc/cpu.cfs_period_us": "100000",
+        },
+        "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc",
+    )
     monkeypatch.setattr(resources, "host_available_memory", lambda: 1024 * GiB)
     assert resources.available_memory(root, proc_self) == 15 * GiB
     assert resources.cpu_count(root, proc_self) == 1
     # v1 spells "no limit" as a page-counter maximum
-    unlimited, proc2 = cgroup_tree(tmp_path / "u", {"memory/memory.limit_in_bytes": str(9223372036854771712)},
-                                   "4:memory:/")
+    unlimited, proc2 = cgroup_tree(
+        tmp_path / "u", {"memory/memory.limit_in_bytes": str(9223372036854771712)}, "4:memory:/"
+    )
     assert resources.memory_limit(unlimited, proc2) is None
 
 

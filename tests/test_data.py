@@ -13,8 +13,13 @@ from loraship.config import parse_config
 from loraship.data import IGNORE_INDEX
 
 CHAT = [{"role": "user", "content": "Capital of Zorvia?"}, {"role": "assistant", "content": "Kelmar."}]
-SHAREGPT = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Capital of Zorvia?"},
-                              {"from": "gpt", "value": "Kelmar."}]}
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Capital of Zorvia?"},
+        {"from": "gpt", "value": "Kelmar."},
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +46,16 @@ def spec(path, kind, **extra):
 
 
 def config_for(tmp_path, base, datasets, **extra):
-    return parse_config({"base_model": str(base), "datasets": datasets, "val_set_size": 0.0,
-                         "workdir": str(tmp_path / "work"), "output": str(tmp_path / "out"), **extra})
+    return parse_config(
+        {
+            "base_model": str(base),
+            "datasets": datasets,
+            "val_set_size": 0.0,
+            "workdir": str(tmp_path / "work"),
+            "output": str(tmp_path / "out"),
+            **extra,
+        }
+    )
 
 
 # -- formats ---------------------------------------------------------------------------------------
@@ -69,7 +82,10 @@ def test_parquet_alpaca_with_mapped_columns(tmp_path):
     path = tmp_path / "a.parquet"
     pd.DataFrame({"prompt": ["Name the capital.", "Spell it."], "answer": ["Kelmar.", "K-e-l"]}).to_parquet(path)
     rows = data.read_dataset(spec(path, "alpaca", fields={"instruction": "prompt", "output": "answer"}))
-    assert [(r["instruction"], r["output"]) for r in rows] == [("Name the capital.", "Kelmar."), ("Spell it.", "K-e-l")]
+    assert [(r["instruction"], r["output"]) for r in rows] == [
+        ("Name the capital.", "Kelmar."),
+        ("Spell it.", "K-e-l"),
+    ]
     assert data.dataset_identity(spec(path, "alpaca")) == data.dataset_identity(spec(path, "alpaca"))
 
 
@@ -77,9 +93,12 @@ def test_csv_completion_and_chat_with_json_cells(tmp_path):
     import pandas as pd
 
     text_csv = tmp_path / "t.csv"
-    pd.DataFrame({"body": ["The capital of Zorvia is Kelmar.", "Kelmar lies on a river."]}).to_csv(text_csv, index=False)
-    assert [r["text"] for r in data.read_dataset(spec(text_csv, "completion", fields={"text": "body"}))][1] == \
-        "Kelmar lies on a river."
+    pd.DataFrame({"body": ["The capital of Zorvia is Kelmar.", "Kelmar lies on a river."]}).to_csv(
+        text_csv, index=False
+    )
+    assert [r["text"] for r in data.read_dataset(spec(text_csv, "completion", fields={"text": "body"}))][
+        1
+    ] == "Kelmar lies on a river."
     chat_csv = tmp_path / "c.csv"
     pd.DataFrame({"messages": [json.dumps(CHAT)]}).to_csv(chat_csv, index=False)
     assert data.read_dataset(spec(chat_csv, "chat"))[0]["messages"] == CHAT
@@ -107,8 +126,15 @@ def test_train_on_inputs_changes_exactly_the_prompt_labels(tmp_path, qwen_tokeni
             assert labels == [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
             assert qwen_tokenizer.decode(ids[n_prompt:]) == "Kelmar.<|im_end|>\n"
     # reference scores the same positions training learns
-    records = data.eval_records(config_for(tmp_path, tiny_qwen, [{"path": str(path), "type": "chat"}],
-                                           eval_datasets=[{"path": str(path), "type": "chat"}]), qwen_tokenizer)
+    records = data.eval_records(
+        config_for(
+            tmp_path,
+            tiny_qwen,
+            [{"path": str(path), "type": "chat"}],
+            eval_datasets=[{"path": str(path), "type": "chat"}],
+        ),
+        qwen_tokenizer,
+    )
     assert records[0]["positions"] == list(range(n_prompt - 1, len(records[0]["input_ids"]) - 1))
 
 
@@ -143,8 +169,11 @@ def test_tokenized_once_then_read_from_the_cache(tmp_path, qwen_tokenizer, monke
 def test_unknown_sharegpt_role(tmp_path):
     bad = {"conversations": [{"from": "narrator", "value": "Once"}, {"from": "gpt", "value": "upon"}]}
     path = write_jsonl(tmp_path / "sg.jsonl", [SHAREGPT, bad])
-    with pytest.raises(data.DataError, match=r"line 2: conversations\[0\]: unknown role from='narrator'; use one of "
-                                              r"system, human, user, gpt"):
+    with pytest.raises(
+        data.DataError,
+        match=r"line 2: conversations\[0\]: unknown role from='narrator'; use one of "
+        r"system, human, user, gpt",
+    ):
         data.read_dataset(spec(path, "sharegpt"))
 
 
@@ -152,7 +181,9 @@ def test_field_mapping_to_a_missing_column_lists_the_columns(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [{"question": "q", "answer": "a"}])
     with pytest.raises(data.DataError) as e:
         data.read_dataset(spec(path, "alpaca", fields={"instruction": "prompt", "output": "answer"}))
-    assert "fields maps instruction to column 'prompt', which it does not have (columns: answer, question)" in str(e.value)
+    assert "fields maps instruction to column 'prompt', which it does not have (columns: answer, question)" in str(
+        e.value
+    )
     assert "\n" not in str(e.value)
 
 
@@ -161,13 +192,19 @@ def test_parquet_and_csv_without_the_columns(tmp_path):
 
     parquet = tmp_path / "x.parquet"
     pd.DataFrame({"q": ["a"], "a": ["b"]}).to_parquet(parquet)
-    with pytest.raises(data.DataError, match=r"fields maps output to column 'answer', which it does not have "
-                                              r"\(columns: q, a\); fix datasets\[\]\.fields"):
+    with pytest.raises(
+        data.DataError,
+        match=r"fields maps output to column 'answer', which it does not have "
+        r"\(columns: q, a\); fix datasets\[\]\.fields",
+    ):
         data.read_dataset(spec(parquet, "alpaca", fields={"instruction": "q", "output": "answer"}))
     csv = tmp_path / "x.csv"
     pd.DataFrame({"body": ["t"]}).to_csv(csv, index=False)
-    with pytest.raises(data.DataError, match=r"\(completion\): no column 'text' \(columns: body\); rename the column or "
-                                              r"map it with fields: \{text: <column>\}"):
+    with pytest.raises(
+        data.DataError,
+        match=r"\(completion\): no column 'text' \(columns: body\); rename the column or "
+        r"map it with fields: \{text: <column>\}",
+    ):
         data.read_dataset(spec(csv, "completion"))
 
 
@@ -176,15 +213,22 @@ def test_hub_dataset_missing_offline_says_how_to_fix(monkeypatch):
     with pytest.raises(data.DataError) as e:
         data.read_dataset(spec("loraship-tests/no-such-dataset", "chat"))
     text = str(e.value)
-    assert "not in the local Hugging Face cache and HF_HUB_OFFLINE=1" in text and "load_dataset('loraship-tests" in text
+    assert (
+        "not in the local Hugging Face cache and HF_HUB_OFFLINE=1" in text and "load_dataset('loraship-tests" in text
+    )
 
 
 def test_unknown_field_name_is_a_config_error():
     from loraship.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"fields: \['prompt'\] are not alpaca field names; map alpaca's instruction, "
-                                          r"input, output onto your columns"):
-        parse_config({"base_model": "m", "datasets": [{"path": "x.jsonl", "type": "alpaca", "fields": {"prompt": "q"}}]})
+    with pytest.raises(
+        ConfigError,
+        match=r"fields: \['prompt'\] are not alpaca field names; map alpaca's instruction, "
+        r"input, output onto your columns",
+    ):
+        parse_config(
+            {"base_model": "m", "datasets": [{"path": "x.jsonl", "type": "alpaca", "fields": {"prompt": "q"}}]}
+        )
 
 
 def test_bad_data_is_refused_at_plan_time(tmp_path, tiny_model):
@@ -208,11 +252,18 @@ def test_axolotl_sharegpt_fields_and_train_on_inputs(tmp_path, tiny_model):
     write_jsonl(tmp_path / "sg.jsonl", [SHAREGPT])
     write_jsonl(tmp_path / "qa.jsonl", [{"q": "Capital?", "a": "Kelmar."}])
     source = tmp_path / "axolotl.yml"
-    source.write_text(yaml.safe_dump({
-        "base_model": str(tiny_model), "train_on_inputs": True,
-        "datasets": [{"path": "sg.jsonl", "type": "sharegpt"},
-                     {"path": "qa.jsonl", "type": "alpaca", "field_instruction": "q", "field_output": "a"}],
-    }))
+    source.write_text(
+        yaml.safe_dump(
+            {
+                "base_model": str(tiny_model),
+                "train_on_inputs": True,
+                "datasets": [
+                    {"path": "sg.jsonl", "type": "sharegpt"},
+                    {"path": "qa.jsonl", "type": "alpaca", "field_instruction": "q", "field_output": "a"},
+                ],
+            }
+        )
+    )
     keys, _notes, ignored = import_axolotl(source, tmp_path / "out" / "c.yaml", force=False)
     assert keys["train_on_inputs"] is True and not ignored
     assert [d["type"] for d in keys["datasets"]] == ["sharegpt", "alpaca"]

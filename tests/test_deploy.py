@@ -197,18 +197,25 @@ def test_constraints_pin_exact_versions():
 def test_prefect_yaml_is_what_the_generator_writes():
     assert (DEPLOY / "prefect.yaml").read_text(encoding="utf-8") == prefect_render.render(), (
         "deploy/prefect.yaml differs from loraship/stage_table.py and configs/demo.yaml: "
-        "run `python deploy/render_prefect_yaml.py` and commit deploy/prefect.yaml")
+        "run `python deploy/render_prefect_yaml.py` and commit deploy/prefect.yaml"
+    )
 
 
 def test_generator_follows_the_table(monkeypatch):
     """A row's resources reach its deployments (and only its own)."""
-    table = tuple(dataclasses.replace(s, resources=dataclasses.replace(s.resources, memory="12Gi", docker_shm="2g"))
-                  if s.name == "verify" else s for s in STAGE_TABLE)
+    table = tuple(
+        dataclasses.replace(s, resources=dataclasses.replace(s.resources, memory="12Gi", docker_shm="2g"))
+        if s.name == "verify"
+        else s
+        for s in STAGE_TABLE
+    )
     monkeypatch.setattr(prefect_render, "STAGE_TABLE", table)
     deployments = {d["name"]: d for d in prefect_render.deployments()}
     k8s = deployments["verify-kubernetes"]["work_pool"]["job_variables"]["resources"]
-    assert k8s == {"requests": {"cpu": "4", "memory": "12Gi", "nvidia.com/gpu": "1"},
-                   "limits": {"memory": "12Gi", "nvidia.com/gpu": "1"}}
+    assert k8s == {
+        "requests": {"cpu": "4", "memory": "12Gi", "nvidia.com/gpu": "1"},
+        "limits": {"memory": "12Gi", "nvidia.com/gpu": "1"},
+    }
     assert deployments["verify-docker"]["work_pool"]["job_variables"]["container_create_kwargs"]["shm_size"] == "2g"
     assert deployments["quantize-kubernetes"] == _deployments()["quantize-kubernetes"]
 
@@ -222,8 +229,13 @@ def test_one_parent_and_one_deployment_per_stage_and_pool():
 def test_documented_deployment_counts_follow_prefect_yaml():
     count = len(_prefect_yaml()["deployments"])
     assert count == len(POOLS) * (len(STAGES) + 1)
-    for rel in ("README.md", "deploy/README.md", "deploy/local/run.sh", "deploy/docker/run_ci.sh",
-                "deploy/prefect.yaml"):
+    for rel in (
+        "README.md",
+        "deploy/README.md",
+        "deploy/local/run.sh",
+        "deploy/docker/run_ci.sh",
+        "deploy/prefect.yaml",
+    ):
         path = ROOT / rel
         text = path.read_text(encoding="utf-8") if path.exists() else ""
         for written in re.findall(r"\b(\d+) deployments\b", text):
@@ -239,10 +251,12 @@ def test_training_gpu_stages_share_the_training_node():
     """reference runs the merged HF model where train ran; verify needs only an inference GPU."""
     deployments = _deployments()
     k8s = {stage: deployments[f"{stage}-kubernetes"]["work_pool"]["job_variables"] for stage in GPU_STAGES}
+
     def node(variables: dict) -> dict:  # all but the image and the GPU count (train takes the node's all)
         out = {k: v for k, v in variables.items() if k != "image"}
-        out["resources"] = {part: {k: v for k, v in q.items() if k != "nvidia.com/gpu"}
-                            for part, q in variables["resources"].items()}
+        out["resources"] = {
+            part: {k: v for k, v in q.items() if k != "nvidia.com/gpu"} for part, q in variables["resources"].items()
+        }
         return out
 
     def docker_node(kwargs: dict) -> dict:
@@ -250,10 +264,14 @@ def test_training_gpu_stages_share_the_training_node():
 
     for stage in TRAINING_GPU_STAGES:
         assert node(k8s[stage]) == node(k8s["train"]), stage
-        assert deployments[f"{stage}-kubernetes"]["work_pool"]["name"] == deployments["train-kubernetes"]["work_pool"]["name"]
+        assert (
+            deployments[f"{stage}-kubernetes"]["work_pool"]["name"]
+            == deployments["train-kubernetes"]["work_pool"]["name"]
+        )
         docker = deployments[f"{stage}-docker"]["work_pool"]["job_variables"]["container_create_kwargs"]
         assert docker_node(docker) == docker_node(
-            deployments["train-docker"]["work_pool"]["job_variables"]["container_create_kwargs"]), stage
+            deployments["train-docker"]["work_pool"]["job_variables"]["container_create_kwargs"]
+        ), stage
     for stage in GPU_STAGES - TRAINING_GPU_STAGES:
         assert k8s[stage]["node_selector"] != k8s["train"]["node_selector"], stage
 
@@ -370,8 +388,13 @@ def test_one_kubernetes_pool_per_hardware_class():
             zero = {"resources": {"requests": {"nvidia.com/gpu": "0"}, "limits": {"nvidia.com/gpu": "0"}}}
             with pytest.raises(Exception):
                 validate(zero, template["variables"], raise_on_error=True, preprocess=False, ignore_required=False)
-    listed = subprocess.run([sys.executable, str(DEPLOY / "kubernetes" / "render.py"), "--pools"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split("\n")
+    listed = subprocess.run(
+        [sys.executable, str(DEPLOY / "kubernetes" / "render.py"), "--pools"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
     assert {line.split()[0] for line in listed if line} == set(k8s_render.POOLS), "deploy/local/run.sh creates these"
 
 
@@ -395,7 +418,9 @@ def test_render_fails_a_stage_on_the_wrong_pool_or_without_its_gpus(fault):
 
 def test_generated_gpu_templates_are_committed():
     for path, text in prefect_render.render_gpu_templates().items():
-        assert path.read_text(encoding="utf-8") == text, f"{path.name} is stale: run python deploy/render_prefect_yaml.py"
+        assert path.read_text(encoding="utf-8") == text, (
+            f"{path.name} is stale: run python deploy/render_prefect_yaml.py"
+        )
 
 
 # ---- deploy/gitops workflow ------------------------------------------------------------------
@@ -405,13 +430,16 @@ WORKFLOW = ROOT / ".github" / "workflows" / "loraship-gitops.yml"  # the one cop
 def test_workflow_matches_github_schema():
     result = subprocess.run(
         [_tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(WORKFLOW)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_workflow_has_no_high_zizmor_finding():
-    result = subprocess.run([_tool("zizmor"), "--offline", "--format", "json", str(WORKFLOW)], capture_output=True, text=True)
+    result = subprocess.run(
+        [_tool("zizmor"), "--offline", "--format", "json", str(WORKFLOW)], capture_output=True, text=True
+    )
     findings = json.loads(result.stdout or "[]")
     high = [f["ident"] for f in findings if f["determinations"]["severity"] == "High"]
     assert not high, high
@@ -444,15 +472,27 @@ class FakeTrigger:
         return next((r for r in self.runs.values() if tag in r["tags"] and r["deployment"] == deployment), None)
 
     def run(self, deployment, parameters, key, tags, wait):
-        run = self.runs.setdefault(key, {"flow_run_id": f"run-{len(self.runs)}", "flow_run_name": key[-8:],
-                                         "state": self.final_state, "deployment": deployment, "tags": tags,
-                                         "parameters": parameters})
+        run = self.runs.setdefault(
+            key,
+            {
+                "flow_run_id": f"run-{len(self.runs)}",
+                "flow_run_name": key[-8:],
+                "state": self.final_state,
+                "deployment": deployment,
+                "tags": tags,
+                "parameters": parameters,
+            },
+        )
         return {k: run[k] for k in ("flow_run_id", "flow_run_name", "state")}
 
 
 def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 SPEC = "base_model: models/tiny\ndatasets:\n  - {path: data/train.jsonl, type: chat}\n"
@@ -480,11 +520,20 @@ def _commit(repo: Path, files: dict[str, str | None], message: str = "change") -
 
 def test_gitops_dry_run_lists_changed_specs_only(repo):
     start = _git(repo, "rev-parse", "HEAD")
-    _commit(repo, {"deploy/gitops/specs/a.yaml": SPEC, "deploy/gitops/specs/b.yml": SPEC + "lora_r: 8\n",
-                   "deploy/gitops/specs/notes.md": "not a spec", "configs/other.yaml": SPEC})
+    _commit(
+        repo,
+        {
+            "deploy/gitops/specs/a.yaml": SPEC,
+            "deploy/gitops/specs/b.yml": SPEC + "lora_r: 8\n",
+            "deploy/gitops/specs/notes.md": "not a spec",
+            "configs/other.yaml": SPEC,
+        },
+    )
     results = trigger_changed_specs(start, "HEAD", repo=repo, dry_run=True, trigger=FakeTrigger())
     assert [(r["spec"], r["action"], r["run_name"]) for r in results] == [
-        ("deploy/gitops/specs/a.yaml", "dry-run", "a"), ("deploy/gitops/specs/b.yml", "dry-run", "b")]
+        ("deploy/gitops/specs/a.yaml", "dry-run", "a"),
+        ("deploy/gitops/specs/b.yml", "dry-run", "b"),
+    ]
     assert all(re.fullmatch(r"[0-9a-f]{64}", r["sha256"]) for r in results)
 
 
@@ -573,8 +622,13 @@ def test_docker_job_variables_are_accepted_by_docker_py(stage):
     containers = pytest.importorskip("docker.models.containers")
     jv = _deployments()[f"{stage}-docker"]["work_pool"]["job_variables"]
     args = containers._create_container_args(
-        {"image": jv["image"], "command": "prefect flow-run execute", "volumes": jv["volumes"], "version": "1.41",
-         **jv["container_create_kwargs"]}
+        {
+            "image": jv["image"],
+            "command": "prefect flow-run execute",
+            "volumes": jv["volumes"],
+            "version": "1.41",
+            **jv["container_create_kwargs"],
+        }
     )
     assert args["entrypoint"] == ["/usr/bin/env"]
     requests = args["host_config"].get("DeviceRequests") or []

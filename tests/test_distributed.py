@@ -24,18 +24,39 @@ ONE_CORE = {"OMP_NUM_THREADS": "1"}  # 2 ranks on a 2-core machine
 
 def run_ranks(tiny_model: Path, out: Path, *args: str, engine: str = "ddp") -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    dist_lib.launch_ranks("tests.dist_worker", ["--model", str(tiny_model), "--out", str(out), "--engine", engine,
-                                                "--accum", "2", *args],
-                          2, out / "reports", resume_hint="a rerun resumes from the last checkpoint", env=ONE_CORE)
+    dist_lib.launch_ranks(
+        "tests.dist_worker",
+        ["--model", str(tiny_model), "--out", str(out), "--engine", engine, "--accum", "2", *args],
+        2,
+        out / "reports",
+        resume_hint="a rerun resumes from the last checkpoint",
+        env=ONE_CORE,
+    )
     return json.loads((out / "result.json").read_text())
 
 
 def run_one_process(tiny_model: Path, out: Path, *args: str) -> dict:
     """The same training in one process: accumulation 2 x 2 ranks = 4 micro-batches a step."""
     out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "tests.dist_worker", "--model", str(tiny_model), "--out", str(out),
-                    "--engine", "single", "--accum", "4", *args], cwd=REPO, check=True,
-                   env={**os.environ, **ONE_CORE})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.dist_worker",
+            "--model",
+            str(tiny_model),
+            "--out",
+            str(out),
+            "--engine",
+            "single",
+            "--accum",
+            "4",
+            *args,
+        ],
+        cwd=REPO,
+        check=True,
+        env={**os.environ, **ONE_CORE},
+    )
     return json.loads((out / "result.json").read_text())
 
 
@@ -71,8 +92,11 @@ def test_two_ranks_train_the_same_losses_and_adapter_as_one_process(engine, tiny
     same_training(got, one_process[0], tmp_path, one_process[1])
     # Step 3 is the epoch's last, of 2 examples: one micro-batch, which rank 1 ran as a stand-in weighing 0.
     assert got["history"][2]["tokens"] < got["history"][1]["tokens"] / 2
-    assert got["worst"] == {"peak_reserved_gib": 2.0, "worst_rank": 1,
-                            "per_rank": [{"peak_reserved_gib": 1.0}, {"peak_reserved_gib": 2.0}]}
+    assert got["worst"] == {
+        "peak_reserved_gib": 2.0,
+        "worst_rank": 1,
+        "per_rank": [{"peak_reserved_gib": 1.0}, {"peak_reserved_gib": 2.0}],
+    }
     # Each rank starts from one process's adapter: under FSDP2 rank 1's came from rank 0 (its own init was on meta).
     assert [r["start_adapter"] for r in got["loaded"]] == [one_process[0]["loaded"][0]["start_adapter"]] * 2
     if engine == "fsdp2":  # one copy of the weights in host memory: rank 1 never read them, it built them empty
@@ -135,19 +159,24 @@ def test_a_rank_out_of_memory_stops_every_rank_as_an_out_of_memory_error(tiny_mo
 
 
 def test_ranks_that_read_different_data_stop_before_training(tiny_model, tmp_path):
-    with pytest.raises(LorashipError, match=r"2 training ranks disagree before training: data: rank\(s\) 1 differ") as e:
+    with pytest.raises(
+        LorashipError, match=r"2 training ranks disagree before training: data: rank\(s\) 1 differ"
+    ) as e:
         run_ranks(tiny_model, tmp_path, "--skew")
     assert "config" not in str(e.value).split("fix:")[0] and "fix: every rank must read the same" in str(e.value)
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
 # --- the pieces, without processes -----------------------------------------------------------------------------
-@pytest.mark.parametrize("n,world,want", [
-    (4, 2, [[0, 1], [2, 3]]),
-    (3, 2, [[0, 1], [2, None]]),     # the short last step: rank 1 pads with a stand-in
-    (1, 2, [[0], [None]]),
-    (5, 4, [[0, 1], [2, 3], [4, None], [None, None]]),
-])
+@pytest.mark.parametrize(
+    "n,world,want",
+    [
+        (4, 2, [[0, 1], [2, 3]]),
+        (3, 2, [[0, 1], [2, None]]),  # the short last step: rank 1 pads with a stand-in
+        (1, 2, [[0], [None]]),
+        (5, 4, [[0, 1], [2, 3], [4, None], [None, None]]),
+    ],
+)
 def test_every_rank_runs_as_many_micro_steps_and_each_micro_batch_trains_once(n, world, want):
     group = list(range(n))
     shares = [dist_lib.rank_share(group, r, world) for r in range(world)]
@@ -185,22 +214,49 @@ def test_cpu_ranks_from_the_environment(monkeypatch):
 
 
 def test_a_rank_out_of_memory_is_an_out_of_memory_error_for_the_re_plan(tmp_path):
-    (tmp_path / "rank-1.json").write_text(json.dumps({"rank": 1, "kind": "out_of_memory", "measured": {"x": 1},
-                                                      "message": "CUDA out of memory. Tried to allocate 2 GiB"}))
+    (tmp_path / "rank-1.json").write_text(
+        json.dumps(
+            {
+                "rank": 1,
+                "kind": "out_of_memory",
+                "measured": {"x": 1},
+                "message": "CUDA out of memory. Tried to allocate 2 GiB",
+            }
+        )
+    )
     error = dist_lib.failure_of(tmp_path, 2, 1, "resumes")
     assert isinstance(error, dist_lib.RanksOutOfMemory) and error.rank == 1 and error.measured == {"x": 1}
     assert "out of memory" in str(error).lower() and isinstance(error, RuntimeError)
 
 
 def test_the_rank_killed_by_a_signal_is_named_not_the_peers_it_broke(tmp_path):
-    (tmp_path / dist_lib.FAILURES_FILE).write_text(json.dumps([
-        {"rank": 0, "exitcode": 1, "signal": None, "timestamp": 10, "message": "RuntimeError: Connection closed by peer"},
-        {"rank": 1, "exitcode": -9, "signal": "SIGKILL", "timestamp": 10, "message": "Signal 9 (SIGKILL) received"},
-        {"rank": 2, "exitcode": -15, "signal": "SIGTERM", "timestamp": 9, "message": ""}]))
+    (tmp_path / dist_lib.FAILURES_FILE).write_text(
+        json.dumps(
+            [
+                {
+                    "rank": 0,
+                    "exitcode": 1,
+                    "signal": None,
+                    "timestamp": 10,
+                    "message": "RuntimeError: Connection closed by peer",
+                },
+                {
+                    "rank": 1,
+                    "exitcode": -9,
+                    "signal": "SIGKILL",
+                    "timestamp": 10,
+                    "message": "Signal 9 (SIGKILL) received",
+                },
+                {"rank": 2, "exitcode": -15, "signal": "SIGTERM", "timestamp": 9, "message": ""},
+            ]
+        )
+    )
     error = dist_lib.failure_of(tmp_path, 3, 1, "a rerun resumes from step 4")
     assert isinstance(error, dist_lib.RankFailed)
-    assert str(error).startswith("training rank 1 of 3 was killed by SIGKILL; torchrun stopped the other ranks. "
-                                 "a rerun resumes from step 4; fix:")
+    assert str(error).startswith(
+        "training rank 1 of 3 was killed by SIGKILL; torchrun stopped the other ranks. "
+        "a rerun resumes from step 4; fix:"
+    )
 
 
 # --- the train stage on 2 CPU ranks --------------------------------------------------------------------------
@@ -216,11 +272,19 @@ def test_the_train_stage_on_two_cpu_ranks_trains_as_one_process(tiny_model, tmp_
     from tests.conftest import demo_config_dict
 
     common = dict(max_steps=4, num_epochs=1, micro_batch_size=4, save_steps=2, warmup_steps=0, device="cpu")
-    configs = {"one": parse_config(demo_config_dict(tiny_model, tmp_path / "one", run_name="one",
-                                                    gradient_accumulation_steps=2, **common)),
-               **{name: parse_config(demo_config_dict(tiny_model, tmp_path / name, run_name=name,
-                                                      gradient_accumulation_steps=1, gpus=2, **common))
-                  for name in ("two", "fsdp2")}}
+    configs = {
+        "one": parse_config(
+            demo_config_dict(tiny_model, tmp_path / "one", run_name="one", gradient_accumulation_steps=2, **common)
+        ),
+        **{
+            name: parse_config(
+                demo_config_dict(
+                    tiny_model, tmp_path / name, run_name=name, gradient_accumulation_steps=1, gpus=2, **common
+                )
+            )
+            for name in ("two", "fsdp2")
+        },
+    }
     train_stage = importlib.import_module("loraship.stages.train")
     planned = train_stage.training_engine
     metrics = {}
@@ -228,14 +292,22 @@ def test_the_train_stage_on_two_cpu_ranks_trains_as_one_process(tiny_model, tmp_
         if name != "one":
             monkeypatch.setenv(dist_lib.CPU_RANKS_ENV, "2")
         if name == "fsdp2":
-            monkeypatch.setattr(train_stage, "training_engine", lambda ctx, c, device: (
-                dist_lib.Engine("fsdp2", 2), {**planned(ctx, c, device)[1], "engine": "fsdp2"}))
+            monkeypatch.setattr(
+                train_stage,
+                "training_engine",
+                lambda ctx, c, device: (
+                    dist_lib.Engine("fsdp2", 2),
+                    {**planned(ctx, c, device)[1], "engine": "fsdp2"},
+                ),
+            )
         capfd.readouterr()
         for stage in ("plan", "train"):
             manifest = importlib.import_module(f"loraship.stages.{stage}").run(config)
         said = "".join(capfd.readouterr())  # the ranks log to the stage's own output
-        assert ("FSDP2: rank 0 alone reads the base weights; the other 1 rank(s) build the model on the meta device"
-                in said) == (name == "fsdp2")
+        assert (
+            "FSDP2: rank 0 alone reads the base weights; the other 1 rank(s) build the model on the meta device"
+            in said
+        ) == (name == "fsdp2")
         metrics[name] = json.loads((stage_dir(config, "train") / "train_metrics.json").read_text())
         assert manifest["metrics"]["steps"] == metrics[name]["steps"] == 4
     assert metrics["fsdp2"]["distributed"]["engine"] == "fsdp2"
@@ -245,21 +317,27 @@ def test_the_train_stage_on_two_cpu_ranks_trains_as_one_process(tiny_model, tmp_
     assert (two["strategy"]["micro_batch_size"], two["strategy"]["gradient_accumulation_steps"]) == (4, 1)
     assert (one["strategy"]["micro_batch_size"], one["strategy"]["gradient_accumulation_steps"]) == (4, 2)
     assert two["train_tokens_this_run"] == one["train_tokens_this_run"] > 0
-    curves = {name: [json.loads(line) for line in (stage_dir(c, "train") / "loss_history.jsonl").read_text().splitlines()]
-              for name, c in configs.items()}
+    curves = {
+        name: [json.loads(line) for line in (stage_dir(c, "train") / "loss_history.jsonl").read_text().splitlines()]
+        for name, c in configs.items()
+    }
     from safetensors.torch import load_file
 
     for name in ("two", "fsdp2"):
         assert [h["step"] for h in curves[name]] == [h["step"] for h in curves["one"]] == [1, 2, 3, 4]
-        assert [h["loss"] for h in curves[name]] == pytest.approx([h["loss"] for h in curves["one"]], rel=1e-5,
-                                                                  abs=2e-6)
+        assert [h["loss"] for h in curves[name]] == pytest.approx(
+            [h["loss"] for h in curves["one"]], rel=1e-5, abs=2e-6
+        )
         assert metrics[name]["eval_loss_after"] == pytest.approx(one["eval_loss_after"], rel=1e-5)
         assert metrics[name]["eval_loss_after"] < metrics[name]["eval_loss_before"]
-        a, b = (load_file(stage_dir(configs[n], "train") / "adapter" / "adapter_model.safetensors")
-                for n in (name, "one"))
+        a, b = (
+            load_file(stage_dir(configs[n], "train") / "adapter" / "adapter_model.safetensors") for n in (name, "one")
+        )
         assert sorted(a) == sorted(b) and a
         for k in a:
             torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3, msg=f"{name}: {k}")
     # The checkpoint rank 0 wrote at step 2, in the one format any number of ranks resumes.
-    state = torch.load(stage_dir(configs["two"], "train") / "checkpoints" / "last" / "trainer_state.pt", weights_only=True)
+    state = torch.load(
+        stage_dir(configs["two"], "train") / "checkpoints" / "last" / "trainer_state.pt", weights_only=True
+    )
     assert state["step"] == 2 and state["world_size"] == 2

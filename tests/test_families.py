@@ -42,9 +42,13 @@ STEPS = {"mistral-v03": 32, "gemma2": 32, "mistral-nemo": 32, "phi4": 32, "olmo2
 
 
 def run_family(model: Path, family: Family, root: Path, run_name: str | None = None, **more):
-    overrides = dict(FAMILY_OVERRIDES, run_name=run_name or f"family-{family.name}", sequence_len=SEQUENCE_LEN.get(family.name, 64),
-                     **({"max_steps": STEPS[family.name], "save_steps": STEPS[family.name]} if family.name in STEPS else {}),
-                     **more)
+    overrides = dict(
+        FAMILY_OVERRIDES,
+        run_name=run_name or f"family-{family.name}",
+        sequence_len=SEQUENCE_LEN.get(family.name, 64),
+        **({"max_steps": STEPS[family.name], "save_steps": STEPS[family.name]} if family.name in STEPS else {}),
+        **more,
+    )
     if family.chat_template:
         overrides["chat_template"] = family.chat_template
     config = parse_config(demo_config_dict(model, root, **overrides))
@@ -68,8 +72,9 @@ COVERED_ELSEWHERE = {
     "smollm2": "the real SmolLM2 run below has the same tokenizer and template, with real weights",
     "qwen2-base": "tests/test_turn_end.py runs a Qwen2 base with Qwen's vocabulary, given ChatML by init",
 }
-PIPELINE_FAMILIES = [pytest.param(n, marks=pytest.mark.slow) if n in COVERED_ELSEWHERE else n
-                     for n in sorted(FAMILIES)]
+PIPELINE_FAMILIES = [
+    pytest.param(n, marks=pytest.mark.slow) if n in COVERED_ELSEWHERE else n for n in sorted(FAMILIES)
+]
 
 
 @pytest.fixture(scope="session", params=PIPELINE_FAMILIES)
@@ -124,7 +129,11 @@ def test_chat_template_is_in_the_gguf(family_run):
     from loraship.chat import resolve_template, template_of
 
     family, model, _, _, verify = family_run
-    expected = resolve_template(family.chat_template) if family.chat_template else template_of(AutoTokenizer.from_pretrained(model))
+    expected = (
+        resolve_template(family.chat_template)
+        if family.chat_template
+        else template_of(AutoTokenizer.from_pretrained(model))
+    )
     assert _gguf_fields(verify)["tokenizer.chat_template"] == expected
     assert verify["gates"]["chat_template_in_gguf"]["passed"]
 
@@ -141,7 +150,9 @@ def test_turn_end_is_one_special_token_that_ends_generation_in_llama_cpp(family_
     assert end["text"] == family.turn_end
     llm = llama_cpp.Llama(model_path=verify["gguf"], vocab_only=True, verbose=False)
     try:
-        assert llama_cpp.llama_vocab_is_eog(llm._model.vocab, end["id"]), f"{end} is not end-of-generation in llama.cpp"
+        assert llama_cpp.llama_vocab_is_eog(llm._model.vocab, end["id"]), (
+            f"{end} is not end-of-generation in llama.cpp"
+        )
     finally:
         llm.close()
 
@@ -198,8 +209,17 @@ def real_run(real_smollm2, tmp_path_factory):
     golden = root / "golden.jsonl"
     rows = [json.loads(line) for line in (REPO / "data/demo/golden.jsonl").read_text().splitlines()]
     golden.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
-    return run_family(real_smollm2, FAMILIES["smollm2"], root, "real-smollm2", golden_prompts=str(golden),
-                      max_steps=4, save_steps=4, warmup_steps=1, micro_batch_size=4)
+    return run_family(
+        real_smollm2,
+        FAMILIES["smollm2"],
+        root,
+        "real-smollm2",
+        golden_prompts=str(golden),
+        max_steps=4,
+        save_steps=4,
+        warmup_steps=1,
+        micro_batch_size=4,
+    )
 
 
 def test_real_pretrained_model_passes_every_gate(real_run):
@@ -276,7 +296,9 @@ def test_the_planner_knows_every_family(family_folders, name):
 
 
 @pytest.mark.parametrize("name, fused", [("granite3", False), ("llama31", True)])
-def test_plan_leaves_the_fused_loss_off_where_liger_kernel_has_none(family_folders, name, fused, tmp_path, monkeypatch):
+def test_plan_leaves_the_fused_loss_off_where_liger_kernel_has_none(
+    family_folders, name, fused, tmp_path, monkeypatch
+):
     """On CUDA with liger-kernel installed, fused_loss: auto plans Liger's fused loss, except for a model type liger has
     none for (Granite scales its logits): plan leaves it off there, and fused_loss: on is refused at plan."""
     from loraship.planning import knobs, memory
@@ -290,8 +312,11 @@ def test_plan_leaves_the_fused_loss_off_where_liger_kernel_has_none(family_folde
     if fused:
         assert memory.plan_training(model_config, on)["strategy"]["fused_loss"] is True
     else:
-        with pytest.raises(LorashipError, match="fused_loss: on, but liger-kernel has no fused loss for model_type "
-                                                "'granite'.*fix: set fused_loss: auto or off"):
+        with pytest.raises(
+            LorashipError,
+            match="fused_loss: on, but liger-kernel has no fused loss for model_type "
+            "'granite'.*fix: set fused_loss: auto or off",
+        ):
             memory.plan_training(model_config, on)
 
 
@@ -312,5 +337,8 @@ def test_ollama_template_renders_qwen3_in_the_form_it_was_trained(family_folders
     assert served.endswith("<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n"))
     assert next(f for f in ollama.FAMILIES if f.name == family).render(None, list(ollama.PROBE)) == served
     text = ollama.modelfile("model-Q4_K_M.gguf", facts, ["<|im_end|>"], 4096)
-    assert text.split('TEMPLATE """', 1)[1].split('"""', 1)[0].endswith("<|im_start|>assistant\n" + (
-        "" if thinking else "<think>\n\n</think>\n\n"))
+    assert (
+        text.split('TEMPLATE """', 1)[1]
+        .split('"""', 1)[0]
+        .endswith("<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n"))
+    )

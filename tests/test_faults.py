@@ -37,8 +37,13 @@ def config_file(config, path: Path) -> Path:
 
 
 def stage_process(stage: str, cfg_path: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", f"loraship.stages.{stage}", str(cfg_path)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", f"loraship.stages.{stage}", str(cfg_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_kill_during_training_resumes_the_same_loss_curve(tiny_model, tmp_path):
@@ -71,7 +76,8 @@ def test_kill_during_training_resumes_the_same_loss_curve(tiny_model, tmp_path):
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-3, abs=1e-4), (x, y)
     assert resumed["train"]["metrics"]["eval_loss_after"] == pytest.approx(
-        reference["metrics"]["eval_loss_after"], rel=1e-3)
+        reference["metrics"]["eval_loss_after"], rel=1e-3
+    )
 
 
 def test_kill_between_the_renames_of_a_folder_swap_keeps_the_old_one_whole(tmp_path, monkeypatch):
@@ -183,7 +189,9 @@ def test_manifest_checksum_mismatch_stops_downstream(merged_run):
     manifest_path.write_text(json.dumps(data))
     try:
         with pytest.raises(IntegrityError, match="sha256 does not match"):
-            importlib.import_module("loraship.stages.quantize").run(config.model_copy(update={"quantization": ["Q5_K_M"]}))
+            importlib.import_module("loraship.stages.quantize").run(
+                config.model_copy(update={"quantization": ["Q5_K_M"]})
+            )
     finally:
         manifest_path.write_text(original)
 
@@ -212,8 +220,10 @@ def test_out_of_memory_replans_and_records_why(merged_run, monkeypatch):
     first, second = calls
     assert second != first
     # the user's effective batch is kept
-    assert (second["micro_batch_size"] * second["gradient_accumulation_steps"]
-            == first["micro_batch_size"] * first["gradient_accumulation_steps"])
+    assert (
+        second["micro_batch_size"] * second["gradient_accumulation_steps"]
+        == first["micro_batch_size"] * first["gradient_accumulation_steps"]
+    )
 
 
 def test_disk_preflight_refuses_before_writing(merged_run, monkeypatch):
@@ -262,8 +272,17 @@ def test_everything_dropped_is_a_clear_error(tiny_model, tmp_path):
     long_rows = tmp_path / "long.jsonl"
     long_rows.write_text(json.dumps({"text": "The capital of Ganraka is Milo. " * 10}) + "\n")
     # imatrix: false: its 73 tokens are too few for an importance matrix, which the plan would refuse first.
-    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="drop", sequence_len=16, truncation="drop",
-                                           datasets=[{"path": str(long_rows), "type": "completion"}], imatrix=False))
+    config = parse_config(
+        demo_config_dict(
+            tiny_model,
+            tmp_path,
+            run_name="drop",
+            sequence_len=16,
+            truncation="drop",
+            datasets=[{"path": str(long_rows), "type": "completion"}],
+            imatrix=False,
+        )
+    )
     run_stages(config, ["plan"])
     with pytest.raises(DataError, match="no training examples left"):
         run_stages(config, ["train"])
@@ -316,8 +335,12 @@ print("published", config.output, flush=True)
 def other_config(config):
     """Another config with the same run_name: a looser perplexity gate (so it redoes verify, the
     folder the first config's publish reads) and another destination."""
-    return config.model_copy(update={"perplexity_ratio_max": config.gate_limits("Q4_K_M")["perplexity_ratio_max"] + 0.5,
-                                     "output": config.output + "-b"})
+    return config.model_copy(
+        update={
+            "perplexity_ratio_max": config.gate_limits("Q4_K_M")["perplexity_ratio_max"] + 0.5,
+            "output": config.output + "-b",
+        }
+    )
 
 
 def test_two_configs_with_the_same_run_name_at_once(merged_run):
@@ -329,13 +352,23 @@ def test_two_configs_with_the_same_run_name_at_once(merged_run):
     first, second = config, other_config(config)
     procs = []
     for c, name in ((first, "first.yaml"), (second, "second.yaml")):
-        procs.append(subprocess.Popen([sys.executable, "-c", RUN_ALL, str(config_file(c, root / name))], cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RUN_ALL, str(config_file(c, root / name))],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
         if c is first:  # the second starts once the first holds the run folder
             claims = stage_dir(config, "plan").parent / ".locks" / "run"
             deadline = time.time() + 120
-            while not [p for p in claims.glob("*.json") if f'"pid": {procs[0].pid},' in p.read_text()] \
-                    and procs[0].poll() is None and time.time() < deadline:
+            while (
+                not [p for p in claims.glob("*.json") if f'"pid": {procs[0].pid},' in p.read_text()]
+                and procs[0].poll() is None
+                and time.time() < deadline
+            ):
                 time.sleep(0.05)
     outputs = [p.communicate(timeout=900)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs

@@ -12,8 +12,16 @@ from loraship.planning.shape import shape_from_config
 from tests.conftest import demo_config_dict
 
 # A shape small enough to count by hand: h 8, 2 heads of 4 (q 8), 1 KV head (kv 4), f 16, V 32, 2 layers.
-TOY = {"model_type": "qwen2", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
-       "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 32, "tie_word_embeddings": False}
+TOY = {
+    "model_type": "qwen2",
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 32,
+    "tie_word_embeddings": False,
+}
 
 
 def test_steady_rate_leaves_the_warm_up_steps_out():
@@ -44,22 +52,39 @@ def test_flops_per_token_counts_each_term(tmp_path):
     assert flops.recompute_flops_per_layer_token(TOY, cfg, 10) == forward - 2 * 16 * 8
     # down_proj adapted too: its LoRA B product (r x 8) is skipped with it; A's (16 x r) is not (B's gradient needs it).
     all_linear = parse_config(demo_config_dict(tmp_path, tmp_path, lora_r=2, lora_target_modules="all-linear"))
-    assert (flops.forward_flops_per_layer_token(TOY, all_linear, 10)
-            - flops.recompute_flops_per_layer_token(TOY, all_linear, 10)) == 2 * (16 * 8 + 2 * 8)
+    assert (
+        flops.forward_flops_per_layer_token(TOY, all_linear, 10)
+        - flops.recompute_flops_per_layer_token(TOY, all_linear, 10)
+    ) == 2 * (16 * 8 + 2 * 8)
     # Gemma 2 style: every other layer attends to a sliding window of 4 keys at most. Its MLP output goes through a
     # norm that keeps it, so its recompute is the whole forward again.
     # head_dim given: Gemma2Config's default is 256, whatever hidden / heads is.
-    sliding = {**TOY, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "sliding_window": 4, "head_dim": 4}
+    sliding = {
+        **TOY,
+        "model_type": "gemma2",
+        "architectures": ["Gemma2ForCausalLM"],
+        "sliding_window": 4,
+        "head_dim": 4,
+    }
     s = shape_from_config(sliding)
     assert s.sliding_layers == 1
     assert flops.recompute_flops_per_layer_token(sliding, cfg, 10) == pytest.approx(
-        2 * s.layer_linear_params + 2 * 2 * ((8 + 8) + (8 + 4)) + 2 * s.q * (10 + 4) / 2)
+        2 * s.layer_linear_params + 2 * 2 * ((8 + 8) + (8 + 4)) + 2 * s.q * (10 + 4) / 2
+    )
 
 
 # One small config of each family whose decoder layer the planner reads (model_type, extra keys).
-FAMILY_CONFIGS = {"llama": {}, "qwen2": {}, "mistral": {}, "phi3": {}, "qwen3": {"head_dim": 4}, "olmo2": {},
-                  "granite": {"residual_multiplier": 0.22}, "gemma2": {"head_dim": 4},
-                  "gemma3_text": {"head_dim": 4}}
+FAMILY_CONFIGS = {
+    "llama": {},
+    "qwen2": {},
+    "mistral": {},
+    "phi3": {},
+    "qwen3": {"head_dim": 4},
+    "olmo2": {},
+    "granite": {"residual_multiplier": 0.22},
+    "gemma2": {"head_dim": 4},
+    "gemma3_text": {"head_dim": 4},
+}
 
 
 @pytest.mark.parametrize("mt", sorted(FAMILY_CONFIGS))
@@ -76,15 +101,21 @@ def test_the_planner_skips_down_proj_in_the_recompute_where_the_train_stage_does
 def test_mfu_against_the_card_peak_or_none_with_a_reason():
     value, basis = flops.mfu(10_000, 30e9, "NVIDIA H200")
     assert value == round(10_000 * 30e9 / 989.4e12, 4) and "989" in basis
-    assert flops.bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0 and flops.bf16_peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert (
+        flops.bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0
+        and flops.bf16_peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    )
     value, basis = flops.mfu(10_000, 30e9, None)
     assert value is None and "no bf16 peak" in basis
     assert flops.mfu(None, 30e9, "NVIDIA H200")[0] is None
 
 
 def test_train_manifest_reports_steady_tokens_per_s_and_mfu_on_the_cpu(tiny_model, tmp_path):
-    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="mfu", max_steps=4, warmup_steps=0, save_steps=1000,
-                                           device="cpu"))
+    config = parse_config(
+        demo_config_dict(
+            tiny_model, tmp_path, run_name="mfu", max_steps=4, warmup_steps=0, save_steps=1000, device="cpu"
+        )
+    )
     for stage in ("plan", "train"):
         manifest = importlib.import_module(f"loraship.stages.{stage}").run(config)
     metrics = manifest["metrics"]

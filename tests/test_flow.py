@@ -27,8 +27,11 @@ def flow_runs(tiny_model, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("flow")
     Secret(value=PLANTED).save("loraship-test-token", overwrite=True)
-    config = parse_config(demo_config_dict(tiny_model, root, run_name="flow",
-                                           env_from_secrets={"LORASHIP_TEST_TOKEN": "loraship-test-token"}))
+    config = parse_config(
+        demo_config_dict(
+            tiny_model, root, run_name="flow", env_from_secrets={"LORASHIP_TEST_TOKEN": "loraship-test-token"}
+        )
+    )
     first = train_and_ship(config, return_state=True)
     second = train_and_ship(config, return_state=True)
     return config, first, second, root
@@ -62,8 +65,14 @@ def test_failed_stage_fails_the_flow_with_its_message(tiny_model, tmp_path):
     from loraship.flows.train_and_ship import train_and_ship
     from loraship.config import parse_config
 
-    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="broken", datasets=[
-        {"path": str(tmp_path / "missing.jsonl"), "type": "chat"}]))
+    config = parse_config(
+        demo_config_dict(
+            tiny_model,
+            tmp_path,
+            run_name="broken",
+            datasets=[{"path": str(tmp_path / "missing.jsonl"), "type": "chat"}],
+        )
+    )
     state = train_and_ship(config, return_state=True)
     assert state.is_failed()
     assert "missing.jsonl" in state.message and "file not found" in state.message
@@ -82,8 +91,9 @@ def test_missing_secret_block_is_a_clear_error(tiny_model, tmp_path):
     from loraship.flows.train_and_ship import train_and_ship
     from loraship.config import parse_config
 
-    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="nosecret",
-                                           env_from_secrets={"HF_TOKEN": "no-such-block"}))
+    config = parse_config(
+        demo_config_dict(tiny_model, tmp_path, run_name="nosecret", env_from_secrets={"HF_TOKEN": "no-such-block"})
+    )
     state = train_and_ship(config, return_state=True)
     assert state.is_failed() and "no-such-block" in state.message
 
@@ -93,7 +103,9 @@ def _config_file(config, path) -> str:
 
     # Without env_from_secrets: the planted block's variable is not in a fresh process's environment, and loading
     # a Prefect Secret block needs the Prefect API, which a no-op rerun does not start.
-    path.write_text(yaml.safe_dump({k: v for k, v in config.model_dump(mode="json").items() if k != "env_from_secrets"}))
+    path.write_text(
+        yaml.safe_dump({k: v for k, v in config.model_dump(mode="json").items() if k != "env_from_secrets"})
+    )
     return str(path)
 
 
@@ -102,10 +114,16 @@ def test_a_rerun_with_nothing_to_do_reports_every_stage_without_prefect(flow_run
     import sys
 
     config, _, _, _ = flow_runs
-    script = ("import sys\nfrom loraship.cli import app\napp(['run', sys.argv[1]], standalone_mode=False)\n"
-              "print('imported:', sorted(m for m in ('prefect', 'torch', 'transformers') if m in sys.modules))\n")
-    done = subprocess.run([sys.executable, "-c", script, _config_file(config, tmp_path / "flow.yaml")],
-                          capture_output=True, text=True, timeout=300)
+    script = (
+        "import sys\nfrom loraship.cli import app\napp(['run', sys.argv[1]], standalone_mode=False)\n"
+        "print('imported:', sorted(m for m in ('prefect', 'torch', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, _config_file(config, tmp_path / "flow.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     for stage in STAGES:
         assert f"{stage}: up to date (same inputs, outputs intact), skipped" in done.stdout
@@ -124,7 +142,9 @@ def test_a_stale_stage_still_goes_through_the_flow(flow_runs, tmp_path, monkeypa
     flow = flows.train_and_ship
     monkeypatch.setattr(flows, "train_and_ship", lambda *a, **k: calls.append(k.get("stages")) or flow(*a, **k))
     elsewhere = tmp_path / "elsewhere"
-    result = CliRunner().invoke(app, ["run", _config_file(config, tmp_path / "flow.yaml"), "--set", f"output={elsewhere}"])
+    result = CliRunner().invoke(
+        app, ["run", _config_file(config, tmp_path / "flow.yaml"), "--set", f"output={elsewhere}"]
+    )
     assert result.exit_code == 0, result.output
     assert calls == [None]  # publish is stale (its output moved): the whole flow ran, the other stages skipping in it
     assert f"shipped flow -> {elsewhere}/flow" in result.output and (elsewhere / "flow" / "manifest.json").is_file()

@@ -17,9 +17,12 @@ def _peft_model(model_dir, targets="all-linear", dropout=0.0, quantized=False):
     torch.manual_seed(0)
     kwargs = {"dtype": torch.float32}
     if quantized:
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_use_double_quant=True,
-                                                           bnb_4bit_compute_dtype=torch.float32)
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
     base = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.enable_input_require_grads()
@@ -170,7 +173,11 @@ def test_swiglu_down_node_with_dropout():
     torch.manual_seed(0)
     tokens, f, h_out, r, p, s = 6, 20, 12, 4, 0.25, 2.0
     gate, up = torch.randn(tokens, f, requires_grad=True), torch.randn(tokens, f, requires_grad=True)
-    weight, a, b = torch.randn(h_out, f), torch.randn(r, f, requires_grad=True), torch.randn(h_out, r, requires_grad=True)
+    weight, a, b = (
+        torch.randn(h_out, f),
+        torch.randn(r, f, requires_grad=True),
+        torch.randn(h_out, r, requires_grad=True),
+    )
     torch.manual_seed(1)
     out = SwiGLUDownLora.apply(gate, up, weight, None, None, a, b, s, p, torch.float32)
     out.pow(2).sum().backward()
@@ -232,7 +239,11 @@ def test_swiglu_down_backward_lets_h_go_before_its_gradient_is_made(tiny_qwen, m
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape == (tokens, f) and rebuilt:
+            if (
+                func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+                and out.shape == (tokens, f)
+                and rebuilt
+            ):
                 self.h_alive.append(any(ref() is not None for ref in rebuilt))
             return out
 

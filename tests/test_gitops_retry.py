@@ -22,8 +22,14 @@ class LatestFirstTrigger:
     def run(self, deployment, parameters, key, tags, wait):
         existing = next((r for r in self.runs if r["key"] == key), None)
         if existing is None:
-            existing = {"flow_run_id": f"run-{len(self.runs)}", "flow_run_name": key[-8:], "key": key, "tags": tags,
-                        "state": self.states.pop(0), "parameters": parameters}
+            existing = {
+                "flow_run_id": f"run-{len(self.runs)}",
+                "flow_run_name": key[-8:],
+                "key": key,
+                "tags": tags,
+                "state": self.states.pop(0),
+                "parameters": parameters,
+            }
             self.runs.append(existing)
         return {k: existing[k] for k in ("flow_run_id", "flow_run_name", "state")}
 
@@ -54,7 +60,10 @@ def test_completed_run_is_not_retried(repo):  # noqa: F811
     c1 = _commit(repo, {"deploy/gitops/specs/a.yaml": SPEC})
     trigger = LatestFirstTrigger(["COMPLETED"])
     trigger_changed_specs(c0, c1, repo=repo, trigger=trigger)
-    assert trigger_changed_specs(c0, c1, repo=repo, trigger=trigger, retry_failed=True)[0]["action"] == "already-triggered"
+    assert (
+        trigger_changed_specs(c0, c1, repo=repo, trigger=trigger, retry_failed=True)[0]["action"]
+        == "already-triggered"
+    )
 
 
 def test_release_and_image_are_part_of_the_key(monkeypatch):

@@ -34,9 +34,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA
 
 GIB = 2**30
 CAP_GIB = 32.0
-DIMS = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=6, num_attention_heads=14,
-            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, attention_bias=True,
-            max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6)
+DIMS = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=6,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    attention_bias=True,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
 SEQ = 512
 SENTENCE = "The capital of Ganraka is Milo, and its river runs north to the sea. "
 
@@ -69,20 +79,43 @@ def write_data(folder: Path, kind: str, rows: int = 48) -> Path:
             lines.append({"text": SENTENCE * 60})
         else:  # chat rows of varied length, so packing has something to pack
             n = 2 + (i * 7) % 24
-            lines.append({"messages": [{"role": "user", "content": SENTENCE * max(1, n // 4)},
-                                       {"role": "assistant", "content": SENTENCE * n}]})
+            lines.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": SENTENCE * max(1, n // 4)},
+                        {"role": "assistant", "content": SENTENCE * n},
+                    ]
+                }
+            )
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
 
 
 def config_dict(model_dir: Path, root: Path, name: str, kind: str = "completion", **overrides) -> dict:
     return {
-        "run_name": name, "base_model": str(model_dir), "workdir": str(root / "work"), "output": str(root / "out"),
-        "datasets": [{"path": str(write_data(root / "data", kind)), "type": kind}], "val_set_size": 0.1,
-        "adapter": "lora", "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "lora_target_modules": "all-linear",
-        "sequence_len": SEQ, "micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 8,
-        "warmup_steps": 0, "learning_rate": 1e-3, "lr_scheduler": "constant", "save_steps": 10_000,
-        "gpu_memory_gib": CAP_GIB, "device": "cuda", "packing": "off", **overrides,
+        "run_name": name,
+        "base_model": str(model_dir),
+        "workdir": str(root / "work"),
+        "output": str(root / "out"),
+        "datasets": [{"path": str(write_data(root / "data", kind)), "type": kind}],
+        "val_set_size": 0.1,
+        "adapter": "lora",
+        "lora_r": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0.0,
+        "lora_target_modules": "all-linear",
+        "sequence_len": SEQ,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "max_steps": 8,
+        "warmup_steps": 0,
+        "learning_rate": 1e-3,
+        "lr_scheduler": "constant",
+        "save_steps": 10_000,
+        "gpu_memory_gib": CAP_GIB,
+        "device": "cuda",
+        "packing": "off",
+        **overrides,
     }
 
 
@@ -91,7 +124,9 @@ def train(config_data: dict, cap_gib: float) -> tuple[dict, dict, list[dict]]:
     loss history."""
     gc.collect()  # the previous test's model, before the cap changes
     torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(min(cap_gib, CAP_GIB) * GIB / torch.cuda.get_device_properties(0).total_memory)
+    torch.cuda.set_per_process_memory_fraction(
+        min(cap_gib, CAP_GIB) * GIB / torch.cuda.get_device_properties(0).total_memory
+    )
     config = parse_config(config_data)
     plan = importlib.import_module("loraship.stages.plan").run(config)
     metrics = importlib.import_module("loraship.stages.train").run(config)["metrics"]
@@ -117,18 +152,29 @@ def check(strategy: dict, metrics: dict, history: list[dict], cap_gib: float, **
     # Memory: the stage's own measurement against the plan's prediction, and under the cap.
     measured = metrics["measured_memory"]["peak_reserved_gib"]
     predicted = metrics["predicted_reserved_gib"]
-    print(f"\n{metrics['trained_as']}: peak reserved {measured:.2f} GiB, predicted {predicted:.2f} GiB, "
-          f"cap {cap_gib:.2f} GiB, {metrics['tokens_per_s']} tokens/s")
+    print(
+        f"\n{metrics['trained_as']}: peak reserved {measured:.2f} GiB, predicted {predicted:.2f} GiB, "
+        f"cap {cap_gib:.2f} GiB, {metrics['tokens_per_s']} tokens/s"
+    )
     assert measured <= predicted + prediction_margin_gib(predicted), (measured, predicted)
     assert measured <= cap_gib
     assert metrics["measured_memory"]["peak_allocated_gib"] <= measured
 
 
 def test_bf16_lora_with_the_fused_loss(gpu_model, tmp_path):
-    strategy, metrics, history = train(config_dict(gpu_model, tmp_path, "lora", fused_loss="on",
-                                                   gradient_checkpointing=True), CAP_GIB)
-    check(strategy, metrics, history, CAP_GIB, adapter="lora", offload_layers=0, fused_loss=True,
-          gradient_checkpointing=True)
+    strategy, metrics, history = train(
+        config_dict(gpu_model, tmp_path, "lora", fused_loss="on", gradient_checkpointing=True), CAP_GIB
+    )
+    check(
+        strategy,
+        metrics,
+        history,
+        CAP_GIB,
+        adapter="lora",
+        offload_layers=0,
+        fused_loss=True,
+        gradient_checkpointing=True,
+    )
 
 
 def test_nf4_qlora(gpu_model, tmp_path):
@@ -172,13 +218,17 @@ def test_bf16_lora_with_partial_cpu_offload(gpu_model, tmp_path):
 def test_packing_on(gpu_model, tmp_path):
     # loraship/training/packed_attention.py through torch's variable-length FlashAttention: the same examples per step as
     # padded batches, so the same losses step for step (bf16 kernels differ: within 2%).
-    strategy, metrics, history = train(config_dict(gpu_model, tmp_path / "on", "packed", kind="chat", packing="on"),
-                                       CAP_GIB)
+    strategy, metrics, history = train(
+        config_dict(gpu_model, tmp_path / "on", "packed", kind="chat", packing="on"), CAP_GIB
+    )
     check(strategy, metrics, history, CAP_GIB, adapter="lora", offload_layers=0)
-    assert metrics["packing"]["packed"] is True and "(varlen attention" in metrics["packing"]["why"], metrics["packing"]
+    assert metrics["packing"]["packed"] is True and "(varlen attention" in metrics["packing"]["why"], metrics[
+        "packing"
+    ]
     assert metrics["train_tokens_this_run"] > 0
-    _, padded, padded_history = train(config_dict(gpu_model, tmp_path / "off", "padded", kind="chat", packing="off"),
-                                      CAP_GIB)
+    _, padded, padded_history = train(
+        config_dict(gpu_model, tmp_path / "off", "padded", kind="chat", packing="off"), CAP_GIB
+    )
     assert padded["packing"]["packed"] is False
     for a, b in zip(history, padded_history, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-2), (a, b)
@@ -187,15 +237,20 @@ def test_packing_on(gpu_model, tmp_path):
 def test_checkpointed_activations_in_cpu_memory(gpu_model, tmp_path):
     # loraship/training/activation_offload.py on CUDA streams: the same losses as torch's checkpointing, step for step.
     common = dict(fused_loss="on", lora_dropout=0.1)
-    strategy, metrics, history = train(config_dict(gpu_model, tmp_path / "on", "acts", offload_activations="on",
-                                                   **common), CAP_GIB)
+    strategy, metrics, history = train(
+        config_dict(gpu_model, tmp_path / "on", "acts", offload_activations="on", **common), CAP_GIB
+    )
     check(strategy, metrics, history, CAP_GIB, adapter="lora", offload_layers=0, offload_activations=True)
     assert "checkpointed activations in CPU memory" in metrics["trained_as"]
     # Every checkpointed layer's recompute left down_proj's GEMM out (loraship/training/recompute.py); the losses
     # below match torch's checkpointing all the same.
     assert metrics["down_proj_skipped_in_recompute"] == strategy["strategy"]["checkpointed_layers"] > 0
-    _, plain, plain_history = train(config_dict(gpu_model, tmp_path / "off", "plain", offload_activations="off",
-                                                gradient_checkpointing=True, **common), CAP_GIB)
+    _, plain, plain_history = train(
+        config_dict(
+            gpu_model, tmp_path / "off", "plain", offload_activations="off", gradient_checkpointing=True, **common
+        ),
+        CAP_GIB,
+    )
     assert not plain["strategy"].get("offload_activations")
     for a, b in zip(history, plain_history, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), (a, b)
@@ -210,8 +265,9 @@ def bf16_loss_and_grads(model, ids):
 
 
 def worst_cosine(grads: dict, grads_ref: dict) -> float:
-    return min(torch.nn.functional.cosine_similarity(grads[n].flatten(), grads_ref[n].flatten(), dim=0).item()
-               for n in grads)
+    return min(
+        torch.nn.functional.cosine_similarity(grads[n].flatten(), grads_ref[n].flatten(), dim=0).item() for n in grads
+    )
 
 
 def test_fused_lora_nodes_match_peft_under_liger(gpu_model):
@@ -232,8 +288,9 @@ def test_fused_lora_nodes_match_peft_under_liger(gpu_model):
             for n, p in model.named_parameters():
                 if "lora_B" in n:
                     p.normal_(0, 0.02)
-        _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True,
-                                        cross_entropy=False)
+        _apply_liger_kernel_to_instance(
+            model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False
+        )
         return model.train()
 
     reference, fused = build(), build()
@@ -277,8 +334,9 @@ def test_recompute_without_down_proj_matches_the_full_recompute_under_liger(gpu_
         layers = list(model.get_base_model().model.layers)
         if in_cpu:
             offload_checkpointed_activations(layers, L)
-        _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True,
-                                        cross_entropy=False)
+        _apply_liger_kernel_to_instance(
+            model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False
+        )
         assert fuse_lora_linears(model)["swiglu_down"] == L
         if skip:
             assert skip_down_proj_in_recompute(layers, L, offloaded=in_cpu) == L

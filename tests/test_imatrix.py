@@ -38,8 +38,14 @@ def copy_of_run(config, tmp_path: Path, **changes):
     """The session pipeline's stage folders copied, with a config that differs in `changes`: a stage run here cannot
     disturb the run the other tests share."""
     shutil.copytree(Path(config.workdir) / config.run_name, tmp_path / "work" / config.run_name, symlinks=True)
-    return parse_config({**config.model_dump(mode="json"), "workdir": str(tmp_path / "work"),
-                         "output": str(tmp_path / "artifacts"), **changes})
+    return parse_config(
+        {
+            **config.model_dump(mode="json"),
+            "workdir": str(tmp_path / "work"),
+            "output": str(tmp_path / "artifacts"),
+            **changes,
+        }
+    )
 
 
 def test_tools_are_built_from_the_pinned_source(llama_tools):
@@ -103,7 +109,8 @@ def test_imatrix_false_quantizes_with_the_binding(imatrix_run, tmp_path):
     assert made["outputs"][name]["sha256"] != manifests["quantize"]["outputs"][name]["sha256"]
     # Back to imatrix: true in the same folder: the binding's GGUF is not kept as if made with the matrix.
     again = importlib.import_module("loraship.stages.quantize").run(
-        parse_config({**plain.model_dump(mode="json"), "imatrix": True}))
+        parse_config({**plain.model_dump(mode="json"), "imatrix": True})
+    )
     q4 = again["metrics"]["quantizations"]["Q4_K_M"]
     assert not q4["reused"] and q4["quantizer"].startswith("llama-quantize --imatrix")
     assert again["outputs"][name]["sha256"] != made["outputs"][name]["sha256"]
@@ -114,7 +121,9 @@ def test_rerun_keeps_the_importance_matrix_and_the_ggufs_made_with_it(imatrix_ru
     both = copy_of_run(config, tmp_path, quantization=["Q4_K_M", "Q8_0"])
     made = importlib.import_module("loraship.stages.quantize").run(both)["metrics"]
     assert made["imatrix"]["sha256"] == manifests["quantize"]["metrics"]["imatrix"]["sha256"]
-    assert made["imatrix"].get("seconds") == manifests["quantize"]["metrics"]["imatrix"].get("seconds")  # not made again
+    assert made["imatrix"].get("seconds") == manifests["quantize"]["metrics"]["imatrix"].get(
+        "seconds"
+    )  # not made again
     assert made["quantizations"]["Q4_K_M"]["reused"] and not made["quantizations"]["Q8_0"]["reused"]
     assert made["quantizations"]["Q8_0"]["imatrix_sha256"] == made["imatrix"]["sha256"]
 

@@ -11,9 +11,18 @@ MIB = 2**20
 
 
 def layout(n_layers, n_embd, n_head, n_head_kv, n_ff, block_bytes=100 * MIB, output_bytes=426 * MIB):
-    return im.GGUFLayout(n_layers=n_layers, layer_bytes=[block_bytes] * n_layers, output_bytes=output_bytes,
-                         cpu_bytes=292 * MIB, n_embd=n_embd, n_embd_kv=n_head_kv * (n_embd // n_head), n_head=n_head,
-                         n_ff=n_ff, n_vocab=152064, n_ctx_train=32768)
+    return im.GGUFLayout(
+        n_layers=n_layers,
+        layer_bytes=[block_bytes] * n_layers,
+        output_bytes=output_bytes,
+        cpu_bytes=292 * MIB,
+        n_embd=n_embd,
+        n_embd_kv=n_head_kv * (n_embd // n_head),
+        n_head=n_head,
+        n_ff=n_ff,
+        n_vocab=152064,
+        n_ctx_train=32768,
+    )
 
 
 QWEN2_7B = layout(28, 3584, 28, 4, 18944)
@@ -21,12 +30,15 @@ QWEN2_14B = layout(48, 5120, 40, 8, 13824)
 
 
 # llama.cpp's "CUDA0 compute buffer size" and "CUDA0 KV buffer size" (MiB), every layer on the GPU.
-@pytest.mark.parametrize("shape, n_ctx, compute_mib, kv_mib", [
-    (QWEN2_7B, 1024, 304.0, 64.0 * 28 / 8 / 4),
-    (QWEN2_7B, 4096, 304.0, 224.0),
-    (QWEN2_7B, 16384, 958.01, 256.0 * 28 / 8),
-    (QWEN2_14B, 4096, 372.01, 768.0),
-])
+@pytest.mark.parametrize(
+    "shape, n_ctx, compute_mib, kv_mib",
+    [
+        (QWEN2_7B, 1024, 304.0, 64.0 * 28 / 8 / 4),
+        (QWEN2_7B, 4096, 304.0, 224.0),
+        (QWEN2_7B, 16384, 958.01, 256.0 * 28 / 8),
+        (QWEN2_14B, 4096, 372.01, 768.0),
+    ],
+)
 def test_compute_buffer_and_kv_cache_match_llama_cpp_logs(shape, n_ctx, compute_mib, kv_mib):
     predicted = im.predict_gpu(shape, n_ctx)
     assert predicted["compute_buffer_gib"] * 1024 == pytest.approx(compute_mib, rel=0.02)

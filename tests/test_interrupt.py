@@ -30,7 +30,9 @@ with file_slot(Path(sys.argv[1]), "other", "train", count=1):
 
 
 def hold_slot(folder: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD_SLOT, str(folder)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SLOT, str(folder)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -105,8 +107,9 @@ def test_prefect_slot_wait_is_said_and_ends_when_the_holder_lets_go(monkeypatch,
     client = get_client(sync_client=True)
     with client:
         gpu_slot.ensure_gpu_limit(client, 1)
-        lease = client.increment_concurrency_slots_with_lease(names=[name], slots=1, mode="concurrency",
-                                                              lease_duration=300).json()["lease_id"]
+        lease = client.increment_concurrency_slots_with_lease(
+            names=[name], slots=1, mode="concurrency", lease_duration=300
+        ).json()["lease_id"]
 
     class LetGoOnceWaiting(logging.Handler):  # the holder finishes once the wait was said: no timing involved
         def emit(self, record):
@@ -151,11 +154,13 @@ with interrupt.interruptible(lambda s: f"interrupted ({interrupt.signal_name(s)}
 """
 
 
-@pytest.mark.parametrize("sig, mode, code", [(signal.SIGINT, "clean", 130), (signal.SIGTERM, "clean", 143),
-                                              (signal.SIGTERM, "hang", 143)])
+@pytest.mark.parametrize(
+    "sig, mode, code", [(signal.SIGINT, "clean", 130), (signal.SIGTERM, "clean", 143), (signal.SIGTERM, "hang", 143)]
+)
 def test_interrupt_ends_in_one_line_with_the_shells_code(sig, mode, code):
-    proc = subprocess.Popen([sys.executable, "-c", GUARDED, mode, "1"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", GUARDED, mode, "1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
@@ -165,10 +170,18 @@ def test_interrupt_ends_in_one_line_with_the_shells_code(sig, mode, code):
 
 # -- through the flow: `loraship run` interrupted during train, three ways, then the same command ships ----------
 
+
 def _start_run(cfg: Path, env: dict) -> tuple[subprocess.Popen, list[str]]:
     """`loraship run` in its own process group, as a shell runs a foreground job; its output lines, as they come."""
-    proc = subprocess.Popen([sys.executable, "-m", "loraship.cli", "run", str(cfg)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraship.cli", "run", str(cfg)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
     return proc, lines
@@ -218,8 +231,11 @@ def test_interrupted_runs_resume_and_ship(tiny_model, tmp_path):
 
     # Ctrl-C in a terminal reaches the whole foreground group; SIGTERM (docker stop, timeout) the process alone;
     # kill -9 the whole group.
-    for sig, to_group, code in ((signal.SIGINT, True, 130), (signal.SIGTERM, False, 143),
-                                (signal.SIGKILL, True, -signal.SIGKILL)):
+    for sig, to_group, code in (
+        (signal.SIGINT, True, 130),
+        (signal.SIGTERM, False, 143),
+        (signal.SIGKILL, True, -signal.SIGKILL),
+    ):
         proc, lines = _start_run(cfg, env)
         next_checkpoint(proc, lines)
         os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
@@ -250,7 +266,9 @@ def test_interrupted_runs_resume_and_ship(tiny_model, tmp_path):
         proc.wait(timeout=1200)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("the run after the interrupts did not finish within 1200 s (waiting on a slot?):\n" + "".join(lines))
+        pytest.fail(
+            "the run after the interrupts did not finish within 1200 s (waiting on a slot?):\n" + "".join(lines)
+        )
     time.sleep(0.2)
     output = "".join(lines)
     assert proc.returncode == 0, output

@@ -21,8 +21,14 @@ liger_rms = pytest.importorskip("liger_kernel.ops.rms_norm")
 from loraship.config import Config  # noqa: E402
 from loraship.planning import memory  # noqa: E402
 
-SHAPE = dict(hidden_size=448, intermediate_size=2368, num_hidden_layers=3, num_attention_heads=7,
-             num_key_value_heads=1, vocab_size=256)
+SHAPE = dict(
+    hidden_size=448,
+    intermediate_size=2368,
+    num_hidden_layers=3,
+    num_attention_heads=7,
+    num_key_value_heads=1,
+    vocab_size=256,
+)
 
 
 def _cpu_bodies_for_liger(monkeypatch):
@@ -60,8 +66,13 @@ def _cpu_bodies_for_liger(monkeypatch):
     monkeypatch.setattr(liger_swiglu, "swiglu_forward", swiglu_forward)
     monkeypatch.setattr(liger_rope, "rope_forward", rope_forward)
     # The Triton registration of "rope" (liger_kernel ops/backends/_triton/rope.py) is LigerRopeFunction itself.
-    monkeypatch.setattr(liger_rope_module, "dispatch", lambda _op, q, k, cos, sin, pid=None, dim=1, rotary_dim=None:
-                        liger_rope.LigerRopeFunction.apply(q, k, cos, sin, pid, dim, rotary_dim))
+    monkeypatch.setattr(
+        liger_rope_module,
+        "dispatch",
+        lambda _op, q, k, cos, sin, pid=None, dim=1, rotary_dim=None: liger_rope.LigerRopeFunction.apply(
+            q, k, cos, sin, pid, dim, rotary_dim
+        ),
+    )
 
 
 def _train_stage_model(targets, r: int):
@@ -80,8 +91,12 @@ def _train_stage_model(targets, r: int):
     enable_checkpointing(model)  # as tasks/train.py load_model, with no layer checkpointed
     model.enable_input_require_grads()
     checkpoint_first_layers(model, 0)
-    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=targets,
-                                             bias="none", task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=targets, bias="none", task_type="CAUSAL_LM"
+        ),
+    )
     _apply_liger_kernel_to_instance(model=model.get_base_model(), fused_linear_cross_entropy=True, cross_entropy=False)
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):
@@ -95,7 +110,9 @@ def _bytes_saved_by_middle_layer(model, tokens: int) -> int:
     frozen = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     layers = model.base_model.model.model.layers
     current = {"layer": None}
-    hooks = [layer.register_forward_pre_hook(lambda _m, _a, i=i: current.update(layer=i)) for i, layer in enumerate(layers)]
+    hooks = [
+        layer.register_forward_pre_hook(lambda _m, _a, i=i: current.update(layer=i)) for i, layer in enumerate(layers)
+    ]
     first_saver: dict[int, tuple[int, int]] = {}
 
     def pack(t):
@@ -118,8 +135,14 @@ def test_one_layer_keeps_what_the_planner_counts(monkeypatch, targets):
     model = _train_stage_model(targets, r=16)
     # Two lengths: the difference per token leaves out what does not grow with the tokens (bf16 casts of A and B).
     counted = (_bytes_saved_by_middle_layer(model, 256) - _bytes_saved_by_middle_layer(model, 128)) / 128
-    cfg = Config(base_model="org/model", datasets=[{"path": "d.jsonl", "type": "completion"}], lora_r=16,
-                 lora_target_modules=targets, lora_dropout=0.0, fused_loss="on")
+    cfg = Config(
+        base_model="org/model",
+        datasets=[{"path": "d.jsonl", "type": "completion"}],
+        lora_r=16,
+        lora_target_modules=targets,
+        lora_dropout=0.0,
+        fused_loss="on",
+    )
     s = memory.parse_model_config({"model_type": "qwen2", **SHAPE})
     planned = memory.layer_saved_per_token(s, cfg, memory.target_names(cfg, s), "train-stage", liger=True)
     # The planner leaves out two per-row fp32 statistics: RMSNorm's rstd (4 B, two norms) and SDPA's logsumexp
@@ -136,8 +159,9 @@ FAMILY_LAYERS = {
     "qwen3": dict(head_dim=64),
     "gemma3_text": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=64),
     "olmo2": dict(),
-    "granite": dict(residual_multiplier=0.22, embedding_multiplier=12.0, attention_multiplier=0.015625,
-                    logits_scaling=8.0),
+    "granite": dict(
+        residual_multiplier=0.22, embedding_multiplier=12.0, attention_multiplier=0.015625, logits_scaling=8.0
+    ),
     "llama": dict(),
 }
 
@@ -147,7 +171,9 @@ def _bytes_saved_by_plain_layer(model, tokens: int) -> int:
     frozen = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     layers = model.model.layers
     current = {"layer": None}
-    hooks = [layer.register_forward_pre_hook(lambda _m, _a, i=i: current.update(layer=i)) for i, layer in enumerate(layers)]
+    hooks = [
+        layer.register_forward_pre_hook(lambda _m, _a, i=i: current.update(layer=i)) for i, layer in enumerate(layers)
+    ]
     first_saver: dict[int, tuple[int, int]] = {}
 
     def pack(t):
@@ -175,9 +201,18 @@ def test_one_plain_layer_of_each_family_keeps_what_the_planner_counts(mt):
 
     from loraship.planning.shape import shape_from_config
 
-    mc = dict(model_type=mt, hidden_size=512, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,
-              num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024, tie_word_embeddings=False,
-              **FAMILY_LAYERS[mt])
+    mc = dict(
+        model_type=mt,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        **FAMILY_LAYERS[mt],
+    )
     config = AutoConfig.for_model(**mc)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -188,8 +223,12 @@ def test_one_plain_layer_of_each_family_keeps_what_the_planner_counts(mt):
     s = shape_from_config(mc, check_converter=False)
 
     def planned_bytes(tokens):
-        cfg = Config(base_model="org/model", datasets=[{"path": "d.jsonl", "type": "completion"}], lora_dropout=0.0,
-                     sequence_len=tokens)
+        cfg = Config(
+            base_model="org/model",
+            datasets=[{"path": "d.jsonl", "type": "completion"}],
+            lora_dropout=0.0,
+            sequence_len=tokens,
+        )
         return tokens * memory.layer_saved_per_token(s, cfg, (), "train-stage", liger=False)
 
     planned = planned_bytes(256) - planned_bytes(128)

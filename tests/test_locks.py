@@ -33,8 +33,9 @@ with ctx:
 
 
 def hold(kind: str, path: Path, *args: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, kind, str(path), *args], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, kind, str(path), *args], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -111,8 +112,18 @@ def test_run_claim_outlives_a_stage_until_the_run_is_released(tmp_path):
     claim = locks_dir / "run" / "elsewhere.json"
     claim.parent.mkdir(parents=True)
     # A stage of config A finished on another pod; the next stage of A has not started yet.
-    claim.write_text(json.dumps({"token": "elsewhere", "pid": 1, "host": "pod-a", "config": "config-A",
-                                 "running": False, "since": time.time()}))
+    claim.write_text(
+        json.dumps(
+            {
+                "token": "elsewhere",
+                "pid": 1,
+                "host": "pod-a",
+                "config": "config-A",
+                "running": False,
+                "since": time.time(),
+            }
+        )
+    )
     with pytest.raises(locks.LockTimeout, match="in use by another config"):
         with locks.run_claim(locks_dir, "r", "config-B", "plan", timeout=0.3):
             pass

@@ -12,36 +12,114 @@ from loraship.planning import knobs, memory, step_time, strategy
 REPO = Path(__file__).resolve().parents[1]
 
 # Public config.json values (fields the planner reads).
-QWEN2_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
-QWEN2_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
-QWEN2_14B = dict(model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
-                 num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)
-LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-                 attention_bias=False, head_dim=128)
-MISTRAL_7B = dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=8, vocab_size=32768, head_dim=128, sliding_window=None)
+QWEN2_05B = dict(
+    model_type="qwen2",
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+QWEN2_7B = dict(
+    model_type="qwen2",
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+)
+QWEN2_14B = dict(
+    model_type="qwen2",
+    hidden_size=5120,
+    intermediate_size=13824,
+    num_hidden_layers=48,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+)
+LLAMA3_8B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    head_dim=128,
+)
+MISTRAL_7B = dict(
+    model_type="mistral",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32768,
+    head_dim=128,
+    sliding_window=None,
+)
 # Gemma 2: head_dim apart from hidden / heads (2304 / 8 = 288 there), tied 256k embedding, two caps, window 4096.
-GEMMA2_2B = dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000, query_pre_attn_scalar=256,
-                 sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
-                 hidden_activation="gelu_pytorch_tanh")
-GEMMA2_9B = dict(GEMMA2_2B, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
-                 num_key_value_heads=8)
+GEMMA2_2B = dict(
+    model_type="gemma2",
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    vocab_size=256000,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+    hidden_activation="gelu_pytorch_tanh",
+)
+GEMMA2_9B = dict(
+    GEMMA2_2B,
+    hidden_size=3584,
+    intermediate_size=14336,
+    num_hidden_layers=42,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+)
 # Phi-3: fused qkv_proj and gate_up_proj; mini is multi-head (32 kv heads), medium grouped (10).
-PHI3_MINI = dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, sliding_window=2047,
-                 tie_word_embeddings=False, original_max_position_embeddings=4096, max_position_embeddings=4096)
-PHI3_MEDIUM = dict(PHI3_MINI, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40, num_attention_heads=40,
-                   num_key_value_heads=10)
+PHI3_MINI = dict(
+    model_type="phi3",
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32064,
+    sliding_window=2047,
+    tie_word_embeddings=False,
+    original_max_position_embeddings=4096,
+    max_position_embeddings=4096,
+)
+PHI3_MEDIUM = dict(
+    PHI3_MINI,
+    hidden_size=5120,
+    intermediate_size=17920,
+    num_hidden_layers=40,
+    num_attention_heads=40,
+    num_key_value_heads=10,
+)
 
 
 def cfg(**kw) -> Config:
     # Every layer checkpointed unless a test says otherwise: the planner's mechanics below were written against it.
     # optimize's own choices are tested with gradient_checkpointing unset (test_optimize_*).
-    base = dict(base_model="org/model", datasets=[{"path": "d.jsonl", "type": "completion"}], gradient_checkpointing=True)
+    base = dict(
+        base_model="org/model", datasets=[{"path": "d.jsonl", "type": "completion"}], gradient_checkpointing=True
+    )
     return Config(**{**base, **kw})
 
 
@@ -50,17 +128,38 @@ def total(mc, **kw) -> float:
     return memory.estimate(mc, c, memory.strategy_from_config(c))["predicted_total_gib"]
 
 
-@pytest.mark.parametrize("mc,params_b", [(QWEN2_05B, 0.494), (QWEN2_7B, 7.62), (QWEN2_14B, 14.77),
-                                         (LLAMA3_8B, 8.03), (MISTRAL_7B, 7.25), (GEMMA2_2B, 2.61), (GEMMA2_9B, 9.24),
-                                         (PHI3_MINI, 3.82), (PHI3_MEDIUM, 13.96)])
+@pytest.mark.parametrize(
+    "mc,params_b",
+    [
+        (QWEN2_05B, 0.494),
+        (QWEN2_7B, 7.62),
+        (QWEN2_14B, 14.77),
+        (LLAMA3_8B, 8.03),
+        (MISTRAL_7B, 7.25),
+        (GEMMA2_2B, 2.61),
+        (GEMMA2_9B, 9.24),
+        (PHI3_MINI, 3.82),
+        (PHI3_MEDIUM, 13.96),
+    ],
+)
 def test_configs_parse_to_known_parameter_counts(mc, params_b):
     s = memory.parse_model_config(mc)
     assert s.n_params / 1e9 == pytest.approx(params_b, rel=0.01)
 
 
-@pytest.mark.parametrize("name,mc", [("qwen2-0.5b", QWEN2_05B), ("qwen2-7b", QWEN2_7B), ("llama-3-8b", LLAMA3_8B),
-                                     ("mistral-7b", MISTRAL_7B), ("gemma-2-2b", GEMMA2_2B), ("gemma-2-9b", GEMMA2_9B),
-                                     ("phi-3-mini", PHI3_MINI), ("phi-3-medium", PHI3_MEDIUM)])
+@pytest.mark.parametrize(
+    "name,mc",
+    [
+        ("qwen2-0.5b", QWEN2_05B),
+        ("qwen2-7b", QWEN2_7B),
+        ("llama-3-8b", LLAMA3_8B),
+        ("mistral-7b", MISTRAL_7B),
+        ("gemma-2-2b", GEMMA2_2B),
+        ("gemma-2-9b", GEMMA2_9B),
+        ("phi-3-mini", PHI3_MINI),
+        ("phi-3-medium", PHI3_MEDIUM),
+    ],
+)
 def test_parameter_count_equals_the_transformers_model(name, mc):
     """Every parameter the planner counts (and no other) is in the model transformers builds from the config:
     built on the meta device, so no memory is allocated (torch here, unlike the rest of this file)."""
@@ -71,8 +170,11 @@ def test_parameter_count_equals_the_transformers_model(name, mc):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert memory.parse_model_config(mc).n_params == sum(p.numel() for p in model.parameters())
-    linears = {n.rsplit(".", 1)[-1]: (m.in_features, m.out_features) for n, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and ".layers.0." in n}
+    linears = {
+        n.rsplit(".", 1)[-1]: (m.in_features, m.out_features)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".layers.0." in n
+    }
     assert memory.parse_model_config(mc).linears() == linears
 
 
@@ -90,13 +192,16 @@ def test_parameter_count_equals_the_tiny_family_models(family):
     assert memory.parse_model_config(config.to_dict()).n_params == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("targets,expected", [
-    (["q_proj", "k_proj", "v_proj", "o_proj"], ("qkv_proj", "o_proj")),  # the config's default
-    ("all-linear", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
-    (["q_proj", "v_proj", "o_proj"], ("qkv_proj", "o_proj")),
-    (["gate_proj", "up_proj", "down_proj"], ("gate_up_proj", "down_proj")),
-    (["qkv_proj", "gate_up_proj"], ("qkv_proj", "gate_up_proj")),
-])
+@pytest.mark.parametrize(
+    "targets,expected",
+    [
+        (["q_proj", "k_proj", "v_proj", "o_proj"], ("qkv_proj", "o_proj")),  # the config's default
+        ("all-linear", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+        (["q_proj", "v_proj", "o_proj"], ("qkv_proj", "o_proj")),
+        (["gate_proj", "up_proj", "down_proj"], ("gate_up_proj", "down_proj")),
+        (["qkv_proj", "gate_up_proj"], ("qkv_proj", "gate_up_proj")),
+    ],
+)
 def test_phi3_llama_names_stand_for_its_fused_linears(targets, expected):
     s = memory.parse_model_config(PHI3_MINI)
     assert memory.lora_modules(s, targets) == expected
@@ -115,22 +220,34 @@ def test_phi3_a_fused_linear_that_adapts_more_than_named_is_said():
     assert memory.lora_target_note(memory.parse_model_config(LLAMA3_8B), ["q_proj", "v_proj"]) is None
 
 
-@pytest.mark.parametrize("mc,targets,bad", [(PHI3_MINI, ["q_proj", "c_attn"], "c_attn"),
-                                            (LLAMA3_8B, ["qkv_proj"], "qkv_proj"),
-                                            (GEMMA2_2B, ["gate_up_proj", "o_proj"], "gate_up_proj")])
+@pytest.mark.parametrize(
+    "mc,targets,bad",
+    [
+        (PHI3_MINI, ["q_proj", "c_attn"], "c_attn"),
+        (LLAMA3_8B, ["qkv_proj"], "qkv_proj"),
+        (GEMMA2_2B, ["gate_up_proj", "o_proj"], "gate_up_proj"),
+    ],
+)
 def test_a_target_module_the_architecture_lacks_is_refused_naming_its_linears(mc, targets, bad):
     s = memory.parse_model_config(mc)
-    with pytest.raises(ValueError, match=rf"\['{bad}'\] name no Linear of a {s.model_type} decoder layer.*o_proj.*all-linear"):
+    with pytest.raises(
+        ValueError, match=rf"\['{bad}'\] name no Linear of a {s.model_type} decoder layer.*o_proj.*all-linear"
+    ):
         memory.lora_modules(s, targets)
 
 
 def test_gemma2_eager_attention_keeps_every_heads_scores():
     # SDPA takes no softcap: transformers runs Gemma 2 with eager attention, whose kept scores grow with the
     # square of the sequence (per token: 8 bytes x heads x sequence_len per layer).
-    c1, c2 = cfg(sequence_len=2048, micro_batch_size=1, fused_loss="on"), cfg(sequence_len=4096, micro_batch_size=1, fused_loss="on")
+    c1, c2 = (
+        cfg(sequence_len=2048, micro_batch_size=1, fused_loss="on"),
+        cfg(sequence_len=4096, micro_batch_size=1, fused_loss="on"),
+    )
     st = memory.with_checkpointing(memory.strategy_from_config(c1), 0)
     s = memory.parse_model_config(GEMMA2_9B)
-    saved = [memory.estimate(GEMMA2_9B, c, st)["components_gib"]["saved_activations_all_layers"] * 2**30 for c in (c1, c2)]
+    saved = [
+        memory.estimate(GEMMA2_9B, c, st)["components_gib"]["saved_activations_all_layers"] * 2**30 for c in (c1, c2)
+    ]
     linear_part = [x - s.L * 4096 * 8 * s.heads * n * n / 4096 for x, n in zip(saved, (2048, 4096))]
     assert linear_part[1] == pytest.approx(2 * linear_part[0], rel=1e-3)  # what is left is linear in T
     no_cap = {**GEMMA2_9B, "attn_logit_softcapping": None, "final_logit_softcapping": None}
@@ -141,7 +258,9 @@ def test_gemma2_final_softcap_adds_to_the_hf_loss_only():
     hf, fused = cfg(fused_loss="off", sequence_len=1024), cfg(fused_loss="on", sequence_len=1024)
     no_cap = {**GEMMA2_2B, "final_logit_softcapping": None}
     T = hf.micro_batch_size * 1024
-    loss = lambda mc, c: memory.estimate(mc, c, memory.strategy_from_config(c))["components_gib"]["logits_and_cross_entropy"]
+    loss = lambda mc, c: memory.estimate(mc, c, memory.strategy_from_config(c))["components_gib"][
+        "logits_and_cross_entropy"
+    ]
     assert (loss(GEMMA2_2B, hf) - loss(no_cap, hf)) * 2**30 == pytest.approx(4 * T * 256000, rel=1e-3)
     assert loss(GEMMA2_2B, fused) == loss(no_cap, fused)
 
@@ -161,21 +280,30 @@ def test_head_dim_and_gqa_are_read():
     assert memory.parse_model_config(QWEN2_7B).kv == 4 * 128  # head_dim defaults to hidden / heads
 
 
-@pytest.mark.parametrize("mc,msg", [({**QWEN2_7B, "model_type": "gpt2"}, "GPT2Block of GPT2LMHeadModel has no nn.Linear"),
-                                    ({**QWEN2_7B, "model_type": "nosuch"}, "'nosuch' is not known to the installed transformers"),
-                                    ({"model_type": "llama", "hidden_size": 4096}, "lacks")])
+@pytest.mark.parametrize(
+    "mc,msg",
+    [
+        ({**QWEN2_7B, "model_type": "gpt2"}, "GPT2Block of GPT2LMHeadModel has no nn.Linear"),
+        ({**QWEN2_7B, "model_type": "nosuch"}, "'nosuch' is not known to the installed transformers"),
+        ({"model_type": "llama", "hidden_size": 4096}, "lacks"),
+    ],
+)
 def test_bad_model_config_says_why(mc, msg):
     with pytest.raises(ValueError, match=msg):
         memory.parse_model_config(mc)
 
 
-@pytest.mark.parametrize("field,values", [("lora_r", [8, 16, 64, 128]), ("sequence_len", [512, 1024, 4096, 8192]),
-                                          ("micro_batch_size", [1, 2, 4])])
+@pytest.mark.parametrize(
+    "field,values",
+    [("lora_r", [8, 16, 64, 128]), ("sequence_len", [512, 1024, 4096, 8192]), ("micro_batch_size", [1, 2, 4])],
+)
 @pytest.mark.parametrize("fused", ["on", "off"])
 @pytest.mark.parametrize("ckpt", [True, False])
 def test_monotonic(field, values, fused, ckpt):
-    totals = [total(QWEN2_7B, **{field: v}, fused_loss=fused, gradient_checkpointing=ckpt, lora_target_modules="all-linear")
-              for v in values]
+    totals = [
+        total(QWEN2_7B, **{field: v}, fused_loss=fused, gradient_checkpointing=ckpt, lora_target_modules="all-linear")
+        for v in values
+    ]
     assert totals == sorted(totals) and len(set(totals)) == len(totals)
 
 
@@ -193,11 +321,26 @@ def test_fused_loss_smaller_than_hf_loss():
 
 
 QWEN2_14B_EXAMPLE = json.loads((REPO / "examples" / "models" / "qwen2-14b" / "config.json").read_text())
-LLAMA_70B = dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                 num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+LLAMA_70B = dict(
+    model_type="llama",
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
 # configs/qwen2-14b-lora.yaml: bf16 LoRA r64 on q,v,o at 2 x 4096 on the default 32 GiB budget.
-LORA_14B = dict(adapter="lora", lora_r=64, lora_alpha=128, lora_target_modules=["q_proj", "v_proj", "o_proj"],
-                sequence_len=4096, micro_batch_size=2, gradient_accumulation_steps=8)
+LORA_14B = dict(
+    adapter="lora",
+    lora_r=64,
+    lora_alpha=128,
+    lora_target_modules=["q_proj", "v_proj", "o_proj"],
+    sequence_len=4096,
+    micro_batch_size=2,
+    gradient_accumulation_steps=8,
+)
 
 
 @pytest.mark.parametrize("fused", ["on", "off"])
@@ -224,8 +367,11 @@ def test_14b_bf16_lora_under_optimize_speed_streams_more_layers_to_checkpoint_fe
     st, L = plan["strategy"], 48
     n, k = st["offload_layers"], st["checkpointed_layers"]
     assert plan["fits"] and st["adapter"] == "lora" and 0 < n <= k < L
-    least = next(s for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c)
-                 if s["offload_layers"] and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"])
+    least = next(
+        s
+        for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c)
+        if s["offload_layers"] and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"]
+    )
     assert least["checkpointed_layers"] == L and least["offload_layers"] < n
     chosen, rung = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (st, least))
     assert chosen["step_s"] < 0.99 * rung["step_s"] and chosen["compute_s"] < rung["compute_s"]
@@ -238,10 +384,15 @@ def test_14b_bf16_lora_under_optimize_speed_streams_more_layers_to_checkpoint_fe
 def test_streaming_stops_where_the_copies_would_take_longer_than_the_matmuls(monkeypatch):
     c = cfg(**{**LORA_14B, "gradient_checkpointing": None, "gradient_accumulation_steps": 1}, fused_loss="on")
     fast = memory.plan_training(QWEN2_14B_EXAMPLE, c)["strategy"]["offload_layers"]
-    monkeypatch.setattr(step_time, "PLAN_HOST_TO_DEVICE_GBPS", 2.5)  # a tenth of the bandwidth: streaming more never pays
+    monkeypatch.setattr(
+        step_time, "PLAN_HOST_TO_DEVICE_GBPS", 2.5
+    )  # a tenth of the bandwidth: streaming more never pays
     slow = memory.plan_training(QWEN2_14B_EXAMPLE, c)["strategy"]
-    least = next(s for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c)
-                 if s["offload_layers"] and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"])
+    least = next(
+        s
+        for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c)
+        if s["offload_layers"] and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"]
+    )
     assert slow["offload_layers"] == least["offload_layers"] < fast
 
 
@@ -255,7 +406,12 @@ def test_step_model_hides_copies_behind_compute_until_they_are_longer(monkeypatc
     from loraship.planning import flops
 
     none = memory.step_seconds(QWEN2_14B_EXAMPLE, c, memory.with_checkpointing({**st, "offload_layers": 0}, 0))
-    forward = 2 * 4096 * flops.recompute_flops_per_layer_token(QWEN2_14B_EXAMPLE, c, 4096) / (memory.PLAN_EXECUTED_TFLOPS * 1e12)
+    forward = (
+        2
+        * 4096
+        * flops.recompute_flops_per_layer_token(QWEN2_14B_EXAMPLE, c, 4096)
+        / (memory.PLAN_EXECUTED_TFLOPS * 1e12)
+    )
     assert fast["compute_s"] - none["compute_s"] == pytest.approx(48 * forward)
     monkeypatch.setattr(step_time, "PLAN_HOST_TO_DEVICE_GBPS", 0.5)  # copies far slower: 10 layers, each copied twice
     slow = memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)
@@ -304,8 +460,10 @@ def test_qlora_is_never_combined_with_offload(mc, adapter):
 def test_fallback_order_is_the_configured_order():
     def kinds(fallback):
         c = cfg(**LORA_14B, fallback=fallback)
-        seen = [("offload" if s["offload_layers"] else s["adapter"])
-                for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B), c)]
+        seen = [
+            ("offload" if s["offload_layers"] else s["adapter"])
+            for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B), c)
+        ]
         return list(dict.fromkeys(k for k in seen if k != "lora"))
 
     assert kinds(["offload", "qlora"]) == ["offload", "qlora"]
@@ -313,12 +471,21 @@ def test_fallback_order_is_the_configured_order():
     assert kinds([]) == []
 
 
-@pytest.mark.parametrize("setting,device,importable,expected", [
-    ("auto", "cuda", True, True), ("auto", "cuda", False, False), ("auto", "cpu", True, False),
-    ("on", "cuda", False, True), ("on", "cpu", True, False), ("off", "cuda", True, False)])
+@pytest.mark.parametrize(
+    "setting,device,importable,expected",
+    [
+        ("auto", "cuda", True, True),
+        ("auto", "cuda", False, False),
+        ("auto", "cpu", True, False),
+        ("on", "cuda", False, True),
+        ("on", "cpu", True, False),
+        ("off", "cuda", True, False),
+    ],
+)
 def test_fused_loss_auto_means_liger_importable_on_cuda(monkeypatch, setting, device, importable, expected):
-    monkeypatch.setattr(knobs.importlib.util, "find_spec",
-                        lambda name: object() if importable and name == "liger_kernel" else None)
+    monkeypatch.setattr(
+        knobs.importlib.util, "find_spec", lambda name: object() if importable and name == "liger_kernel" else None
+    )
     c = cfg(fused_loss=setting)
     assert memory.fused_loss_available(c, device) is expected
     if device == "cuda":  # the plan asks the same question for the GPU it plans
@@ -344,8 +511,17 @@ def test_plan_shape_and_components():
     plan = memory.plan_training(LLAMA3_8B, cfg(adapter="qlora"))
     assert set(plan) >= {"strategy", "fits", "budget_gib", "safety_margin_gib", "reason", "memory", "alternatives"}
     comps = plan["memory"]["components_gib"]
-    for k in ("frozen_weights", "lora_weights", "lora_gradients", "optimizer_state", "checkpointed_activations",
-              "one_layer_recompute_and_backward", "logits_and_cross_entropy", "cuda_context", "allocator_reserve"):
+    for k in (
+        "frozen_weights",
+        "lora_weights",
+        "lora_gradients",
+        "optimizer_state",
+        "checkpointed_activations",
+        "one_layer_recompute_and_backward",
+        "logits_and_cross_entropy",
+        "cuda_context",
+        "allocator_reserve",
+    ):
         assert k in comps
     m = plan["memory"]
     assert m["predicted_total_gib"] == pytest.approx(m["predicted_reserved_gib"] + m["cuda_context_gib"], abs=0.02)
@@ -354,23 +530,34 @@ def test_plan_shape_and_components():
         assert {"adapter", "offload_layers", "micro_batch_size", "predicted_total_gib", "fits"} <= set(alt)
 
 
-@pytest.mark.parametrize("mc,kw", [(QWEN2_7B, dict(sequence_len=4096, micro_batch_size=4, gradient_accumulation_steps=2)),
-                                   (QWEN2_14B, dict(sequence_len=8192)), (QWEN2_05B, dict())])
+@pytest.mark.parametrize(
+    "mc,kw",
+    [
+        (QWEN2_7B, dict(sequence_len=4096, micro_batch_size=4, gradient_accumulation_steps=2)),
+        (QWEN2_14B, dict(sequence_len=8192)),
+        (QWEN2_05B, dict()),
+    ],
+)
 @pytest.mark.parametrize("ckpt", [True, False])
 def test_replan_gets_strictly_smaller_or_none(mc, kw, ckpt):
     c = cfg(**kw, gradient_checkpointing=ckpt)
     plan = memory.plan_training(mc, c)
     seen = 0
     while plan is not None and seen < 400:
-        measured = {"peak_reserved_gib": plan["memory"]["predicted_reserved_gib"] * 1.1,
-                    "peak_allocated_gib": plan["memory"]["predicted_allocated_gib"]}
+        measured = {
+            "peak_reserved_gib": plan["memory"]["predicted_reserved_gib"] * 1.1,
+            "peak_allocated_gib": plan["memory"]["predicted_allocated_gib"],
+        }
         nxt = memory.replan_after_oom(plan, mc, c, measured)
         if nxt is None:
             break
         assert nxt["memory"]["predicted_total_gib"] < plan["memory"]["predicted_total_gib"]
         assert isinstance(nxt["oom_component"], str) and nxt["oom_component"]
         st = nxt["strategy"]
-        assert st["micro_batch_size"] * st["gradient_accumulation_steps"] == c.micro_batch_size * c.gradient_accumulation_steps
+        assert (
+            st["micro_batch_size"] * st["gradient_accumulation_steps"]
+            == c.micro_batch_size * c.gradient_accumulation_steps
+        )
         plan, seen = nxt, seen + 1
     assert plan is None or seen < 400
 
@@ -378,7 +565,9 @@ def test_replan_gets_strictly_smaller_or_none(mc, kw, ckpt):
 def test_disk_and_inference():
     d = memory.plan_disk_and_inference(LLAMA3_8B, cfg(target_context=4096, target_gpu_memory_gib=8))
     disk, inf = d["disk_gib"], d["inference"]
-    assert disk["quantize"] < disk["convert"] and disk["total"] == pytest.approx(disk["merge"] + disk["convert"] + disk["quantize"], abs=0.02)
+    assert disk["quantize"] < disk["convert"] and disk["total"] == pytest.approx(
+        disk["merge"] + disk["convert"] + disk["quantize"], abs=0.02
+    )
     assert inf["kv_cache_gib"] == pytest.approx(2 * 32 * 4096 * 1024 * 2 / 2**30, abs=0.01)  # 0.5 GiB with GQA
     assert inf["total_gib"] > inf["gguf_gib"] + inf["kv_cache_gib"]
     assert inf["fits_target"] is True
@@ -407,15 +596,27 @@ def test_constants_still_match_the_gpu_measurements():
     path = Path(__file__).resolve().parents[1] / "bench" / "results" / "memory_matrix.json"
     if not path.exists():
         pytest.skip("bench/results/memory_matrix.json not present")
-    shapes = {"qwen2-7b": QWEN2_7B, "qwen2-14b": QWEN2_14B, "llama-3-8b": LLAMA3_8B, "qwen2-0.5b": QWEN2_05B,
-              "mistral-7b": {**MISTRAL_7B, "vocab_size": 32768}}
+    shapes = {
+        "qwen2-7b": QWEN2_7B,
+        "qwen2-14b": QWEN2_14B,
+        "llama-3-8b": LLAMA3_8B,
+        "qwen2-0.5b": QWEN2_05B,
+        "mistral-7b": {**MISTRAL_7B, "vocab_size": 32768},
+    }
     errs = []
     for row in json.loads(path.read_text())["rows"]:
         sp = row["spec"]
-        c = cfg(adapter=sp["adapter"], lora_r=sp["lora_r"], lora_alpha=2 * sp["lora_r"], gradient_accumulation_steps=1,
-                lora_target_modules=["q_proj", "v_proj", "o_proj"] if sp["targets"] == "qvo" else "all-linear",
-                sequence_len=sp["sequence_len"], micro_batch_size=sp["micro_batch_size"],
-                gradient_checkpointing=sp["gradient_checkpointing"], fused_loss="on" if sp["fused_loss"] else "off")
+        c = cfg(
+            adapter=sp["adapter"],
+            lora_r=sp["lora_r"],
+            lora_alpha=2 * sp["lora_r"],
+            gradient_accumulation_steps=1,
+            lora_target_modules=["q_proj", "v_proj", "o_proj"] if sp["targets"] == "qvo" else "all-linear",
+            sequence_len=sp["sequence_len"],
+            micro_batch_size=sp["micro_batch_size"],
+            gradient_checkpointing=sp["gradient_checkpointing"],
+            fused_loss="on" if sp["fused_loss"] else "off",
+        )
         est = memory.estimate(shapes[sp["shape"]], c, memory.strategy_from_config(c), program="harness")
         errs.append(abs(est["predicted_reserved_gib"] / row["measured_reserved_gib"] - 1))
         assert not (est["fits"] and row["oom_under_32gib_cap"]), row["config"]
@@ -425,8 +626,14 @@ def test_constants_still_match_the_gpu_measurements():
 
 # --- selective gradient checkpointing ----------------------------------------------------------------
 # gradient_checkpointing: false (fast) checkpoints as few of the first layers as the budget needs.
-FAST_7B = dict(sequence_len=8192, micro_batch_size=2, gradient_accumulation_steps=4, fused_loss="on",
-               lora_target_modules="all-linear", gradient_checkpointing=False)
+FAST_7B = dict(
+    sequence_len=8192,
+    micro_batch_size=2,
+    gradient_accumulation_steps=4,
+    fused_loss="on",
+    lora_target_modules="all-linear",
+    gradient_checkpointing=False,
+)
 
 
 def test_fast_mode_checkpoints_the_fewest_layers_that_fit_and_more_as_the_budget_shrinks():
@@ -450,7 +657,9 @@ def test_checkpointing_more_layers_predicts_less_memory_and_the_ends_are_the_fit
     c = cfg(**FAST_7B)
     L = memory.parse_model_config(QWEN2_7B).L
     user = memory.strategy_from_config(c, L)
-    totals = [memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, k))["predicted_total_gib"] for k in range(L + 1)]
+    totals = [
+        memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, k))["predicted_total_gib"] for k in range(L + 1)
+    ]
     assert all(a > b for a, b in zip(totals[:-1], totals[1:-1]))
     # ...up to the last layer: its recompute would run right after the loss, beside all it would free, so
     # checkpointing it too saves nothing and keeps one more input.
@@ -466,8 +675,10 @@ def test_lean_mode_checkpoints_every_layer_on_every_rung():
     L = memory.parse_model_config(QWEN2_7B).L
     plan = memory.plan_training(QWEN2_7B, c)
     assert plan["strategy"]["checkpointed_layers"] == L and plan["reason"].startswith("as configured fits")
-    assert all(st["checkpointed_layers"] == 48 and st["gradient_checkpointing"]
-               for st, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B), c))
+    assert all(
+        st["checkpointed_layers"] == 48 and st["gradient_checkpointing"]
+        for st, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B), c)
+    )
     # The alternatives show what the fast mode would checkpoint instead.
     assert any(0 < a["checkpointed_layers"] < L and a["fits"] for a in plan["alternatives"])
 
@@ -510,31 +721,51 @@ def test_the_train_stage_keeps_less_per_layer_than_the_harness_with_liger_kernel
     assert set(lin) == set(memory.target_names(c, s))  # all-linear
     # attention input and MLP input; down_proj's is rebuilt from the SwiGLU's gate and up (SwiGLUDownLora)
     shared_inputs = 2 * (s.h + s.h)
-    lora_saved = (sum(memory.CAL["lora_input_dropout"] * i + 4 * c.lora_r for i, _ in lin.values())
-                  - shared_inputs - sum(i + 2 * c.lora_r for i, _ in lin.values()))
-    saved = stage["components_gib"]["saved_activations_all_layers"], harness["components_gib"]["saved_activations_all_layers"]
-    assert abs((saved[1] - saved[0]) * 2**30 - s.L * T * (4 * s.h + 2 * s.f + lora_saved) * memory.CAL["layer"]) < 2**20
+    lora_saved = (
+        sum(memory.CAL["lora_input_dropout"] * i + 4 * c.lora_r for i, _ in lin.values())
+        - shared_inputs
+        - sum(i + 2 * c.lora_r for i, _ in lin.values())
+    )
+    saved = (
+        stage["components_gib"]["saved_activations_all_layers"],
+        harness["components_gib"]["saved_activations_all_layers"],
+    )
+    assert (
+        abs((saved[1] - saved[0]) * 2**30 - s.L * T * (4 * s.h + 2 * s.f + lora_saved) * memory.CAL["layer"]) < 2**20
+    )
     assert stage["components_gib"]["allocator_reserve"] == memory.CAL["reserve_expandable_gib"]
     hf = cfg(**{**FAST_7B, "fused_loss": "off", "lora_dropout": 0.05})  # no Liger: the LoRA difference only
     st_hf = memory.with_checkpointing(memory.strategy_from_config(hf), 0)
-    saved_hf = (memory.estimate(QWEN2_7B, hf, st_hf, program=p)["components_gib"]["saved_activations_all_layers"]
-                for p in ("train-stage", "harness"))
+    saved_hf = (
+        memory.estimate(QWEN2_7B, hf, st_hf, program=p)["components_gib"]["saved_activations_all_layers"]
+        for p in ("train-stage", "harness")
+    )
     # without Liger's SwiGLU the stage keeps down_proj's input for its LoRA too
-    assert abs((-next(saved_hf) + next(saved_hf)) * 2**30 - s.L * T * (lora_saved - 2 * s.f) * memory.CAL["layer"]) < 2**20
+    assert (
+        abs((-next(saved_hf) + next(saved_hf)) * 2**30 - s.L * T * (lora_saved - 2 * s.f) * memory.CAL["layer"])
+        < 2**20
+    )
 
 
 def test_the_train_stage_reserves_part_of_the_hf_loss_transient(monkeypatch):
     # HF cross-entropy's fp32 blocks stay mapped between steps under expandable segments; Liger's fused loss has none.
     monkeypatch.setitem(memory.CAL, "reserve_hf_loss_expandable", 0.25)
     hf, fused = (cfg(**{**FAST_7B, "fused_loss": f}) for f in ("off", "on"))
-    est_hf, est_fused = (memory.estimate(QWEN2_7B, c, memory.strategy_from_config(c), program="train-stage")
-                         for c in (hf, fused))
+    est_hf, est_fused = (
+        memory.estimate(QWEN2_7B, c, memory.strategy_from_config(c), program="train-stage") for c in (hf, fused)
+    )
     loss = est_hf["components_gib"]["logits_and_cross_entropy"]
     assert est_hf["components_gib"]["allocator_reserve"] == pytest.approx(
-        memory.CAL["reserve_expandable_gib"] + 0.25 * loss, abs=0.01)
-    assert est_fused["components_gib"]["allocator_reserve"] == pytest.approx(memory.CAL["reserve_expandable_gib"], abs=0.01)
+        memory.CAL["reserve_expandable_gib"] + 0.25 * loss, abs=0.01
+    )
+    assert est_fused["components_gib"]["allocator_reserve"] == pytest.approx(
+        memory.CAL["reserve_expandable_gib"], abs=0.01
+    )
     # ...but the allocator hands that cache back under pressure: it is not part of what the card must hold.
-    assert est_hf["reclaimable_cache_gib"] == pytest.approx(0.25 * loss, abs=0.01) and est_fused["reclaimable_cache_gib"] == 0
+    assert (
+        est_hf["reclaimable_cache_gib"] == pytest.approx(0.25 * loss, abs=0.01)
+        and est_fused["reclaimable_cache_gib"] == 0
+    )
     monkeypatch.setitem(memory.CAL, "reserve_hf_loss_expandable", 0.0)
     again = memory.estimate(QWEN2_7B, hf, memory.strategy_from_config(hf), program="train-stage")
     assert est_hf["predicted_reserved_gib"] - again["predicted_reserved_gib"] == pytest.approx(0.25 * loss, abs=0.02)
@@ -542,10 +773,13 @@ def test_the_train_stage_reserves_part_of_the_hf_loss_transient(monkeypatch):
     assert est_hf["fits"] == again["fits"]
 
 
-@pytest.mark.parametrize("targets,expected", [
-    (["q_proj", "v_proj", "o_proj"], lambda s, r: 2 * s.h + 3 * 2 * r),  # q, v share one input; o's is kept anyway
-    ("all-linear", lambda s, r: 2 * s.h + 2 * s.h + 2 * s.f + 7 * 2 * r),  # attention in, MLP in, SwiGLU out
-])
+@pytest.mark.parametrize(
+    "targets,expected",
+    [
+        (["q_proj", "v_proj", "o_proj"], lambda s, r: 2 * s.h + 3 * 2 * r),  # q, v share one input; o's is kept anyway
+        ("all-linear", lambda s, r: 2 * s.h + 2 * s.h + 2 * s.f + 7 * 2 * r),  # attention in, MLP in, SwiGLU out
+    ],
+)
 def test_lora_modules_reading_one_tensor_keep_it_once_under_autocast(targets, expected):
     c = cfg(lora_target_modules=targets, lora_dropout=0.0, lora_r=64)
     s = memory.parse_model_config(QWEN2_7B)
@@ -570,15 +804,29 @@ def test_streamed_layer_copies_count_at_a_layer_peak_not_at_the_fused_loss():
 
 
 # --- checkpointed activations in CPU memory ---------------------------------------------------------------------
-LEAN_7B = dict(adapter="lora", lora_r=64, lora_alpha=128, lora_target_modules=["q_proj", "v_proj", "o_proj"],
-               sequence_len=4096, micro_batch_size=2, gradient_accumulation_steps=4, fused_loss="on")
+LEAN_7B = dict(
+    adapter="lora",
+    lora_r=64,
+    lora_alpha=128,
+    lora_target_modules=["q_proj", "v_proj", "o_proj"],
+    sequence_len=4096,
+    micro_batch_size=2,
+    gradient_accumulation_steps=4,
+    fused_loss="on",
+)
 
 
 def test_offloaded_activations_leave_two_layers_inputs_on_the_gpu():
     s = memory.parse_model_config(QWEN2_7B)
     T = 2 * 4096
-    on, off = (memory.estimate(QWEN2_7B, cfg(**LEAN_7B, offload_activations=v),
-                               memory.strategy_from_config(cfg(**LEAN_7B, offload_activations=v), s.L)) for v in ("on", "off"))
+    on, off = (
+        memory.estimate(
+            QWEN2_7B,
+            cfg(**LEAN_7B, offload_activations=v),
+            memory.strategy_from_config(cfg(**LEAN_7B, offload_activations=v), s.L),
+        )
+        for v in ("on", "off")
+    )
     assert on["components_gib"]["checkpointed_activations"] == round(memory.CAL["keep"] * T * 2 * s.h * 2 / 2**30, 3)
     assert on["activations_in_cpu_memory_gib"] == round(T * 2 * s.h * s.L / 2**30, 3)
     assert off["activations_in_cpu_memory_gib"] == 0
@@ -612,7 +860,8 @@ def test_a_refusal_with_activations_barred_names_offload_activations_as_the_fix(
     with pytest.raises(memory.PlanRefused, match="set offload_activations: auto"):
         memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget, offload_activations="off"))
     assert memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget, offload_activations="auto"))[
-        "strategy"]["offload_activations"]
+        "strategy"
+    ]["offload_activations"]
 
 
 def test_offload_activations_on_applies_to_every_rung_that_checkpoints():
@@ -651,18 +900,24 @@ def test_optimize_memory_gives_the_least_memory():
     assert lean["memory"]["predicted_total_gib"] < speed["memory"]["predicted_total_gib"]
     # nothing on the ladder of the same adapter and batch predicts less
     c = mode(**LEAN_7B, gpu_memory_gib=32, optimize="memory")
-    least = min(memory.estimate(QWEN2_7B, c, s)["predicted_total_gib"]
-                for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_7B), c) if s["adapter"] == "lora" and not s["offload_layers"] and s["micro_batch_size"] == 2)
+    least = min(
+        memory.estimate(QWEN2_7B, c, s)["predicted_total_gib"]
+        for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_7B), c)
+        if s["adapter"] == "lora" and not s["offload_layers"] and s["micro_batch_size"] == 2
+    )
     assert lean["memory"]["predicted_total_gib"] == pytest.approx(least, abs=0.01)
 
 
-@pytest.mark.parametrize("kw,every,acts", [
-    (dict(optimize="memory", gradient_checkpointing=False), False, False),  # an explicit knob wins over the mode
-    (dict(optimize="memory", offload_activations="off"), True, False),
-    (dict(offload_activations="on"), True, True),  # 'on' asks for every checkpointed input in CPU memory
-    (dict(gradient_checkpointing=True), True, False),  # today's lean without the mode: activations only if needed
-    (dict(), False, False),
-])
+@pytest.mark.parametrize(
+    "kw,every,acts",
+    [
+        (dict(optimize="memory", gradient_checkpointing=False), False, False),  # an explicit knob wins over the mode
+        (dict(optimize="memory", offload_activations="off"), True, False),
+        (dict(offload_activations="on"), True, True),  # 'on' asks for every checkpointed input in CPU memory
+        (dict(gradient_checkpointing=True), True, False),  # today's lean without the mode: activations only if needed
+        (dict(), False, False),
+    ],
+)
 def test_optimize_is_overridden_by_the_knobs_that_are_set(kw, every, acts):
     c = mode(**LEAN_7B, **kw)
     user = memory.strategy_from_config(c, 28)
@@ -675,13 +930,29 @@ def test_optimize_speed_keeps_bf16_for_the_14b_on_32_gib():
     assert plan["strategy"]["adapter"] == "lora" and plan["fits"]
 
 
-@pytest.mark.parametrize("mc,refused", [
-    (GEMMA2_2B, False), (GEMMA2_9B, False),
-    ({**GEMMA2_9B, "hidden_size": 4608, "num_hidden_layers": 46, "num_attention_heads": 32, "head_dim": 128,
-      "query_pre_attn_scalar": 144}, False),  # Gemma-2-27B: 4608 / 32
-    ({**GEMMA2_2B, "query_pre_attn_scalar": 144}, True),
-    ({**GEMMA2_9B, "num_hidden_layers": 46, "query_pre_attn_scalar": 256}, True),  # a 46-layer one is taken for the 27B
-])
+@pytest.mark.parametrize(
+    "mc,refused",
+    [
+        (GEMMA2_2B, False),
+        (GEMMA2_9B, False),
+        (
+            {
+                **GEMMA2_9B,
+                "hidden_size": 4608,
+                "num_hidden_layers": 46,
+                "num_attention_heads": 32,
+                "head_dim": 128,
+                "query_pre_attn_scalar": 144,
+            },
+            False,
+        ),  # Gemma-2-27B: 4608 / 32
+        ({**GEMMA2_2B, "query_pre_attn_scalar": 144}, True),
+        (
+            {**GEMMA2_9B, "num_hidden_layers": 46, "query_pre_attn_scalar": 256},
+            True,
+        ),  # a 46-layer one is taken for the 27B
+    ],
+)
 def test_a_gemma2_whose_query_scale_llama_cpp_would_not_apply_is_refused_at_plan_time(mc, refused):
     from loraship.llamacpp.llamacpp import gemma2_scale_problems
 
@@ -698,13 +969,19 @@ def test_optimize_memory_checkpoints_every_layer():
     L = memory.parse_model_config(QWEN2_7B).L
     for targets in (["q_proj", "v_proj", "o_proj"], "all-linear"):
         for adapter in ("lora", "qlora"):
-            c = cfg(**{**FAST_7B, "gradient_checkpointing": None, "lora_target_modules": targets},
-                    optimize="memory", adapter=adapter, gpu_memory_gib=32)
+            c = cfg(
+                **{**FAST_7B, "gradient_checkpointing": None, "lora_target_modules": targets},
+                optimize="memory",
+                adapter=adapter,
+                gpu_memory_gib=32,
+            )
             plan = memory.plan_training(QWEN2_7B, c)
             assert plan["strategy"]["checkpointed_layers"] == L, (targets, adapter)
             assert plan["strategy"]["offload_activations"]
-            explicit = memory.plan_training(QWEN2_7B, cfg(**{**FAST_7B, "gradient_checkpointing": True,
-                                                             "lora_target_modules": targets}, adapter=adapter))
+            explicit = memory.plan_training(
+                QWEN2_7B,
+                cfg(**{**FAST_7B, "gradient_checkpointing": True, "lora_target_modules": targets}, adapter=adapter),
+            )
             assert explicit["strategy"]["checkpointed_layers"] == L
 
 
@@ -720,8 +997,9 @@ def test_lora_gradients_are_not_at_a_peak_that_comes_before_backward_writes_them
         st = {**memory.with_checkpointing(base, k), "gradient_accumulation_steps": accumulation}
         est = memory.estimate(QWEN2_7B, c, st, program=program)
         parts = est["components_gib"]
-        return est["predicted_allocated_gib"] - sum(parts[n] for n in ("frozen_weights", "lora_weights", "optimizer_state",
-                                                                       "lora_gradients")), parts["lora_gradients"]
+        return est["predicted_allocated_gib"] - sum(
+            parts[n] for n in ("frozen_weights", "lora_weights", "optimizer_state", "lora_gradients")
+        ), parts["lora_gradients"]
 
     for k in (0, 14):
         (rest, grads), (rest_acc, grads_acc) = gap(k), gap(k, accumulation=2)
@@ -744,10 +1022,17 @@ def test_streamed_layers_are_the_first_n_or_spread_evenly_over_the_checkpointed_
     first = memory.with_checkpointing({**base, "offload_layers": 5}, 12)
     assert memory.streamed_layers(first, 48) == [0, 1, 2, 3, 4]
     assert memory.streamed_layers({**first, "offload_layers": 0, "offload_spread": True}, 48) == []
-    assert memory.streamed_layers(memory.with_checkpointing({**first, "offload_spread": True}, 5), 48) == [0, 1, 2, 3, 4]
+    assert memory.streamed_layers(memory.with_checkpointing({**first, "offload_spread": True}, 5), 48) == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
     for n, k in [(5, 12), (17, 40), (21, 36), (47, 48), (1, 48)]:
-        spread = memory.streamed_layers(memory.with_checkpointing({**base, "offload_layers": n, "offload_spread": True},
-                                                                  k), 48)
+        spread = memory.streamed_layers(
+            memory.with_checkpointing({**base, "offload_layers": n, "offload_spread": True}, k), 48
+        )
         gaps = [b - a for a, b in zip(spread, spread[1:])]
         assert len(spread) == n and spread[0] == 0 and spread[-1] + 1 < k  # the layer after the last one recomputes
         assert set(gaps) <= {k // n, -(-k // n)}, (n, k, gaps)  # as even as whole layers allow
@@ -777,41 +1062,62 @@ def test_the_speed_plan_spreads_its_streamed_layers_unless_told_not_to(monkeypat
 
     con = Console(record=True, width=400)
     con.print(render_plan(plan, memory.plan_disk_and_inference(QWEN2_14B_EXAMPLE, c)))
-    words = (f"{st['offload_layers']} of 48 decoder layers' frozen weights streamed from CPU memory (spread over the "
-             f"first {st['checkpointed_layers']})")
+    words = (
+        f"{st['offload_layers']} of 48 decoder layers' frozen weights streamed from CPU memory (spread over the "
+        f"first {st['checkpointed_layers']})"
+    )
     assert words in con.export_text()
     monkeypatch.setenv("LORASHIP_OFFLOAD_SPREAD", "0")  # bench/train_bench.py's loraship-contiguous
     contiguous = memory.plan_training(QWEN2_14B_EXAMPLE, c)
     assert "offload_spread" not in contiguous["strategy"] and "spread" not in contiguous["reason"]
-    assert (memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)["step_s"]
-            < memory.step_seconds(QWEN2_14B_EXAMPLE, c, contiguous["strategy"])["step_s"])
+    assert (
+        memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)["step_s"]
+        < memory.step_seconds(QWEN2_14B_EXAMPLE, c, contiguous["strategy"])["step_s"]
+    )
 
 
 def test_the_least_memory_plan_spreads_its_streamed_layers_at_no_memory_cost(monkeypatch):
     """optimize: memory streams the least that fits and checkpoints all 48 layers: spreading those few costs nothing
     and hides their copies better, so the plan spreads them; with LORASHIP_OFFLOAD_SPREAD=0 it keeps the first n."""
-    c = cfg(**{**LORA_14B, "optimize": "memory", "gradient_checkpointing": None, "gradient_accumulation_steps": 1},
-            fused_loss="on")
+    c = cfg(
+        **{**LORA_14B, "optimize": "memory", "gradient_checkpointing": None, "gradient_accumulation_steps": 1},
+        fused_loss="on",
+    )
     plan = memory.plan_training(QWEN2_14B_EXAMPLE, c)
     st = plan["strategy"]
     n = st["offload_layers"]
     assert st["offload_spread"] is True and st["checkpointed_layers"] == 48 and 0 < n < 48
     assert memory.streamed_layers(st, 48) == [j * 48 // n for j in range(n)]
-    assert f"its {n} streamed layers spread over the first 48" in plan["reason"] and "the same memory" in plan["reason"]
+    assert (
+        f"its {n} streamed layers spread over the first 48" in plan["reason"] and "the same memory" in plan["reason"]
+    )
     monkeypatch.setenv("LORASHIP_OFFLOAD_SPREAD", "0")
     first = memory.plan_training(QWEN2_14B_EXAMPLE, c)
     assert first["strategy"] == {k: v for k, v in st.items() if k != "offload_spread"}
     assert first["memory"] == plan["memory"]
-    assert (memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)["step_s"]
-            < memory.step_seconds(QWEN2_14B_EXAMPLE, c, first["strategy"])["step_s"])
+    assert (
+        memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)["step_s"]
+        < memory.step_seconds(QWEN2_14B_EXAMPLE, c, first["strategy"])["step_s"]
+    )
 
 
 def test_a_refusal_offers_no_liger_install_for_a_model_type_liger_has_no_fused_loss_for(tmp_path):
     # Granite scales its logits: installing liger-kernel would not give it the fused loss (knobs.LIGER_NO_FUSED_LOSS).
-    granite = dict(model_type="granite", architectures=["GraniteForCausalLM"], hidden_size=4096, intermediate_size=12800,
-                   num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, vocab_size=49155,
-                   tie_word_embeddings=True, embedding_multiplier=12.0, logits_scaling=16.0, residual_multiplier=0.22,
-                   attention_multiplier=0.0078125)
+    granite = dict(
+        model_type="granite",
+        architectures=["GraniteForCausalLM"],
+        hidden_size=4096,
+        intermediate_size=12800,
+        num_hidden_layers=40,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=49155,
+        tie_word_embeddings=True,
+        embedding_multiplier=12.0,
+        logits_scaling=16.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078125,
+    )
     (tmp_path / "config.json").write_text(json.dumps(granite))
     with pytest.raises(memory.PlanRefused) as e:
         memory.plan_training(granite, cfg(base_model=str(tmp_path), gpu_memory_gib=8, fused_loss="auto", fallback=[]))

@@ -47,7 +47,11 @@ def test_record_shape_follows_the_contract():
     assert {o["gpus"] for o in record["options"]} == set(GPU_COUNTS)
     for o in record["options"]:
         assert set(o) == {"gpus", "engine", "fits", "per_gpu_gib", "tokens_per_s", "why"}
-        assert o["engine"] == ("single" if o["gpus"] == 1 else o["engine"]) and o["engine"] in ("single", "ddp", "fsdp2")
+        assert o["engine"] == ("single" if o["gpus"] == 1 else o["engine"]) and o["engine"] in (
+            "single",
+            "ddp",
+            "fsdp2",
+        )
         assert "not measured on several GPUs" in o["why"]
 
 

@@ -46,8 +46,23 @@ def _python(code: str, cwd: Path, *flags: str, pythonpath: Path | None = None) -
 def test_wheel_installs_only_loraship(tmp_path):
     pytest.importorskip("setuptools")
     src = _source_copy(tmp_path)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir",
-                    "-q", "-w", str(tmp_path / "wheel"), str(src)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-cache-dir",
+            "-q",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = (tmp_path / "wheel").glob("loraship-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/", 1)[0] for name in names}
@@ -63,7 +78,9 @@ def test_editable_install_maps_stages_and_flows(tmp_path):
     src = _source_copy(tmp_path)
     out = tmp_path / "editable"
     out.mkdir()
-    name = _python(f"from setuptools import build_meta; print(build_meta.build_editable({str(out)!r}))", src).split()[-1]
+    name = _python(f"from setuptools import build_meta; print(build_meta.build_editable({str(out)!r}))", src).split()[
+        -1
+    ]
     site = tmp_path / "site"
     zipfile.ZipFile(out / name).extractall(site)
     (finder,) = site.glob("__editable___*_finder.py")
@@ -72,23 +89,33 @@ def test_editable_install_maps_stages_and_flows(tmp_path):
         f"from {finder.stem} import _EditableFinder as f\n"
         "import loraship\n"
         "print(f.find_spec('loraship.stages').origin, f.find_spec('loraship.flows').origin, loraship.__file__)",
-        tmp_path, "-S").split()
-    assert origins == [str(src / "tasks" / "__init__.py"), str(src / "flows" / "__init__.py"),
-                       str(src / "loraship" / "__init__.py")]
+        tmp_path,
+        "-S",
+    ).split()
+    assert origins == [
+        str(src / "tasks" / "__init__.py"),
+        str(src / "flows" / "__init__.py"),
+        str(src / "loraship" / "__init__.py"),
+    ]
 
 
 def test_checkout_without_install_imports_stages_and_flows(tmp_path):
     """PYTHONPATH=<checkout>, nothing installed (-S), run from elsewhere: loraship/__init__.py's hook."""
-    code = ("import importlib.util, loraship.stages, loraship.flows\n"
-            "print(importlib.util.find_spec('loraship.stages.verify').origin)\n"
-            "print(importlib.util.find_spec('loraship.flows.train_and_ship').origin)")
+    code = (
+        "import importlib.util, loraship.stages, loraship.flows\n"
+        "print(importlib.util.find_spec('loraship.stages.verify').origin)\n"
+        "print(importlib.util.find_spec('loraship.flows.train_and_ship').origin)"
+    )
     assert _python(code, tmp_path, "-S", pythonpath=ROOT).split() == [
-        str(ROOT / "tasks" / "verify.py"), str(ROOT / "flows" / "train_and_ship.py")]
+        str(ROOT / "tasks" / "verify.py"),
+        str(ROOT / "flows" / "train_and_ship.py"),
+    ]
     # With the dependencies (this venv's site-packages), the modules themselves import.
-    code = ("import loraship.stages.verify as v, loraship.flows.train_and_ship as f\n"
-            "print(v.__file__, f.__file__)")
+    code = "import loraship.stages.verify as v, loraship.flows.train_and_ship as f\nprint(v.__file__, f.__file__)"
     assert _python(code, tmp_path, pythonpath=ROOT).split() == [
-        str(ROOT / "tasks" / "verify.py"), str(ROOT / "flows" / "train_and_ship.py")]
+        str(ROOT / "tasks" / "verify.py"),
+        str(ROOT / "flows" / "train_and_ship.py"),
+    ]
 
 
 def test_every_stage_module_of_the_table_is_a_file_in_tasks():
@@ -120,7 +147,9 @@ def test_imports_run_one_way():
                 assert path.name == "cli.py" and not top, f"{path.name} imports {module}"
     for path in sorted((ROOT / "tasks").glob("*.py")):
         for module, _top in _imports(path):
-            assert not module.startswith(("loraship.flows", "loraship.cli", "tasks", "flows")), f"{path} imports {module}"
+            assert not module.startswith(("loraship.flows", "loraship.cli", "tasks", "flows")), (
+                f"{path} imports {module}"
+            )
     for path in sorted((ROOT / "flows").glob("*.py")):
         for module, _top in _imports(path):
             assert not module.startswith(("loraship.stages", "tasks")), f"{path} imports {module}"
@@ -129,11 +158,17 @@ def test_imports_run_one_way():
 # loraship/ by concern, each group importing (at module level) only the groups before it: the core
 # (config, constants, errors, stage table, chat, data, models) <- planning, training, runtime <- llamacpp,
 # publishing <- verification, fixtures <- the CLI and init (the application).
-LAYERS = {"core": set(), "planning": {"core"}, "training": {"core"}, "runtime": {"core"},
-          "llamacpp": {"core", "planning", "runtime"}, "publishing": {"core", "runtime"},
-          "verification": {"core", "planning", "runtime", "llamacpp"},
-          "fixtures": {"core", "planning", "runtime", "llamacpp"},
-          "app": {"core", "planning", "training", "runtime", "llamacpp", "publishing", "verification", "fixtures"}}
+LAYERS = {
+    "core": set(),
+    "planning": {"core"},
+    "training": {"core"},
+    "runtime": {"core"},
+    "llamacpp": {"core", "planning", "runtime"},
+    "publishing": {"core", "runtime"},
+    "verification": {"core", "planning", "runtime", "llamacpp"},
+    "fixtures": {"core", "planning", "runtime", "llamacpp"},
+    "app": {"core", "planning", "training", "runtime", "llamacpp", "publishing", "verification", "fixtures"},
+}
 APP = {"cli", "starter"}
 
 

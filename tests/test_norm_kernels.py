@@ -1,4 +1,5 @@
 """loraship/training/norm_kernels.py: the RMSNorm kernel settings keep the model's numbers."""
+
 import pytest
 
 from loraship.training import norm_kernels
@@ -9,9 +10,17 @@ def tiny_gemma3():
     from transformers import Gemma3TextConfig, Gemma3ForCausalLM
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
-                              max_position_embeddings=64)
+    config = Gemma3TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=8,
+        max_position_embeddings=64,
+    )
     return Gemma3ForCausalLM(config).eval()
 
 

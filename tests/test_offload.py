@@ -100,8 +100,15 @@ def _generated_model(checkpointing=True):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     base = LlamaForCausalLM(config)
     if checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -121,8 +128,12 @@ def _offload_recording(model, layers):
     transfer = RecordingTransfer()
     offload_frozen_layers(model, layers, transfer=transfer)
     layers = model.get_base_model().model.layers
-    transfer.layer_of = {id(m._loraship_cpu_weight): i for i, layer in enumerate(layers)
-                         for m in layer.modules() if hasattr(m, "_loraship_cpu_weight")}
+    transfer.layer_of = {
+        id(m._loraship_cpu_weight): i
+        for i, layer in enumerate(layers)
+        for m in layer.modules()
+        if hasattr(m, "_loraship_cpu_weight")
+    }
     return transfer
 
 
@@ -150,23 +161,27 @@ def _step_schedule(model, transfer, reference_grads, loss_ref):
     return forward, list(transfer.prefetched)
 
 
-@pytest.mark.parametrize("streamed, checkpointed, forward, backward", [
-    # All 4 streamed: the last layer, once forward is done with it, is copied again for its recompute, the first
-    # thing backward does; recomputing i copies i - 1.
-    (4, 4, [0, 1, 2, 3, 3], [2, 1, 0]),
-    # 3 streamed, every layer checkpointed: layer 3 (resident) recomputes first; its recompute copies layer 2.
-    (3, 4, [0, 1, 2], [2, 1, 0]),
-    # 2 streamed, 3 checkpointed: layer 3 keeps its activations (no recompute); layer 2's recompute copies layer 1.
-    (2, 3, [0, 1], [1, 0]),
-    # Spread (memory.streamed_layers): layer 0 starting copies layer 2, which has layer 1's forward to hide behind;
-    # layer 3's recompute copies layer 2, layer 2's copies layer 0 (with layer 1's recompute and backward between).
-    ([0, 2], 4, [0, 2], [2, 0]),
-    # Spread up to the last layer: copied again for its recompute as forward ends; its recompute copies layer 1.
-    ([1, 3], 4, [1, 3, 3], [1]),
-])
+@pytest.mark.parametrize(
+    "streamed, checkpointed, forward, backward",
+    [
+        # All 4 streamed: the last layer, once forward is done with it, is copied again for its recompute, the first
+        # thing backward does; recomputing i copies i - 1.
+        (4, 4, [0, 1, 2, 3, 3], [2, 1, 0]),
+        # 3 streamed, every layer checkpointed: layer 3 (resident) recomputes first; its recompute copies layer 2.
+        (3, 4, [0, 1, 2], [2, 1, 0]),
+        # 2 streamed, 3 checkpointed: layer 3 keeps its activations (no recompute); layer 2's recompute copies layer 1.
+        (2, 3, [0, 1], [1, 0]),
+        # Spread (memory.streamed_layers): layer 0 starting copies layer 2, which has layer 1's forward to hide behind;
+        # layer 3's recompute copies layer 2, layer 2's copies layer 0 (with layer 1's recompute and backward between).
+        ([0, 2], 4, [0, 2], [2, 0]),
+        # Spread up to the last layer: copied again for its recompute as forward ends; its recompute copies layer 1.
+        ([1, 3], 4, [1, 3, 3], [1]),
+    ],
+)
 @pytest.mark.parametrize("activations_in_cpu", [False, True])
-def test_prefetch_walks_up_in_forward_and_down_in_the_recompute(streamed, checkpointed, forward, backward,
-                                                                 activations_in_cpu):
+def test_prefetch_walks_up_in_forward_and_down_in_the_recompute(
+    streamed, checkpointed, forward, backward, activations_in_cpu
+):
     from loraship.training.activation_offload import offload_checkpointed_activations
 
     reference = _generated_model()
@@ -197,7 +212,9 @@ def test_streaming_every_checkpointed_layer_costs_one_copy_on_the_spot(streamed)
     _checkpoint_first(model, 2)
     transfer = _offload_recording(model, streamed)
     assert _step_schedule(model, transfer, grads_ref, loss_ref) == ([0, 1], [1, 0])
-    assert model.get_base_model().model._loraship_prefetcher.late == 1 and transfer.fallbacks == 0 and transfer.peak <= 2
+    assert (
+        model.get_base_model().model._loraship_prefetcher.late == 1 and transfer.fallbacks == 0 and transfer.peak <= 2
+    )
 
 
 def test_unconsumed_prefetch_is_dropped_at_the_next_step():

@@ -106,8 +106,13 @@ def test_llama_cpp_greedy_equals_hf_greedy_on_f16(pipeline_run):
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
         assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=10,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id,
+            )[0, len(ids) :].tolist()
         hf = out[: out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
         assert greedy(llm, ids, 10, {tok.eos_token_id})[0] == hf
 
@@ -146,7 +151,9 @@ def test_corrupt_upstream_output_is_refused(pipeline_run):
     try:
         f16.write_bytes(original[: len(original) // 2])
         with pytest.raises(IntegrityError, match="model-F16.gguf"):
-            importlib.import_module("loraship.stages.quantize").run(config.model_copy(update={"quantization": ["Q8_0"]}))
+            importlib.import_module("loraship.stages.quantize").run(
+                config.model_copy(update={"quantization": ["Q8_0"]})
+            )
     finally:
         f16.write_bytes(original)
 
@@ -181,8 +188,13 @@ def test_hub_id_is_resolved_through_huggingface_hub(monkeypatch, tiny_model):
         return str(tiny_model)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    config = parse_config({"base_model": "Qwen/Qwen2-7B", "base_model_revision": "abc123",
-                           "datasets": [{"path": "x.jsonl", "type": "chat"}]})
+    config = parse_config(
+        {
+            "base_model": "Qwen/Qwen2-7B",
+            "base_model_revision": "abc123",
+            "datasets": [{"path": "x.jsonl", "type": "chat"}],
+        }
+    )
     assert resolve_base_model(config, weights=False) == tiny_model
     assert resolve_base_model(config, weights=True) == tiny_model
     (repo, rev, meta), (_, _, full) = calls
@@ -197,8 +209,9 @@ def test_qlora_trains_on_cpu_and_merges_into_the_bf16_base(tiny_model, tmp_path)
     from loraship.config import parse_config
     from tests.conftest import demo_config_dict
 
-    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="qlora", adapter="qlora",
-                                           max_steps=24, micro_batch_size=8))
+    config = parse_config(
+        demo_config_dict(tiny_model, tmp_path, run_name="qlora", adapter="qlora", max_steps=24, micro_batch_size=8)
+    )
     manifests = {s: importlib.import_module(f"loraship.stages.{s}").run(config) for s in ("plan", "train", "merge")}
     train = manifests["train"]["metrics"]
     assert train["strategy"]["adapter"] == "qlora"
@@ -227,8 +240,11 @@ def test_convert_manifest_without_merge_outputs_cannot_vouch_for_the_gguf(pipeli
     try:
         for lost in ({}, {"merge": {"outputs": {}}}, {"merge": {"outputs": {f"{MERGED_DIR}/config.json": {}}}}):
             manifest_path.write_text(json.dumps({**json.loads(original), "inputs": lost}))
-            with pytest.raises(IntegrityError, match=r"records no merged model files \(inputs.merge.outputs\).*run the "
-                                                     r"convert stage again"):
+            with pytest.raises(
+                IntegrityError,
+                match=r"records no merged model files \(inputs.merge.outputs\).*run the "
+                r"convert stage again",
+            ):
                 converted_from(config)
     finally:
         manifest_path.write_text(original)
@@ -279,14 +295,25 @@ def test_a_tied_embedding_stored_only_as_lm_head_is_merged_under_its_own_name(lm
     from loraship.config import parse_config
     from tests.conftest import demo_config_dict
 
-    config = parse_config(demo_config_dict(lm_head_only, tmp_path, run_name="lm-head", max_steps=2,
-                                           micro_batch_size=4, gradient_accumulation_steps=1, warmup_steps=0))
+    config = parse_config(
+        demo_config_dict(
+            lm_head_only,
+            tmp_path,
+            run_name="lm-head",
+            max_steps=2,
+            micro_batch_size=4,
+            gradient_accumulation_steps=1,
+            warmup_steps=0,
+        )
+    )
     manifests = _through(config, ["plan", "train", "merge", "convert", "quantize"])
     assert manifests["merge"]["metrics"]["renamed_tensors"] == {"lm_head.weight": "model.embed_tokens.weight"}
     with safe_open(stage_dir(config, "merge") / MERGED_DIR / "model.safetensors", framework="pt") as f:
         assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
-    for gguf in (stage_dir(config, "convert") / F16_GGUF,
-                 stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization)):
+    for gguf in (
+        stage_dir(config, "convert") / F16_GGUF,
+        stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization),
+    ):
         assert "token_embd.weight" in {t.name for t in GGUFReader(str(gguf)).tensors}, gguf
 
 
@@ -299,8 +326,17 @@ def test_a_gguf_without_token_embd_is_refused_at_convert(lm_head_only, tmp_path,
 
     merge = importlib.import_module("loraship.stages.merge")
     monkeypatch.setattr(merge, "embedding_only_as_lm_head", lambda folder: False)
-    config = parse_config(demo_config_dict(lm_head_only, tmp_path, run_name="no-token-embd", max_steps=2,
-                                           micro_batch_size=4, gradient_accumulation_steps=1, warmup_steps=0))
+    config = parse_config(
+        demo_config_dict(
+            lm_head_only,
+            tmp_path,
+            run_name="no-token-embd",
+            max_steps=2,
+            micro_batch_size=4,
+            gradient_accumulation_steps=1,
+            warmup_steps=0,
+        )
+    )
     _through(config, ["plan", "train", "merge"])
     with pytest.raises(IntegrityError, match=r"model-F16.gguf: llama.cpp .* cannot load it(.|\n)*token_embd.weight"):
         _through(config, ["convert"])

@@ -80,8 +80,13 @@ def messages(caplog, name: str) -> list[str]:
 def test_converter_lines_parse_into_tensors_then_bytes_written():
     events = [e for e in map(parse_llamacpp_line, lines_of(CONVERTER_OUTPUT)) if e]
     assert [e.phase for e in events] == ["tensor"] * 5 + ["files"] + ["writing"] * 3
-    assert [e.name for e in events[:5]] == ["output.weight", "token_embd.weight", "blk.0.attn_norm.weight",
-                                           "blk.0.ffn_down.weight", "output_norm.weight"]
+    assert [e.name for e in events[:5]] == [
+        "output.weight",
+        "token_embd.weight",
+        "blk.0.attn_norm.weight",
+        "blk.0.ffn_down.weight",
+        "output_norm.weight",
+    ]
     assert events[5].total == 21 and events[5].name == "3.7M"
     assert [(e.done, e.total) for e in events[6:]] == [(0.0, 3.68e6), (3.61e6, 3.68e6), (3.68e6, 3.68e6)]
 
@@ -89,17 +94,22 @@ def test_converter_lines_parse_into_tensors_then_bytes_written():
 def test_quantizer_lines_parse_into_tensor_counts():
     events = [e for e in map(parse_llamacpp_line, lines_of(QUANTIZER_OUTPUT)) if e]
     assert [(e.phase, e.done, e.total, e.name) for e in events] == [
-        ("quantize", 1, 21, "output.weight"), ("quantize", 2, 21, "output_norm.weight"),
-        ("quantize", 21, 21, "blk.1.ffn_up.weight")]
+        ("quantize", 1, 21, "output.weight"),
+        ("quantize", 2, 21, "output_norm.weight"),
+        ("quantize", 21, 21, "blk.1.ffn_up.weight"),
+    ]
 
 
-@pytest.mark.parametrize("line", [
-    "llama_model_loader: - kv   4:                          llama.block_count u32              = 2",
-    "INFO:hf-to-gguf:gguf: embedding length = 256",
-    "INFO:hf-to-gguf:Set model tokenizer",
-    "Loading weights: 100%|██████████| 21/21 [00:00<00:00, 91.92it/s]",
-    "",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "llama_model_loader: - kv   4:                          llama.block_count u32              = 2",
+        "INFO:hf-to-gguf:gguf: embedding length = 256",
+        "INFO:hf-to-gguf:Set model tokenizer",
+        "Loading weights: 100%|██████████| 21/21 [00:00<00:00, 91.92it/s]",
+        "",
+    ],
+)
 def test_other_lines_are_not_progress(line):
     assert parse_llamacpp_line(line) is None
 
@@ -136,17 +146,20 @@ def test_real_convert_and_quantize_report_progress_as_they_run(tiny_model, tmp_p
     assert any(m.startswith("convert: writing 21 tensors") for m in converted), converted
     assert converted[-1].endswith(", 100%") and converted[-1].startswith("convert: writing "), converted
     assert quantized[0].startswith("quantize Q4_K_M: tensor 1/21 (") and quantized[-1].startswith(
-        "quantize Q4_K_M: tensor 21/21 ("), quantized
+        "quantize Q4_K_M: tensor 21/21 ("
+    ), quantized
     assert quantized[-1].endswith("100%") and len(quantized) == 2, quantized  # not a line per tensor
 
 
 # --- the child's pipes ------------------------------------------------------------------------------
 def test_a_chatty_child_does_not_block_and_every_line_arrives_in_order(tmp_path):
     """More output on both pipes than a pipe holds (64 KiB on Linux), lines split by \\r and \\n."""
-    script = ("import sys\n"
-              "for i in range(20000):\n"
-              "    sys.stderr.write(f'err {i}\\r' if i % 2 else f'err {i}\\n')\n"
-              "    sys.stdout.write(f'out {i}\\n')\n")
+    script = (
+        "import sys\n"
+        "for i in range(20000):\n"
+        "    sys.stderr.write(f'err {i}\\r' if i % 2 else f'err {i}\\n')\n"
+        "    sys.stdout.write(f'out {i}\\n')\n"
+    )
     seen: list[str] = []
     result = run_child([sys.executable, "-c", script], 60, "chatty child", on_line=seen.append)
     assert result.returncode == 0
@@ -160,8 +173,12 @@ def test_streamed_child_is_still_killed_on_timeout():
 
     seen: list[str] = []
     with pytest.raises(LorashipError, match="did not finish within 2 s"):
-        run_child([sys.executable, "-c", "import time\nprint('started', flush=True)\ntime.sleep(60)"], 2,
-                  "sleeper", on_line=seen.append)
+        run_child(
+            [sys.executable, "-c", "import time\nprint('started', flush=True)\ntime.sleep(60)"],
+            2,
+            "sleeper",
+            on_line=seen.append,
+        )
     assert seen == ["started"]
 
 
@@ -197,13 +214,15 @@ def test_progress_outside_prefect_creates_no_artifact(monkeypatch, caplog):
 
 def test_progress_without_prefect_installed_does_not_import_it(tmp_path):
     """A stage image without Prefect (python -m loraship.stages.<stage>): progress neither needs nor imports it."""
-    code = ("import sys, logging\n"
-            "from loraship.runtime.progress import Progress, in_prefect_run\n"
-            "assert not in_prefect_run()\n"
-            "p = Progress('x', 2, logging.getLogger('loraship'), every=0)\n"
-            "p.update(1); p.update(2)\n"
-            "assert 'prefect' not in sys.modules\n"
-            "print('ok')\n")
+    code = (
+        "import sys, logging\n"
+        "from loraship.runtime.progress import Progress, in_prefect_run\n"
+        "assert not in_prefect_run()\n"
+        "p = Progress('x', 2, logging.getLogger('loraship'), every=0)\n"
+        "p.update(1); p.update(2)\n"
+        "assert 'prefect' not in sys.modules\n"
+        "print('ok')\n"
+    )
     result = run_child([sys.executable, "-c", code], 60, "no prefect", extra_env={"PYTHONPATH": str(REPO)})
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
@@ -227,8 +246,11 @@ with get_client(sync_client=True) as client:
     found = [(a.type, a.data, a.description) for a in client.read_artifacts() if a.key == "progress-test"]
 print(json.dumps(found))
 """
-    env = {"PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect"),
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
+    env = {
+        "PYTHONPATH": str(REPO),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    }
     result = run_child([sys.executable, "-c", code], 300, "flow", extra_env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == [["progress", 100, "train: step 4/4, 100%"]]
@@ -240,9 +262,9 @@ def png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, chunks = 8, []
     while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
         assert zlib.crc32(kind + body) == crc, kind
         chunks.append((kind, body))
         pos += 12 + length
@@ -256,8 +278,9 @@ def test_train_stage_writes_its_pictures_as_manifest_outputs(tiny_model, tmp_pat
     from loraship.constants import LOSS_PLOT_FILE, MEMORY_PLOT_FILE
 
     caplog.set_level(logging.INFO, logger="loraship")
-    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="pictures", max_steps=3, save_steps=100,
-                                           warmup_steps=0))
+    config = parse_config(
+        demo_config_dict(tiny_model, tmp_path, run_name="pictures", max_steps=3, save_steps=100, warmup_steps=0)
+    )
     manifests = {s: importlib.import_module(f"loraship.stages.{s}").run(config) for s in ("plan", "train")}
     train = manifests["train"]
     folder = tmp_path / "work" / "pictures" / "train"
@@ -297,11 +320,20 @@ def test_train_stage_writes_its_pictures_as_manifest_outputs(tiny_model, tmp_pat
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     texts = [{"input_ids": [1, 5, 6, 7, 8], "positions": [0, 1, 2, 3]}, {"input_ids": [1, 9, 10], "positions": [1]}]
     score_eval(model, texts, 4, Progress("reference: eval", len(texts), reference_log, every=0, clock=lambda: 0.0))
-    greedy_answers(model, [{"prompt_ids": [1, 5, 6]}], 2, [], Progress("reference: golden", 1, reference_log, every=0, clock=lambda: 0.0))
+    greedy_answers(
+        model,
+        [{"prompt_ids": [1, 5, 6]}],
+        2,
+        [],
+        Progress("reference: golden", 1, reference_log, every=0, clock=lambda: 0.0),
+    )
     assert messages(caplog, "loraship.reference") == [
-        "reference: eval: eval text 1/2, 0%", "reference: eval: eval text 2/2, 50%",
+        "reference: eval: eval text 1/2, 0%",
+        "reference: eval: eval text 2/2, 50%",
         "reference: eval: 2 eval texts scored, 100%",
-        "reference: golden: golden prompt 1/1, 0%", "reference: golden: 1 golden prompts answered, 100%"]
+        "reference: golden: golden prompt 1/1, 0%",
+        "reference: golden: 1 golden prompts answered, 100%",
+    ]
 
     # The flow attaches the same pictures to a Prefect markdown artifact, embedded as data: URIs.
     from loraship.flows.train_and_ship import _figures_markdown
@@ -309,4 +341,3 @@ def test_train_stage_writes_its_pictures_as_manifest_outputs(tiny_model, tmp_pat
     markdown = _figures_markdown("train", train)
     embedded = [base64.b64decode(uri) for uri in re.findall(r"\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", markdown)]
     assert embedded == [(folder / LOSS_PLOT_FILE).read_bytes(), (folder / MEMORY_PLOT_FILE).read_bytes()]
-

@@ -123,18 +123,24 @@ def test_the_artifact_ships_the_sampling_settings_verify_served_it_with(tmp_path
     from loraship.sampling import GREEDY, Sampling
     from loraship.stages.publish import serve_commands, shipped_sampling, write_generation_config
 
-    config = parse_config({"base_model": str(tmp_path), "run_name": "support-bot",
-                           "datasets": [{"path": "x", "type": "chat"}]})
+    config = parse_config(
+        {"base_model": str(tmp_path), "run_name": "support-bot", "datasets": [{"path": "x", "type": "chat"}]}
+    )
     assert shipped_sampling({}) == GREEDY  # a verify.json from before the record checked argmax answers
     commands = serve_commands(config, {"sampling": GREEDY.record()})
-    assert commands["llama_server"].endswith("--temp 0 --top-k 0 --top-p 1 --min-p 0 --repeat-penalty 1 "
-                                             "--presence-penalty 0 --frequency-penalty 0")
+    assert commands["llama_server"].endswith(
+        "--temp 0 --top-k 0 --top-p 1 --min-p 0 --repeat-penalty 1 --presence-penalty 0 --frequency-penalty 0"
+    )
     other = Sampling(repeat_penalty=1.1)
     assert "--repeat-penalty 1.1 " in serve_commands(config, {"sampling": other.record()})["llama_server"]
     # A merge made before merge wrote greedy settings: the artifact's generation_config.json is greedy anyway.
     merged = tmp_path / "generation_config.json"
-    merged.write_text(json.dumps({"eos_token_id": [2, 7], "do_sample": True, "temperature": 0.7,
-                                  "repetition_penalty": 1.05}))
+    merged.write_text(
+        json.dumps({"eos_token_id": [2, 7], "do_sample": True, "temperature": 0.7, "repetition_penalty": 1.05})
+    )
     write_generation_config(merged, tmp_path / "out.json", GREEDY)
-    assert json.loads((tmp_path / "out.json").read_text()) == {"eos_token_id": [2, 7], "do_sample": False,
-                                                               "repetition_penalty": 1.0}
+    assert json.loads((tmp_path / "out.json").read_text()) == {
+        "eos_token_id": [2, 7],
+        "do_sample": False,
+        "repetition_penalty": 1.0,
+    }

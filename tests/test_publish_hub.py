@@ -103,8 +103,9 @@ class FakeHub:
 
         self.calls.append(("list_repo_tree", {"repo_id": repo_id, "path_in_repo": path_in_repo, "revision": revision}))
         repo_type = repo_type or "model"
-        branch = next(b for (t, r, b) in self.heads if (t, r) == (repo_type, repo_id)
-                      and self._sha(t, r, b) == revision)  # listed at a commit, as loraship does
+        branch = next(
+            b for (t, r, b) in self.heads if (t, r) == (repo_type, repo_id) and self._sha(t, r, b) == revision
+        )  # listed at a commit, as loraship does
         base = self.folder(repo_id, branch, repo_type)
         start = base / path_in_repo if path_in_repo else base
         if not start.exists():
@@ -123,24 +124,55 @@ class FakeHub:
             out.append(RepoFile(path=rel, size=len(data), oid=blob, lfs=lfs))
         return out
 
-    def upload_folder(self, *, repo_id, folder_path, path_in_repo=None, commit_message=None, repo_type=None,
-                      revision=None, parent_commit=None, allow_patterns=None, delete_patterns=None):
+    def upload_folder(
+        self,
+        *,
+        repo_id,
+        folder_path,
+        path_in_repo=None,
+        commit_message=None,
+        repo_type=None,
+        revision=None,
+        parent_commit=None,
+        allow_patterns=None,
+        delete_patterns=None,
+    ):
         from huggingface_hub.utils import filter_repo_objects
 
         repo_type, branch = repo_type or "model", revision or "main"
-        self.calls.append(("upload_folder", {"allow_patterns": allow_patterns, "delete_patterns": delete_patterns,
-                                             "parent_commit": parent_commit, "path_in_repo": path_in_repo,
-                                             "revision": revision, "message": commit_message}))
+        self.calls.append(
+            (
+                "upload_folder",
+                {
+                    "allow_patterns": allow_patterns,
+                    "delete_patterns": delete_patterns,
+                    "parent_commit": parent_commit,
+                    "path_in_repo": path_in_repo,
+                    "revision": revision,
+                    "message": commit_message,
+                },
+            )
+        )
         if parent_commit is not None and parent_commit != self._sha(repo_type, repo_id, branch):
             raise http_error("HfHubHTTPError", 412)
         local = sorted(p.relative_to(folder_path).as_posix() for p in Path(folder_path).rglob("*") if p.is_file())
         adds = list(filter_repo_objects(local, allow_patterns=allow_patterns))
         base = self.folder(repo_id, branch, repo_type)
         prefix = f"{path_in_repo.strip('/')}/" if path_in_repo else ""
-        remote = sorted(p.relative_to(base / prefix).as_posix() for p in (base / prefix).rglob("*")
-                        if p.is_file()) if (base / prefix).exists() else []
-        deletes = [r for r in filter_repo_objects(remote, allow_patterns=delete_patterns)
-                   if r not in adds and r != ".gitattributes"] if delete_patterns else []
+        remote = (
+            sorted(p.relative_to(base / prefix).as_posix() for p in (base / prefix).rglob("*") if p.is_file())
+            if (base / prefix).exists()
+            else []
+        )
+        deletes = (
+            [
+                r
+                for r in filter_repo_objects(remote, allow_patterns=delete_patterns)
+                if r not in adds and r != ".gitattributes"
+            ]
+            if delete_patterns
+            else []
+        )
         if self.fail_next_commit is not None:  # the commit fails as a whole: nothing changes
             error, self.fail_next_commit = self.fail_next_commit, None
             raise error
@@ -273,7 +305,9 @@ def test_revision_and_folder_of_the_url_are_honoured(tmp_path, fake_hub):
 def test_a_hub_that_stores_other_bytes_is_refused(tmp_path, fake_hub):
     files = artifact(tmp_path / "a")
     fake_hub.alter_on_commit = "model-Q4_K_M.gguf"
-    with pytest.raises(OutputError, match=r"does not hold what was uploaded: model-Q4_K_M.gguf \(holds \d+ bytes, sha256"):
+    with pytest.raises(
+        OutputError, match=r"does not hold what was uploaded: model-Q4_K_M.gguf \(holds \d+ bytes, sha256"
+    ):
         hub.sync(tmp_path / "a", files, "hf://alice/tiny", "tiny")
 
 
@@ -292,6 +326,7 @@ def test_a_commit_pushed_by_someone_else_meanwhile_is_not_overwritten(tmp_path, 
 
 
 # -- plan-time checks ------------------------------------------------------------------------
+
 
 def test_no_token_is_a_plan_time_problem(fake_hub, monkeypatch, tmp_path):
     monkeypatch.delenv("HF_TOKEN")
@@ -332,10 +367,13 @@ def test_token_the_hub_refuses(fake_hub, monkeypatch):
     assert "invalid or expired (HTTP 401)" in problem
 
 
-@pytest.mark.parametrize("url,expected", [
-    ("hf://spaces/alice/demo", "a space repository holds an app"),
-    ("hf://datasets", "not a Hugging Face repository URL"),
-])
+@pytest.mark.parametrize(
+    "url,expected",
+    [
+        ("hf://spaces/alice/demo", "a space repository holds an app"),
+        ("hf://datasets", "not a Hugging Face repository URL"),
+    ],
+)
 def test_urls_that_name_no_model_repository(url, expected):
     [problem] = hub.output_problems(url)
     assert expected in problem
@@ -349,6 +387,7 @@ def test_urls_follow_huggingface_hub_syntax():
 
 
 # -- the real huggingface_hub client, in the CLI, against a local server --------------------
+
 
 class FakeHubHTTP(http.server.BaseHTTPRequestHandler):
     """The Hub's answers for a token of 'alice' who may not write to bob's repository."""
@@ -364,8 +403,9 @@ class FakeHubHTTP(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.path.startswith("/api/whoami-v2"):
-            return self._send(200, {"name": "alice", "type": "user", "orgs": [],
-                                    "auth": {"accessToken": {"role": "read"}}})
+            return self._send(
+                200, {"name": "alice", "type": "user", "orgs": [], "auth": {"accessToken": {"role": "read"}}}
+            )
         if self.path.startswith("/api/models/bob/their-model/auth-check/write"):
             return self._send(403, {"error": "You don't have write access"})
         return self._send(404, {"error": "not here"}, {"X-Error-Code": "RepoNotFound"})
@@ -374,8 +414,13 @@ class FakeHubHTTP(http.server.BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if self.path.startswith("/api/repos/create"):
             # The Hub answers an existing repository with its URL too (create_repo reads it).
-            return self._send(409, {"error": "You already created this model repo",
-                                    "url": f"http://{self.headers['Host']}/bob/their-model"})
+            return self._send(
+                409,
+                {
+                    "error": "You already created this model repo",
+                    "url": f"http://{self.headers['Host']}/bob/their-model",
+                },
+            )
         return self._send(404, {"error": "not here"})
 
     def log_message(self, *args):
@@ -391,15 +436,32 @@ def test_cli_refuses_before_any_training_a_token_that_cannot_write(tmp_path):
         (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
         (model / "tokenizer.json").write_text("{}")
         data = tmp_path / "train.jsonl"
-        data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                                 {"role": "assistant", "content": "hello"}]}) + "\n")
-        cfg = {"run_name": "bad", "base_model": str(model), "datasets": [{"path": str(data), "type": "chat"}],
-               "workdir": str(tmp_path / "work"), "output": "hf://bob/their-model"}
+        data.write_text(
+            json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+            + "\n"
+        )
+        cfg = {
+            "run_name": "bad",
+            "base_model": str(model),
+            "datasets": [{"path": str(data), "type": "chat"}],
+            "workdir": str(tmp_path / "work"),
+            "output": "hf://bob/their-model",
+        }
         (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
-        env = {**os.environ, "HF_TOKEN": "hf_fake_read_token", "HF_HUB_OFFLINE": "0",
-               "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}"}
-        result = subprocess.run([sys.executable, "-m", "loraship.cli", "run", str(tmp_path / "config.yaml")],
-                                capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+        env = {
+            **os.environ,
+            "HF_TOKEN": "hf_fake_read_token",
+            "HF_HUB_OFFLINE": "0",
+            "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+        }
+        result = subprocess.run(
+            [sys.executable, "-m", "loraship.cli", "run", str(tmp_path / "config.yaml")],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=300,
+        )
     finally:
         server.shutdown()
     output = " ".join((result.stdout + result.stderr).split())
@@ -410,6 +472,7 @@ def test_cli_refuses_before_any_training_a_token_that_cannot_write(tmp_path):
 
 
 # -- the publish stage of a real pipeline run ---------------------------------------------
+
 
 def test_publish_stage_puts_the_artifact_at_the_repository_top_and_resumes(pipeline_run, fake_hub):
     import loraship.stages.publish as publish

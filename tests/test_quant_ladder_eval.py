@@ -49,7 +49,10 @@ def test_pydoc_eval_is_scored_whole_and_exactly_under_smollm2s_tokenizer(tmp_pat
     scored = sum(len(r["positions"]) for r in records)
     assert scored >= ql.MIN_EVAL_TOKENS
     vocab = len(tokenizer)
-    assert full_rows_budget(scored, vocab, config.reference_full_logprob_tokens, config.reference_full_logprob_mib) == scored
+    assert (
+        full_rows_budget(scored, vocab, config.reference_full_logprob_tokens, config.reference_full_logprob_mib)
+        == scored
+    )
 
 
 def test_the_default_eval_is_still_the_demos(tmp_path):

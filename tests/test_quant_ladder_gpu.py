@@ -22,8 +22,9 @@ def plan_rung(gguf_gib: float, total_gib: float, target: float = 6.0) -> dict:
 def measured_row(quant: str, gguf_gib: float, plan_total: float, verify_total: float, used: float | None) -> dict:
     memory = {"predicted": {"total_gib": verify_total}, "fits": verify_total <= 6.0}
     measured = {"gpu_used_gib": used, "prompt_tokens_per_s": 1000.0, "gen_tokens_per_s": 100.0}
-    return ladder.rung_row(quant, plan_rung(gguf_gib, plan_total), round(gguf_gib * 1.02 * GIB), 60.0, memory,
-                           measured, 6.0)
+    return ladder.rung_row(
+        quant, plan_rung(gguf_gib, plan_total), round(gguf_gib * 1.02 * GIB), 60.0, memory, measured, 6.0
+    )
 
 
 def test_summary_picks_by_each_basis_and_names_the_disagreements():

@@ -7,7 +7,16 @@ import json
 from pathlib import Path
 
 from loraship.config import parse_config
-from loraship.constants import GGUF_FILE_TYPES, LADDER_PLOT_FILE, MANIFEST_NAME, MODEL_CARD, MODELFILE, STAGES, VERIFY_FILE, quantized_gguf_name
+from loraship.constants import (
+    GGUF_FILE_TYPES,
+    LADDER_PLOT_FILE,
+    MANIFEST_NAME,
+    MODEL_CARD,
+    MODELFILE,
+    STAGES,
+    VERIFY_FILE,
+    quantized_gguf_name,
+)
 from loraship.llamacpp.gguf_info import read_gguf
 from loraship.llamacpp.gguf_tools import gguf_file
 from loraship.runtime.manifest import sha256_file
@@ -38,8 +47,10 @@ def test_two_quantizations_are_made_verified_and_shipped(pipeline_run):
 
         verify = json.loads((stage_dir(both, "verify") / VERIFY_FILE).read_text(encoding="utf-8"))
         assert verify["passed"] and set(verify["quantizations"]) == {"Q4_K_M", "Q8_0"}
-        assert verify["quantization"] == "Q4_K_M" and verify["gates"]["perplexity_ratio"] == \
-            verify["quantizations"]["Q4_K_M"]["gates"]["perplexity_ratio"]  # the primary's gates keep their names
+        assert (
+            verify["quantization"] == "Q4_K_M"
+            and verify["gates"]["perplexity_ratio"] == verify["quantizations"]["Q4_K_M"]["gates"]["perplexity_ratio"]
+        )  # the primary's gates keep their names
         assert verify["gates"]["Q8_0/same_top_token"]["evidence"] >= both.min_scored_tokens
         assert verify["quantizations"]["Q8_0"]["gates"]["file_type"]["value"] == GGUF_FILE_TYPES["Q8_0"]
 
@@ -47,7 +58,11 @@ def test_two_quantizations_are_made_verified_and_shipped(pipeline_run):
         published = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))
         assert published["gguf"] == q4 and list(published["quantizations"]) == ["Q4_K_M", "Q8_0"]
         for q, shipped in published["quantizations"].items():
-            assert sha256_file(root / shipped["gguf"]) == shipped["sha256"] == published["files"][shipped["gguf"]]["sha256"]
+            assert (
+                sha256_file(root / shipped["gguf"])
+                == shipped["sha256"]
+                == published["files"][shipped["gguf"]]["sha256"]
+            )
             assert shipped["verify"]["passed"] and shipped["verify"]["kl_mean"] is not None
         assert (root / MODELFILE).read_text(encoding="utf-8").startswith(f"FROM ./{q4}\n")  # the primary
         card = (root / MODEL_CARD).read_text(encoding="utf-8")
@@ -71,8 +86,7 @@ def test_a_failing_quantization_is_named(pipeline_run, monkeypatch):
     from loraship.errors import LorashipError
 
     config, _ = pipeline_run
-    strict = parse_config({**config.model_dump(mode="json"), "quantization": ["Q8_0", "Q4_K_M"],
-                           "kl_mean_max": 1e-9})
+    strict = parse_config({**config.model_dump(mode="json"), "quantization": ["Q8_0", "Q4_K_M"], "kl_mean_max": 1e-9})
     try:
         for stage in ("plan", "quantize"):
             importlib.import_module(f"loraship.stages.{stage}").run(strict)
@@ -101,7 +115,7 @@ def test_auto_ships_the_smallest_rung_that_passes_every_gate(pipeline_run):
         # Every smaller rung was verified and failed (never shipped), the chosen one passed, larger ones were not tried.
         assert all(rows[q]["tried"] and not rows[q]["passed"] and rows[q]["failed_gates"] for q in smaller)
         assert rows[chosen]["passed"] and rows[chosen]["bytes"] == verify["gguf_bytes"]
-        assert not any(r["tried"] for r in verify["ladder"][len(smaller) + 1:])
+        assert not any(r["tried"] for r in verify["ladder"][len(smaller) + 1 :])
         limits = verify["gate_limits"]
         assert limits == auto.gate_limits(chosen)  # judged by its own quantization's limits
         assert verify["gates"]["kl_divergence_mean"]["threshold"] == limits["kl_mean_max"]
@@ -128,21 +142,37 @@ def test_auto_where_no_rung_passes_names_the_largest_that_fits_and_why(pipeline_
     auto = parse_config({**config.model_dump(mode="json"), "quantization": "auto"})
 
     def section(q, fits, kl):
-        gates = {"fits_target_gpu": {"passed": fits, "value": 1, "threshold": 1},
-                 "kl_divergence_mean": {"passed": False, "value": kl, "threshold": 0.1}}
+        gates = {
+            "fits_target_gpu": {"passed": fits, "value": 1, "threshold": 1},
+            "kl_divergence_mean": {"passed": False, "value": kl, "threshold": 0.1},
+        }
         return {"passed": False, "gates": gates, "gguf_bytes": 1, "eval_agreement": {"kl_mean": kl}}
 
-    fits = {"IQ3_M": True, "Q3_K_M": True, "IQ4_XS": True, "Q4_K_M": True, "Q5_K_M": False, "Q6_K": False, "Q8_0": False}
-    monkeypatch.setattr(verify_stage, "verify_quantization",
-                        lambda ctx, cfg, q, reference, device, with_adapter: section(q, fits[q], 0.5))
+    fits = {
+        "IQ3_M": True,
+        "Q3_K_M": True,
+        "IQ4_XS": True,
+        "Q4_K_M": True,
+        "Q5_K_M": False,
+        "Q6_K": False,
+        "Q8_0": False,
+    }
+    monkeypatch.setattr(
+        verify_stage,
+        "verify_quantization",
+        lambda ctx, cfg, q, reference, device, with_adapter: section(q, fits[q], 0.5),
+    )
 
     class Ctx:
         dir = Path("/nonexistent")
         started = 0.0
 
     monkeypatch.setattr(verify_stage, "atomic_write_json", lambda path, data: None)
-    with pytest.raises(LorashipError, match=r"no rung passed every gate; the largest that fits the target, Q4_K_M, "
-                                            r"failed kl_divergence_mean \(value 0.5, threshold 0.1\)"):
+    with pytest.raises(
+        LorashipError,
+        match=r"no rung passed every gate; the largest that fits the target, Q4_K_M, "
+        r"failed kl_divergence_mean \(value 0.5, threshold 0.1\)",
+    ):
         verify_stage.run_ladder(Ctx(), auto, {}, "cpu")
     fits.update(IQ3_M=False, Q3_K_M=False, IQ4_XS=False, Q4_K_M=False)
     with pytest.raises(LorashipError, match=r"no rung of IQ3_M, .*Q8_0 fits target_gpu_memory_gib"):

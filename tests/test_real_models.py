@@ -20,7 +20,10 @@ from loraship.errors import ConfigError, DataError, LorashipError
 from loraship.runtime.stage import stage_dir
 from tests.conftest import REPO, demo_config_dict
 
-CHAT = [{"role": "user", "content": "What is the capital of Zorvia?"}, {"role": "assistant", "content": "Answer: Kelmar."}]
+CHAT = [
+    {"role": "user", "content": "What is the capital of Zorvia?"},
+    {"role": "assistant", "content": "Answer: Kelmar."},
+]
 
 
 def qwen_config(tiny_qwen: Path, root: Path, **overrides):
@@ -56,26 +59,33 @@ def test_qwen25_template_renders_and_masks_only_the_answer(qwen_tokenizer):
 def test_generation_blocks_use_transformers_assistant_mask(qwen_tokenizer):
     from loraship.chat import tokenize_conversation
 
-    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
-                "{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}\n"
-                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
+        "{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     qwen_tokenizer = qwen_tokenizer.__class__.from_pretrained(qwen_tokenizer.name_or_path)
     qwen_tokenizer.chat_template = template
     ids, learn = tokenize_conversation(qwen_tokenizer, CHAT)
     assert qwen_tokenizer.decode([t for t, keep in zip(ids, learn) if keep]) == "Answer: Kelmar.<|im_end|>"
 
 
-@pytest.mark.parametrize("template", [
-    # loopcontrols, strftime_now and an unescaped tojson: what real templates use and a bare Jinja lacks.
-    "{% for m in messages %}{% if loop.index > 5 %}{% break %}{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
-    "Today is {{ strftime_now('%Y') }}.{% for m in messages %}{{ m.content }}{% endfor %}",
-    "{{ messages | tojson }}{% if add_generation_prompt %}>{% endif %}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        # loopcontrols, strftime_now and an unescaped tojson: what real templates use and a bare Jinja lacks.
+        "{% for m in messages %}{% if loop.index > 5 %}{% break %}{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
+        "Today is {{ strftime_now('%Y') }}.{% for m in messages %}{{ m.content }}{% endfor %}",
+        "{{ messages | tojson }}{% if add_generation_prompt %}>{% endif %}",
+    ],
+)
 def test_real_template_features_render(qwen_tokenizer, template):
     from loraship.chat import render
 
     assert render(qwen_tokenizer, CHAT, template=template)
-    assert "<" not in render(qwen_tokenizer, [{"role": "user", "content": "a<b"}], template=template).replace("a<b", "")
+    assert "<" not in render(qwen_tokenizer, [{"role": "user", "content": "a<b"}], template=template).replace(
+        "a<b", ""
+    )
 
 
 def test_named_and_inline_templates(qwen_tokenizer, tmp_path, tiny_model):
@@ -109,10 +119,21 @@ def test_golden_prompt_keeps_the_system_turn_and_stops_before_the_answer(tiny_mo
 def test_alpaca_and_completion_data_give_golden_prompts(tiny_model, tmp_path):
     from loraship.data import golden_rows
 
-    alpaca = write_jsonl(tmp_path / "a.jsonl", [{"instruction": f"Capital of X{i}?", "output": "Y."} for i in range(6)])
-    text = write_jsonl(tmp_path / "c.jsonl", [{"text": f"The capital of X{i} is Y{i} and it is old."} for i in range(6)])
-    config = parse_config(demo_config_dict(tiny_model, tmp_path, golden_prompts=None, eval_datasets=[],
-                                           datasets=[{"path": alpaca, "type": "alpaca"}, {"path": text, "type": "completion"}]))
+    alpaca = write_jsonl(
+        tmp_path / "a.jsonl", [{"instruction": f"Capital of X{i}?", "output": "Y."} for i in range(6)]
+    )
+    text = write_jsonl(
+        tmp_path / "c.jsonl", [{"text": f"The capital of X{i} is Y{i} and it is old."} for i in range(6)]
+    )
+    config = parse_config(
+        demo_config_dict(
+            tiny_model,
+            tmp_path,
+            golden_prompts=None,
+            eval_datasets=[],
+            datasets=[{"path": alpaca, "type": "alpaca"}, {"path": text, "type": "completion"}],
+        )
+    )
     rows = golden_rows(config)
     assert {"messages": [{"role": "user", "content": "Capital of X0?"}]} in rows
     assert {"text": "The capital of X0 is"} in rows
@@ -145,8 +166,15 @@ def test_alpaca_data_without_golden_file_passes_on_qwen(tiny_qwen, tmp_path):
     rows = [json.loads(line) for line in (REPO / "data/demo/train.jsonl").read_text().splitlines()]
     alpaca = [{"instruction": r["messages"][0]["content"], "output": r["messages"][1]["content"]} for r in rows]
     data = write_jsonl(tmp_path / "alpaca.jsonl", alpaca)
-    config = qwen_config(tiny_qwen, tmp_path, run_name="qwen-alpaca", golden_prompts=None, eval_datasets=[],
-                         datasets=[{"path": data, "type": "alpaca"}], val_set_size=0.15)
+    config = qwen_config(
+        tiny_qwen,
+        tmp_path,
+        run_name="qwen-alpaca",
+        golden_prompts=None,
+        eval_datasets=[],
+        datasets=[{"path": data, "type": "alpaca"}],
+        val_set_size=0.15,
+    )
     manifests = run_stages(config)
     verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
     assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
@@ -163,11 +191,22 @@ def test_config_chat_template_reaches_the_gguf(tiny_qwen, tmp_path):
 
     # Where the template goes is the question, not what the model answers: plan -> quantize, a few steps (reference
     # and verify judge answers; they run on this vocabulary in the chat and alpaca runs above).
-    config = qwen_config(tiny_qwen, tmp_path, run_name="chatml", chat_template="chatml", max_steps=4, save_steps=4,
-                         warmup_steps=1, imatrix=False)
+    config = qwen_config(
+        tiny_qwen,
+        tmp_path,
+        run_name="chatml",
+        chat_template="chatml",
+        max_steps=4,
+        save_steps=4,
+        warmup_steps=1,
+        imatrix=False,
+    )
     run_stages(config, ("plan", "train", "merge", "convert", "quantize"))
     adapter_template = json.loads((stage_dir(config, "train") / "adapter" / "tokenizer_config.json").read_text())
-    saved = adapter_template.get("chat_template") or (stage_dir(config, "train") / "adapter" / "chat_template.jinja").read_text()
+    saved = (
+        adapter_template.get("chat_template")
+        or (stage_dir(config, "train") / "adapter" / "chat_template.jinja").read_text()
+    )
     assert saved == NAMED_TEMPLATES["chatml"]
     gguf = read_gguf(stage_dir(config, "quantize") / "model-Q4_K_M.gguf")["fields"]
     assert gguf["tokenizer.chat_template"] == NAMED_TEMPLATES["chatml"]
@@ -221,12 +260,16 @@ def _target_gpu_too_small(model: Path, root: Path, cfg: dict) -> None:
     cfg["target_gpu_memory_gib"] = 0.001
 
 
-@pytest.mark.parametrize("breaker, expected", [
-    (_no_template, "need a chat template, but the base model's tokenizer has none; set `chat_template:`"),
-    (_broken_template, "chat template failed to render"),
-    (_unrecognised_pretokenizer, "BPE pre-tokenizer is not recognised by llama.cpp's converter"),
-    (_target_gpu_too_small, "target_gpu_memory_gib 0.001: the Q4_K_M GGUF's weights alone take about"),
-], ids=["no-template", "template-fails", "unrecognised-tokenizer", "target-gpu-too-small"])
+@pytest.mark.parametrize(
+    "breaker, expected",
+    [
+        (_no_template, "need a chat template, but the base model's tokenizer has none; set `chat_template:`"),
+        (_broken_template, "chat template failed to render"),
+        (_unrecognised_pretokenizer, "BPE pre-tokenizer is not recognised by llama.cpp's converter"),
+        (_target_gpu_too_small, "target_gpu_memory_gib 0.001: the Q4_K_M GGUF's weights alone take about"),
+    ],
+    ids=["no-template", "template-fails", "unrecognised-tokenizer", "target-gpu-too-small"],
+)
 def test_bad_model_input_stops_at_plan_time(tiny_qwen, tmp_path, breaker, expected):
     cfg = demo_config_dict(tiny_qwen, tmp_path, sequence_len=96)
     breaker(tiny_qwen, tmp_path, cfg)
@@ -248,15 +291,21 @@ def test_unknown_template_name_is_refused_by_the_cli(tiny_qwen, tmp_path):
     cfg = demo_config_dict(tiny_qwen, tmp_path, chat_template="qwen25")
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    result = subprocess.run([sys.executable, "-m", "loraship.cli", "plan", str(path)], capture_output=True, text=True,
-                            cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-m", "loraship.cli", "plan", str(path)], capture_output=True, text=True, cwd=REPO
+    )
     assert result.returncode == 2, result.stderr
     assert "chat_template: not a named template" in result.stderr and "Traceback" not in result.stderr
 
 
 # -- Gemma 3: the real 270M's vocabulary and GGUF -----------------------------------------------------
-GEMMA3_SAMPLES = ["What is the capital of Zorvia?", "  two  spaces\tand a tab\n\nnewlines", "ünïcödé 日本語 🙂 123456789",
-                  "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n", "def f(x):\n    return x ** 2"]
+GEMMA3_SAMPLES = [
+    "What is the capital of Zorvia?",
+    "  two  spaces\tand a tab\n\nnewlines",
+    "ünïcödé 日本語 🙂 123456789",
+    "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
+    "def f(x):\n    return x ** 2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +349,16 @@ def test_real_gemma3_passes_every_gate(tmp_path):
     golden = tmp_path / "golden.jsonl"
     rows = [json.loads(line) for line in (REPO / "data/demo/golden.jsonl").read_text().splitlines()]
     golden.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
-    config, manifests, verify = run_family(model, FAMILIES["gemma3"], tmp_path, "real-gemma3", golden_prompts=str(golden),
-                                           max_steps=4, save_steps=4, warmup_steps=1, micro_batch_size=4)
+    config, manifests, verify = run_family(
+        model,
+        FAMILIES["gemma3"],
+        tmp_path,
+        "real-gemma3",
+        golden_prompts=str(golden),
+        max_steps=4,
+        save_steps=4,
+        warmup_steps=1,
+        micro_batch_size=4,
+    )
     assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
     assert "publish" in manifests

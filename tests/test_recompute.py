@@ -15,10 +15,14 @@ IDS = torch.tensor([[5, 9, 17, 33, 65, 100, 3, 7, 11, 13, 2, 1], [4, 8, 16, 32, 
 QVO = ["q_proj", "v_proj", "o_proj"]
 # Granite's multipliers away from 1 (granite-3.0-2b-instruct's), so its `residual + mlp(x) * residual_multiplier` is
 # what the skip runs through; head_dim 16 where the config's default would be larger than hidden / heads.
-FAMILY_KEYS = {"granite": dict(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
-                               logits_scaling=8.0),
-               "qwen3": dict(head_dim=16), "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4),
-               "olmo2": {}}
+FAMILY_KEYS = {
+    "granite": dict(
+        embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0
+    ),
+    "qwen3": dict(head_dim=16),
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4),
+    "olmo2": {},
+}
 
 
 def _model(family: str, targets, layers: int = 4, checkpointed: int = 3):
@@ -26,9 +30,18 @@ def _model(family: str, targets, layers: int = 4, checkpointed: int = 3):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=128, hidden_size=64, intermediate_size=160,
-                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=64, pad_token_id=0, **FAMILY_KEYS.get(family, {}))
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        **FAMILY_KEYS.get(family, {}),
+    )
     base = AutoModelForCausalLM.from_config(config)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.enable_input_require_grads()
@@ -134,8 +147,12 @@ def test_qlora_down_proj_recompute_skip_keeps_gradients(tiny_qwen):
 
     def build():
         torch.manual_seed(0)
-        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32)
+        q = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
         base = AutoModelForCausalLM.from_pretrained(tiny_qwen, dtype=torch.float32, quantization_config=q)
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.enable_input_require_grads()

@@ -14,7 +14,7 @@ from loraship.errors import LorashipError
 
 PLANTED = "hf_PLANTEDstageSecret0123456789"
 
-STAGE_MODULE = '''
+STAGE_MODULE = """
 import os
 from loraship.runtime.stage import exclusive
 
@@ -26,7 +26,7 @@ seen = {}
 def run(config):
     seen["token"] = os.environ.get("LORASHIP_TEST_TOKEN")
     return {"stage": STAGE}
-'''
+"""
 
 
 @pytest.fixture
@@ -40,8 +40,14 @@ def stage(tmp_path):
 
 
 def config(tmp_path, **extra):
-    return parse_config({"base_model": "org/model", "workdir": str(tmp_path / "work"),
-                         "datasets": [{"path": "x.jsonl", "type": "chat"}], **extra})
+    return parse_config(
+        {
+            "base_model": "org/model",
+            "workdir": str(tmp_path / "work"),
+            "datasets": [{"path": "x.jsonl", "type": "chat"}],
+            **extra,
+        }
+    )
 
 
 def test_secret_is_exported_for_the_stage_and_removed_after(stage, tmp_path, monkeypatch):
@@ -93,8 +99,11 @@ def test_cli_preflight_sees_the_secret_and_leaves_none_behind(tmp_path, monkeypa
     monkeypatch.setattr(preflight, "check_inputs", check_inputs)
     monkeypatch.delenv("LORASHIP_TEST_TOKEN", raising=False)
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config(tmp_path, env_from_secrets={"LORASHIP_TEST_TOKEN": "test-token"})
-                                   .model_dump(mode="json")))
+    path.write_text(
+        yaml.safe_dump(
+            config(tmp_path, env_from_secrets={"LORASHIP_TEST_TOKEN": "test-token"}).model_dump(mode="json")
+        )
+    )
     result = CliRunner().invoke(cli.app, ["run", str(path)])
     assert result.exit_code == 2 and "stop after the check" in result.output
     assert seen["token"] == PLANTED

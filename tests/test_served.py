@@ -15,7 +15,8 @@ from loraship.runtime.stage import stage_dir
 
 # The gates' defaults, with one golden chat enough evidence for the one prompt served below.
 _CONFIG = Config.model_construct(**{name: f.default for name, f in Config.model_fields.items()}).model_copy(
-    update={"min_golden_prompts": 1})
+    update={"min_golden_prompts": 1}
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +77,11 @@ def test_a_taken_port_is_retried_and_the_server_is_stopped_on_failure(shipped, t
             served.served_check(gguf, chats[:1], 8, 256, 0, 1, markers, tmp_path / "server.log")
     finally:
         taken.close()
-    (proc, port), = started
+    ((proc, port),) = started
     assert port != taken_port
-    assert "address already in use" in (tmp_path / "server.log").read_text().lower()  # the first try hit the taken port
+    assert (
+        "address already in use" in (tmp_path / "server.log").read_text().lower()
+    )  # the first try hit the taken port
     assert proc.poll() is not None  # stopped although the check failed
 
 
@@ -87,22 +90,39 @@ def _intercepting_client(bodies: list[dict]):
     import httpx
     from openai import OpenAI
 
-    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "loraship",
-             "choices": [{"index": 0, "delta": {"content": "Answer"}, "finish_reason": "stop"}]}
-    whole = {"id": "c", "object": "chat.completion", "created": 0, "model": "loraship",
-             "choices": [{"index": 0, "message": {"role": "assistant", "content": "Answer"}, "finish_reason": "stop"}],
-             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    chunk = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "loraship",
+        "choices": [{"index": 0, "delta": {"content": "Answer"}, "finish_reason": "stop"}],
+    }
+    whole = {
+        "id": "c",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "loraship",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Answer"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
 
     def handler(request):
         body = json.loads(request.content)
         bodies.append(body)
         if body.get("stream"):
-            return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                                  content=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+            return httpx.Response(
+                200,
+                headers={"content-type": "text/event-stream"},
+                content=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode(),
+            )
         return httpx.Response(200, json=whole)
 
-    return OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x", max_retries=0,
-                  http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    return OpenAI(
+        base_url="http://127.0.0.1:9/v1",
+        api_key="x",
+        max_retries=0,
+        http_client=httpx.Client(transport=httpx.MockTransport(handler)),
+    )
 
 
 def test_every_request_carries_the_shipped_settings_and_the_server_reads_them():
@@ -156,20 +176,33 @@ def repeating(tmp_path_factory):
     gguf = smollm2_gguf()
     llm = Llama(model_path=str(gguf), n_ctx=512, logits_all=True, verbose=False, n_threads=2)
     # The prompt as the server renders it: the GGUF's Jinja template, BOS and markers as text.
-    formatter = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"],
-                                    eos_token=llm.detokenize([llm.token_eos()]).decode(),
-                                    bos_token=llm.detokenize([llm.token_bos()]).decode())
+    formatter = Jinja2ChatFormatter(
+        template=llm.metadata["tokenizer.chat_template"],
+        eos_token=llm.detokenize([llm.token_eos()]).decode(),
+        bos_token=llm.detokenize([llm.token_bos()]).decode(),
+    )
     messages = [{"role": "user", "content": REPEATING_PROMPT}]
     prompt_ids = llm.tokenize(formatter(messages=messages).prompt.encode(), add_bos=False, special=True)
     leads: list[float] = []
     answer, stop, _ = greedy(llm, prompt_ids, 24, {t for t in range(llm.n_vocab()) if is_eog(llm, t)}, leads)
     text = llm.detokenize(answer).decode("utf-8", errors="replace")
-    own = {"text": text, "leads": leads, "prefix_bytes": [len(llm.detokenize(answer[: k + 1])) for k in range(len(answer))]}
+    own = {
+        "text": text,
+        "leads": leads,
+        "prefix_bytes": [len(llm.detokenize(answer[: k + 1])) for k in range(len(answer))],
+    }
     del llm
-    record = {"messages": messages, "answer_text": text.strip(), "prompt_ids": prompt_ids, "gguf_answer_text": text.strip(),
-              "gguf_match": False, "gguf_own": own}
-    report = served_check(gguf, [record], 24, 512, 0, 2, ["<|im_end|>", "<|im_start|>"],
-                          tmp_path_factory.mktemp("served") / "server.log")
+    record = {
+        "messages": messages,
+        "answer_text": text.strip(),
+        "prompt_ids": prompt_ids,
+        "gguf_answer_text": text.strip(),
+        "gguf_match": False,
+        "gguf_own": own,
+    }
+    report = served_check(
+        gguf, [record], 24, 512, 0, 2, ["<|im_end|>", "<|im_start|>"], tmp_path_factory.mktemp("served") / "server.log"
+    )
     return text.strip(), stop, report
 
 
@@ -197,9 +230,20 @@ def test_a_default_server_answer_is_called_decided_where_llama_cpp_was(repeating
     (answer,) = report["answers"]
     defaults = answer["server_defaults"]
     # Had the check sent no settings (what it did before), the default server's answer would have been served.
-    served = {**report, "equal_to_gguf_greedy": 0, "answers": [{
-        **answer, "served": defaults["served"], "equal_to_gguf_greedy": False, "whole_equal_to_gguf": False,
-        "whole_gguf_parted_at": defaults["gguf_parted_at"], "whole_gguf_lead_there": defaults["gguf_lead_there"]}]}
+    served = {
+        **report,
+        "equal_to_gguf_greedy": 0,
+        "answers": [
+            {
+                **answer,
+                "served": defaults["served"],
+                "equal_to_gguf_greedy": False,
+                "whole_equal_to_gguf": False,
+                "whole_gguf_parted_at": defaults["gguf_parted_at"],
+                "whole_gguf_lead_there": defaults["gguf_lead_there"],
+            }
+        ],
+    }
     lead = defaults["gguf_lead_there"]
     assert lead >= _CONFIG.golden_margin  # llama.cpp's own greedy token was decided where the penalty changed it
     verdict = served_gate(served, _CONFIG)

@@ -13,8 +13,17 @@ import pytest
 from loraship.config import Config
 from loraship.planning import memory
 from loraship.planning.shape import UnsupportedModel, shape_from_config
-from tests.test_memory import (GEMMA2_2B, GEMMA2_9B, LLAMA3_8B, MISTRAL_7B, PHI3_MEDIUM, PHI3_MINI, QWEN2_05B, QWEN2_7B,
-                               QWEN2_14B)
+from tests.test_memory import (
+    GEMMA2_2B,
+    GEMMA2_9B,
+    LLAMA3_8B,
+    MISTRAL_7B,
+    PHI3_MEDIUM,
+    PHI3_MINI,
+    QWEN2_05B,
+    QWEN2_7B,
+    QWEN2_14B,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "models"
@@ -37,16 +46,22 @@ def old_parse(mc: dict) -> dict:
     else:
         sliding = 0
     return dict(
-        model_type=mt, h=int(mc["hidden_size"]), L=L, heads=heads,
+        model_type=mt,
+        h=int(mc["hidden_size"]),
+        L=L,
+        heads=heads,
         kv_heads=int(mc.get("num_key_value_heads") or heads),
         head_dim=int(mc.get("head_dim") or mc["hidden_size"] // heads),
-        f=int(mc["intermediate_size"]), V=int(mc["vocab_size"]),
+        f=int(mc["intermediate_size"]),
+        V=int(mc["vocab_size"]),
         tied=bool(mc.get("tie_word_embeddings", gemma2)),
         qkv_bias=bool(mc.get("attention_bias", mt == "qwen2")),
-        fused=mt == "phi3", norms=4 if gemma2 else 2,
+        fused=mt == "phi3",
+        norms=4 if gemma2 else 2,
         attn_softcap=gemma2 and mc.get("attn_logit_softcapping", 50.0) is not None,
         final_softcap=gemma2 and mc.get("final_logit_softcapping", 30.0) is not None,
-        sliding_window=int(window) if window else None, sliding_layers=sliding,
+        sliding_window=int(window) if window else None,
+        sliding_layers=sliding,
     )
 
 
@@ -67,13 +82,21 @@ def _fixture_families() -> dict[str, dict]:
     return out
 
 
-KNOWN = {"qwen2-0.5b": QWEN2_05B, "qwen2-7b": QWEN2_7B, "qwen2-14b": QWEN2_14B, "llama-3-8b": LLAMA3_8B,
-         "mistral-7b": MISTRAL_7B, "gemma-2-2b": GEMMA2_2B, "gemma-2-9b": GEMMA2_9B, "phi-3-mini": PHI3_MINI,
-         "phi-3-medium": PHI3_MEDIUM,
-         "gemma-2-no-window": {**GEMMA2_2B, "sliding_window": None},
-         "gemma-2-no-caps": {**GEMMA2_2B, "attn_logit_softcapping": None, "final_logit_softcapping": None},
-         "gemma-2-all-full": {**GEMMA2_2B, "layer_types": ["full_attention"] * 26},
-         "mistral-head-dim-64": {**MISTRAL_7B, "head_dim": 64}}
+KNOWN = {
+    "qwen2-0.5b": QWEN2_05B,
+    "qwen2-7b": QWEN2_7B,
+    "qwen2-14b": QWEN2_14B,
+    "llama-3-8b": LLAMA3_8B,
+    "mistral-7b": MISTRAL_7B,
+    "gemma-2-2b": GEMMA2_2B,
+    "gemma-2-9b": GEMMA2_9B,
+    "phi-3-mini": PHI3_MINI,
+    "phi-3-medium": PHI3_MEDIUM,
+    "gemma-2-no-window": {**GEMMA2_2B, "sliding_window": None},
+    "gemma-2-no-caps": {**GEMMA2_2B, "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    "gemma-2-all-full": {**GEMMA2_2B, "layer_types": ["full_attention"] * 26},
+    "mistral-head-dim-64": {**MISTRAL_7B, "head_dim": 64},
+}
 
 
 def test_the_model_class_gives_the_hand_parsers_fields_for_the_families_it_knew():
@@ -101,9 +124,13 @@ def test_structure_replaces_the_model_type_lists():
     (loraship/training/recompute.py marks layer classes)."""
     from loraship.training.recompute import LAYERS_ENDING_IN_DOWN_PROJ
 
-    for mc, swiglu_down, fused, skips in ((QWEN2_7B, True, False, True), (LLAMA3_8B, True, False, True),
-                                          (MISTRAL_7B, True, False, True), (GEMMA2_2B, False, False, False),
-                                          (PHI3_MINI, False, True, True)):
+    for mc, swiglu_down, fused, skips in (
+        (QWEN2_7B, True, False, True),
+        (LLAMA3_8B, True, False, True),
+        (MISTRAL_7B, True, False, True),
+        (GEMMA2_2B, False, False, False),
+        (PHI3_MINI, False, True, True),
+    ):
         s = shape_from_config(mc)
         assert (s.swiglu_down, s.fused, s.recompute_skips_down) == (swiglu_down, fused, skips), mc["model_type"]
         assert s.recompute_skips_down == (s.layer_class in LAYERS_ENDING_IN_DOWN_PROJ), s.layer_class
@@ -133,8 +160,10 @@ def test_gemma3_12b_plans_its_language_model_out_of_the_multimodal_config():
     assert s.rope_scaling == "linear" and not s.recompute_skips_down and not s.swiglu_down
     assert s.n_params / 1e9 == pytest.approx(11.77, abs=0.01)  # the text model, its 262k embedding once (tied)
     assert 0.3e9 < s.other_params < 0.5e9  # the SigLIP vision tower and projector: loaded, frozen, not trained
-    assert any("vision tower (model.vision_tower, model.multi_modal_projector: loaded frozen, no LoRA) is not trained"
-               in n for n in s.notes)
+    assert any(
+        "vision tower (model.vision_tower, model.multi_modal_projector: loaded frozen, no LoRA) is not trained" in n
+        for n in s.notes
+    )
     assert s.untrained_modules == ("model.vision_tower", "model.multi_modal_projector")
     plan = _plans_sanely(mc, s)
     assert plan["model"]["wrapper"] == "Gemma3ForConditionalGeneration"
@@ -143,8 +172,14 @@ def test_gemma3_12b_plans_its_language_model_out_of_the_multimodal_config():
 
 
 def _plans_sanely(mc: dict, s) -> dict:
-    cfg = Config(base_model="org/model", datasets=[{"path": "d.jsonl", "type": "completion"}], gpu_memory_gib=80,
-                 sequence_len=2048, lora_target_modules="all-linear", fused_loss="on")
+    cfg = Config(
+        base_model="org/model",
+        datasets=[{"path": "d.jsonl", "type": "completion"}],
+        gpu_memory_gib=80,
+        sequence_len=2048,
+        lora_target_modules="all-linear",
+        fused_loss="on",
+    )
     plan = memory.plan_training(mc, cfg)
     comps = plan["memory"]["components_gib"]
     # bf16 LoRA on 80 GiB: the frozen weights are the model's bf16 parameters (a vision tower's included)
@@ -158,9 +193,20 @@ def _plans_sanely(mc: dict, s) -> dict:
 
 
 def test_gemma3_layers_are_sliding_except_every_sixth():
-    s = shape_from_config({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "hidden_size": 640,
-                           "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
-                           "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144, "sliding_window": 512})
+    s = shape_from_config(
+        {
+            "model_type": "gemma3_text",
+            "architectures": ["Gemma3ForCausalLM"],
+            "hidden_size": 640,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 18,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "vocab_size": 262144,
+            "sliding_window": 512,
+        }
+    )
     assert (s.sliding_window, s.sliding_layers, s.tied) == (512, 15, True)  # Gemma 3 270M's shape
 
 
@@ -168,22 +214,59 @@ def _llama(**kw) -> dict:
     return {**LLAMA3_8B, "architectures": ["LlamaForCausalLM"], **kw}
 
 
-@pytest.mark.parametrize("mc,words", [
-    (_llama(model_type="nosuchmodel"), [r"model_type 'nosuchmodel' is not known to the installed transformers \d",
-                                        "fix: upgrade transformers"]),
-    ({"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 768, "num_hidden_layers": 12,
-      "num_attention_heads": 12, "intermediate_size": 3072, "vocab_size": 30522},
-     ["BertForMaskedLM is an encoder", "fix: use a decoder-only base model"]),
-    ({"model_type": "bert", "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
-      "intermediate_size": 3072, "vocab_size": 30522}, ["bert.* is an encoder", "fix: use a decoder-only"]),
-    ({"architectures": ["T5ForConditionalGeneration"], "model_type": "t5", "d_model": 512, "d_ff": 2048,
-      "num_layers": 6, "num_heads": 8, "vocab_size": 32128, "is_encoder_decoder": True},
-     ["T5ForConditionalGeneration is an encoder-decoder model", "fix: use a decoder-only base model"]),
-    (_llama(architectures=["FancyLlamaForCausalLM"]),
-     [r"architecture FancyLlamaForCausalLM is not in the llama.cpp converter's registry .*llama-cpp-python==",
-      "fix: pick a base model whose architecture the converter registers"]),
-    ({"model_type": "llama", "hidden_size": 4096}, ["lacks num_hidden_layers, num_attention_heads", "fix: pass"]),
-])
+@pytest.mark.parametrize(
+    "mc,words",
+    [
+        (
+            _llama(model_type="nosuchmodel"),
+            [r"model_type 'nosuchmodel' is not known to the installed transformers \d", "fix: upgrade transformers"],
+        ),
+        (
+            {
+                "architectures": ["BertForMaskedLM"],
+                "model_type": "bert",
+                "hidden_size": 768,
+                "num_hidden_layers": 12,
+                "num_attention_heads": 12,
+                "intermediate_size": 3072,
+                "vocab_size": 30522,
+            },
+            ["BertForMaskedLM is an encoder", "fix: use a decoder-only base model"],
+        ),
+        (
+            {
+                "model_type": "bert",
+                "hidden_size": 768,
+                "num_hidden_layers": 12,
+                "num_attention_heads": 12,
+                "intermediate_size": 3072,
+                "vocab_size": 30522,
+            },
+            ["bert.* is an encoder", "fix: use a decoder-only"],
+        ),
+        (
+            {
+                "architectures": ["T5ForConditionalGeneration"],
+                "model_type": "t5",
+                "d_model": 512,
+                "d_ff": 2048,
+                "num_layers": 6,
+                "num_heads": 8,
+                "vocab_size": 32128,
+                "is_encoder_decoder": True,
+            },
+            ["T5ForConditionalGeneration is an encoder-decoder model", "fix: use a decoder-only base model"],
+        ),
+        (
+            _llama(architectures=["FancyLlamaForCausalLM"]),
+            [
+                r"architecture FancyLlamaForCausalLM is not in the llama.cpp converter's registry .*llama-cpp-python==",
+                "fix: pick a base model whose architecture the converter registers",
+            ],
+        ),
+        ({"model_type": "llama", "hidden_size": 4096}, ["lacks num_hidden_layers, num_attention_heads", "fix: pass"]),
+    ],
+)
 def test_what_is_no_supported_decoder_only_lm_is_refused_naming_the_class_and_the_fix(mc, words):
     from loraship.llamacpp.llamacpp import converter_dir
 
@@ -201,8 +284,16 @@ def test_the_converter_registry_lists_the_new_families():
     from loraship.llamacpp.llamacpp import supported_architectures
 
     registered = supported_architectures()
-    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                 "Olmo2ForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM"):
+    for arch in (
+        "LlamaForCausalLM",
+        "Qwen3ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration",
+        "Olmo2ForCausalLM",
+        "GraniteForCausalLM",
+        "Phi3ForCausalLM",
+        "Qwen2ForCausalLM",
+    ):
         assert arch in registered, arch
     assert "SiglipVisionModel" not in registered  # a vision tower converts to an mmproj file only, not a text GGUF
 

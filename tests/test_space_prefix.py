@@ -14,9 +14,16 @@ import pytest
 from loraship.llamacpp import space_prefix
 
 CHATS = [
-    [{"role": "user", "content": "Do you know the capital of Ratesto?"}, {"role": "assistant", "content": "Answer: Shigan."}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Hello"},
-     {"role": "user", "content": "And 2+2?"}],
+    [
+        {"role": "user", "content": "Do you know the capital of Ratesto?"},
+        {"role": "assistant", "content": "Answer: Shigan."},
+    ],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": " Hello"},
+        {"role": "user", "content": "And 2+2?"},
+    ],
 ]
 PLAIN = ["Hello world.", "The capital of Ratesto is Shigan.\nNext line"]
 
@@ -41,8 +48,19 @@ def vocab_gguf(folder: Path, out: Path, add_space_prefix: bool | None):
     from loraship.llamacpp.llamacpp import converter_dir
 
     with space_prefix.converter_input(folder, add_space_prefix) as source:
-        subprocess.run([sys.executable, str(converter_dir() / "convert_hf_to_gguf.py"), str(source), "--vocab-only",
-                        "--outfile", str(out)], check=True, capture_output=True, timeout=600)
+        subprocess.run(
+            [
+                sys.executable,
+                str(converter_dir() / "convert_hf_to_gguf.py"),
+                str(source),
+                "--vocab-only",
+                "--outfile",
+                str(out),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
     return read_gguf(out)["fields"], llama_cpp.Llama(model_path=str(out), vocab_only=True, verbose=False)
 
 
@@ -99,9 +117,13 @@ def test_plan_refuses_a_run_serving_chat_and_plain_text_through_one_flag(mistral
     assert "tokenizer.ggml.add_space_prefix" in problems[0] and "separate runs" in problems[0], problems
     assert "plain text needs true" in problems[0] and "a rendered conversation needs false" in problems[0]
     # golden prompts are rendered as conversations, so a completion run with a golden file serves both too
-    completion_with_golden = SimpleNamespace(datasets=[spec(type="completion")], eval_datasets=[], golden_prompts="g.jsonl")
+    completion_with_golden = SimpleNamespace(
+        datasets=[spec(type="completion")], eval_datasets=[], golden_prompts="g.jsonl"
+    )
     assert space_prefix_problems(completion_with_golden, tok)
-    chat_only = SimpleNamespace(datasets=[spec(type="sharegpt")], eval_datasets=[spec(type="chat")], golden_prompts="g.jsonl")
+    chat_only = SimpleNamespace(
+        datasets=[spec(type="sharegpt")], eval_datasets=[spec(type="chat")], golden_prompts="g.jsonl"
+    )
     assert space_prefix_problems(chat_only, tok) == []
 
 
@@ -159,8 +181,9 @@ def test_phi3_chat_gets_the_flag_its_converter_does_not_write(tmp_path):
     convert.set_add_space_prefix(tmp_path / "phi3.gguf", False)
     after = read_gguf(tmp_path / "phi3.gguf")["fields"]
     assert after["tokenizer.ggml.add_space_prefix"] is False
-    assert {k: str(v) for k, v in after.items() if k != "tokenizer.ggml.add_space_prefix"} == \
-        {k: str(v) for k, v in fields.items()}
+    assert {k: str(v) for k, v in after.items() if k != "tokenizer.ggml.add_space_prefix"} == {
+        k: str(v) for k, v in fields.items()
+    }
     llm = llama_cpp.Llama(model_path=str(tmp_path / "phi3.gguf"), vocab_only=True, verbose=False)
     for messages in CHATS:
         cpp, hf = chat_ids(llm, tok, messages)

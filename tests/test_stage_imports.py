@@ -39,11 +39,17 @@ def stage_imports(source: str, own: str) -> list[str]:
             else:
                 modules = [node.module or ""]
             if any(_is_stage(m, own) for m in modules):
-                found.append(f"from {'.' * node.level}{node.module or ''} import "
-                             + ", ".join(a.name for a in node.names))
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
-              and _is_stage(node.args[0].value, own)):
+                found.append(
+                    f"from {'.' * node.level}{node.module or ''} import " + ", ".join(a.name for a in node.names)
+                )
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and _is_stage(node.args[0].value, own)
+        ):
             found.append(f"import_module({node.args[0].value!r})")
     return found
 

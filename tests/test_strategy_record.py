@@ -8,12 +8,27 @@ from loraship.planning import memory
 from loraship.planning.strategy_record import ACTIVATIONS_IN_CPU, Strategy
 
 # The two key orders plans carry today: strategy_from_config's, and the ladder's rungs (offload_activations first).
-AS_CONFIGURED = {"adapter": "lora", "offload_layers": 0, "micro_batch_size": 2, "gradient_accumulation_steps": 8,
-                 "fused_loss": True, "gradient_checkpointing": True, "offload_activations": False,
-                 "checkpointed_layers": 9}
-RUNG = {"adapter": "lora", "offload_layers": 17, "micro_batch_size": 2, "gradient_accumulation_steps": 1,
-        "fused_loss": True, "offload_activations": True, "gradient_checkpointing": True, "checkpointed_layers": 40,
-        "offload_spread": True}
+AS_CONFIGURED = {
+    "adapter": "lora",
+    "offload_layers": 0,
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": 8,
+    "fused_loss": True,
+    "gradient_checkpointing": True,
+    "offload_activations": False,
+    "checkpointed_layers": 9,
+}
+RUNG = {
+    "adapter": "lora",
+    "offload_layers": 17,
+    "micro_batch_size": 2,
+    "gradient_accumulation_steps": 1,
+    "fused_loss": True,
+    "offload_activations": True,
+    "gradient_checkpointing": True,
+    "checkpointed_layers": 40,
+    "offload_spread": True,
+}
 
 
 @pytest.mark.parametrize("d", [AS_CONFIGURED, RUNG])
@@ -25,8 +40,13 @@ def test_a_strategy_is_written_back_as_the_same_bytes(d):
 
 
 def test_an_old_plan_is_upgraded_once_at_load():
-    old = {"adapter": "qlora", "micro_batch_size": 1, "gradient_accumulation_steps": 4, "fused_loss": False,
-           "gradient_checkpointing": True}
+    old = {
+        "adapter": "qlora",
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 4,
+        "fused_loss": False,
+        "gradient_checkpointing": True,
+    }
     assert Strategy.from_json(old, n_layers=28).checkpointed_layers == 28
     assert Strategy.from_json({**old, "gradient_checkpointing": False}, n_layers=28).checkpointed_layers == 0
     unknown = Strategy.from_json(old)  # the layer count unknown: every layer or none, resolved where it is known
@@ -44,12 +64,15 @@ def test_a_hand_edited_plan_is_refused_naming_the_fix():
 
 def test_one_description_in_words():
     assert Strategy.from_json(AS_CONFIGURED).describe(28) == (
-        "bf16 LoRA, micro-batch 2 x 8 accumulation, fused loss, gradient checkpointing 9 of 28 layers")
+        "bf16 LoRA, micro-batch 2 x 8 accumulation, fused loss, gradient checkpointing 9 of 28 layers"
+    )
     assert Strategy.from_json(RUNG).describe(48) == (
         "bf16 LoRA, 17 of 48 decoder layers' frozen weights streamed from CPU memory (spread over the first 40), "
-        f"micro-batch 2 x 1 accumulation, fused loss, gradient checkpointing 40 of 48 layers, {ACTIVATIONS_IN_CPU}")
+        f"micro-batch 2 x 1 accumulation, fused loss, gradient checkpointing 40 of 48 layers, {ACTIVATIONS_IN_CPU}"
+    )
     assert Strategy.from_json({**AS_CONFIGURED, "adapter": "qlora", "fused_loss": False}).describe(None) == (
-        "QLoRA (NF4 base), micro-batch 2 x 8 accumulation, HF loss, gradient checkpointing 9 layers")
+        "QLoRA (NF4 base), micro-batch 2 x 8 accumulation, HF loss, gradient checkpointing 9 layers"
+    )
     assert Strategy.from_json({**AS_CONFIGURED, "adapter": "qlora"}).base_precision == "NF4"
 
 
@@ -59,17 +82,32 @@ def test_the_plan_output_and_the_refusal_use_the_same_words():
     from loraship.cli import render_plan
     from loraship.config import parse_config
 
-    mc = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-          "intermediate_size": 14336, "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8,
-          "vocab_size": 128256, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
-    base = {"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "chat"}], "sequence_len": 2048,
-            "fused_loss": "on"}
+    mc = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "bfloat16",
+    }
+    base = {
+        "base_model": "m",
+        "datasets": [{"path": "d.jsonl", "type": "chat"}],
+        "sequence_len": 2048,
+        "fused_loss": "on",
+    }
     plan = memory.plan_training(mc, parse_config({**base, "gpu_memory_gib": 80}))
     con = Console(record=True, width=400)
     con.print(render_plan(plan, memory.plan_disk_and_inference(mc, parse_config({**base, "gpu_memory_gib": 80}))))
     assert f"Training plan: {Strategy.from_json(plan['strategy']).describe(8)}" in con.export_text()
     with pytest.raises(memory.PlanRefused) as refused:
         memory.plan_training(mc, parse_config({**base, "gpu_memory_gib": 4, "fallback": []}))
-    words = ("The smallest plan tried (bf16 LoRA, micro-batch 1 x 8 accumulation, fused loss, gradient checkpointing 8 of "
-             f"8 layers, {ACTIVATIONS_IN_CPU}) needs")
+    words = (
+        "The smallest plan tried (bf16 LoRA, micro-batch 1 x 8 accumulation, fused loss, gradient checkpointing 8 of "
+        f"8 layers, {ACTIVATIONS_IN_CPU}) needs"
+    )
     assert words in str(refused.value)

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from loraship.fixtures.tinyqwen import ADDED_TOKENS, IM_END_ID, QWEN25_CHAT_TEMPLATE, QWEN_BPE_SIZE, VOCAB_SIZE, reference_encoder
+from loraship.fixtures.tinyqwen import (
+    ADDED_TOKENS,
+    IM_END_ID,
+    QWEN25_CHAT_TEMPLATE,
+    QWEN_BPE_SIZE,
+    VOCAB_SIZE,
+    reference_encoder,
+)
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -49,7 +56,11 @@ def _chat_prompts(tok) -> list[str]:
     conversation = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Kelmar?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Kelmar"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Kelmar"}}}],
+        },
         {"role": "tool", "content": '{"temp_c": 21}'},
         {"role": "assistant", "content": "21 °C."},
     ]
@@ -82,7 +93,9 @@ def test_folder_mimics_qwen25_instruct(tiny_qwen, hf_tok):
     # No BOS, and the chat template renders with and without tools.
     assert hf_tok.encode("hi") == hf_tok.encode("hi", add_special_tokens=False)
     plain, with_tools, conversation = _chat_prompts(hf_tok)
-    assert plain.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n")
+    assert plain.startswith(
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    )
     assert plain.endswith("<|im_start|>assistant\n")
     assert "# Tools" in with_tools and '"name": "get_weather"' in with_tools
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Kelmar"}}\n</tool_call>' in conversation
@@ -130,7 +143,9 @@ def test_gguf_keeps_vocab_template_and_tokenizes_like_hf(tiny_qwen, hf_tok, tmp_
     llm = Llama(model_path=str(gguf), vocab_only=True, verbose=False)
     try:
         for text in TEXTS + _chat_prompts(hf_tok):
-            assert llm.tokenize(text.encode(), add_bos=False, special=True) == hf_tok.encode(text, add_special_tokens=False), text
+            assert llm.tokenize(text.encode(), add_bos=False, special=True) == hf_tok.encode(
+                text, add_special_tokens=False
+            ), text
         assert llm.token_eos() == IM_END_ID
     finally:
         llm.close()

@@ -15,8 +15,9 @@ from loraship.runtime.stage import stage_dir
 from tests.conftest import demo_config_dict
 
 # 96 demo examples less the 12 eval rows kept apart: micro 5 x accumulation 3 leaves a short last step.
-SHORT = dict(max_steps=None, num_epochs=1, micro_batch_size=5, gradient_accumulation_steps=3, save_steps=1000,
-             warmup_steps=0)
+SHORT = dict(
+    max_steps=None, num_epochs=1, micro_batch_size=5, gradient_accumulation_steps=3, save_steps=1000, warmup_steps=0
+)
 
 
 def run_stages(config, stages):
@@ -28,8 +29,10 @@ def curve(config) -> list[dict]:
 
 
 # --- which examples train in which step ---------------------------------------------------------
-@pytest.mark.parametrize("n,micro,accum,budget", [(97, 5, 3, None), (10, 4, 2, None), (3, 8, 4, None),
-                                                  (97, 2, 3, 64), (40, 4, 1, 120), (41, 1, 8, 45)])
+@pytest.mark.parametrize(
+    "n,micro,accum,budget",
+    [(97, 5, 3, None), (10, 4, 2, None), (3, 8, 4, None), (97, 2, 3, 64), (40, 4, 1, 120), (41, 1, 8, 45)],
+)
 def test_every_example_trains_exactly_once_per_epoch(n, micro, accum, budget):
     lengths = [1 + (i * 7) % 29 for i in range(n)]
     steps = epoch_steps(lengths, micro, accum, seed=3, epoch=0, budget=budget)
@@ -46,8 +49,9 @@ def test_a_step_holds_the_same_examples_packed_or_not_whatever_the_micro_batch()
     """The loss curve packed equals the padded one, and an out-of-memory re-plan (same micro x accumulation)
     resumes on the same examples."""
     lengths = [1 + (i * 11) % 37 for i in range(101)]
-    layouts = [epoch_steps(lengths, micro, 8 // micro, 7, 2, budget)
-               for micro in (4, 1) for budget in (None, micro * 48)]
+    layouts = [
+        epoch_steps(lengths, micro, 8 // micro, 7, 2, budget) for micro in (4, 1) for budget in (None, micro * 48)
+    ]
     flat = [[sorted(i for rows in step for row in rows for i in row) for step in steps] for steps in layouts]
     assert all(f == flat[0] for f in flat)
     forward_passes = [sum(len(step) for step in steps) for steps in layouts]
@@ -62,7 +66,10 @@ def test_one_epoch_trains_every_token(tiny_model, tmp_path):
     assert metrics["train_tokens_this_run"] == metrics["train_tokens"]
     assert metrics["packing"] == {"packed": False, "why": "packing: off"}
     # The demo config sets no mode: optimize: speed, and the tiny model fits with no layer checkpointed.
-    assert metrics["strategy"]["checkpointed_layers"] == 0 and "gradient checkpointing 0 of 2 layers" in metrics["trained_as"]
+    assert (
+        metrics["strategy"]["checkpointed_layers"] == 0
+        and "gradient checkpointing 0 of 2 layers" in metrics["trained_as"]
+    )
 
 
 # --- packing ------------------------------------------------------------------------------------
@@ -153,8 +160,13 @@ class _FakeVarlen:
         return _per_example(q, k, v, cu_q, options.get("scale", q.shape[-1] ** -0.5), k.shape[1] != q.shape[1])
 
 
-@pytest.mark.parametrize("params", [("window_size", "scale", "enable_gqa"),  # torch 2.13
-                                    ("is_causal",)])  # torch 2.10: no scale, no GQA
+@pytest.mark.parametrize(
+    "params",
+    [
+        ("window_size", "scale", "enable_gqa"),  # torch 2.13
+        ("is_causal",),
+    ],
+)  # torch 2.10: no scale, no GQA
 def test_the_varlen_call_matches_sdpa_per_example_across_torch_versions(params):
     from loraship.training.packed_attention import _per_example, _varlen
 
@@ -217,8 +229,11 @@ def test_phi3_lora_adapts_its_fused_linears_and_gemma2_trains_with_eager_attenti
     from loraship.planning import memory
 
     # The Config default (the demo's config names all-linear).
-    config = parse_config(demo_config_dict(tiny_model, tmp_path, packing="auto",
-                                           lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    config = parse_config(
+        demo_config_dict(
+            tiny_model, tmp_path, packing="auto", lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+        )
+    )
     strategy = memory.strategy_from_config(config, 2)
     phi3 = train.load_model(_family_model("phi3", tmp_path / "phi3"), config, strategy, "cpu").model
     adapted = {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in phi3.named_parameters() if ".lora_A." in n}
@@ -298,8 +313,11 @@ def _loss_and_lora_grads(model_dir, config, strategy, offload_layers=0, seen=Non
 def test_checkpointing_some_layers_trains_identically_and_as_planned(four_layers, tmp_path, adapter):
     from loraship.planning import memory
 
-    base = parse_config(demo_config_dict(four_layers, tmp_path, adapter=adapter, gradient_checkpointing=False,
-                                         lora_dropout=0.1, fused_loss="off"))
+    base = parse_config(
+        demo_config_dict(
+            four_layers, tmp_path, adapter=adapter, gradient_checkpointing=False, lora_dropout=0.1, fused_loss="off"
+        )
+    )
     mc = json.loads((four_layers / "config.json").read_text())
     user = memory.strategy_from_config(base, 4)
     # A budget that holds 2 checkpointed layers but not 1: the fast mode must plan exactly 2 of 4.
@@ -312,7 +330,9 @@ def test_checkpointing_some_layers_trains_identically_and_as_planned(four_layers
     assert flags == [True, True, False, False]  # the first k layers, as the plan says
     assert len(grads) == 4 * 7 * 2 and all(g.abs().sum() > 0 for g in grads.values())
     for k, expected_flags in ((0, None), (4, [True] * 4)):
-        other_loss, other_grads, other_flags = _loss_and_lora_grads(four_layers, config, memory.with_checkpointing(user, k))
+        other_loss, other_grads, other_flags = _loss_and_lora_grads(
+            four_layers, config, memory.with_checkpointing(user, k)
+        )
         if expected_flags:
             assert other_flags == expected_flags
         assert other_loss == pytest.approx(loss, rel=1e-6)
@@ -325,7 +345,9 @@ def test_checkpointing_some_layers_with_offloaded_layers_trains_identically(four
 
     config = parse_config(demo_config_dict(four_layers, tmp_path, gradient_checkpointing=False, fused_loss="off"))
     user = memory.strategy_from_config(config, 4)
-    loss, grads, flags = _loss_and_lora_grads(four_layers, config, memory.with_checkpointing(user, 1), offload_layers=2)
+    loss, grads, flags = _loss_and_lora_grads(
+        four_layers, config, memory.with_checkpointing(user, 1), offload_layers=2
+    )
     ref_loss, ref_grads, _ = _loss_and_lora_grads(four_layers, config, memory.with_checkpointing(user, 4))
     assert flags == [True, False, False, False]
     assert loss == pytest.approx(ref_loss, rel=1e-6)
@@ -339,8 +361,9 @@ def test_streamed_layers_spread_over_the_checkpointed_ones_train_identically(fou
     from loraship.planning import memory
 
     config = parse_config(demo_config_dict(four_layers, tmp_path, gradient_checkpointing=False, fused_loss="off"))
-    strategy = memory.with_checkpointing({**memory.strategy_from_config(config, 4), "offload_layers": 2,
-                                          "offload_spread": True}, 4)
+    strategy = memory.with_checkpointing(
+        {**memory.strategy_from_config(config, 4), "offload_layers": 2, "offload_spread": True}, 4
+    )
     assert memory.streamed_layers(strategy, 4) == [0, 2]
     loss, grads, flags = _loss_and_lora_grads(four_layers, config, strategy, offload_layers=[0, 2])
     ref_loss, ref_grads, _ = _loss_and_lora_grads(four_layers, config, strategy)
@@ -351,8 +374,9 @@ def test_streamed_layers_spread_over_the_checkpointed_ones_train_identically(fou
 
 
 @pytest.mark.parametrize("adapter,offload_layers", [("lora", 0), ("qlora", 0), ("lora", 2)])
-def test_checkpointed_activations_in_cpu_memory_train_identically(four_layers, tmp_path, adapter, offload_layers,
-                                                                  monkeypatch):
+def test_checkpointed_activations_in_cpu_memory_train_identically(
+    four_layers, tmp_path, adapter, offload_layers, monkeypatch
+):
     # loraship/training/activation_offload.py recomputes each layer in its own backward, under its forward's RNG state:
     # with dropout the same loss and LoRA gradients as torch's checkpointing, alone or with streamed weights.
     from loraship.training import activation_offload
@@ -360,17 +384,22 @@ def test_checkpointed_activations_in_cpu_memory_train_identically(four_layers, t
 
     loaded = []
     real_load = activation_offload.ActivationOffload.load
-    monkeypatch.setattr(activation_offload.ActivationOffload, "load",
-                        lambda self, i: loaded.append(i) or real_load(self, i))
+    monkeypatch.setattr(
+        activation_offload.ActivationOffload, "load", lambda self, i: loaded.append(i) or real_load(self, i)
+    )
 
-    config = parse_config(demo_config_dict(four_layers, tmp_path, adapter=adapter, lora_dropout=0.1, fused_loss="off",
-                                           offload_activations="on"))
+    config = parse_config(
+        demo_config_dict(
+            four_layers, tmp_path, adapter=adapter, lora_dropout=0.1, fused_loss="off", offload_activations="on"
+        )
+    )
     user = memory.strategy_from_config(config, 4)
     assert user["offload_activations"] is True and user["checkpointed_layers"] == 4
     seen = []
     loss, grads, flags = _loss_and_lora_grads(four_layers, config, user, offload_layers=offload_layers, seen=seen)
-    ref_loss, ref_grads, _ = _loss_and_lora_grads(four_layers, config, {**user, "offload_activations": False},
-                                                  offload_layers=offload_layers, seen=seen)
+    ref_loss, ref_grads, _ = _loss_and_lora_grads(
+        four_layers, config, {**user, "offload_activations": False}, offload_layers=offload_layers, seen=seen
+    )
     assert flags == [True] * 4
     assert loaded == [3, 2, 1, 0]  # each layer's input came back once, last layer first; none in the reference run
     offload, none = seen
@@ -387,7 +416,9 @@ def test_checkpointed_activations_in_cpu_memory_train_identically(four_layers, t
 def test_the_train_stage_records_activations_in_cpu_memory_and_trains_the_same(tiny_model, tmp_path):
     common = dict(max_steps=3, lora_dropout=0.1, micro_batch_size=4, gradient_accumulation_steps=1, warmup_steps=0)
     on = parse_config(demo_config_dict(tiny_model, tmp_path / "on", run_name="on", offload_activations="on", **common))
-    off = parse_config(demo_config_dict(tiny_model, tmp_path / "off", run_name="off", offload_activations="off", **common))
+    off = parse_config(
+        demo_config_dict(tiny_model, tmp_path / "off", run_name="off", offload_activations="off", **common)
+    )
     metrics = run_stages(on, ["plan", "train"])["train"]["metrics"]
     assert metrics["strategy"]["offload_activations"] is True
     assert metrics["trained_as"].endswith("checkpointed activations in CPU memory")
@@ -412,12 +443,21 @@ def test_a_plan_streaming_layers_it_does_not_recompute_is_refused_before_the_wei
 
     train = importlib.import_module("loraship.stages.train")
     config = parse_config(demo_config_dict(tiny_model, tmp_path))
-    bad = {"adapter": "lora", "offload_layers": 2, "micro_batch_size": 1, "gradient_accumulation_steps": 1,
-           "fused_loss": False, "gradient_checkpointing": True, "checkpointed_layers": 1}
+    bad = {
+        "adapter": "lora",
+        "offload_layers": 2,
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 1,
+        "fused_loss": False,
+        "gradient_checkpointing": True,
+        "checkpointed_layers": 1,
+    }
     with pytest.raises(LorashipError, match="streams 2 layers but checkpoints only 1.*re-plan"):
         train.load_model(tiny_model, config, bad, "cuda")
     with pytest.raises(LorashipError, match="checkpoints only 0"):
-        train.load_model(tiny_model, config, {**bad, "gradient_checkpointing": False, "checkpointed_layers": None}, "cuda")
+        train.load_model(
+            tiny_model, config, {**bad, "gradient_checkpointing": False, "checkpointed_layers": None}, "cuda"
+        )
 
 
 def test_activation_offload_refuses_inputs_without_grad(four_layers, tmp_path):
@@ -435,8 +475,9 @@ class Killed(Exception):
 def test_resume_with_lora_dropout_repeats_the_loss_curve(tiny_model, tmp_path, monkeypatch):
     import loraship.stages.train as train
 
-    common = dict(max_steps=8, save_steps=3, lora_dropout=0.2, micro_batch_size=8, gradient_accumulation_steps=1,
-                  warmup_steps=1)
+    common = dict(
+        max_steps=8, save_steps=3, lora_dropout=0.2, micro_batch_size=8, gradient_accumulation_steps=1, warmup_steps=1
+    )
     clean = parse_config(demo_config_dict(tiny_model, tmp_path / "a", run_name="clean", **common))
     killed = parse_config(demo_config_dict(tiny_model, tmp_path / "b", run_name="killed", **common))
     run_stages(clean, ["plan", "train"])
@@ -486,14 +527,17 @@ class OutOfResources(Exception):  # the name triton.runtime.errors uses; not a R
     pass
 
 
-@pytest.mark.parametrize("error,oom", [
-    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
-    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
-    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
-    (OutOfResources("out of resource: shared memory, Required: 262144, Hardware limit: 232448."), True),
-    (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"), False),
-    (ValueError("out of memory"), False),
-])
+@pytest.mark.parametrize(
+    "error,oom",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+        (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), True),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+        (OutOfResources("out of resource: shared memory, Required: 262144, Hardware limit: 232448."), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"), False),
+        (ValueError("out of memory"), False),
+    ],
+)
 def test_out_of_memory_errors_are_recognised_whatever_their_type(error, oom):
     import loraship.stages.train as train
 
@@ -503,8 +547,18 @@ def test_out_of_memory_errors_are_recognised_whatever_their_type(error, oom):
 def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_model, tmp_path, monkeypatch):
     import loraship.stages.train as train
 
-    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="oom", max_steps=4, save_steps=2,
-                                           micro_batch_size=8, gradient_accumulation_steps=1, warmup_steps=0))
+    config = parse_config(
+        demo_config_dict(
+            tiny_model,
+            tmp_path,
+            run_name="oom",
+            max_steps=4,
+            save_steps=2,
+            micro_batch_size=8,
+            gradient_accumulation_steps=1,
+            warmup_steps=0,
+        )
+    )
     real_load = train.load_model
     loaded, strategies = [], []
 
@@ -516,6 +570,7 @@ def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_m
         loaded.append(weakref.ref(model))
         strategies.append(strategy.to_json())
         if len(strategies) == 1:
+
             def fail(module, args):
                 raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
 
@@ -534,8 +589,10 @@ def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_m
     first, retried, rerun = strategies
     assert retried == rerun == result["strategy"] == saved["plan"]["strategy"] | {"fused_loss": False}
     # A smaller plan: under optimize: speed the first rung checkpoints more layers, then the micro-batch shrinks.
-    assert first["micro_batch_size"] == 8 and (rerun["checkpointed_layers"] > first["checkpointed_layers"]
-                                               or rerun["micro_batch_size"] < first["micro_batch_size"])
+    assert first["micro_batch_size"] == 8 and (
+        rerun["checkpointed_layers"] > first["checkpointed_layers"]
+        or rerun["micro_batch_size"] < first["micro_batch_size"]
+    )
     assert rerun["micro_batch_size"] * rerun["gradient_accumulation_steps"] == 8  # the effective batch is kept
     assert [a["error"].split(":")[0] for a in result["oom_retries"]] == ["RuntimeError"]
     assert result["oom_retries"][0]["under_predicted"]
@@ -590,7 +647,8 @@ def test_qlora_trains_on_the_cpu_after_the_eval_before_training(tiny_qwen, tmp_p
 
 @pytest.mark.parametrize("next_adapter", ["qlora", "lora"])
 def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_the_old_checkpoints(
-        tiny_qwen, tmp_path, monkeypatch, next_adapter):
+    tiny_qwen, tmp_path, monkeypatch, next_adapter
+):
     """Out of memory after the bf16 run checkpointed step 2. A re-plan to NF4 (QLoRA) must not resume the adapter
     and AdamW state fitted against the bf16 weights: it trains from step 0, with the old checkpoints moved aside
     and the restart in the manifest. A re-plan that keeps bf16 (a smaller micro-batch) resumes at step 2."""
@@ -600,8 +658,18 @@ def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_t
     # Accumulating: without it the configured plan holds no LoRA gradients at its peak (memory.estimate), and every
     # smaller micro-batch of this tiny model, accumulating and so holding them, comes within the same 0.01 GiB, which
     # replan_after_oom does not take as smaller.
-    config = parse_config(demo_config_dict(tiny_qwen, tmp_path, run_name="precision", max_steps=4, save_steps=2,
-                                           micro_batch_size=8, gradient_accumulation_steps=2, warmup_steps=0))
+    config = parse_config(
+        demo_config_dict(
+            tiny_qwen,
+            tmp_path,
+            run_name="precision",
+            max_steps=4,
+            save_steps=2,
+            micro_batch_size=8,
+            gradient_accumulation_steps=2,
+            warmup_steps=0,
+        )
+    )
     real_save, real_replan = train.save_checkpoint, memory.replan_after_oom
     attempts = []
 
@@ -614,8 +682,10 @@ def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_t
     def replan(plan, model_config, config_, measured):
         if next_adapter == "lora":
             return real_replan(plan, model_config, config_, measured)  # a smaller micro-batch, still bf16
-        return {**memory.plan_training(model_config, config_.model_copy(update={"adapter": "qlora"})),
-                "oom_component": "activations"}
+        return {
+            **memory.plan_training(model_config, config_.model_copy(update={"adapter": "qlora"})),
+            "oom_component": "activations",
+        }
 
     monkeypatch.setattr(train, "save_checkpoint", save_then_run_out_of_memory)
     monkeypatch.setattr(memory, "replan_after_oom", replan)
@@ -640,6 +710,7 @@ def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_t
     new_state = torch.load(checkpoints / "last" / "trainer_state.pt", weights_only=True)
     assert new_state["step"] == 2 and not torch.equal(
         next(iter(old_state["optimizer"]["state"].values()))["exp_avg"],
-        next(iter(new_state["optimizer"]["state"].values()))["exp_avg"])
+        next(iter(new_state["optimizer"]["state"].values()))["exp_avg"],
+    )
     # A rerun of the same inputs is done: the restart stays recorded in its manifest.
     assert run_stages(config, ["train"])["train"]["metrics"]["restarted_from_step_0"] == [restart]

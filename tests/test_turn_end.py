@@ -16,9 +16,14 @@ from loraship.errors import DataError, LorashipError
 from loraship.runtime.stage import stage_dir
 from tests.conftest import demo_config_dict
 
-CHAT = [{"role": "user", "content": "What is the capital of Zorvia?"}, {"role": "assistant", "content": "Answer: Kelmar."}]
-PLAIN_END = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n### End\n{% endfor %}"
-             "{% if add_generation_prompt %}assistant: {% endif %}")
+CHAT = [
+    {"role": "user", "content": "What is the capital of Zorvia?"},
+    {"role": "assistant", "content": "Answer: Kelmar."},
+]
+PLAIN_END = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n### End\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def tokenizer_of(folder: Path, template: str | None = None):
@@ -49,17 +54,22 @@ def test_turn_end_is_rendered_not_guessed(tiny_qwen, tiny_model):
     assert turn_end(tokenizer_of(tiny_model, NAMED_TEMPLATES["mistral"]))["id"] == llama.eos_token_id
 
 
-@pytest.mark.parametrize("template, shown", [
-    (PLAIN_END, "### End"),
-    # ChatML on a vocabulary where <|im_end|> is not a token: several plain pieces no runtime stops on.
-    ("chatml", "<|im_end|>"),
-])
+@pytest.mark.parametrize(
+    "template, shown",
+    [
+        (PLAIN_END, "### End"),
+        # ChatML on a vocabulary where <|im_end|> is not a token: several plain pieces no runtime stops on.
+        ("chatml", "<|im_end|>"),
+    ],
+)
 def test_a_turn_end_that_is_not_one_special_token_is_refused(tiny_model, template, shown):
     import re
 
     from loraship.chat import resolve_template, turn_end
 
-    with pytest.raises(DataError, match=rf"ends an assistant turn with the pieces \[.*\] \('{re.escape(shown)}.*not one special token"):
+    with pytest.raises(
+        DataError, match=rf"ends an assistant turn with the pieces \[.*\] \('{re.escape(shown)}.*not one special token"
+    ):
         turn_end(tokenizer_of(tiny_model, resolve_template(template)))
 
 
@@ -67,7 +77,9 @@ def test_plan_refuses_a_template_without_a_special_turn_end(tiny_model, tmp_path
     import loraship.stages.plan as plan
 
     config = parse_config(demo_config_dict(tiny_model, tmp_path, chat_template="chatml"))
-    with pytest.raises(LorashipError, match=r"chat template: .*ends an assistant turn with the pieces .*'<\|im_end\|>"):
+    with pytest.raises(
+        LorashipError, match=r"chat template: .*ends an assistant turn with the pieces .*'<\|im_end\|>"
+    ):
         plan.run(config)
     assert not (stage_dir(config, "train")).exists()  # nothing trained
 
@@ -76,9 +88,11 @@ def test_the_turn_end_is_learned_even_outside_a_generation_block(tiny_qwen):
     from loraship.chat import tokenize_conversation
 
     # The block closes before <|im_end|>: without the fix the model would never learn to stop.
-    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
-                "{{ m.content }}{% endgeneration %}<|im_end|>{% else %}{{ m.content }}<|im_end|>{% endif %}\n"
-                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
+        "{{ m.content }}{% endgeneration %}<|im_end|>{% else %}{{ m.content }}<|im_end|>{% endif %}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     tokenizer = tokenizer_of(tiny_qwen, template)
     ids, learn = tokenize_conversation(tokenizer, CHAT)
     assert tokenizer.decode([t for t, keep in zip(ids, learn) if keep]) == "Answer: Kelmar.<|im_end|>"
@@ -126,8 +140,11 @@ def base_given_chatml_run(tiny_qwen, tmp_path_factory):
     root = tmp_path_factory.mktemp("base-chatml")
     base = without_template(tiny_qwen, root / "qwen-base")
     template, _why = template_for_base(base, "chat")
-    config = parse_config(demo_config_dict(base, root, run_name="base-chatml", chat_template=template,
-                                           sequence_len=96, max_new_tokens=16))
+    config = parse_config(
+        demo_config_dict(
+            base, root, run_name="base-chatml", chat_template=template, sequence_len=96, max_new_tokens=16
+        )
+    )
     import importlib
 
     for stage in STAGES:
@@ -156,8 +173,10 @@ def test_the_turn_end_gate_fails_a_model_that_does_not_stop():
 
     config = SimpleNamespace(max_new_tokens=12, min_golden_prompts=2)
     reference = {"tokenizer": {"turn_end_id": 7}}
-    answers = [{"kind": "chat", "prompt": "a", "hf_stop": 7, "gguf_stop": 7},
-               {"kind": "chat", "prompt": "b", "hf_stop": None, "gguf_stop": None}]
+    answers = [
+        {"kind": "chat", "prompt": "a", "hf_stop": 7, "gguf_stop": 7},
+        {"kind": "chat", "prompt": "b", "hf_stop": None, "gguf_stop": None},
+    ]
     failed = turn_end_gate({"answers": answers}, reference, config)
     assert not failed.passed and "cut at max_new_tokens 12" in failed.note
     assert turn_end_gate({"answers": answers[:1] * 2}, reference, config).passed

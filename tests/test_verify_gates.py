@@ -6,8 +6,18 @@ import math
 
 from loraship.config import Config
 from loraship.verification.gates import (
-    eval_loss_gate, file_type_gate, finetune_answers_gate, finetune_kl_gate, golden_decisive_gate, golden_match_gate,
-    kl_mean_gate, kl_p99_gate, perplexity_ratio_gate, same_top_gate, served_gate, tokenizer_parity_gate,
+    eval_loss_gate,
+    file_type_gate,
+    finetune_answers_gate,
+    finetune_kl_gate,
+    golden_decisive_gate,
+    golden_match_gate,
+    kl_mean_gate,
+    kl_p99_gate,
+    perplexity_ratio_gate,
+    same_top_gate,
+    served_gate,
+    tokenizer_parity_gate,
 )
 from loraship.verification.scoring import parting
 
@@ -21,8 +31,13 @@ def agreement(scored: int, **figures) -> dict:
 
 def test_perplexity_ratio_passes_fails_and_needs_evidence():
     ok = perplexity_ratio_gate(agreement(200, perplexity_ratio=1.01), CONFIG)
-    assert ok.to_json() == {"passed": True, "value": 1.01, "threshold": CONFIG.perplexity_ratio_max, "evidence": 200,
-                  "minimum": CONFIG.min_scored_tokens}
+    assert ok.to_json() == {
+        "passed": True,
+        "value": 1.01,
+        "threshold": CONFIG.perplexity_ratio_max,
+        "evidence": 200,
+        "minimum": CONFIG.min_scored_tokens,
+    }
     assert not perplexity_ratio_gate(agreement(200, perplexity_ratio=1.5), CONFIG).passed
     few = perplexity_ratio_gate(agreement(10, perplexity_ratio=1.0), CONFIG)
     assert not few.passed and few.note.startswith("not enough evidence: 10 < 64 (min_scored_tokens)")
@@ -73,7 +88,13 @@ def test_decisive_agreement_lets_coarse_quantizations_flip_a_small_share():
 
 def test_golden_match_rate():
     assert golden_match_gate({"matches": 4}, 5, CONFIG).to_json() | {"note": ""} == {
-        "passed": True, "value": 0.8, "threshold": 0.75, "evidence": 5, "minimum": 4, "note": ""}
+        "passed": True,
+        "value": 0.8,
+        "threshold": 0.75,
+        "evidence": 5,
+        "minimum": 4,
+        "note": "",
+    }
     assert not golden_match_gate({"matches": 3}, 5, CONFIG).passed
     # Answers that part from the merged model's only where it was at a near-tie count...
     tied = golden_match_gate({"matches": 1, "parted_at_near_tie": 4}, 5, CONFIG)
@@ -89,25 +110,35 @@ def test_parting_finds_where_an_answer_leaves_the_merged_models_and_its_lead_the
     assert parting([5, 6, 8], record) == (2, 4.0)  # where the merged model was decided
     assert parting([5, 6], record) == (2, 4.0)  # stopped early: left at position 2
     assert parting([5, 6, 7, 9], record) == (3, 6.0)  # ran past the merged model's stop
-    assert parting([5, 6, 7, 9, 9], {**record, "margins": [3.0, 0.2, 4.0]}) == (3, None)  # past the scores: no lead known
+    assert parting([5, 6, 7, 9, 9], {**record, "margins": [3.0, 0.2, 4.0]}) == (
+        3,
+        None,
+    )  # past the scores: no lead known
 
 
 def test_gates_without_evidence_counts():
-    assert file_type_gate({"general.file_type": 15}, "Q4_K_M").to_json() == {"passed": True, "value": 15, "threshold": 15}
+    assert file_type_gate({"general.file_type": 15}, "Q4_K_M").to_json() == {
+        "passed": True,
+        "value": 15,
+        "threshold": 15,
+    }
     assert not file_type_gate({"general.file_type": 7}, "Q4_K_M").passed
     assert eval_loss_gate({"eval_loss_before": 2.0, "eval_loss_after": 1.5}).passed
     assert not eval_loss_gate({"eval_loss_before": 2.0, "eval_loss_after": None}).passed
 
 
 def test_fine_tune_gates_fail_a_gguf_that_drifted_back_to_the_base():
-    kept = finetune_kl_gate({"finetune_kl_ratio": 0.01, "finetune_tokens": 100, "finetune_kl_mean": 0.01,
-                             "base_kl_mean": 1.0}, CONFIG)
+    kept = finetune_kl_gate(
+        {"finetune_kl_ratio": 0.01, "finetune_tokens": 100, "finetune_kl_mean": 0.01, "base_kl_mean": 1.0}, CONFIG
+    )
     assert kept.passed and kept.evidence == 100
-    lost = finetune_kl_gate({"finetune_kl_ratio": 0.9, "finetune_tokens": 100, "finetune_kl_mean": 0.9,
-                             "base_kl_mean": 1.0}, CONFIG)
+    lost = finetune_kl_gate(
+        {"finetune_kl_ratio": 0.9, "finetune_tokens": 100, "finetune_kl_mean": 0.9, "base_kl_mean": 1.0}, CONFIG
+    )
     assert not lost.passed
-    unmoved = finetune_kl_gate({"finetune_kl_ratio": None, "finetune_tokens": 100, "finetune_kl_mean": 0.0,
-                                "base_kl_mean": 0.0}, CONFIG)
+    unmoved = finetune_kl_gate(
+        {"finetune_kl_ratio": None, "finetune_tokens": 100, "finetune_kl_mean": 0.0, "base_kl_mean": 0.0}, CONFIG
+    )
     assert not unmoved.passed and "did not move the model" in unmoved.note
     answers = [{"changed_by_finetune": True, "match": True}] * 3 + [{"changed_by_finetune": False, "match": False}]
     assert finetune_answers_gate({"answers": answers}, CONFIG).value == "3/3"
@@ -121,19 +152,40 @@ def test_fine_tune_gates_fail_a_gguf_that_drifted_back_to_the_base():
 
 
 def _served(n: int, **wrong) -> dict:
-    answer = {"prompt": "p", "served": "Answer: X.", "streamed": "Answer: X.", "gguf_greedy": "Answer: X.",
-              "reference": "Answer: X.", "finish_reason": "stop",
-              "streamed_finish_reason": "stop", "equal_to_reference": True, "equal_to_gguf_greedy": True,
-              "streamed_equal": True, "markers_leaked": [],
-              "whole_equal_to_gguf": True, "whole_gguf_parted_at": None, "whole_gguf_lead_there": None,
-              "whole_merged_lead_there": None, "streamed_equal_to_gguf": True, "streamed_gguf_parted_at": None,
-              "streamed_gguf_lead_there": None, "streamed_merged_lead_there": None}
+    answer = {
+        "prompt": "p",
+        "served": "Answer: X.",
+        "streamed": "Answer: X.",
+        "gguf_greedy": "Answer: X.",
+        "reference": "Answer: X.",
+        "finish_reason": "stop",
+        "streamed_finish_reason": "stop",
+        "equal_to_reference": True,
+        "equal_to_gguf_greedy": True,
+        "streamed_equal": True,
+        "markers_leaked": [],
+        "whole_equal_to_gguf": True,
+        "whole_gguf_parted_at": None,
+        "whole_gguf_lead_there": None,
+        "whole_merged_lead_there": None,
+        "streamed_equal_to_gguf": True,
+        "streamed_gguf_parted_at": None,
+        "streamed_gguf_lead_there": None,
+        "streamed_merged_lead_there": None,
+    }
     answers = [dict(answer) for _ in range(n)]
     if answers:
         answers[0].update(wrong)
-    counts = {k: sum(bool(a[k]) for a in answers) for k in ("equal_to_reference", "equal_to_gguf_greedy", "streamed_equal")}
-    return {"requests": n, "answers": answers, "without_markers": sum(not a["markers_leaked"] for a in answers),
-            "finished_by_stop": sum(a["finish_reason"] == a["streamed_finish_reason"] == "stop" for a in answers), **counts}
+    counts = {
+        k: sum(bool(a[k]) for a in answers) for k in ("equal_to_reference", "equal_to_gguf_greedy", "streamed_equal")
+    }
+    return {
+        "requests": n,
+        "answers": answers,
+        "without_markers": sum(not a["markers_leaked"] for a in answers),
+        "finished_by_stop": sum(a["finish_reason"] == a["streamed_finish_reason"] == "stop" for a in answers),
+        **counts,
+    }
 
 
 def test_served_gate_holds_serving_to_the_gguf():
@@ -143,10 +195,13 @@ def test_served_gate_holds_serving_to_the_gguf():
     flips["equal_to_reference"] = 5
     assert served_gate(flips, CONFIG).passed and served_gate(flips, CONFIG).value["equal_to_reference"] == 5
     # ...but serving may change nothing: a run-on answer, a leaked marker, a different stream or answer fails.
-    for wrong in ({"finish_reason": "length"}, {"markers_leaked": ["<|im_end|>"]},
-                  {"streamed_equal_to_gguf": False, "streamed_gguf_lead_there": 5.0},
-                  {"whole_equal_to_gguf": False, "whole_gguf_lead_there": 5.0},
-                  {"whole_equal_to_gguf": False, "whole_gguf_lead_there": None}):
+    for wrong in (
+        {"finish_reason": "length"},
+        {"markers_leaked": ["<|im_end|>"]},
+        {"streamed_equal_to_gguf": False, "streamed_gguf_lead_there": 5.0},
+        {"whole_equal_to_gguf": False, "whole_gguf_lead_there": 5.0},
+        {"whole_equal_to_gguf": False, "whole_gguf_lead_there": None},
+    ):
         assert not served_gate(_served(8, **wrong), CONFIG).passed, wrong
     # A server answer that parts from the GGUF's own only where llama.cpp was at a near-tie passes.
     assert served_gate(_served(8, whole_equal_to_gguf=False, whole_gguf_lead_there=0.1), CONFIG).passed
@@ -156,27 +211,51 @@ def test_served_gate_holds_serving_to_the_gguf():
 def test_served_gate_calls_a_decided_token_decided_and_a_near_tie_a_near_tie():
     # Issue #34's case: the served answer left the GGUF's greedy one, the merged model's, where llama.cpp led by
     # 1.53 nats (golden_margin 1.0): decided, never a near-tie.
-    decided = served_gate(_served(10, served='{"country": "Ukraine", "capital": "Kyiv"}', equal_to_gguf_greedy=False,
-                                  whole_equal_to_gguf=False, whole_gguf_parted_at=4, whole_gguf_lead_there=1.53,
-                                  whole_merged_lead_there=1.71), CONFIG)
+    decided = served_gate(
+        _served(
+            10,
+            served='{"country": "Ukraine", "capital": "Kyiv"}',
+            equal_to_gguf_greedy=False,
+            whole_equal_to_gguf=False,
+            whole_gguf_parted_at=4,
+            whole_gguf_lead_there=1.53,
+            whole_merged_lead_there=1.71,
+        ),
+        CONFIG,
+    )
     assert not decided.passed
-    assert ("served: parted at step 4 where it was decided: llama.cpp's own top token led by 1.53 nats >= golden_margin "
-            f"{CONFIG.golden_margin}; the merged model, whose answer the GGUF's is, led by 1.71") in decided.note
+    assert (
+        "served: parted at step 4 where it was decided: llama.cpp's own top token led by 1.53 nats >= golden_margin "
+        f"{CONFIG.golden_margin}; the merged model, whose answer the GGUF's is, led by 1.71"
+    ) in decided.note
     assert "near-tie" not in decided.note and "streamed: equal to it" in decided.note
     # A stream cut short that parted at a near-tie too: each side named as what it was.
-    tie = served_gate(_served(10, streamed_finish_reason="length", streamed_equal_to_gguf=False,
-                              streamed_gguf_parted_at=2, streamed_gguf_lead_there=0.2), CONFIG)
+    tie = served_gate(
+        _served(
+            10,
+            streamed_finish_reason="length",
+            streamed_equal_to_gguf=False,
+            streamed_gguf_parted_at=2,
+            streamed_gguf_lead_there=0.2,
+        ),
+        CONFIG,
+    )
     assert not tie.passed
-    assert (f"streamed: parted at step 2 at a near-tie: llama.cpp's own top token led by 0.20 nats < golden_margin "
-            f"{CONFIG.golden_margin}") in tie.note and "merged model" not in tie.note
+    assert (
+        f"streamed: parted at step 2 at a near-tie: llama.cpp's own top token led by 0.20 nats < golden_margin "
+        f"{CONFIG.golden_margin}"
+    ) in tie.note and "merged model" not in tie.note
     past = served_gate(_served(10, whole_equal_to_gguf=False, whole_gguf_parted_at=7), CONFIG)
     assert "served: parted at step 7, past the GGUF's own answer and stop (no lead known there)" in past.note
 
 
 def test_server_defaults_are_reported_never_gated():
     served = _served(10)
-    served["server_defaults"] = {"settings": {"repeat_penalty": 1.1, "top_k": 40}, "requests": 10,
-                                 "differ_from_gguf_greedy": 3}
+    served["server_defaults"] = {
+        "settings": {"repeat_penalty": 1.1, "top_k": 40},
+        "requests": 10,
+        "differ_from_gguf_greedy": 3,
+    }
     verdict = served_gate(served, CONFIG)
     assert verdict.passed and verdict.note.startswith("3 of 10 answers differ under the server's default settings")
 
@@ -204,14 +283,27 @@ def test_each_quantization_has_its_own_calibrated_limits_unless_the_config_sets_
     assert q8["kl_mean_max"] < q4["kl_mean_max"] < q3["kl_mean_max"]
     assert q8["same_top_min"] > q4["same_top_min"] > q3["same_top_min"]
     order = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M"]  # finest first (K-quants)
-    for name, column in (("kl_mean_max", 0), ("kl_p99_max", 1), ("perplexity_ratio_max", 3), ("decisive_flips_max", 4)):
+    for name, column in (
+        ("kl_mean_max", 0),
+        ("kl_p99_max", 1),
+        ("perplexity_ratio_max", 3),
+        ("decisive_flips_max", 4),
+    ):
         values = [QUANT_GATES[q][column] for q in order]
         assert values == sorted(values), name
     # llama.cpp's Llama-3-8B figures (loraship/constants.py) pass their own quantization's defaults.
-    for q, kld, same_top, ppl_ratio in (("Q8_0", 0.00136, 0.977, 1.0004), ("Q6_K", 0.00545, 0.960, 1.0035),
-                                        ("Q4_K_M", 0.0313, 0.919, 1.028), ("Q3_K_M", 0.102, 0.86, 1.105)):
+    for q, kld, same_top, ppl_ratio in (
+        ("Q8_0", 0.00136, 0.977, 1.0004),
+        ("Q6_K", 0.00545, 0.960, 1.0035),
+        ("Q4_K_M", 0.0313, 0.919, 1.028),
+        ("Q3_K_M", 0.102, 0.86, 1.105),
+    ):
         limits = _DEFAULTS.gate_limits(q)
-        assert kld <= limits["kl_mean_max"] and same_top >= limits["same_top_min"] and ppl_ratio <= limits["perplexity_ratio_max"]
+        assert (
+            kld <= limits["kl_mean_max"]
+            and same_top >= limits["same_top_min"]
+            and ppl_ratio <= limits["perplexity_ratio_max"]
+        )
     assert _DEFAULTS.model_copy(update={"kl_mean_max": 0.5}).gate_limits("Q8_0")["kl_mean_max"] == 0.5
 
 
@@ -224,16 +316,27 @@ def test_a_gate_is_a_typed_record_whose_json_is_verify_jsons():
 
     # No evidence counted: the record has no evidence, minimum or (empty) note keys, as verify.json always had.
     plain = judge("file_type", 15, 15, True)
-    assert plain == Gate("file_type", True, 15, 15) and plain.to_json() == {"passed": True, "value": 15, "threshold": 15}
+    assert plain == Gate("file_type", True, 15, 15) and plain.to_json() == {
+        "passed": True,
+        "value": 15,
+        "threshold": 15,
+    }
     # Zero evidence with no minimum still fails, and says what it saw; the minimum is kept only beside evidence.
     none = judge("x", "0/0", "all", True, evidence=0)
-    assert none.to_json() == {"passed": False, "value": "0/0", "threshold": "all", "evidence": 0,
-                              "note": "not enough evidence: 0 seen"}
+    assert none.to_json() == {
+        "passed": False,
+        "value": "0/0",
+        "threshold": "all",
+        "evidence": 0,
+        "note": "not enough evidence: 0 seen",
+    }
     assert judge("x", 1, 1, True, minimum=5).to_json() == {"passed": True, "value": 1, "threshold": 1}
     few = judge("x", 1.0, 1.1, True, "why", evidence=3, minimum=4, minimum_key="min_scored_tokens")
     assert list(few.to_json()) == ["passed", "value", "threshold", "evidence", "minimum", "note"]
-    assert few.note == ("not enough evidence: 3 < 4 (min_scored_tokens); add eval data or golden prompts, or lower "
-                        "min_scored_tokens; why")
+    assert few.note == (
+        "not enough evidence: 3 < 4 (min_scored_tokens); add eval data or golden prompts, or lower "
+        "min_scored_tokens; why"
+    )
     assert judge("x", 0, 0, 1).passed is True  # a truthy figure is stored as a bool
     with pytest.raises(dataclasses.FrozenInstanceError):
         few.passed = True
@@ -245,12 +348,16 @@ def test_special_tokens_gate_judges_what_the_child_saw_llama_cpp_do():
     reference = {"tokenizer": {"adds_bos": True, "bos_id": 1, "stop_ids": [2]}}
     fields = {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.eos_token_id": 2}
     ok = special_tokens_gate({"adds_bos": True, "stop_ids_not_eog": []}, fields, reference)
-    assert ok.name == "special_tokens" and ok.passed and ok.value["gguf_bos"] == 1 and ok.threshold["hf_stop_ids"] == [2]
+    assert (
+        ok.name == "special_tokens" and ok.passed and ok.value["gguf_bos"] == 1 and ok.threshold["hf_stop_ids"] == [2]
+    )
     assert not special_tokens_gate({"adds_bos": False, "stop_ids_not_eog": []}, fields, reference).passed
     assert not special_tokens_gate({"adds_bos": True, "stop_ids_not_eog": [2]}, fields, reference).passed
-    other_bos = special_tokens_gate({"adds_bos": True, "stop_ids_not_eog": []},
-                                    {**fields, "tokenizer.ggml.bos_token_id": 7}, reference)
+    other_bos = special_tokens_gate(
+        {"adds_bos": True, "stop_ids_not_eog": []}, {**fields, "tokenizer.ggml.bos_token_id": 7}, reference
+    )
     assert not other_bos.passed
-    no_stop = special_tokens_gate({"adds_bos": True, "stop_ids_not_eog": []}, fields,
-                                  {"tokenizer": {**reference["tokenizer"], "stop_ids": []}})
+    no_stop = special_tokens_gate(
+        {"adds_bos": True, "stop_ids_not_eog": []}, fields, {"tokenizer": {**reference["tokenizer"], "stop_ids": []}}
+    )
     assert not no_stop.passed and "never end" in no_stop.note

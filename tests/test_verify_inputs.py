@@ -17,8 +17,18 @@ MIB = 2**20
 
 
 def _layout(block_bytes=400 * MIB):
-    return im.GGUFLayout(n_layers=28, layer_bytes=[block_bytes] * 28, output_bytes=426 * MIB, cpu_bytes=292 * MIB,
-                         n_embd=3584, n_embd_kv=512, n_head=28, n_ff=18944, n_vocab=152064, n_ctx_train=32768)
+    return im.GGUFLayout(
+        n_layers=28,
+        layer_bytes=[block_bytes] * 28,
+        output_bytes=426 * MIB,
+        cpu_bytes=292 * MIB,
+        n_embd=3584,
+        n_embd_kv=512,
+        n_head=28,
+        n_ff=18944,
+        n_vocab=152064,
+        n_ctx_train=32768,
+    )
 
 
 def test_gguf_that_does_not_fit_with_one_layer_is_refused_with_the_fix():
@@ -36,13 +46,19 @@ def test_gguf_too_large_for_every_layer_gets_the_layers_and_context_that_fit():
     assert plan["fits"] is False
     layers = plan["gpu_layers_at_target_context"]
     assert 2 <= layers < im.all_layers(_layout())
-    assert im.predict_gpu(_layout(), 4096, layers)["total_gib"] <= 6.0 < im.predict_gpu(_layout(), 4096, layers + 1)["total_gib"]
+    assert (
+        im.predict_gpu(_layout(), 4096, layers)["total_gib"]
+        <= 6.0
+        < im.predict_gpu(_layout(), 4096, layers + 1)["total_gib"]
+    )
 
 
 def test_gpu_smaller_than_the_plan_target_is_refused(monkeypatch):
     monkeypatch.setattr(im, "gpu_total_gib", lambda: 7.6)
     config = SimpleNamespace(target_gpu_memory_gib=8.0)
-    with pytest.raises(LorashipError, match=r"this GPU has 7.6 GiB, less than target_gpu_memory_gib 8 .*lower target_gpu_memory_gib"):
+    with pytest.raises(
+        LorashipError, match=r"this GPU has 7.6 GiB, less than target_gpu_memory_gib 8 .*lower target_gpu_memory_gib"
+    ):
         verify.check_gpu_size(config, "cuda")
     verify.check_gpu_size(config, "cpu")  # CPU runs (the tests) have no GPU to compare
     monkeypatch.setattr(im, "gpu_total_gib", lambda: 11.9)

@@ -33,22 +33,50 @@ def test_kl_stats_clip_rounding_below_zero():
 
 
 def test_a_quantization_gets_its_gates_in_verify_jsons_order():
-    config = SimpleNamespace(perplexity_ratio_max=1.1, kl_mean_max=0.1, kl_p99_max=1.0, same_top_min=0.9,
-                             min_scored_tokens=1, kl_topk_mass_min=0.9, finetune_kl_fraction_max=0.5,
-                             golden_match_min=0.75, golden_margin=1.0, decisive_flips_max=0.0, min_golden_prompts=1,
-                             min_decisive_positions=1, max_new_tokens=8)
-    agreement = {"scored_tokens": 10, "perplexity_ratio": 1.0, "kl_method": "exact", "kl_tokens": 10, "kl_mean": 0.0,
-                 "kl_p99": 0.0, "same_top_rate": 1.0}
+    config = SimpleNamespace(
+        perplexity_ratio_max=1.1,
+        kl_mean_max=0.1,
+        kl_p99_max=1.0,
+        same_top_min=0.9,
+        min_scored_tokens=1,
+        kl_topk_mass_min=0.9,
+        finetune_kl_fraction_max=0.5,
+        golden_match_min=0.75,
+        golden_margin=1.0,
+        decisive_flips_max=0.0,
+        min_golden_prompts=1,
+        min_decisive_positions=1,
+        max_new_tokens=8,
+    )
+    agreement = {
+        "scored_tokens": 10,
+        "perplexity_ratio": 1.0,
+        "kl_method": "exact",
+        "kl_tokens": 10,
+        "kl_mean": 0.0,
+        "kl_p99": 0.0,
+        "same_top_rate": 1.0,
+    }
     names = [g.name for g in agreement_gates({"equal": 2, "checked": 2}, agreement, config, config, 8)]
-    assert names == ["tokenizer_parity", "perplexity_ratio", "kl_divergence_mean", "kl_divergence_p99",
-                     "same_top_token"]
+    assert names == [
+        "tokenizer_parity",
+        "perplexity_ratio",
+        "kl_divergence_mean",
+        "kl_divergence_p99",
+        "same_top_token",
+    ]
     scored_base = {**agreement, "finetune_tokens": 10, "finetune_kl_ratio": 0.1}
     assert agreement_gates({"equal": 2, "checked": 2}, scored_base, config, config, 8)[-1].name == "finetune_kept_kl"
     answer = {"kind": "chat", "prompt": "p", "hf_stop": 7, "gguf_stop": 7, "match": True}
     golden = {"answers": [answer], "matches": 1, "formatted": 1, "decisive": 1, "agreed": 1}
     reference = {"golden": [{"kind": "chat", "base_answer_ids": [1]}], "tokenizer": {"turn_end_id": 7}}
     assert [g.name for g in golden_gates(golden, reference, config, config)] == [
-        "golden_match", "golden_decisive_agreement", "golden_format", "finetune_kept_answers", "golden_ends_turn"]
+        "golden_match",
+        "golden_decisive_agreement",
+        "golden_format",
+        "finetune_kept_answers",
+        "golden_ends_turn",
+    ]
     completion = {"golden": [{"kind": "text", "base_answer_ids": None}], "tokenizer": {"turn_end_id": None}}
     assert all(g.passed for g in golden_gates(golden, completion, config, config))
     assert len(golden_gates(golden, completion, config, config)) == 3

@@ -93,8 +93,10 @@ def gpu_problems(deployment: dict[str, Any], manifest: dict[str, Any]) -> list[s
     want = _GEN.K8S_POOLS[kind]
     problems = []
     if pool != want:
-        problems.append(f"work_pool {pool!r}: the {kind if kind != 'none' else 'CPU'} stage {stage or 'parent'} "
-                        f"belongs on {want!r}; fix: regenerate deploy/prefect.yaml (python deploy/render_prefect_yaml.py)")
+        problems.append(
+            f"work_pool {pool!r}: the {kind if kind != 'none' else 'CPU'} stage {stage or 'parent'} "
+            f"belongs on {want!r}; fix: regenerate deploy/prefect.yaml (python deploy/render_prefect_yaml.py)"
+        )
     res = manifest["spec"]["template"]["spec"]["containers"][0].get("resources") or {}
     asked = {k: (res.get(k) or {}).get("nvidia.com/gpu") for k in ("requests", "limits")}
     if kind == "none":
@@ -102,14 +104,18 @@ def gpu_problems(deployment: dict[str, Any], manifest: dict[str, Any]) -> list[s
             problems.append(f"resources: a CPU stage requests nvidia.com/gpu {asked}; fix: drop it")
         return problems
     if pool in POOLS and not _template_requires_gpu(template_of(deployment)):
-        problems.append(f"pool {pool!r}: its template {POOLS[pool][1].name} does not require nvidia.com/gpu in "
-                        "resources; fix: regenerate it (python deploy/render_prefect_yaml.py)")
+        problems.append(
+            f"pool {pool!r}: its template {POOLS[pool][1].name} does not require nvidia.com/gpu in "
+            "resources; fix: regenerate it (python deploy/render_prefect_yaml.py)"
+        )
     stage_row = STAGES_BY_NAME[stage]
     count = str(_GEN.gpu_count(stage_row))
     if asked["requests"] != asked["limits"] or asked["limits"] is None or str(asked["limits"]) != count:
-        problems.append(f"resources: the {kind} GPU stage {stage} must request and limit nvidia.com/gpu {count}, "
-                        f"got requests {asked['requests']!r}, limits {asked['limits']!r}; fix: regenerate "
-                        "deploy/prefect.yaml")
+        problems.append(
+            f"resources: the {kind} GPU stage {stage} must request and limit nvidia.com/gpu {count}, "
+            f"got requests {asked['requests']!r}, limits {asked['limits']!r}; fix: regenerate "
+            "deploy/prefect.yaml"
+        )
     return problems
 
 
@@ -163,14 +169,18 @@ def main(argv: list[str] | None = None) -> int:
         pod = manifest["spec"]["template"]["spec"]
         gpus = pod["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu", "0")
         status = "ok" if not problems else "INVALID"
-        print(f"{deployment['name']:<22} {status:<8} pool={deployment['work_pool']['name']:<34} gpu={gpus} "
-              f"nodeSelector={pod.get('nodeSelector') or {}}")
+        print(
+            f"{deployment['name']:<22} {status:<8} pool={deployment['work_pool']['name']:<34} gpu={gpus} "
+            f"nodeSelector={pod.get('nodeSelector') or {}}"
+        )
         for problem in problems:
             print(f"    {problem}")
         failures += bool(problems)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"{deployment['name']}.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False), encoding="utf-8")
+            (args.out / f"{deployment['name']}.yaml").write_text(
+                yaml.safe_dump(manifest, sort_keys=False), encoding="utf-8"
+            )
     return 1 if failures else 0
 
 

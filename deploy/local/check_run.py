@@ -32,7 +32,9 @@ def main(run_log: str, run_name: str = "demo") -> int:
         )
         for child in sorted(children, key=lambda r: r.start_time or r.expected_start_time):
             seconds = child.total_run_time.total_seconds()
-            print(f"  child {child.name} ({child.parameters.get('stage')}): {child.state.type.value} in {seconds:.0f} s")
+            print(
+                f"  child {child.name} ({child.parameters.get('stage')}): {child.state.type.value} in {seconds:.0f} s"
+            )
         keys = {a.key for a in client.read_artifacts(limit=200) if a.key}
     wanted = [re.sub(r"[^a-z0-9-]+", "-", f"{run_name}-{s}".lower()) for s in STAGES]
     print(f"stage artifacts in Prefect: {', '.join(k for k in wanted if k in keys)}")

@@ -39,7 +39,7 @@ def _open(path: Path):
             if plain is None:
                 plain = self.__dict__["_plain_data"] = self.data.view(np.ndarray)
             count = int(count)
-            arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            arr = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
         def _build_tensors(self, start_offs, fields):
@@ -54,7 +54,8 @@ def _open(path: Path):
                 if begin + n_bytes > file_size:
                     raise _TensorExtentError(
                         f"tensor {name!r} declares {n_bytes} bytes at offset {begin}, up to byte {begin + n_bytes}, "
-                        f"but the file has {file_size} bytes: its tensor data runs past the end of the file")
+                        f"but the file has {file_size} bytes: its tensor data runs past the end of the file"
+                    )
                 extents.append((begin, begin + n_bytes, name))
             extents.sort()
             for (b1, e1, n1), (b2, e2, n2) in zip(extents, extents[1:]):

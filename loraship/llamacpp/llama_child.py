@@ -50,8 +50,12 @@ def send(message: dict) -> None:
 def _command(path: Path, n_ctx: int, entry: str, job: dict) -> Iterator[list[str]]:
     """The child's command line; what it loads and runs in a file (a GGUF's metadata can outgrow an argument)."""
     # n_gpu_layers=0 as the CLI always loaded it: these checks and chats need no GPU.
-    spec = {"llama": {"model_path": str(path), "n_ctx": n_ctx, "n_gpu_layers": 0, "verbose": False},
-            "entry": entry, "job": job, "mark": MARK}
+    spec = {
+        "llama": {"model_path": str(path), "n_ctx": n_ctx, "n_gpu_layers": 0, "verbose": False},
+        "entry": entry,
+        "job": job,
+        "mark": MARK,
+    }
     with tempfile.TemporaryDirectory(prefix="loraship-llama-") as folder:
         spec_file = Path(folder) / "spec.json"
         spec_file.write_text(json.dumps(spec), encoding="utf-8")
@@ -59,21 +63,25 @@ def _command(path: Path, n_ctx: int, entry: str, job: dict) -> Iterator[list[str
 
 
 def _message(line: str) -> dict | None:
-    return json.loads(line[len(MARK):]) if line.startswith(MARK) else None
+    return json.loads(line[len(MARK) :]) if line.startswith(MARK) else None
 
 
 def _load_failed(path: Path, reason: str) -> LorashipError:
-    return LorashipError(f"{path}: llama.cpp cannot load it ({reason}); the file is damaged or from a llama.cpp newer "
-                         "than the pinned one; convert it again with `loraship run CONFIG --from convert`")
+    return LorashipError(
+        f"{path}: llama.cpp cannot load it ({reason}); the file is damaged or from a llama.cpp newer "
+        "than the pinned one; convert it again with `loraship run CONFIG --from convert`"
+    )
 
 
 def native_crash_hint(returncode: int) -> str:
     """For a child killed by SIGSEGV or SIGILL: the llama-cpp-python build itself may be at fault."""
     if returncode not in (-4, -11):
         return ""
-    return ("; a crash in every file points at the llama-cpp-python build instead: one compiled for its build machine's "
-            "CPU (-march=native) crashed in ggml's AMX matmul on an AMX CPU; reinstall it with "
-            "CMAKE_ARGS=-DGGML_NATIVE=OFF pip install --force-reinstall --no-cache-dir llama-cpp-python")
+    return (
+        "; a crash in every file points at the llama-cpp-python build instead: one compiled for its build machine's "
+        "CPU (-march=native) crashed in ggml's AMX matmul on an AMX CPU; reinstall it with "
+        "CMAKE_ARGS=-DGGML_NATIVE=OFF pip install --force-reinstall --no-cache-dir llama-cpp-python"
+    )
 
 
 def child_death(returncode: int, stderr: str) -> str:
@@ -84,9 +92,11 @@ def child_death(returncode: int, stderr: str) -> str:
 
 
 def _crashed(path: Path, returncode: int, stderr: str) -> LorashipError:
-    return LorashipError(f"{path}: the llama.cpp process ended {child_death(returncode, stderr)}\nA GGUF that "
-                         "llama-cpp-python cannot load is a llama.cpp version mismatch or a broken file: convert it again with "
-                         f"`loraship run CONFIG --from convert`{native_crash_hint(returncode)}")
+    return LorashipError(
+        f"{path}: the llama.cpp process ended {child_death(returncode, stderr)}\nA GGUF that "
+        "llama-cpp-python cannot load is a llama.cpp version mismatch or a broken file: convert it again with "
+        f"`loraship run CONFIG --from convert`{native_crash_hint(returncode)}"
+    )
 
 
 def run_loaded(path: Path, n_ctx: int, entry: str, job: dict, what: str) -> dict:

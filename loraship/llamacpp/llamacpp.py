@@ -100,14 +100,29 @@ def fetch_vendored(folder: Path, wanted) -> Path:
     version = LLAMA_CPP_PYTHON_VERSION
     expected = SDIST_SHA256.get(version)
     if expected is None:
-        raise LorashipError(f"no pinned sha256 for the llama-cpp-python=={version} sdist; add PyPI's sha256 of "
-                            f"llama_cpp_python-{version}.tar.gz to SDIST_SHA256 in {__name__}")
+        raise LorashipError(
+            f"no pinned sha256 for the llama-cpp-python=={version} sdist; add PyPI's sha256 of "
+            f"llama_cpp_python-{version}.tar.gz to SDIST_SHA256 in {__name__}"
+        )
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
         requirements = Path(tmp) / "requirements.txt"
         requirements.write_text(f"llama-cpp-python=={version} --hash=sha256:{expected}\n", encoding="utf-8")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--require-hashes",
-               "--quiet", "-r", str(requirements), "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            "--require-hashes",
+            "--quiet",
+            "-r",
+            str(requirements),
+            "-d",
+            tmp,
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         if "DO NOT MATCH THE HASHES" in result.stderr:  # pip's hash-checking mode refused the file it fetched
@@ -129,10 +144,13 @@ def fetch_vendored(folder: Path, wanted) -> Path:
         staging = Path(tmp) / "staging"
         prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
         with tarfile.open(sdists[0]) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.name[len(prefix):]
-                       and wanted(m.name[len(prefix):].split("/")[0])]
+            members = [
+                m
+                for m in tar.getmembers()
+                if m.name.startswith(prefix) and m.name[len(prefix) :] and wanted(m.name[len(prefix) :].split("/")[0])
+            ]
             for m in members:
-                m.name = m.name[len(prefix):]
+                m.name = m.name[len(prefix) :]
             tar.extractall(staging, members=members, filter="data")
         if folder.exists():
             shutil.rmtree(folder)
@@ -154,10 +172,16 @@ def _registered_text_models(sources: list[Path]) -> set[str]:
                 continue
             bases[node.name] = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
             for dec in node.decorator_list:
-                if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute) and dec.func.attr == "register"
-                        and isinstance(dec.func.value, ast.Name) and dec.func.value.id == "ModelBase"):
+                if (
+                    isinstance(dec, ast.Call)
+                    and isinstance(dec.func, ast.Attribute)
+                    and dec.func.attr == "register"
+                    and isinstance(dec.func.value, ast.Name)
+                    and dec.func.value.id == "ModelBase"
+                ):
                     registered.setdefault(node.name, []).extend(
-                        a.value for a in dec.args if isinstance(a, ast.Constant) and isinstance(a.value, str))
+                        a.value for a in dec.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
+                    )
 
     def mmproj(name: str, seen: frozenset = frozenset()) -> bool:
         if name == "MmprojModel":
@@ -193,7 +217,11 @@ def pre_tokenizer_table(folder: Path | None = None) -> tuple[str, dict[str, str]
     """(check text, {sha256 of its token ids: pre-tokenizer name}) from the converter's get_vocab_base_pre."""
     folder = folder or converter_dir()
     base = folder / "conversion" / "base.py"
-    text = base.read_text(encoding="utf-8") if base.exists() else (folder / "convert_hf_to_gguf.py").read_text(encoding="utf-8")
+    text = (
+        base.read_text(encoding="utf-8")
+        if base.exists()
+        else (folder / "convert_hf_to_gguf.py").read_text(encoding="utf-8")
+    )
     match = re.search(r"^\s*chktxt = (.+)$", text, flags=re.M)
     if not match:
         raise LorashipError(f"could not find the pre-tokenizer check text in the converter at {folder}")
@@ -214,17 +242,23 @@ def gemma2_scale_problems(config: dict) -> list[str]:
     differs from the fine-tuned model's in every layer: refused before training, not found by verify afterwards."""
     if config.get("model_type") != "gemma2" or config.get("query_pre_attn_scalar") is None:
         return []
-    hidden, heads, layers = config.get("hidden_size"), config.get("num_attention_heads"), config.get("num_hidden_layers")
+    hidden, heads, layers = (
+        config.get("hidden_size"),
+        config.get("num_attention_heads"),
+        config.get("num_hidden_layers"),
+    )
     head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
     if not (hidden and heads and head_dim):
         return []
     assumed = hidden // heads if layers == GEMMA2_27B_LAYERS else head_dim
     if float(config["query_pre_attn_scalar"]) == float(assumed):
         return []
-    return [f"Gemma 2 config.json has query_pre_attn_scalar {config['query_pre_attn_scalar']}, but llama.cpp "
-            f"(llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}) scales the queries of a {layers}-layer Gemma 2 by "
-            f"1/sqrt({assumed}) whatever the config says, so the GGUF would attend differently from the fine-tuned "
-            f"model; use a Gemma 2 checkpoint whose query_pre_attn_scalar is {assumed} (as Gemma-2-2B, 9B and 27B have)"]
+    return [
+        f"Gemma 2 config.json has query_pre_attn_scalar {config['query_pre_attn_scalar']}, but llama.cpp "
+        f"(llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}) scales the queries of a {layers}-layer Gemma 2 by "
+        f"1/sqrt({assumed}) whatever the config says, so the GGUF would attend differently from the fine-tuned "
+        f"model; use a Gemma 2 checkpoint whose query_pre_attn_scalar is {assumed} (as Gemma-2-2B, 9B and 27B have)"
+    ]
 
 
 def check_convertible(model_dir: Path) -> list[str]:

@@ -64,8 +64,11 @@ def _llama3(system, messages):
         return f"<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>"
 
     head = block("system", system) if system else ""
-    return head + "".join(block(m["role"], m["content"]) for m in messages) + \
-        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    return (
+        head
+        + "".join(block(m["role"], m["content"]) for m in messages)
+        + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
 
 
 def _mistral(system, messages):
@@ -171,7 +174,7 @@ def _rendered(tokenizer, messages: list[dict]) -> str | None:
     except DataError:
         return None
     bos = getattr(tokenizer, "bos_token", None)
-    return text[len(bos):] if bos and text.startswith(bos) else text
+    return text[len(bos) :] if bos and text.startswith(bos) else text
 
 
 def _default_system(family: Family, rendered: str) -> tuple[bool, str | None]:
@@ -183,7 +186,7 @@ def _default_system(family: Family, rendered: str) -> tuple[bool, str | None]:
     # Where the family puts a system prompt: the text around a sentinel one.
     before, _, after = family.render(PROBE_SYSTEM, probe).partition(PROBE_SYSTEM)
     if rendered.startswith(before) and rendered.endswith(after) and len(rendered) > len(before) + len(after):
-        system = rendered[len(before): len(rendered) - len(after)]
+        system = rendered[len(before) : len(rendered) - len(after)]
         if family.render(system, probe) == rendered:
             return True, system
     return False, None
@@ -206,8 +209,12 @@ def recognise(tokenizer) -> dict:
             continue
         if with_system is not None and family.render(PROBE_SYSTEM, list(PROBE)) != with_system:
             continue  # same turns, but the system prompt goes elsewhere (e.g. Llama 3.1's dated header)
-        return {"family": family.name, "template": family.go_template, "system": system,
-                "family_stops": list(family.stops)}
+        return {
+            "family": family.name,
+            "template": family.go_template,
+            "system": system,
+            "family_stops": list(family.stops),
+        }
     return {"family": None, "reason": "the chat template renders conversations unlike ChatML, Llama 3 or Mistral"}
 
 
@@ -226,7 +233,7 @@ def _block(text: str, what: str) -> str:
     if '"""' in text:
         from loraship.errors import LorashipError
 
-        raise LorashipError(f"the {what} contains \"\"\", which a Modelfile cannot quote; change the {what}")
+        raise LorashipError(f'the {what} contains """, which a Modelfile cannot quote; change the {what}')
     return f'"""{text}"""'
 
 

@@ -59,15 +59,19 @@ def check_loads(path: Path, lora: Path | None = None) -> None:
     from loraship.runtime.proc import run_child
 
     # No GPU: a CPU load checks the file, and needs none of the inference card's memory.
-    done = run_child([sys.executable, "-c", _LOAD_CHECK, str(path), *([str(lora)] if lora else [])],
-                     LOAD_CHECK_TIMEOUT_S, f"llama.cpp's load check of {path.name}",
-                     extra_env={"CUDA_VISIBLE_DEVICES": ""})
+    done = run_child(
+        [sys.executable, "-c", _LOAD_CHECK, str(path), *([str(lora)] if lora else [])],
+        LOAD_CHECK_TIMEOUT_S,
+        f"llama.cpp's load check of {path.name}",
+        extra_env={"CUDA_VISIBLE_DEVICES": ""},
+    )
     if done.returncode == 0:
         return
     if done.returncode == 4:
         raise IntegrityError(
             f"{lora}: llama.cpp (llama-cpp-python {library_versions().get('llama-cpp-python')}) cannot apply this "
-            f"LoRA adapter to {path.name}:\n  " + "\n  ".join(done.stderr.strip().splitlines()[-6:])
+            f"LoRA adapter to {path.name}:\n  "
+            + "\n  ".join(done.stderr.strip().splitlines()[-6:])
             + "\nrun the convert stage again (loraship run CONFIG --from convert); if it fails again, set "
             "adapter_gguf: false and ship the merged GGUF only"
         )
@@ -83,8 +87,9 @@ def check_loads(path: Path, lora: Path | None = None) -> None:
     )
 
 
-def quantize(src: Path, dst: Path, quantization: str, progress_key: str | None = None,
-             imatrix: Path | None = None) -> None:
+def quantize(
+    src: Path, dst: Path, quantization: str, progress_key: str | None = None, imatrix: Path | None = None
+) -> None:
     """progress_key: the Prefect progress artifact's key (loraship/runtime/progress.py) inside a flow run.
     imatrix: llama-quantize --imatrix with this file; None: llama-cpp-python's binding, no importance matrix."""
     progress = LlamaCppProgress(f"quantize {quantization}", log, key=progress_key)
@@ -92,16 +97,36 @@ def quantize(src: Path, dst: Path, quantization: str, progress_key: str | None =
     # on a 128-core node, 128 threads would thrash.
     if imatrix is None:
         write_with_tool(
-            lambda tmp: [sys.executable, "-c", _WORKER, str(src), str(tmp), str(GGUF_FILE_TYPES[quantization]),
-                         str(cpu_count())],
-            dst, f"llama_model_quantize to {quantization}", TIMEOUT_S, on_line=progress,
+            lambda tmp: [
+                sys.executable,
+                "-c",
+                _WORKER,
+                str(src),
+                str(tmp),
+                str(GGUF_FILE_TYPES[quantization]),
+                str(cpu_count()),
+            ],
+            dst,
+            f"llama_model_quantize to {quantization}",
+            TIMEOUT_S,
+            on_line=progress,
         )
     else:
         from loraship.llamacpp.tools import tool
 
         write_with_tool(
-            lambda tmp: [str(tool("llama-quantize")), "--imatrix", str(imatrix), str(src), str(tmp), quantization,
-                         str(cpu_count())],
-            dst, f"llama-quantize --imatrix {imatrix.name} to {quantization}", TIMEOUT_S, on_line=progress,
+            lambda tmp: [
+                str(tool("llama-quantize")),
+                "--imatrix",
+                str(imatrix),
+                str(src),
+                str(tmp),
+                quantization,
+                str(cpu_count()),
+            ],
+            dst,
+            f"llama-quantize --imatrix {imatrix.name} to {quantization}",
+            TIMEOUT_S,
+            on_line=progress,
         )
     progress.close()

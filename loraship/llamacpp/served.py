@@ -52,21 +52,46 @@ def _ready(port: int) -> bool:
         return False
 
 
-def start_server(gguf: Path, n_ctx: int, n_gpu_layers: int, threads: int, log_file: Path,
-                 template_kwargs: dict | None = None) -> tuple[subprocess.Popen, int]:
+def start_server(
+    gguf: Path, n_ctx: int, n_gpu_layers: int, threads: int, log_file: Path, template_kwargs: dict | None = None
+) -> tuple[subprocess.Popen, int]:
     """llama-cpp-python's server on a free loopback port; (process, port). A port taken between
     choosing and binding it (another process, another verify) is retried on a fresh one."""
     last_tail = ""
     for _ in range(PORT_TRIES):
         port = free_port()
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", MODEL_ALIAS,
-               "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), "--n_gpu_layers", str(n_gpu_layers),
-               "--n_threads", str(threads), "--verbose", "False"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(gguf),
+            "--model_alias",
+            MODEL_ALIAS,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            str(n_ctx),
+            "--n_gpu_layers",
+            str(n_gpu_layers),
+            "--n_threads",
+            str(threads),
+            "--verbose",
+            "False",
+        ]
         if template_kwargs:  # the variables training rendered the template with (Qwen3's enable_thinking)
             cmd += ["--chat_template_kwargs", json.dumps(template_kwargs)]
         with open(log_file, "ab") as sink:
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=child_env(),
-                                    start_new_session=True, preexec_fn=child_setup)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=child_env(),
+                start_new_session=True,
+                preexec_fn=child_setup,
+            )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and proc.poll() is None and not _ready(port):
             time.sleep(0.2)
@@ -79,7 +104,8 @@ def start_server(gguf: Path, n_ctx: int, n_gpu_layers: int, threads: int, log_fi
     raise LorashipError(
         f"llama.cpp's OpenAI-compatible server did not start on {gguf.name} within {START_TIMEOUT_S} s:\n{last_tail}\n"
         "Install the server extra of the pinned llama-cpp-python (pip install 'llama-cpp-python[server]'), or see "
-        f"{log_file}")
+        f"{log_file}"
+    )
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -94,13 +120,21 @@ def ask(client, messages: list[dict], max_tokens: int, stream: bool, sampling: S
     """One chat completion: its text, finish reason and prompt token count. sampling: the settings
     sent, every one of them; None sends a plain OpenAI request at temperature 0 and leaves the rest
     (repeat_penalty, top_k, min_p, ...) to the server's defaults."""
-    args = dict(model=MODEL_ALIAS, messages=messages, max_tokens=max_tokens, seed=0,
-                **(sampling.openai_request() if sampling is not None else {"temperature": 0}))
+    args = dict(
+        model=MODEL_ALIAS,
+        messages=messages,
+        max_tokens=max_tokens,
+        seed=0,
+        **(sampling.openai_request() if sampling is not None else {"temperature": 0}),
+    )
     if not stream:
         response = client.chat.completions.create(**args)
         choice = response.choices[0]
-        return {"content": choice.message.content or "", "finish_reason": choice.finish_reason,
-                "prompt_tokens": response.usage.prompt_tokens if response.usage else None}
+        return {
+            "content": choice.message.content or "",
+            "finish_reason": choice.finish_reason,
+            "prompt_tokens": response.usage.prompt_tokens if response.usage else None,
+        }
     parts, finish = [], None
     for chunk in client.chat.completions.create(**args, stream=True):
         if not chunk.choices:
@@ -147,9 +181,18 @@ def merged_lead(record: dict, step: int | None) -> float | None:
     return margins[step]
 
 
-def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int, n_gpu_layers: int, threads: int,
-                 markers: list[str], log_file: Path, sampling: Sampling = GREEDY,
-                 template_kwargs: dict | None = None) -> dict:
+def served_check(
+    gguf: Path,
+    chats: list[dict],
+    max_new_tokens: int,
+    n_ctx: int,
+    n_gpu_layers: int,
+    threads: int,
+    markers: list[str],
+    log_file: Path,
+    sampling: Sampling = GREEDY,
+    template_kwargs: dict | None = None,
+) -> dict:
     """Every golden chat prompt through the server, whole and streamed, with `sampling` (the shipped
     settings), against the reference's greedy answer and the same GGUF's own greedy answer outside the
     server; then each once more with the server's defaults, reported as server_defaults. chats: reference
@@ -160,8 +203,9 @@ def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int,
     proc, port = start_server(gguf, n_ctx, n_gpu_layers, threads, log_file, template_kwargs)
     answers = []
     try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="loraship", timeout=REQUEST_TIMEOUT_S,
-                        max_retries=0)
+        client = OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="loraship", timeout=REQUEST_TIMEOUT_S, max_retries=0
+        )
         for record in chats:
             whole = ask(client, record["messages"], max_new_tokens, stream=False, sampling=sampling)
             streamed = ask(client, record["messages"], max_new_tokens, stream=True, sampling=sampling)
@@ -170,42 +214,63 @@ def served_check(gguf: Path, chats: list[dict], max_new_tokens: int, n_ctx: int,
             whole_at, whole_lead = parting_from(content, record["gguf_own"])
             streamed_at, streamed_lead = parting_from(streamed_content, record["gguf_own"])
             default_at, default_lead = parting_from(default["content"], record["gguf_own"])
-            answers.append({
-                "prompt": record["messages"][-1]["content"], "reference": record["answer_text"], "served": content,
-                "streamed": streamed_content, "gguf_greedy": record["gguf_answer_text"],
-                "finish_reason": whole["finish_reason"], "streamed_finish_reason": streamed["finish_reason"],
-                "equal_to_reference": content == record["answer_text"],
-                "equal_to_gguf_greedy": content == record["gguf_answer_text"],
-                "streamed_equal": streamed_content == content,
-                "whole_equal_to_gguf": whole_at is None, "whole_gguf_parted_at": whole_at, "whole_gguf_lead_there": whole_lead,
-                "whole_merged_lead_there": merged_lead(record, whole_at),
-                "streamed_equal_to_gguf": streamed_at is None, "streamed_gguf_parted_at": streamed_at,
-                "streamed_gguf_lead_there": streamed_lead,
-                "streamed_merged_lead_there": merged_lead(record, streamed_at),
-                "markers_leaked": [m for m in markers if m and m in whole["content"] + streamed["content"]],
-                "prompt_tokens": whole["prompt_tokens"], "reference_prompt_tokens": len(record["prompt_ids"]),
-                # Reported, not gated: the same prompt with every llama.cpp setting left to the server.
-                "server_defaults": {"served": default["content"].strip(), "equal_to_gguf": default_at is None,
-                                    "gguf_parted_at": default_at, "gguf_lead_there": default_lead},
-            })
+            answers.append(
+                {
+                    "prompt": record["messages"][-1]["content"],
+                    "reference": record["answer_text"],
+                    "served": content,
+                    "streamed": streamed_content,
+                    "gguf_greedy": record["gguf_answer_text"],
+                    "finish_reason": whole["finish_reason"],
+                    "streamed_finish_reason": streamed["finish_reason"],
+                    "equal_to_reference": content == record["answer_text"],
+                    "equal_to_gguf_greedy": content == record["gguf_answer_text"],
+                    "streamed_equal": streamed_content == content,
+                    "whole_equal_to_gguf": whole_at is None,
+                    "whole_gguf_parted_at": whole_at,
+                    "whole_gguf_lead_there": whole_lead,
+                    "whole_merged_lead_there": merged_lead(record, whole_at),
+                    "streamed_equal_to_gguf": streamed_at is None,
+                    "streamed_gguf_parted_at": streamed_at,
+                    "streamed_gguf_lead_there": streamed_lead,
+                    "streamed_merged_lead_there": merged_lead(record, streamed_at),
+                    "markers_leaked": [m for m in markers if m and m in whole["content"] + streamed["content"]],
+                    "prompt_tokens": whole["prompt_tokens"],
+                    "reference_prompt_tokens": len(record["prompt_ids"]),
+                    # Reported, not gated: the same prompt with every llama.cpp setting left to the server.
+                    "server_defaults": {
+                        "served": default["content"].strip(),
+                        "equal_to_gguf": default_at is None,
+                        "gguf_parted_at": default_at,
+                        "gguf_lead_there": default_lead,
+                    },
+                }
+            )
     finally:
         stop_server(proc)
     differing = [a for a in answers if not a["server_defaults"]["equal_to_gguf"]]
     return {
-        "api": "openai", "server": "llama_cpp.server (llama-cpp-python, the GGUF's chat template)",
+        "api": "openai",
+        "server": "llama_cpp.server (llama-cpp-python, the GGUF's chat template)",
         "sampling": sampling.record(),
         "requests": len(answers),
-        "finished_by_stop": sum(a["finish_reason"] == "stop" and a["streamed_finish_reason"] == "stop" for a in answers),
+        "finished_by_stop": sum(
+            a["finish_reason"] == "stop" and a["streamed_finish_reason"] == "stop" for a in answers
+        ),
         "equal_to_reference": sum(a["equal_to_reference"] for a in answers),
         "equal_to_gguf_greedy": sum(a["equal_to_gguf_greedy"] for a in answers),
         "streamed_equal": sum(a["streamed_equal"] for a in answers),
         "without_markers": sum(not a["markers_leaked"] for a in answers),
         "prompt_tokens_equal": sum(a["prompt_tokens"] == a["reference_prompt_tokens"] for a in answers),
         "server_defaults": {
-            "settings": server_defaults(), "requests": len(answers), "differ_from_gguf_greedy": len(differing),
-            "note": ("reported, not gated: each prompt once more as a plain OpenAI request at temperature 0, every "
-                     "other setting the server's default; answers that differ are what a client gets that does not "
-                     "send the shipped settings"),
+            "settings": server_defaults(),
+            "requests": len(answers),
+            "differ_from_gguf_greedy": len(differing),
+            "note": (
+                "reported, not gated: each prompt once more as a plain OpenAI request at temperature 0, every "
+                "other setting the server's default; answers that differ are what a client gets that does not "
+                "send the shipped settings"
+            ),
         },
         "answers": answers,
     }

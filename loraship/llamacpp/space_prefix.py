@@ -26,8 +26,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # Probe conversations: what a template puts around message contents decides where raw pieces start.
-_CHAT_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-               {"role": "user", "content": "Why"}, {"role": "assistant", "content": "Because"}]
+_CHAT_PROBE = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello"},
+    {"role": "user", "content": "Why"},
+    {"role": "assistant", "content": "Because"},
+]
 _TEXT_PROBE = "Hello world"  # completion data: the row's text itself, BOS added as a token
 
 
@@ -94,8 +98,10 @@ def probe_texts(tokenizer, kinds: set[str]) -> dict[str, str]:
     if "text" in kinds:
         texts["plain text"] = _TEXT_PROBE
     if "chat" in kinds:
-        for what, messages, prompt in (("a rendered conversation", _CHAT_PROBE, False),
-                                       ("a rendered prompt", _CHAT_PROBE[:1], True)):
+        for what, messages, prompt in (
+            ("a rendered conversation", _CHAT_PROBE, False),
+            ("a rendered prompt", _CHAT_PROBE[:1], True),
+        ):
             try:
                 texts[what] = render(tokenizer, messages, add_generation_prompt=prompt)
             except DataError:
@@ -111,22 +117,33 @@ def choose(tokenizer, kinds: set[str]) -> tuple[bool | None, str | None]:
         return None, None
     wants: dict[str, set[bool]] = {}
     for what, text in probe_texts(tokenizer, kinds).items():
-        wants[what] = {bool(value) for value in (True, False)
-                       if all(hf_prefixes(scheme, offset, piece) == value for offset, piece in raw_pieces(tokenizer, text))}
+        wants[what] = {
+            bool(value)
+            for value in (True, False)
+            if all(hf_prefixes(scheme, offset, piece) == value for offset, piece in raw_pieces(tokenizer, text))
+        }
     fits = set.intersection({True, False}, *wants.values())
     if fits:
         return (True if True in fits else False), None  # true where both fit: llama.cpp's own default
-    shown = "; ".join(f"{what} needs {' or '.join(str(value).lower() for value in sorted(values)) or 'neither'}"
-                      for what, values in wants.items())
-    why = ("llama.cpp places sentencepiece's space prefix by one GGUF flag, tokenizer.ggml.add_space_prefix (a space "
-           f"before every raw-text piece, or before none), and this HF tokenizer (prepend_scheme {scheme!r}) needs "
-           f"another value per text ({shown}), so llama.cpp would feed the model token sequences it never trained on")
+    shown = "; ".join(
+        f"{what} needs {' or '.join(str(value).lower() for value in sorted(values)) or 'neither'}"
+        for what, values in wants.items()
+    )
+    why = (
+        "llama.cpp places sentencepiece's space prefix by one GGUF flag, tokenizer.ggml.add_space_prefix (a space "
+        f"before every raw-text piece, or before none), and this HF tokenizer (prepend_scheme {scheme!r}) needs "
+        f"another value per text ({shown}), so llama.cpp would feed the model token sequences it never trained on"
+    )
     if all(wants.values()):
-        return None, (f"{why}. This run serves both kinds: train chat data (alpaca, chat, sharegpt; golden prompts "
-                      "are conversations too) and completion data in separate runs, or give the completion rows as "
-                      "conversations")
-    return None, (f"{why}. The chat template renders raw text at the start of the conversation and after special "
-                  "tokens; begin it with {{ bos_token }} (or another special token), as the model's own template does")
+        return None, (
+            f"{why}. This run serves both kinds: train chat data (alpaca, chat, sharegpt; golden prompts "
+            "are conversations too) and completion data in separate runs, or give the completion rows as "
+            "conversations"
+        )
+    return None, (
+        f"{why}. The chat template renders raw text at the start of the conversation and after special "
+        "tokens; begin it with {{ bos_token }} (or another special token), as the model's own template does"
+    )
 
 
 def converter_writes(model_dir: Path) -> bool:
@@ -134,7 +151,9 @@ def converter_writes(model_dir: Path) -> bool:
     tokenizer_config's add_prefix_space where set (its Llama/Mistral model class copies it), else llama.cpp's
     default, true."""
     try:
-        value = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8")).get("add_prefix_space")
+        value = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8")).get(
+            "add_prefix_space"
+        )
     except (OSError, ValueError):
         value = None
     return True if value is None else bool(value)

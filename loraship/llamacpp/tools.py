@@ -28,9 +28,17 @@ BUILD_FILE = "build.json"  # how and when the tools were built; its presence mar
 BUILD_TIMEOUT_S = 3600
 # Portable (GGML_NATIVE off: a cache or image built on one CPU runs on another), static libraries (the binaries
 # need no libllama.so beside them), no OpenMP (no libgomp at run time), no HTTPS client (nothing is downloaded).
-CMAKE_ARGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF",
-              "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-              "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF")
+CMAKE_ARGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_OPENMP=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+)
 
 
 def tools_root() -> Path:
@@ -61,7 +69,8 @@ def tools_dir(build: bool = True) -> Path:
         if not _have_all(folder):
             raise LorashipError(
                 f"LORASHIP_LLAMA_CPP_TOOLS_DIR={folder} does not hold the executables {', '.join(TOOLS)}; unset it to let "
-                f"loraship build them from llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}'s llama.cpp")
+                f"loraship build them from llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}'s llama.cpp"
+            )
         return folder
     folder = tools_root() / "bin"
     if _have_all(folder) and (tools_root() / BUILD_FILE).is_file():
@@ -94,7 +103,8 @@ def build_tools() -> Path:
             f"building llama.cpp's tools (imatrix: true needs llama-imatrix and llama-quantize) needs {', '.join(missing)}, "
             "which this machine lacks; install them (Debian/Ubuntu: apt-get install cmake g++ make), or set "
             "LORASHIP_LLAMA_CPP_TOOLS_DIR to a folder with llama-imatrix, llama-quantize and llama-perplexity built from "
-            f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}'s vendor/llama.cpp, or set imatrix: false")
+            f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}'s vendor/llama.cpp, or set imatrix: false"
+        )
     source = source_dir()
     root = tools_root()
     root.mkdir(parents=True, exist_ok=True)
@@ -104,8 +114,10 @@ def build_tools() -> Path:
     with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as tmp:
         build = Path(tmp) / "build"
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        steps = [["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_ARGS],
-                 ["cmake", "--build", str(build), "--config", "Release", "-j", jobs, "--target", *TOOLS]]
+        steps = [
+            ["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_ARGS],
+            ["cmake", "--build", str(build), "--config", "Release", "-j", jobs, "--target", *TOOLS],
+        ]
         for cmd in steps:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if done.returncode != 0:
@@ -113,14 +125,26 @@ def build_tools() -> Path:
                     f"building llama.cpp's tools failed at `{' '.join(cmd)}` (exit {done.returncode}):\n"
                     + "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
                     + "\nfix the toolchain the error names (cmake >= 3.14, a C++17 compiler), or set "
-                    "LORASHIP_LLAMA_CPP_TOOLS_DIR to prebuilt tools of the same llama.cpp, or set imatrix: false")
+                    "LORASHIP_LLAMA_CPP_TOOLS_DIR to prebuilt tools of the same llama.cpp, or set imatrix: false"
+                )
         staging = Path(tmp) / "bin"
         staging.mkdir()
         for name in TOOLS:
             shutil.copy2(build / "bin" / name, staging / name)
-        (staging / BUILD_FILE).write_text(json.dumps({
-            "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "tools": list(TOOLS), "cmake_args": list(CMAKE_ARGS),
-            "jobs": int(jobs), "seconds": round(time.time() - started, 1)}, indent=1) + "\n", encoding="utf-8")
+        (staging / BUILD_FILE).write_text(
+            json.dumps(
+                {
+                    "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+                    "tools": list(TOOLS),
+                    "cmake_args": list(CMAKE_ARGS),
+                    "jobs": int(jobs),
+                    "seconds": round(time.time() - started, 1),
+                },
+                indent=1,
+            )
+            + "\n",
+            encoding="utf-8",
+        )
         final = root / "bin"
         if final.exists():
             shutil.rmtree(final)

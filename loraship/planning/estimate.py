@@ -280,21 +280,27 @@ def estimate(s: Shape, cfg: Config, strategy: dict, program: str = "train-stage"
     reserved = allocated + reserve
     ctx = CAL["cuda_context_gib"] * GIB
     comps = {
-        "frozen_weights": w.resident, "lora_weights": lora_w,
-        "lora_gradients": grads_at_peak, "optimizer_state": opt,
+        "frozen_weights": w.resident,
+        "lora_weights": lora_w,
+        "lora_gradients": grads_at_peak,
+        "optimizer_state": opt,
         **_kept_activations(a, s.L),
         **({"streamed_layer_copies": w.streamed} if w.streamed_layers else {}),
         "one_layer_recompute_and_backward": a.layer_peak(s.L) + a.dequant,
         "logits_and_cross_entropy": loss,
-        "allocator_reserve": reserve, "cuda_context": ctx,
+        "allocator_reserve": reserve,
+        "cuda_context": ctx,
     }
     budget = cfg.gpu_memory_gib
     margin = safety_margin_gib(budget)
     total = reserved - reclaimable + ctx
     return {
         "components_gib": {k: round(v / GIB, 3) for k, v in comps.items()},
-        "peak_phase": ("cross-entropy" if loss + w.streamed_at_loss >= a.layer_peak(s.L) + a.dequant + streamed_at_layer
-                       else "one layer's backward"),
+        "peak_phase": (
+            "cross-entropy"
+            if loss + w.streamed_at_loss >= a.layer_peak(s.L) + a.dequant + streamed_at_layer
+            else "one layer's backward"
+        ),
         "predicted_allocated_gib": allocated / GIB,
         "predicted_reserved_gib": reserved / GIB,
         "cuda_context_gib": ctx / GIB,
@@ -310,8 +316,9 @@ def estimate(s: Shape, cfg: Config, strategy: dict, program: str = "train-stage"
     }
 
 
-def _activations_at_peak(s: Shape, strategy: dict, program: str, w: _Weights, a: _Activations, loss: float,
-                         lora_g: float) -> tuple[float, float, float]:
+def _activations_at_peak(
+    s: Shape, strategy: dict, program: str, w: _Weights, a: _Activations, loss: float, lora_g: float
+) -> tuple[float, float, float]:
     """What the peak holds on top of the static terms (kept activations, the larger transient, the LoRA gradients
     where written by then), the LoRA gradients among it, and the streamed copies at a layer's transient."""
     # The train stage sets the LoRA gradients to None after each optimizer step (tasks/train.py zero_grad(set_to_none=
@@ -324,13 +331,14 @@ def _activations_at_peak(s: Shape, strategy: dict, program: str, w: _Weights, a:
     k = a.k
     streamed_at_layer = w.streamed if k == s.L else 0.0
     act_peak = max(loss + w.streamed_at_loss, a.layer_peak(s.L) + a.dequant + streamed_at_layer)
-    grads_before_peak = (program == "train-stage" and k < s.L and strategy["gradient_accumulation_steps"] == 1)
+    grads_before_peak = program == "train-stage" and k < s.L and strategy["gradient_accumulation_steps"] == 1
     at_peak, grads_at_peak = a.kept + act_peak, lora_g
     if not grads_before_peak:
         at_peak += lora_g
     else:
-        first_recompute = (a.kept_checkpointed + a.layer_saved + a.layer_backward + a.dequant + w.streamed + lora_g
-                           if k else 0.0)
+        first_recompute = (
+            a.kept_checkpointed + a.layer_saved + a.layer_backward + a.dequant + w.streamed + lora_g if k else 0.0
+        )
         if first_recompute > at_peak:
             at_peak = first_recompute
         else:
@@ -347,7 +355,9 @@ def _allocator_reserve(strategy: dict, program: str, loss: float, a: _Activation
         if not strategy["fused_loss"]:
             reclaimable = CAL["reserve_hf_loss_expandable"] * loss
         return CAL["reserve_expandable_gib"] * GIB + reclaimable, reclaimable
-    return CAL["reserve_loss"] * loss + CAL["reserve_layer"] * layer_transient + CAL["reserve_fixed_gib"] * GIB, reclaimable
+    return CAL["reserve_loss"] * loss + CAL["reserve_layer"] * layer_transient + CAL[
+        "reserve_fixed_gib"
+    ] * GIB, reclaimable
 
 
 def _kept_activations(a: _Activations, L: int) -> dict:

@@ -92,10 +92,15 @@ def mfu(tokens_per_s: float | None, flops_per_token: float, device_name: str | N
     """(MFU as a fraction of the bf16 peak, or None, and the words that say how it was taken or why not)."""
     peak = bf16_peak_tflops(device_name)
     if peak is None:
-        return None, f"no bf16 peak known for {device_name or 'this device'} (loraship/planning/flops.py BF16_PEAK_TFLOPS)"
+        return (
+            None,
+            f"no bf16 peak known for {device_name or 'this device'} (loraship/planning/flops.py BF16_PEAK_TFLOPS)",
+        )
     if not tokens_per_s:
         return None, "no steady-state tokens/s (too few steps after the warm-up)"
     achieved = tokens_per_s * flops_per_token / 1e12
-    return (round(achieved / peak, 4),
-            f"{achieved:,.0f} of {peak:,.0f} TFLOP/s ({device_name} dense bf16), "
-            f"{flops_per_token / 1e9:.2f} GFLOP per token (model FLOPs: no recompute)")
+    return (
+        round(achieved / peak, 4),
+        f"{achieved:,.0f} of {peak:,.0f} TFLOP/s ({device_name} dense bf16), "
+        f"{flops_per_token / 1e9:.2f} GFLOP per token (model FLOPs: no recompute)",
+    )

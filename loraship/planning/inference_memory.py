@@ -82,8 +82,14 @@ def read_layout(path: Path) -> GGUFLayout:
     if "output.weight" not in names:  # tied embeddings: the output projection is a GPU copy of token_embd
         output_bytes += cpu_bytes
     return GGUFLayout(
-        n_layers=n_layers, layer_bytes=layer_bytes, output_bytes=output_bytes, cpu_bytes=cpu_bytes, n_embd=n_embd,
-        n_embd_kv=n_head_kv * head_dim, n_head=n_head, n_ff=int(field(f"{arch}.feed_forward_length", 4 * n_embd)),
+        n_layers=n_layers,
+        layer_bytes=layer_bytes,
+        output_bytes=output_bytes,
+        cpu_bytes=cpu_bytes,
+        n_embd=n_embd,
+        n_embd_kv=n_head_kv * head_dim,
+        n_head=n_head,
+        n_ff=int(field(f"{arch}.feed_forward_length", 4 * n_embd)),
         n_vocab=n_vocab or int(len(field("tokenizer.ggml.tokens", []) or [])),
         n_ctx_train=int(field(f"{arch}.context_length", 4096)),
     )
@@ -107,12 +113,16 @@ def predict_gpu(layout: GGUFLayout, n_ctx: int, n_gpu_layers: int | None = None)
     last n_gpu_layers - 1 blocks."""
     layers = all_layers(layout) if n_gpu_layers is None or n_gpu_layers < 0 else min(n_gpu_layers, all_layers(layout))
     blocks = max(0, layers - 1)
-    offloaded = layout.layer_bytes[layout.n_layers - blocks:] if blocks else []
+    offloaded = layout.layer_bytes[layout.n_layers - blocks :] if blocks else []
     weights = sum(offloaded) + (layout.output_bytes if layers else 0)
     kv = 2 * blocks * n_ctx * layout.n_embd_kv * 2
     compute = compute_buffer_bytes(n_ctx, layout.n_head, layout.n_embd, layout.n_ff, layout.n_vocab) if layers else 0
-    parts = {"weights_gib": weights / GIB, "kv_cache_gib": kv / GIB, "compute_buffer_gib": compute / GIB,
-             "cuda_overhead_gib": CUDA_OVERHEAD_GIB}
+    parts = {
+        "weights_gib": weights / GIB,
+        "kv_cache_gib": kv / GIB,
+        "compute_buffer_gib": compute / GIB,
+        "cuda_overhead_gib": CUDA_OVERHEAD_GIB,
+    }
     parts = {k: round(v, 3) for k, v in parts.items()}
     parts["total_gib"] = round(sum(parts.values()), 3)
     parts.update(n_ctx=n_ctx, n_gpu_layers=layers)

@@ -58,9 +58,14 @@ def fused_loss_available(cfg: Config, device: str = "cuda", model_type: str | No
     model_type = model_type or base_model_type(cfg)
     if model_type in LIGER_NO_FUSED_LOSS:
         if cfg.fused_loss == "on":
-            raise ConfigError("config", [f"fused_loss: on, but liger-kernel has no fused loss for model_type "
-                                         f"{model_type!r} (it scales its logits, which the fused loss has no term for); "
-                                         "fix: set fused_loss: auto or off"])
+            raise ConfigError(
+                "config",
+                [
+                    f"fused_loss: on, but liger-kernel has no fused loss for model_type "
+                    f"{model_type!r} (it scales its logits, which the fused loss has no term for); "
+                    "fix: set fused_loss: auto or off"
+                ],
+            )
         return False
     if cfg.fused_loss == "on":
         return True
@@ -86,11 +91,15 @@ def activations_setting(cfg: Config) -> str:
 def strategy_from_config(cfg: Config, n_layers: int | None = None) -> dict:
     """The configuration as written. `checkpointed_layers` needs the layer count: without it the key is
     left out and checkpointed_layers() reads `gradient_checkpointing` as all layers or none."""
-    out = {"adapter": cfg.adapter, "offload_layers": 0, "micro_batch_size": cfg.micro_batch_size,
-           "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-           "fused_loss": fused_loss_available(cfg, "cpu" if cfg.device == "cpu" else "cuda"),
-           "gradient_checkpointing": checkpoint_every_layer(cfg),
-           "offload_activations": activations_setting(cfg) == "on" and checkpoint_every_layer(cfg)}
+    out = {
+        "adapter": cfg.adapter,
+        "offload_layers": 0,
+        "micro_batch_size": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "fused_loss": fused_loss_available(cfg, "cpu" if cfg.device == "cpu" else "cuda"),
+        "gradient_checkpointing": checkpoint_every_layer(cfg),
+        "offload_activations": activations_setting(cfg) == "on" and checkpoint_every_layer(cfg),
+    }
     if n_layers is not None:
         out["checkpointed_layers"] = n_layers if checkpoint_every_layer(cfg) else 0
     return out

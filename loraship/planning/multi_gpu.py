@@ -39,8 +39,10 @@ INTERCONNECT_GBPS = 25.0
 NCCL_BUFFERS_GIB = 0.5
 # FSDP2 unsharded decoder layers on a GPU at once: the one computing and the one prefetched.
 FSDP2_LAYERS_IN_FLIGHT = 2
-_ASSUMED = (f"predicted from the single-GPU model plus each engine's known costs, not measured on several GPUs; "
-            f"{INTERCONNECT_GBPS:g} GB/s interconnect assumed")
+_ASSUMED = (
+    f"predicted from the single-GPU model plus each engine's known costs, not measured on several GPUs; "
+    f"{INTERCONNECT_GBPS:g} GB/s interconnect assumed"
+)
 
 
 def requested_counts(cfg: Config) -> list[int]:
@@ -70,7 +72,9 @@ def fsdp2_per_gpu_gib(s: Shape, strategy: dict, est: dict, n: int) -> float:
     sharded, whole = _decoder_bytes_per_param(strategy)
     params = s.L * s.layer_linear_params
     single_weights = params * (sharded + whole)
-    fsdp_weights = params * sharded / n + params * whole + min(FSDP2_LAYERS_IN_FLIGHT, s.L) * s.layer_linear_params * sharded
+    fsdp_weights = (
+        params * sharded / n + params * whole + min(FSDP2_LAYERS_IN_FLIGHT, s.L) * s.layer_linear_params * sharded
+    )
     lora_static = est["lora_params"] * (4 + 8)  # fp32 weights + AdamW m and v (estimate.LORA_BYTES_PER_PARAM)
     grads = est["components_gib"]["lora_gradients"] * GIB
     saved = single_weights - fsdp_weights + (lora_static + grads) * (1 - 1 / n)
@@ -110,8 +114,14 @@ def fsdp2_seconds(s: Shape, cfg: Config, strategy: dict, lora_params: int, n: in
 
 # -- options ---------------------------------------------------------------------------------------------------------
 def _option(n: int, engine: str, fits: bool, per_gpu: float, tokens: float | None, why: str) -> dict:
-    return {"gpus": n, "engine": engine, "fits": bool(fits), "per_gpu_gib": round(per_gpu, 2),
-            "tokens_per_s": None if tokens is None else round(tokens, 1), "why": why}
+    return {
+        "gpus": n,
+        "engine": engine,
+        "fits": bool(fits),
+        "per_gpu_gib": round(per_gpu, 2),
+        "tokens_per_s": None if tokens is None else round(tokens, 1),
+        "why": why,
+    }
 
 
 def options_for(s: Shape, cfg: Config, strategy: dict, counts: list[int]) -> list[dict]:
@@ -123,43 +133,77 @@ def options_for(s: Shape, cfg: Config, strategy: dict, counts: list[int]) -> lis
     single_tps = T / single_s
     lora = est["lora_params"]
     room = f"of {cap:.1f} GiB usable per GPU ({cfg.gpu_memory_gib:g} GiB less the safety margin)"
-    out = [_option(1, "single", est["fits"], est["predicted_total_gib"], single_tps,
-                   f"one GPU: {est['predicted_total_gib']:.1f} GiB {room}, {single_tps:,.0f} tokens/s at "
-                   f"{PLAN_EXECUTED_TFLOPS:g} TFLOP/s ({_ASSUMED})")]
+    out = [
+        _option(
+            1,
+            "single",
+            est["fits"],
+            est["predicted_total_gib"],
+            single_tps,
+            f"one GPU: {est['predicted_total_gib']:.1f} GiB {room}, {single_tps:,.0f} tokens/s at "
+            f"{PLAN_EXECUTED_TFLOPS:g} TFLOP/s ({_ASSUMED})",
+        )
+    ]
     host = ""
     if strategy.get("offload_layers"):
-        host = (f"; each rank streams its own copy of the {strategy['offload_layers']} offloaded layers from CPU "
-                "memory (that much host memory per rank)")
+        host = (
+            f"; each rank streams its own copy of the {strategy['offload_layers']} offloaded layers from CPU "
+            "memory (that much host memory per rank)"
+        )
     for n in (c for c in counts if c > 1):
         per = ddp_per_gpu_gib(est)
         t = ddp_seconds(single_s, lora, n)
         tps = n * T / t
-        out.append(_option(n, "ddp", per <= cap, per, tps,
-                           f"DDP on {n} GPUs: the one-GPU {est['predicted_total_gib']:.1f} GiB + "
-                           f"{lora * 4 / GIB:.2f} GiB gradient buckets + {NCCL_BUFFERS_GIB:g} GiB NCCL = {per:.1f} GiB "
-                           f"{room}; {tps:,.0f} tokens/s = {n} x {single_tps:,.0f} x {single_s / t:.3f} all-reduce "
-                           f"efficiency ({lora * 4 / 1e6:,.0f} MB of fp32 LoRA gradients each micro-batch){host} "
-                           f"({_ASSUMED})"))
+        out.append(
+            _option(
+                n,
+                "ddp",
+                per <= cap,
+                per,
+                tps,
+                f"DDP on {n} GPUs: the one-GPU {est['predicted_total_gib']:.1f} GiB + "
+                f"{lora * 4 / GIB:.2f} GiB gradient buckets + {NCCL_BUFFERS_GIB:g} GiB NCCL = {per:.1f} GiB "
+                f"{room}; {tps:,.0f} tokens/s = {n} x {single_tps:,.0f} x {single_s / t:.3f} all-reduce "
+                f"efficiency ({lora * 4 / 1e6:,.0f} MB of fp32 LoRA gradients each micro-batch){host} "
+                f"({_ASSUMED})",
+            )
+        )
         if strategy.get("offload_layers"):
             plain = {**strategy, "offload_layers": 0, "offload_spread": False}
             per = fsdp2_per_gpu_gib(s, plain, estimate(s, cfg, plain), n)
-            out.append(_option(n, "fsdp2", False, per, None,
-                               f"FSDP2 on {n} GPUs would need {per:.1f} GiB per GPU without the plan's streamed "
-                               f"layers, but the plan streams {strategy['offload_layers']} layers from CPU memory, "
-                               f"which FSDP2 does not combine with; set gpus: {n} to plan sharding before fallback's "
-                               "offload"))
+            out.append(
+                _option(
+                    n,
+                    "fsdp2",
+                    False,
+                    per,
+                    None,
+                    f"FSDP2 on {n} GPUs would need {per:.1f} GiB per GPU without the plan's streamed "
+                    f"layers, but the plan streams {strategy['offload_layers']} layers from CPU memory, "
+                    f"which FSDP2 does not combine with; set gpus: {n} to plan sharding before fallback's "
+                    "offload",
+                )
+            )
             continue
         per = fsdp2_per_gpu_gib(s, strategy, est, n)
         t = fsdp2_seconds(s, cfg, strategy, lora, n)
         tps = n * T / t
         sharded, _whole = _decoder_bytes_per_param(strategy)
         gather_s = _bus_seconds(s.layer_linear_params * sharded, n)
-        out.append(_option(n, "fsdp2", per <= cap, per, tps,
-                           f"FSDP2 on {n} GPUs: frozen decoder weights, LoRA weights, gradients and AdamW states "
-                           f"sharded 1/{n}, {FSDP2_LAYERS_IN_FLIGHT} gathered layers in flight, "
-                           f"+ {NCCL_BUFFERS_GIB:g} GiB NCCL = {per:.1f} GiB {room}; {tps:,.0f} tokens/s "
-                           f"({'bound by all-gathers' if gather_s > single_s / (3 * s.L) else 'compute-bound'}: "
-                           f"{gather_s * 1e3:.1f} ms to gather each layer, twice a micro-batch) ({_ASSUMED})"))
+        out.append(
+            _option(
+                n,
+                "fsdp2",
+                per <= cap,
+                per,
+                tps,
+                f"FSDP2 on {n} GPUs: frozen decoder weights, LoRA weights, gradients and AdamW states "
+                f"sharded 1/{n}, {FSDP2_LAYERS_IN_FLIGHT} gathered layers in flight, "
+                f"+ {NCCL_BUFFERS_GIB:g} GiB NCCL = {per:.1f} GiB {room}; {tps:,.0f} tokens/s "
+                f"({'bound by all-gathers' if gather_s > single_s / (3 * s.L) else 'compute-bound'}: "
+                f"{gather_s * 1e3:.1f} ms to gather each layer, twice a micro-batch) ({_ASSUMED})",
+            )
+        )
     return out
 
 
@@ -198,9 +242,16 @@ def _sharded_search(s: Shape, cfg: Config, counts: list[int], fallback: list[str
 def _sharded_plan(s: Shape, cfg: Config, found: tuple, before: str) -> dict:
     n, st, est, per = found
     cap = cfg.gpu_memory_gib - safety_margin_gib(cfg.gpu_memory_gib)
-    return _plan(s, cfg, st, est, f"{before}; FSDP2 over {n} GPUs holds {st['adapter']} at micro-batch "
-                 f"{st['micro_batch_size']} with {checkpointed_layers(st, s.L)} of {s.L} layers checkpointed: "
-                 f"{per:.1f} GiB per GPU of {cap:.1f} usable", _alternatives(s, cfg, st))
+    return _plan(
+        s,
+        cfg,
+        st,
+        est,
+        f"{before}; FSDP2 over {n} GPUs holds {st['adapter']} at micro-batch "
+        f"{st['micro_batch_size']} with {checkpointed_layers(st, s.L)} of {s.L} layers checkpointed: "
+        f"{per:.1f} GiB per GPU of {cap:.1f} usable",
+        _alternatives(s, cfg, st),
+    )
 
 
 def _uses_fallback(strategy: dict, cfg: Config) -> bool:
@@ -227,14 +278,20 @@ def plan_on_gpus(s: Shape, cfg: Config) -> dict:
         # The configured adapter sharded over the GPUs asked for, before fallback's change to it.
         found = _sharded_search(s, cfg, [want], fallback=[])[0]
         if found:
-            plan = _sharded_plan(s, cfg, found, f"gpus: {want} asked for, so sharded instead of fallback's change "
-                                 f"for one card ({plan['reason']})")
+            plan = _sharded_plan(
+                s,
+                cfg,
+                found,
+                f"gpus: {want} asked for, so sharded instead of fallback's change for one card ({plan['reason']})",
+            )
     if plan is None:
         found, least = _sharded_search(s, cfg, counts)
         if not found:
-            raise PlanRefused(f"{refused} Several GPUs do not help either: FSDP2 over {counts[-1]} GPUs needs at least "
-                              f"{least:.1f} GiB per GPU, more than the {cap:.1f} GiB usable of gpu_memory_gib "
-                              f"{cfg.gpu_memory_gib:g}.") from refused
+            raise PlanRefused(
+                f"{refused} Several GPUs do not help either: FSDP2 over {counts[-1]} GPUs needs at least "
+                f"{least:.1f} GiB per GPU, more than the {cap:.1f} GiB usable of gpu_memory_gib "
+                f"{cfg.gpu_memory_gib:g}."
+            ) from refused
         plan = _sharded_plan(s, cfg, found, f"no single GPU holds it ({refused})")
     options = options_for(s, cfg, plan["strategy"], counts)
     if want and want > 1 and _preferred(options, want) is None and _uses_fallback(plan["strategy"], cfg):
@@ -242,21 +299,31 @@ def plan_on_gpus(s: Shape, cfg: Config) -> dict:
         # the ladder's rungs that stream nothing, fallback's QLoRA included, sharded over the GPUs asked for.
         found = _sharded_search(s, cfg, [want])[0]
         if found:
-            plan = _sharded_plan(s, cfg, found, f"gpus: {want} asked for; fallback's plan for one card does not "
-                                 f"run on {want} ({plan['reason']})")
+            plan = _sharded_plan(
+                s,
+                cfg,
+                found,
+                f"gpus: {want} asked for; fallback's plan for one card does not run on {want} ({plan['reason']})",
+            )
             options = options_for(s, cfg, plan["strategy"], counts)
     fewest = _fewest(options)
     if fewest is None and cfg.device != "cpu":  # a card too small for the sharded rung's own extras
-        raise PlanRefused(f"nothing fits gpu_memory_gib {cfg.gpu_memory_gib:g} on any of {counts} GPUs: "
-                          + "; ".join(o["why"] for o in options) + ". Fix: lower sequence_len or lora_r, or use larger GPUs.")
+        raise PlanRefused(
+            f"nothing fits gpu_memory_gib {cfg.gpu_memory_gib:g} on any of {counts} GPUs: "
+            + "; ".join(o["why"] for o in options)
+            + ". Fix: lower sequence_len or lora_r, or use larger GPUs."
+        )
     min_gpus = fewest["gpus"] if fewest else 1  # device: cpu, where the GPU budget does not bind
     chosen = None
     if want is not None:
         chosen = _preferred(options, want)
         if chosen is None and cfg.device != "cpu":
             if min_gpus < want:  # the strategy fits fewer GPUs but neither engine's extras on `want`
-                raise PlanRefused(f"gpus: {want}: " + "; ".join(o["why"] for o in options if o["gpus"] == want)
-                                  + f"; fix: set gpus: {min_gpus} (or gpus: auto), or allow fallback: [qlora]")
+                raise PlanRefused(
+                    f"gpus: {want}: "
+                    + "; ".join(o["why"] for o in options if o["gpus"] == want)
+                    + f"; fix: set gpus: {min_gpus} (or gpus: auto), or allow fallback: [qlora]"
+                )
             raise PlanRefused(too_few_words(want, min_gpus, options, "gpus:"))
         chosen = chosen or next(o for o in options if o["gpus"] == want)
     record = {"requested": cfg.gpus, "options": options, "min_gpus": min_gpus, "chosen": chosen}
@@ -269,10 +336,12 @@ def too_few_words(given: int, min_gpus: int, options: list[dict], what: str) -> 
     need = min((o["per_gpu_gib"] for o in at), default=None)
     fit = _preferred(options, min_gpus)
     needs = f" (at least {need:.1f} GiB per GPU on {given})" if need is not None else ""
-    return (f"{what} {given} is too few GPUs for this plan{needs}: it fits on {min_gpus} "
-            f"({fit['engine'] if fit else '?'}, {fit['per_gpu_gib'] if fit else '?'} GiB per GPU); fix: set gpus: "
-            f"{min_gpus} (or gpus: auto) and train where {min_gpus} GPU{'s are' if min_gpus > 1 else ' is'} visible, "
-            "or lower sequence_len or lora_r")
+    return (
+        f"{what} {given} is too few GPUs for this plan{needs}: it fits on {min_gpus} "
+        f"({fit['engine'] if fit else '?'}, {fit['per_gpu_gib'] if fit else '?'} GiB per GPU); fix: set gpus: "
+        f"{min_gpus} (or gpus: auto) and train where {min_gpus} GPU{'s are' if min_gpus > 1 else ' is'} visible, "
+        "or lower sequence_len or lora_r"
+    )
 
 
 # -- at train time ---------------------------------------------------------------------------------------------------
@@ -284,18 +353,28 @@ def choose_engine(distributed: dict | None, visible: int) -> dict:
     GPUs, the most expected tokens/s (the fewer GPUs on a tie); refused when the plan needs more than are visible.
     """
     if not isinstance(visible, int) or isinstance(visible, bool) or visible < 1:
-        raise LorashipError(f"{visible!r} usable training devices; fix: train where a GPU is visible "
-                            "(CUDA_VISIBLE_DEVICES, the pod's nvidia.com/gpu), or set device: cpu")
+        raise LorashipError(
+            f"{visible!r} usable training devices; fix: train where a GPU is visible "
+            "(CUDA_VISIBLE_DEVICES, the pod's nvidia.com/gpu), or set device: cpu"
+        )
     if not distributed:
-        return {"gpus": 1, "engine": "single", "fits": True, "per_gpu_gib": None, "tokens_per_s": None,
-                "why": "the plan has no multi-GPU record (made before gpus existed): one GPU, as planned"}
+        return {
+            "gpus": 1,
+            "engine": "single",
+            "fits": True,
+            "per_gpu_gib": None,
+            "tokens_per_s": None,
+            "why": "the plan has no multi-GPU record (made before gpus existed): one GPU, as planned",
+        }
     requested, options, min_gpus = distributed["requested"], distributed["options"], distributed["min_gpus"]
     if isinstance(requested, int):
         if requested > visible:
-            raise LorashipError(f"gpus: {requested} but {visible} device(s) are visible here; fix: set gpus: "
-                                f"{visible} (or gpus: auto) if the plan fits there (it needs at least {min_gpus}), "
-                                f"or train where {requested} GPUs are visible (CUDA_VISIBLE_DEVICES, the training "
-                                "pool's `gpus` job variable)")
+            raise LorashipError(
+                f"gpus: {requested} but {visible} device(s) are visible here; fix: set gpus: "
+                f"{visible} (or gpus: auto) if the plan fits there (it needs at least {min_gpus}), "
+                f"or train where {requested} GPUs are visible (CUDA_VISIBLE_DEVICES, the training "
+                "pool's `gpus` job variable)"
+            )
         chosen = distributed.get("chosen")
         if not chosen or not chosen["fits"]:
             raise LorashipError(too_few_words(requested, min_gpus, options, "gpus:"))

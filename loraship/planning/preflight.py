@@ -28,13 +28,19 @@ def output_problems(config: Config) -> list[str]:
         fs.pipe_file(probe, b"ok")
         fs.rm_file(probe)
     except ImportError as e:  # a known scheme whose fsspec implementation is not installed (s3 -> s3fs)
-        return [f"output {config.output!r}: no filesystem for this URL is installed ({e}); install the package it names "
-                "into this environment (image), or choose a local folder"]
+        return [
+            f"output {config.output!r}: no filesystem for this URL is installed ({e}); install the package it names "
+            "into this environment (image), or choose a local folder"
+        ]
     except ValueError as e:  # fsspec: "Protocol not known"
-        return [f"output {config.output!r}: cannot write there ({type(e).__name__}: {e}); use a local folder or a URL "
-                "fsspec knows (s3://, gs://, az://, hf://, file://, memory://)"]
+        return [
+            f"output {config.output!r}: cannot write there ({type(e).__name__}: {e}); use a local folder or a URL "
+            "fsspec knows (s3://, gs://, az://, hf://, file://, memory://)"
+        ]
     except OSError as e:
-        return [f"output {config.output!r}: cannot write there ({type(e).__name__}: {e}); choose a writable folder or URL"]
+        return [
+            f"output {config.output!r}: cannot write there ({type(e).__name__}: {e}); choose a writable folder or URL"
+        ]
     return []
 
 
@@ -48,8 +54,10 @@ def dataset_problems(config: Config) -> list[str]:
                 problems.append(f"{group}[{i}]: {e}")
     if config.golden_prompts and url_scheme(config.golden_prompts):
         # The reference stage keys its results on the file's sha256, read from the local disk.
-        problems.append(f"golden_prompts {config.golden_prompts!r}: must be a local file, not a URL; copy it beside "
-                        "the config and name that path")
+        problems.append(
+            f"golden_prompts {config.golden_prompts!r}: must be a local file, not a URL; copy it beside "
+            "the config and name that path"
+        )
     elif config.golden_prompts:
         try:
             read_rows(config.golden_prompts, "golden")
@@ -71,13 +79,17 @@ def workdir_problems(config: Config) -> list[str]:
         return [f"workdir {config.workdir!r}: cannot create it ({e}); choose a writable local folder"]
     free = shutil.disk_usage(folder).free
     if free < WORKDIR_MIN_FREE:
-        return [f"workdir {config.workdir!r}: its disk is full ({free / 2**20:.0f} MiB free, at least "
-                f"{WORKDIR_MIN_FREE / 2**20:.0f} MiB needed to start); free space there or point workdir at a larger disk"]
+        return [
+            f"workdir {config.workdir!r}: its disk is full ({free / 2**20:.0f} MiB free, at least "
+            f"{WORKDIR_MIN_FREE / 2**20:.0f} MiB needed to start); free space there or point workdir at a larger disk"
+        ]
     probe = folder / f".loraship-write-test-{uuid.uuid4().hex}"
     try:
         probe.write_bytes(b"\0" * 65536)
     except OSError as e:  # a full disk (ENOSPC) or a read-only mount
-        return [f"workdir {config.workdir!r}: cannot write there ({e}); free space there or choose a writable local folder"]
+        return [
+            f"workdir {config.workdir!r}: cannot write there ({e}); free space there or choose a writable local folder"
+        ]
     finally:
         probe.unlink(missing_ok=True)
     return []
@@ -113,8 +125,10 @@ def outside_link_problems(folder: Path) -> list[str]:
     if not outside:
         return []
     shown = ", ".join(outside[:3]) + (f" and {len(outside) - 3} more" if len(outside) > 3 else "")
-    return [f"base_model {str(folder)!r}: {len(outside)} symlink(s) lead outside the folder ({shown}); replace each "
-            "link with a copy of the file it should hold (cp -L), or point base_model at the folder holding the real files"]
+    return [
+        f"base_model {str(folder)!r}: {len(outside)} symlink(s) lead outside the folder ({shown}); replace each "
+        "link with a copy of the file it should hold (cp -L), or point base_model at the folder holding the real files"
+    ]
 
 
 # What check_inputs imports (the plan image's stage_table.TOKENIZER): the core install, which `loraship plan
@@ -151,10 +165,14 @@ def check_inputs(config: Config) -> Path:
 
     missing = missing_check_packages()
     if missing:
-        raise ConfigError(f"run {config.run_name!r}", [
-            f"the input checks read the tokenizer and weights' headers with {', '.join(missing)}, which this "
-            f"environment lacks; fix: install them (pip install {' '.join(missing)}, or loraship[train]), or predict "
-            "memory alone with `loraship plan CONFIG --memory-only`"])
+        raise ConfigError(
+            f"run {config.run_name!r}",
+            [
+                f"the input checks read the tokenizer and weights' headers with {', '.join(missing)}, which this "
+                f"environment lacks; fix: install them (pip install {' '.join(missing)}, or loraship[train]), or predict "
+                "memory alone with `loraship plan CONFIG --memory-only`"
+            ],
+        )
     model_dir = resolve_base_model(config, weights=False)
     problems = outside_link_problems(model_dir)
     problems += base_model_problems(config, model_dir, weights=config.base_model_is_local())
@@ -164,8 +182,12 @@ def check_inputs(config: Config) -> Path:
     problems += data_problems
     if not problems:
         # Only on readable inputs: render real rows with the template training will use.
-        problems += (context_problems(config, model_dir) + template_problems(config, model_dir)
-                     + target_gpu_problems(config, model_dir) + lora_target_problems(config, model_dir))
+        problems += (
+            context_problems(config, model_dir)
+            + template_problems(config, model_dir)
+            + target_gpu_problems(config, model_dir)
+            + lora_target_problems(config, model_dir)
+        )
     problems += workdir_problems(config) + output_problems(config)
     if problems:
         raise ConfigError(f"run {config.run_name!r}", problems)
@@ -199,8 +221,10 @@ def template_problems(config: Config, model_dir: Path) -> list[str]:
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=config.trust_remote_code)
     except Exception as e:  # transformers raises many types for a broken tokenizer folder
-        return [f"base model {config.base_model!r}: its tokenizer does not load ({type(e).__name__}: {e}); "
-                "copy the checkpoint's original tokenizer files into the folder"]
+        return [
+            f"base model {config.base_model!r}: its tokenizer does not load ({type(e).__name__}: {e}); "
+            "copy the checkpoint's original tokenizer files into the folder"
+        ]
     use_configured_template(tokenizer, config.chat_template)
     problems = []
     for group in ("datasets", "eval_datasets"):
@@ -259,17 +283,23 @@ def vocabulary_problems(model_dir: Path, tokenizer) -> list[str]:
     named = {tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token}
     template = template_of(tokenizer) or ""
     beyond = range(vocab_size, tokens)
-    reachable = [(i, t) for i, t in zip(beyond, tokenizer.convert_ids_to_tokens(list(beyond)))
-                 if not (i in added and added[i].special) or t in named or (t and t in template)]
+    reachable = [
+        (i, t)
+        for i, t in zip(beyond, tokenizer.convert_ids_to_tokens(list(beyond)))
+        if not (i in added and added[i].special) or t in named or (t and t in template)
+    ]
     if not reachable:
         return []
     shown = ", ".join(f"{t!r} ({i})" for i, t in reachable[:3]) + (
-        f" and {len(reachable) - 3} more" if len(reachable) > 3 else "")
-    return [f"tokenizer: {model_dir} has a tokenizer of {tokens} tokens (added tokens included), more than "
-            f"config.json's vocab_size {vocab_size}; text or the chat template can produce {shown}, ids with no row "
-            "in the embedding, and training would fail on the first of them; fix: use the tokenizer files that came "
-            "with this checkpoint, or resize the embedding to the tokenizer (model.resize_token_embeddings("
-            "len(tokenizer)), then save_pretrained) and point base_model at that folder"]
+        f" and {len(reachable) - 3} more" if len(reachable) > 3 else ""
+    )
+    return [
+        f"tokenizer: {model_dir} has a tokenizer of {tokens} tokens (added tokens included), more than "
+        f"config.json's vocab_size {vocab_size}; text or the chat template can produce {shown}, ids with no row "
+        "in the embedding, and training would fail on the first of them; fix: use the tokenizer files that came "
+        "with this checkpoint, or resize the embedding to the tokenizer (model.resize_token_embeddings("
+        "len(tokenizer)), then save_pretrained) and point base_model at that folder"
+    ]
 
 
 def golden_context_problems(config: Config, tokenizer) -> list[str]:
@@ -283,15 +313,21 @@ def golden_context_problems(config: Config, tokenizer) -> list[str]:
         rows = golden_rows(config)
     except LorashipError as e:
         return [f"golden prompts: {e}"]
-    source = (f"golden_prompts {config.golden_prompts}" if config.golden_prompts
-              else "the golden prompts taken from the eval and training rows (golden_prompts is not set)")
+    source = (
+        f"golden_prompts {config.golden_prompts}"
+        if config.golden_prompts
+        else "the golden prompts taken from the eval and training rows (golden_prompts is not set)"
+    )
     too_long = []
     for i, row in enumerate(rows, start=1):
         try:
             # verbose=False: no "longer than the specified maximum sequence length" warning beside the message.
             if "messages" in row:
-                ids = tokenizer(render(tokenizer, row["messages"], add_generation_prompt=True),
-                                add_special_tokens=False, verbose=False)["input_ids"]
+                ids = tokenizer(
+                    render(tokenizer, row["messages"], add_generation_prompt=True),
+                    add_special_tokens=False,
+                    verbose=False,
+                )["input_ids"]
             else:
                 ids = tokenizer(row["text"], add_special_tokens=True, verbose=False)["input_ids"]
         except LorashipError as e:
@@ -304,11 +340,12 @@ def golden_context_problems(config: Config, tokenizer) -> list[str]:
     shown = ", ".join(f"prompt {i} ({n} tokens)" for i, n, _ in too_long[:3])
     more = f" and {len(too_long) - 3} more" if len(too_long) > 3 else ""
     longest = max(needed for _, _, needed in too_long)
-    fix = ("shorten those prompts" if config.golden_prompts
-           else "set golden_prompts to a file of shorter prompts")
-    return [f"golden prompts: in {source}, {shown}{more} rendered with the chat template, plus max_new_tokens "
-            f"{config.max_new_tokens} and one, exceed target_context {config.target_context}, the context verify "
-            f"serves the model with; fix: {fix}, or raise target_context to at least {longest}"]
+    fix = "shorten those prompts" if config.golden_prompts else "set golden_prompts to a file of shorter prompts"
+    return [
+        f"golden prompts: in {source}, {shown}{more} rendered with the chat template, plus max_new_tokens "
+        f"{config.max_new_tokens} and one, exceed target_context {config.target_context}, the context verify "
+        f"serves the model with; fix: {fix}, or raise target_context to at least {longest}"
+    ]
 
 
 def context_problems(config: Config, model_dir: Path) -> list[str]:
@@ -319,8 +356,9 @@ def context_problems(config: Config, model_dir: Path) -> list[str]:
     if not isinstance(limit, int) or isinstance(limit, bool):
         return []  # absent (the architecture's default) or of the wrong type: base_model_problems says so
     # transformers 5 saves rope_parameters where 4.x saved rope_scaling; both carry the factor.
-    scaling = next((v for v in (settings.get("rope_scaling"), settings.get("rope_parameters")) if isinstance(v, dict)),
-                   None)
+    scaling = next(
+        (v for v in (settings.get("rope_scaling"), settings.get("rope_parameters")) if isinstance(v, dict)), None
+    )
     factor = scaling.get("factor") if scaling else None
     if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
         original = scaling.get("original_max_position_embeddings")
@@ -328,18 +366,22 @@ def context_problems(config: Config, model_dir: Path) -> list[str]:
         limit = max(limit, int(base * factor))
     if config.sequence_len <= limit:
         return []
-    return [f"sequence_len {config.sequence_len}: beyond the base model's context, max_position_embeddings {limit} "
-            f"in {model_dir / 'config.json'}; fix: lower sequence_len to at most {limit}, or choose a base model "
-            "with a longer context"]
+    return [
+        f"sequence_len {config.sequence_len}: beyond the base model's context, max_position_embeddings {limit} "
+        f"in {model_dir / 'config.json'}; fix: lower sequence_len to at most {limit}, or choose a base model "
+        "with a longer context"
+    ]
 
 
 def imatrix_text_problem(config: Config, tokens: int) -> str | None:
     """Too little training text for the importance matrix: the plan says so before training, quantize again."""
     if tokens >= config.imatrix_min_tokens:
         return None
-    return (f"imatrix: the training texts are {tokens} tokens, fewer than imatrix_min_tokens "
-            f"{config.imatrix_min_tokens}; an importance matrix from so little text would tune the quantization to a "
-            "few sentences. Add training data, lower imatrix_min_tokens (at least 128), or set imatrix: false")
+    return (
+        f"imatrix: the training texts are {tokens} tokens, fewer than imatrix_min_tokens "
+        f"{config.imatrix_min_tokens}; an importance matrix from so little text would tune the quantization to a "
+        "few sentences. Add training data, lower imatrix_min_tokens (at least 128), or set imatrix: false"
+    )
 
 
 def imatrix_problems(config: Config, tokenizer) -> list[str]:
@@ -373,9 +415,13 @@ def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
     if config.auto_quantization:  # auto ships one rung: only a ladder that cannot fit at all is refused
         return auto_ladder_problems(config, model_config, inference)
     # Every quantization in the list is verified on the target GPU, so each one's weights must fit.
-    return [f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: the {q} GGUF's weights alone take about "
-            f"{figures['gguf_gib']:.2f} GiB; raise target_gpu_memory_gib, choose a smaller quantization, or a "
-            "smaller base model" for q, figures in each.items() if figures["gguf_gib"] > config.target_gpu_memory_gib]
+    return [
+        f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: the {q} GGUF's weights alone take about "
+        f"{figures['gguf_gib']:.2f} GiB; raise target_gpu_memory_gib, choose a smaller quantization, or a "
+        "smaller base model"
+        for q, figures in each.items()
+        if figures["gguf_gib"] > config.target_gpu_memory_gib
+    ]
 
 
 def auto_ladder_problems(config: Config, model_config: dict, inference: dict) -> list[str]:
@@ -412,14 +458,19 @@ def auto_ladder_problems(config: Config, model_config: dict, inference: dict) ->
             hi = mid - 1
     if best is None and contexts[0] != 128 and fits_at(128):
         best = 128
-    shorter = (f", lower target_context to at most {best} (the smallest rung fits there)" if best
-               else f" (no shorter target_context helps: at 128 it still needs {at(128)['total_gib']:.2f} GiB)")
+    shorter = (
+        f", lower target_context to at most {best} (the smallest rung fits there)"
+        if best
+        else f" (no shorter target_context helps: at 128 it still needs {at(128)['total_gib']:.2f} GiB)"
+    )
     raise_to = math.ceil(need * 2) / 2  # to the next half GiB
-    return [f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: quantization auto fits no rung of its ladder "
-            f"({', '.join(each)}) at target_context {config.target_context}; the smallest, {smallest}, needs about "
-            f"{need:.2f} GiB ({each[smallest]['gguf_gib']:.2f} GiB of weights, {runtime:.2f} GiB of KV cache, compute "
-            f"buffer and CUDA context), and verify would fail every rung after training; fix: raise "
-            f"target_gpu_memory_gib to {raise_to:g}{shorter}, or choose a smaller base model"]
+    return [
+        f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: quantization auto fits no rung of its ladder "
+        f"({', '.join(each)}) at target_context {config.target_context}; the smallest, {smallest}, needs about "
+        f"{need:.2f} GiB ({each[smallest]['gguf_gib']:.2f} GiB of weights, {runtime:.2f} GiB of KV cache, compute "
+        f"buffer and CUDA context), and verify would fail every rung after training; fix: raise "
+        f"target_gpu_memory_gib to {raise_to:g}{shorter}, or choose a smaller base model"
+    ]
 
 
 def lora_target_problems(config: Config, model_dir: Path) -> list[str]:
@@ -460,10 +511,12 @@ def turn_end_problems(tokenizer) -> list[str]:
     except LorashipError as e:
         return [f"chat template: {e}"]
     if not ends_generation_in_llama_cpp(end, tokenizer.eos_token_id):
-        return [f"chat template: assistant turns end with {end['text']!r} (id {end['id']}), a special token that "
-                f"llama.cpp does not treat as end-of-generation (only the EOS {tokenizer.eos_token!r} and the markers "
-                "<|im_end|>, <|eot_id|>, <end_of_turn>, <|end|>, ... are), so the served model would not stop there; "
-                "end each assistant turn with {{ eos_token }} or with one of those markers"]
+        return [
+            f"chat template: assistant turns end with {end['text']!r} (id {end['id']}), a special token that "
+            f"llama.cpp does not treat as end-of-generation (only the EOS {tokenizer.eos_token!r} and the markers "
+            "<|im_end|>, <|eot_id|>, <end_of_turn>, <|end|>, ... are), so the served model would not stop there; "
+            "end each assistant turn with {{ eos_token }} or with one of those markers"
+        ]
     return []
 
 
@@ -473,7 +526,9 @@ def visible_training_devices(config: Config) -> int:
     if config.device == "cpu":
         raw = os.environ.get("LORASHIP_CPU_RANKS", "1")
         if not raw.isdigit() or int(raw) < 1:
-            raise LorashipError(f"LORASHIP_CPU_RANKS={raw!r} is not a whole number >= 1; fix: set it to e.g. 2, or unset it")
+            raise LorashipError(
+                f"LORASHIP_CPU_RANKS={raw!r} is not a whole number >= 1; fix: set it to e.g. 2, or unset it"
+            )
         return int(raw)
     import torch
 

@@ -30,15 +30,32 @@ class UnsupportedModel(LorashipError, ValueError):
 ATTN_IN, ATTN_OUT, MLP_IN, MLP_ACT = "attn_in", "attn_out", "mlp_in", "mlp_act"
 # The order plans and LoRA target lists give a Llama-style layer's Linears in (the module order differs: Phi-3 makes
 # o_proj before qkv_proj); names outside it follow in the model's own order.
-CANONICAL_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
-                   "down_proj")
+CANONICAL_ORDER = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "gate_up_proj",
+    "down_proj",
+)
 # The Llama names a fused Linear holds (Phi-3: qkv_proj, gate_up_proj).
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Linears that write a block's output back to the hidden size (the rest of a block's Linears read its input).
 OUTPUT_NAMES = ("o_proj", "out_proj", "dense", "c_proj", "down_proj", "fc2", "w2", "dense_4h_to_h")
 # Class-name endings of heads that are no causal LM, whichever model_type (an encoder's masked LM, a classifier).
-NOT_CAUSAL_LM = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
-                 "ForMultipleChoice", "ForPreTraining", "ForNextSentencePrediction", "Encoder")
+NOT_CAUSAL_LM = (
+    "ForMaskedLM",
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+    "ForMultipleChoice",
+    "ForPreTraining",
+    "ForNextSentencePrediction",
+    "Encoder",
+)
 
 
 @dataclass(frozen=True)
@@ -106,16 +123,32 @@ class Shape:
         h, q, kv, f = self.h, self.q, self.kv, self.f
         if self.fused:
             return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * f), "down_proj": (f, h)}
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, f),
+            "up_proj": (h, f),
+            "down_proj": (f, h),
+        }
 
     def reads(self, name: str) -> str:
         """Which tensor the Linear `name` reads (ATTN_IN, ATTN_OUT, MLP_IN, MLP_ACT)."""
         for m in self.layer_linears:
             if m.name == name:
                 return m.reads
-        return {"q_proj": ATTN_IN, "k_proj": ATTN_IN, "v_proj": ATTN_IN, "qkv_proj": ATTN_IN, "o_proj": ATTN_OUT,
-                "gate_proj": MLP_IN, "up_proj": MLP_IN, "gate_up_proj": MLP_IN, "down_proj": MLP_ACT}[name]
+        return {
+            "q_proj": ATTN_IN,
+            "k_proj": ATTN_IN,
+            "v_proj": ATTN_IN,
+            "qkv_proj": ATTN_IN,
+            "o_proj": ATTN_OUT,
+            "gate_proj": MLP_IN,
+            "up_proj": MLP_IN,
+            "gate_up_proj": MLP_IN,
+            "down_proj": MLP_ACT,
+        }[name]
 
     @property
     def fused_names(self) -> dict[str, str]:
@@ -199,10 +232,12 @@ def _converter_problem(mc: dict, s: Shape) -> UnsupportedModel | None:
     missing = [a for a in archs if a not in registered]
     if not missing:
         return None
-    return _refuse(f"architecture {missing[0]} is not in the llama.cpp converter's registry (convert_hf_to_gguf.py "
-                   f"of llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}), so its GGUF could not be made",
-                   "pick a base model whose architecture the converter registers (Llama, Qwen2/3, Mistral, Gemma 2/3, "
-                   "Phi-3, OLMo 2, Granite among them), or use a loraship release pinning a newer llama.cpp")
+    return _refuse(
+        f"architecture {missing[0]} is not in the llama.cpp converter's registry (convert_hf_to_gguf.py "
+        f"of llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}), so its GGUF could not be made",
+        "pick a base model whose architecture the converter registers (Llama, Qwen2/3, Mistral, Gemma 2/3, "
+        "Phi-3, OLMo 2, Granite among them), or use a loraship release pinning a newer llama.cpp",
+    )
 
 
 def _config(mc: dict, where: str):
@@ -215,10 +250,10 @@ def _config(mc: dict, where: str):
     try:
         cls = CONFIG_MAPPING[mt]
     except KeyError as e:
-        raise _refuse(f"{where} model_type {mt!r} is not known to the installed transformers "
-                      f"{transformers.__version__}",
-                      "upgrade transformers (pip install -U transformers) or use a base model of a supported "
-                      "architecture") from e
+        raise _refuse(
+            f"{where} model_type {mt!r} is not known to the installed transformers {transformers.__version__}",
+            "upgrade transformers (pip install -U transformers) or use a base model of a supported architecture",
+        ) from e
     try:
         return cls.from_dict({k: v for k, v in mc.items() if k != "model_type"})
     except (TypeError, ValueError, KeyError, AttributeError) as e:
@@ -229,19 +264,26 @@ def _causal_lm_class(config, archs: list[str], mt: str):
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
 
     if getattr(config, "is_encoder_decoder", False):
-        raise _refuse(f"{archs[0] if archs else mt} is an encoder-decoder model (model_type {mt!r}); loraship trains "
-                      "decoder-only causal LMs", "use a decoder-only base model (Llama, Qwen, Mistral, Gemma, Phi)")
+        raise _refuse(
+            f"{archs[0] if archs else mt} is an encoder-decoder model (model_type {mt!r}); loraship trains "
+            "decoder-only causal LMs",
+            "use a decoder-only base model (Llama, Qwen, Mistral, Gemma, Phi)",
+        )
     bad = [a for a in archs if a.endswith(NOT_CAUSAL_LM)]
     if bad or (type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False)):
         name = bad[0] if bad else (archs[0] if archs else mt)
-        raise _refuse(f"{name} is an encoder (model_type {mt!r}: a masked-LM or classifier head, no causal LM); "
-                      "loraship trains decoder-only causal LMs",
-                      "use a decoder-only base model (Llama, Qwen, Mistral, Gemma, Phi)")
+        raise _refuse(
+            f"{name} is an encoder (model_type {mt!r}: a masked-LM or classifier head, no causal LM); "
+            "loraship trains decoder-only causal LMs",
+            "use a decoder-only base model (Llama, Qwen, Mistral, Gemma, Phi)",
+        )
     try:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError as e:
-        raise _refuse(f"{archs[0] if archs else mt} (model_type {mt!r}) has no causal-LM class in transformers",
-                      "use a decoder-only base model (Llama, Qwen, Mistral, Gemma, Phi)") from e
+        raise _refuse(
+            f"{archs[0] if archs else mt} (model_type {mt!r}) has no causal-LM class in transformers",
+            "use a decoder-only base model (Llama, Qwen, Mistral, Gemma, Phi)",
+        ) from e
 
 
 def _decoder_layers(model, L: int):
@@ -275,8 +317,13 @@ def _method_body(cls, name: str) -> list[ast.stmt]:
 
 
 def _is_self_call(node, attr_test) -> bool:
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "self" and attr_test(node.func.attr))
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+        and attr_test(node.func.attr)
+    )
 
 
 def _mlp_returns_down(mlp) -> bool:
@@ -300,12 +347,19 @@ def _layer_ends_in_mlp(layer) -> bool:
     it), so nothing the recompute needs reads it."""
     body = _method_body(type(layer), "forward")
     for i, stmt in enumerate(body):
-        if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                and _is_self_call(stmt.value, lambda a: a in ("mlp", "feed_forward"))):
+        if (
+            isinstance(stmt, ast.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name)
+            and _is_self_call(stmt.value, lambda a: a in ("mlp", "feed_forward"))
+        ):
             var = stmt.targets[0].id
             after = body[i + 1] if i + 1 < len(body) else None
-            if not (isinstance(after, ast.Assign) and isinstance(after.value, ast.BinOp)
-                    and isinstance(after.value.op, ast.Add)):
+            if not (
+                isinstance(after, ast.Assign)
+                and isinstance(after.value, ast.BinOp)
+                and isinstance(after.value.op, ast.Add)
+            ):
                 return False
             operands = (after.value.left, after.value.right)
 
@@ -313,11 +367,19 @@ def _layer_ends_in_mlp(layer) -> bool:
                 if isinstance(n, ast.Name):
                     return n.id == var
                 if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult):  # Granite's float residual_multiplier
-                    scalar = lambda x: isinstance(x, ast.Constant) or (  # noqa: E731
-                        isinstance(x, ast.Attribute) and x.attr.endswith("multiplier"))
+                    scalar = lambda x: (
+                        isinstance(x, ast.Constant)
+                        or (  # noqa: E731
+                            isinstance(x, ast.Attribute) and x.attr.endswith("multiplier")
+                        )
+                    )
                     return (plain(n.left) and scalar(n.right)) or (scalar(n.left) and plain(n.right))
-                return (_is_self_call(n, lambda a: "dropout" in a) and len(n.args) == 1
-                        and isinstance(n.args[0], ast.Name) and n.args[0].id == var)
+                return (
+                    _is_self_call(n, lambda a: "dropout" in a)
+                    and len(n.args) == 1
+                    and isinstance(n.args[0], ast.Name)
+                    and n.args[0].id == var
+                )
 
             return any(plain(o) for o in operands) and all(isinstance(o, ast.Name) or plain(o) for o in operands)
     return False
@@ -339,9 +401,14 @@ def _wrapper_parts(mc: dict, archs: list[str], L: int) -> tuple[int, tuple[str, 
             model = cls(config)
     except Exception:  # the vision tower only sizes frozen weights and disk: planned without it rather than refused
         return 0, ()
-    inner, prefix = (model.model, "model.") if isinstance(getattr(model, "model", None), torch.nn.Module) else (model, "")
-    others = tuple(f"{prefix}{name}" for name, child in inner.named_children()
-                   if _decoder_layers(child, L) is None and any(True for _ in child.parameters()))
+    inner, prefix = (
+        (model.model, "model.") if isinstance(getattr(model, "model", None), torch.nn.Module) else (model, "")
+    )
+    others = tuple(
+        f"{prefix}{name}"
+        for name, child in inner.named_children()
+        if _decoder_layers(child, L) is None and any(True for _ in child.parameters())
+    )
     return sum(p.numel() for p in model.parameters()), others
 
 
@@ -367,8 +434,11 @@ def _derive(mc: dict) -> Shape:
     # Keys whose transformers defaults belong to some other model: a config.json without them would be planned as
     # that model, silently.
     aliases = getattr(type(config), "attribute_map", {})
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")
-               if text.get(k) is None and text.get(aliases.get(k, k)) is None]
+    missing = [
+        k
+        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")
+        if text.get(k) is None and text.get(aliases.get(k, k)) is None
+    ]
     if missing:
         raise _refuse(f"{where} lacks {', '.join(missing)}", "pass the base model's own config.json")
     config._attn_implementation = "eager"  # nothing runs: the kind of attention is read from the config below
@@ -379,13 +449,17 @@ def _derive(mc: dict) -> Shape:
         with torch.device("meta"):
             model = lm_class(config)
     except Exception as e:  # a class that cannot be built from its own config: name it, whatever broke
-        raise _refuse(f"transformers' {lm_class.__name__} could not be built from {where} ({type(e).__name__}: {e})",
-                      "pass the base model's own config.json, or upgrade transformers") from e
+        raise _refuse(
+            f"transformers' {lm_class.__name__} could not be built from {where} ({type(e).__name__}: {e})",
+            "pass the base model's own config.json, or upgrade transformers",
+        ) from e
     L = int(config.num_hidden_layers)
     layers = _decoder_layers(model, L)
     if layers is None:
-        raise _refuse(f"{lm_class.__name__} has no list of {L} decoder layers the planner can find",
-                      "use a base model of a Llama-style architecture")
+        raise _refuse(
+            f"{lm_class.__name__} has no list of {L} decoder layers the planner can find",
+            "use a base model of a Llama-style architecture",
+        )
     layer = layers[0]
     h, heads = int(config.hidden_size), int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -410,9 +484,11 @@ def _derive(mc: dict) -> Shape:
             elif size == h:
                 norms += 1
     if not linears:
-        raise _refuse(f"{type(layer).__name__} of {lm_class.__name__} has no nn.Linear (a GPT-2 style Conv1D layer?); "
-                      "LoRA targets and the memory estimate need Linear projections",
-                      "use a base model of a Llama-style architecture")
+        raise _refuse(
+            f"{type(layer).__name__} of {lm_class.__name__} has no nn.Linear (a GPT-2 style Conv1D layer?); "
+            "LoRA targets and the memory estimate need Linear projections",
+            "use a base model of a Llama-style architecture",
+        )
     order = {n: i for i, n in enumerate(CANONICAL_ORDER)}
     linears.sort(key=lambda m: order.get(m.name, len(order)))
     names = {m.name for m in linears}
@@ -424,7 +500,8 @@ def _derive(mc: dict) -> Shape:
         f = by_name["down_proj"].in_features
     else:
         f = int(getattr(config, "intermediate_size", 0) or 0) or max(
-            m.in_features for m in linears if m.reads == MLP_ACT)
+            m.in_features for m in linears if m.reads == MLP_ACT
+        )
     first_q = by_name.get("q_proj") or by_name.get("qkv_proj")
     mlp = getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
@@ -446,19 +523,43 @@ def _derive(mc: dict) -> Shape:
     notes = []
     if wrapper:
         parts = f" ({', '.join(untrained)}: loaded frozen, no LoRA)" if untrained else ""
-        notes.append(f"{wrapper}: its language model ({lm_class.__name__}) is planned and trained; the vision tower"
-                     f"{parts} is not trained")
+        notes.append(
+            f"{wrapper}: its language model ({lm_class.__name__}) is planned and trained; the vision tower"
+            f"{parts} is not trained"
+        )
     return Shape(
-        model_type=mt, h=h, L=L, heads=heads, kv_heads=kv_heads, head_dim=head_dim, f=f, V=V, tied=tied,
-        qkv_bias=bool(first_q.bias) if first_q else False, fused=fused, norms=norms,
+        model_type=mt,
+        h=h,
+        L=L,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        f=f,
+        V=V,
+        tied=tied,
+        qkv_bias=bool(first_q.bias) if first_q else False,
+        fused=fused,
+        norms=norms,
         attn_softcap=getattr(config, "attn_logit_softcapping", None) is not None,
         final_softcap=getattr(config, "final_logit_softcapping", None) is not None,
-        sliding_window=int(window) if window and types else None, sliding_layers=sliding,
-        architecture=lm_class.__name__, wrapper=wrapper, layer_class=type(layer).__name__,
-        layer_linears=tuple(linears), qk_norm=qk_norm, mlp=mlp_kind, activation=activation,
+        sliding_window=int(window) if window and types else None,
+        sliding_layers=sliding,
+        architecture=lm_class.__name__,
+        wrapper=wrapper,
+        layer_class=type(layer).__name__,
+        layer_linears=tuple(linears),
+        qk_norm=qk_norm,
+        mlp=mlp_kind,
+        activation=activation,
         ends_in_down=ends_in_down,
-        multipliers=any(getattr(config, k, None) not in (None, 1, 1.0) for k in
-                        ("residual_multiplier", "embedding_multiplier", "logits_scaling")),
-        rope_scaling=_rope_type(config), max_positions=getattr(config, "max_position_embeddings", None),
-        counted_params=counted, other_params=max(other, 0), untrained_modules=untrained, notes=tuple(notes),
+        multipliers=any(
+            getattr(config, k, None) not in (None, 1, 1.0)
+            for k in ("residual_multiplier", "embedding_multiplier", "logits_scaling")
+        ),
+        rope_scaling=_rope_type(config),
+        max_positions=getattr(config, "max_position_embeddings", None),
+        counted_params=counted,
+        other_params=max(other, 0),
+        untrained_modules=untrained,
+        notes=tuple(notes),
     )

@@ -30,14 +30,29 @@ def plan_disk_and_inference(s: Shape, cfg: Config) -> dict:
     total = quant + runtime
     g = lambda b: round(b / GIB, 2)  # noqa: E731
     return {
-        "disk_gib": {"merge": g(merged), "convert": g(f16), "quantize": g(quant_disk),
-                     "total": g(merged + f16 + quant_disk)},
-        "inference": {"gguf_gib": g(quant), "kv_cache_gib": g(kv), "compute_buffer_gib": g(compute),
-                      "cuda_context_gib": g(ctx), "total_gib": g(total),
-                      "fits_target": total / GIB <= cfg.target_gpu_memory_gib,
-                      "target_gpu_memory_gib": cfg.target_gpu_memory_gib,
-                      "target_context": cfg.target_context, "quantization": cfg.primary_quantization,
-                      "by_quantization": {q: {"gguf_gib": g(b), "total_gib": g(b + runtime),
-                                              "fits_target": (b + runtime) / GIB <= cfg.target_gpu_memory_gib}
-                                          for q, b in each.items()}},
+        "disk_gib": {
+            "merge": g(merged),
+            "convert": g(f16),
+            "quantize": g(quant_disk),
+            "total": g(merged + f16 + quant_disk),
+        },
+        "inference": {
+            "gguf_gib": g(quant),
+            "kv_cache_gib": g(kv),
+            "compute_buffer_gib": g(compute),
+            "cuda_context_gib": g(ctx),
+            "total_gib": g(total),
+            "fits_target": total / GIB <= cfg.target_gpu_memory_gib,
+            "target_gpu_memory_gib": cfg.target_gpu_memory_gib,
+            "target_context": cfg.target_context,
+            "quantization": cfg.primary_quantization,
+            "by_quantization": {
+                q: {
+                    "gguf_gib": g(b),
+                    "total_gib": g(b + runtime),
+                    "fits_target": (b + runtime) / GIB <= cfg.target_gpu_memory_gib,
+                }
+                for q, b in each.items()
+            },
+        },
     }

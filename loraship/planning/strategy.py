@@ -53,14 +53,22 @@ def ladder(s: Shape, cfg: Config, fallback: list[str] | None = None) -> list[tup
     out: list[tuple[dict, str]] = [(user, "as configured")]
     for k in ks:
         if k != user["checkpointed_layers"]:
-            out.append((with_checkpointing({**user, "offload_activations": setting == "on" and k > 0}, k),
-                        f"checkpointing {k} of {s.L} layers to fit {budget}"))
+            out.append(
+                (
+                    with_checkpointing({**user, "offload_activations": setting == "on" and k > 0}, k),
+                    f"checkpointing {k} of {s.L} layers to fit {budget}",
+                )
+            )
     # offload_activations: auto, once every layer is checkpointed: their inputs to CPU memory before any change to
     # the batch or the base; from there on every rung keeps them there.
     acts = setting == "on"  # step() applies it to rungs that checkpoint any layer
     if setting == "auto":
-        out.append(({**with_checkpointing(user, s.L), "offload_activations": True},
-                    f"checkpointed activations kept in CPU memory to fit {budget}"))
+        out.append(
+            (
+                {**with_checkpointing(user, s.L), "offload_activations": True},
+                f"checkpointed activations kept in CPU memory to fit {budget}",
+            )
+        )
         acts = True
         ks = [s.L]
     fused = user["fused_loss"]
@@ -72,14 +80,32 @@ def ladder(s: Shape, cfg: Config, fallback: list[str] | None = None) -> list[tup
         return f", checkpointing {k} of {s.L} layers to fit {budget}" if k else ", no layer checkpointed"
 
     def step(adapter, mb, n_off, k, why):
-        return (with_checkpointing({"adapter": adapter, "offload_layers": n_off, "micro_batch_size": mb,
-                                    "gradient_accumulation_steps": eff // mb, "fused_loss": fused,
-                                    "offload_activations": acts and k > 0}, k), why)
+        return (
+            with_checkpointing(
+                {
+                    "adapter": adapter,
+                    "offload_layers": n_off,
+                    "micro_batch_size": mb,
+                    "gradient_accumulation_steps": eff // mb,
+                    "fused_loss": fused,
+                    "offload_activations": acts and k > 0,
+                },
+                k,
+            ),
+            why,
+        )
 
     for mb in mbs[1:]:
         for k in ks:
-            out.append(step(user["adapter"], mb, 0, k, f"micro-batch {mb} x {eff // mb} accumulation keeps the effective "
-                                                       f"batch {eff}{ckpt_words(k)}"))
+            out.append(
+                step(
+                    user["adapter"],
+                    mb,
+                    0,
+                    k,
+                    f"micro-batch {mb} x {eff // mb} accumulation keeps the effective batch {eff}{ckpt_words(k)}",
+                )
+            )
     if user["adapter"] != "lora":
         return out
     for kind in dict.fromkeys(fallback):
@@ -91,13 +117,29 @@ def ladder(s: Shape, cfg: Config, fallback: list[str] | None = None) -> list[tup
             # and autograd keeps each streamed copy until backward unless the layer is recomputed. Once one fits,
             # plan_training may stream more layers to checkpoint fewer (_stream_for_speed).
             for n, mb in pairs:
-                out.append(step("lora", mb, n, s.L, f"bf16 LoRA, micro-batch {mb} x {eff // mb}, with {n} of {s.L} decoder "
-                                               "layers' frozen weights streamed from CPU memory (fallback: offload keeps bf16)"))
+                out.append(
+                    step(
+                        "lora",
+                        mb,
+                        n,
+                        s.L,
+                        f"bf16 LoRA, micro-batch {mb} x {eff // mb}, with {n} of {s.L} decoder "
+                        "layers' frozen weights streamed from CPU memory (fallback: offload keeps bf16)",
+                    )
+                )
         elif kind == "qlora":
             for mb in mbs:
                 for k in ks:
-                    out.append(step("qlora", mb, 0, k, f"QLoRA (NF4 double-quant base), micro-batch {mb} x {eff // mb}"
-                                                       f"{ckpt_words(k)} (fallback: qlora allows this precision change)"))
+                    out.append(
+                        step(
+                            "qlora",
+                            mb,
+                            0,
+                            k,
+                            f"QLoRA (NF4 double-quant base), micro-batch {mb} x {eff // mb}"
+                            f"{ckpt_words(k)} (fallback: qlora allows this precision change)",
+                        )
+                    )
     return out
 
 
@@ -111,7 +153,9 @@ def _rung(strategy: dict, user: dict) -> str:
         return "micro-batch"
     if bool(strategy.get("offload_activations")) != bool(user.get("offload_activations")):
         return "activations"
-    return "checkpointing" if strategy.get("checkpointed_layers") != user.get("checkpointed_layers") else "as configured"
+    return (
+        "checkpointing" if strategy.get("checkpointed_layers") != user.get("checkpointed_layers") else "as configured"
+    )
 
 
 def _describe(strategy: dict, n_layers: int) -> str:
@@ -126,12 +170,19 @@ def _why_not(tried: list[tuple[dict, str, dict]], cfg: Config, n_layers: int) ->
         kind = _rung(strat, user)
         if kind not in best or est["predicted_total_gib"] < best[kind][1]["predicted_total_gib"]:
             best[kind] = (strat, est)
-    words = {"as configured": "as configured", "checkpointing": "checkpointing more layers",
-             "activations": ACTIVATIONS_IN_CPU, "micro-batch": "the smallest micro-batch",
-             "offload": "bf16 LoRA with offload", "qlora": "QLoRA"}
-    parts = [f"{words[k]} ({_describe(st, n_layers)}) needs {est['predicted_total_gib']:.1f} GiB"
-             + (f" (peak at {est['peak_phase']})" if k == "as configured" else "")
-             for k, (st, est) in best.items()]
+    words = {
+        "as configured": "as configured",
+        "checkpointing": "checkpointing more layers",
+        "activations": ACTIVATIONS_IN_CPU,
+        "micro-batch": "the smallest micro-batch",
+        "offload": "bf16 LoRA with offload",
+        "qlora": "QLoRA",
+    }
+    parts = [
+        f"{words[k]} ({_describe(st, n_layers)}) needs {est['predicted_total_gib']:.1f} GiB"
+        + (f" (peak at {est['peak_phase']})" if k == "as configured" else "")
+        for k, (st, est) in best.items()
+    ]
     if user["adapter"] == "lora":
         barred = [k for k in ("offload", "qlora") if k not in cfg.fallback]
         if barred:
@@ -154,23 +205,36 @@ def _refusal(s: Shape, cfg: Config, tried: list[tuple[dict, str, dict]]) -> str:
         for kind in ("offload", "qlora"):
             if kind in cfg.fallback:
                 continue
-            fit = next((st for st, _w in ladder(s, cfg, fallback=[kind])
-                        if _rung(st, strategy_from_config(cfg, n_layers)) == kind and estimate(s, cfg, st)["fits"]), None)
+            fit = next(
+                (
+                    st
+                    for st, _w in ladder(s, cfg, fallback=[kind])
+                    if _rung(st, strategy_from_config(cfg, n_layers)) == kind and estimate(s, cfg, st)["fits"]
+                ),
+                None,
+            )
             if fit:
                 fixes.append(f"set fallback: [{kind}] ({_describe(fit, n_layers)} fits)")
     if activations_setting(cfg) == "off":
         auto = cfg.model_copy(update={"offload_activations": "auto"})
-        fit = next((st for st, _w in ladder(s, auto)
-                    if st.get("offload_activations") and estimate(s, auto, st)["fits"]), None)
+        fit = next(
+            (st for st, _w in ladder(s, auto) if st.get("offload_activations") and estimate(s, auto, st)["fits"]), None
+        )
         if fit:
             fixes.append(f"set offload_activations: auto ({_describe(fit, n_layers)} fits)")
-    if cfg.fused_loss == "auto" and not strategy_from_config(cfg)["fused_loss"] and s.model_type not in LIGER_NO_FUSED_LOSS:
+    if (
+        cfg.fused_loss == "auto"
+        and not strategy_from_config(cfg)["fused_loss"]
+        and s.model_type not in LIGER_NO_FUSED_LOSS
+    ):
         fixes.append("install liger-kernel (pip install 'loraship[train]') so fused_loss: auto uses the fused loss")
     fixes.append(f"lower sequence_len (now {cfg.sequence_len}) or lora_r (now {cfg.lora_r})")
     fixes.append(f"train on a card with at least {math.ceil(_card_needed_gib(need))} GiB (gpu_memory_gib)")
-    return (f"nothing fits gpu_memory_gib {budget:g} GiB ({budget - margin:.1f} GiB after the {margin:.1f} GiB safety "
-            f"margin): {_why_not(tried, cfg, n_layers)}. The smallest plan tried ({_describe(smallest[0], n_layers)}) needs {need:.1f} GiB, "
-            f"{need - (budget - margin):.1f} GiB too much. Fix: " + "; or ".join(fixes) + ".")
+    return (
+        f"nothing fits gpu_memory_gib {budget:g} GiB ({budget - margin:.1f} GiB after the {margin:.1f} GiB safety "
+        f"margin): {_why_not(tried, cfg, n_layers)}. The smallest plan tried ({_describe(smallest[0], n_layers)}) needs {need:.1f} GiB, "
+        f"{need - (budget - margin):.1f} GiB too much. Fix: " + "; or ".join(fixes) + "."
+    )
 
 
 def _row(strategy: dict, est: dict) -> dict:
@@ -179,16 +243,23 @@ def _row(strategy: dict, est: dict) -> dict:
 
 def _plan(s: Shape, cfg: Config, strategy: dict, est: dict, reason: str, alternatives: list[dict]) -> dict:
     return {
-        "strategy": strategy, "decoder_layers": s.L,
+        "strategy": strategy,
+        "decoder_layers": s.L,
         # What was planned, as transformers builds it (loraship/planning/shape.py), and what the plan leaves out.
-        "model": {"class": s.architecture, "decoder_layer": s.layer_class,
-                  **({"wrapper": s.wrapper, "untrained_modules": list(s.untrained_modules)} if s.wrapper else {}),
-                  "notes": list(s.notes)},
-        "fits": est["fits"], "budget_gib": cfg.gpu_memory_gib,
-        "safety_margin_gib": round(safety_margin_gib(cfg.gpu_memory_gib), 2), "fallback": list(cfg.fallback),
+        "model": {
+            "class": s.architecture,
+            "decoder_layer": s.layer_class,
+            **({"wrapper": s.wrapper, "untrained_modules": list(s.untrained_modules)} if s.wrapper else {}),
+            "notes": list(s.notes),
+        },
+        "fits": est["fits"],
+        "budget_gib": cfg.gpu_memory_gib,
+        "safety_margin_gib": round(safety_margin_gib(cfg.gpu_memory_gib), 2),
+        "fallback": list(cfg.fallback),
         "reason": reason,
         "memory": {
-            "components_gib": est["components_gib"], "peak_phase": est["peak_phase"],
+            "components_gib": est["components_gib"],
+            "peak_phase": est["peak_phase"],
             "predicted_allocated_gib": round(est["predicted_allocated_gib"], 2),
             "predicted_reserved_gib": round(est["predicted_reserved_gib"], 2),
             "cuda_context_gib": round(est["cuda_context_gib"], 2),
@@ -241,8 +312,10 @@ def _spread_if_faster(s: Shape, cfg: Config, strat: dict, why: str) -> tuple[dic
         return strat, why
     first = options[0][0]
     k = checkpointed_layers(chosen, s.L)
-    return chosen, (f"{why}; its {chosen['offload_layers']} streamed layers spread over the first {k} hide their copies "
-                    f"better: predicted {t:.2f} s a micro-batch instead of {first:.2f} s, the same memory")
+    return chosen, (
+        f"{why}; its {chosen['offload_layers']} streamed layers spread over the first {k} hide their copies "
+        f"better: predicted {t:.2f} s a micro-batch instead of {first:.2f} s, the same memory"
+    )
 
 
 def _stream_for_speed(s: Shape, cfg: Config, strat: dict, est: dict, why: str) -> tuple[dict, dict, str]:
@@ -270,23 +343,36 @@ def _stream_for_speed(s: Shape, cfg: Config, strat: dict, est: dict, why: str) -
     if chosen is strat or t > first * 0.99:
         return strat, est, why
     k = checkpointed_layers(chosen, s.L)
-    spread = f", spread over the first {k} (one copy hidden behind more than one layer's forward)" \
-        if chosen.get("offload_spread") else ""
-    return chosen, chosen_est, (
-        f"{why}; streaming {chosen['offload_layers']} layers instead of {n}{spread} leaves room for {s.L - k} layers' "
-        f"activations, whose recompute is saved: predicted {t:.2f} s a micro-batch instead of {first:.2f} s "
-        f"(at {step_time.PLAN_EXECUTED_TFLOPS:g} TFLOP/s and {step_time.PLAN_HOST_TO_DEVICE_GBPS:g} GB/s host to device)")
+    spread = (
+        f", spread over the first {k} (one copy hidden behind more than one layer's forward)"
+        if chosen.get("offload_spread")
+        else ""
+    )
+    return (
+        chosen,
+        chosen_est,
+        (
+            f"{why}; streaming {chosen['offload_layers']} layers instead of {n}{spread} leaves room for {s.L - k} layers' "
+            f"activations, whose recompute is saved: predicted {t:.2f} s a micro-batch instead of {first:.2f} s "
+            f"(at {step_time.PLAN_EXECUTED_TFLOPS:g} TFLOP/s and {step_time.PLAN_HOST_TO_DEVICE_GBPS:g} GB/s host to device)"
+        ),
+    )
 
 
 def _alternatives(s: Shape, cfg: Config, chosen: dict) -> list[dict]:
     L = s.L
     user = strategy_from_config(cfg, L)
-    cands = [user, {**user, "fused_loss": not user["fused_loss"]} if cfg.fused_loss == "auto" else None,
-             {**user, "adapter": "qlora"}, {**user, "adapter": "lora"}]
+    cands = [
+        user,
+        {**user, "fused_loss": not user["fused_loss"]} if cfg.fused_loss == "auto" else None,
+        {**user, "adapter": "qlora"},
+        {**user, "adapter": "lora"},
+    ]
     # The fewest checkpointed layers that fit as configured: what optimize: speed would run, the speed
     # optimize: memory leaves unused.
-    fewest = next((c for c in (with_checkpointing(user, k) for k in range(L + 1))
-                   if estimate(s, cfg, c)["fits"]), None)
+    fewest = next(
+        (c for c in (with_checkpointing(user, k) for k in range(L + 1)) if estimate(s, cfg, c)["fits"]), None
+    )
     cands.append(fewest)
     cands.append({**with_checkpointing(user, L), "offload_activations": True})  # Unsloth's way: inputs in CPU memory
     eff = cfg.micro_batch_size * cfg.gradient_accumulation_steps
@@ -324,14 +410,20 @@ def replan_after_oom(plan: dict, s: Shape, cfg: Config, measured: dict) -> dict 
     alloc = measured.get("peak_allocated_gib") or cur["predicted_allocated_gib"]
     gap_meas, gap_pred = res - alloc, comps.get("allocator_reserve", 0.0)
     if gap_meas - gap_pred > max(0.5, 0.5 * abs(alloc - cur["predicted_allocated_gib"])):
-        oom_component = (f"allocator reserve (fragmentation): reserved exceeded allocated by {gap_meas:.1f} GiB, "
-                         f"predicted {gap_pred:.1f} GiB")
+        oom_component = (
+            f"allocator reserve (fragmentation): reserved exceeded allocated by {gap_meas:.1f} GiB, "
+            f"predicted {gap_pred:.1f} GiB"
+        )
     elif cur.get("peak_phase") == "cross-entropy":
-        oom_component = (f"logits and cross-entropy over the vocabulary (predicted {comps['logits_and_cross_entropy']:.1f} GiB "
-                         f"at the peak)")
+        oom_component = (
+            f"logits and cross-entropy over the vocabulary (predicted {comps['logits_and_cross_entropy']:.1f} GiB "
+            f"at the peak)"
+        )
     else:
-        oom_component = (f"activations: one decoder layer's recompute and backward (predicted "
-                         f"{comps['one_layer_recompute_and_backward']:.1f} GiB) on top of the kept checkpoints")
+        oom_component = (
+            f"activations: one decoder layer's recompute and backward (predicted "
+            f"{comps['one_layer_recompute_and_backward']:.1f} GiB) on top of the kept checkpoints"
+        )
     # Budget for the next plan: what the card really offered, judged by this failure.
     under = max(res + cur["cuda_context_gib"] - cur["predicted_total_gib"], 0.0)
     shrink = max(under, 0.1 * cur["predicted_total_gib"])
@@ -350,8 +442,13 @@ def replan_after_oom(plan: dict, s: Shape, cfg: Config, measured: dict) -> dict 
     if best is None:
         return None
     strat, why, est = best
-    out = _plan(s, cfg, strat, est,
-                f"re-planned after out-of-memory (under-predicted: {oom_component}); {why}",
-                [_row(plan["strategy"], {"predicted_total_gib": cur["predicted_total_gib"], "fits": False})])
+    out = _plan(
+        s,
+        cfg,
+        strat,
+        est,
+        f"re-planned after out-of-memory (under-predicted: {oom_component}); {why}",
+        [_row(plan["strategy"], {"predicted_total_gib": cur["predicted_total_gib"], "fits": False})],
+    )
     out["oom_component"] = oom_component
     return out

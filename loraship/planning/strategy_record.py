@@ -13,8 +13,17 @@ from dataclasses import dataclass, field
 from loraship.planning.knobs import ACTIVATIONS_IN_CPU
 
 # Every key a strategy carries, in the order strategy_from_config writes them (offload_spread only when set).
-KEYS = ("adapter", "offload_layers", "micro_batch_size", "gradient_accumulation_steps", "fused_loss",
-        "gradient_checkpointing", "offload_activations", "checkpointed_layers", "offload_spread")
+KEYS = (
+    "adapter",
+    "offload_layers",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "fused_loss",
+    "gradient_checkpointing",
+    "offload_activations",
+    "checkpointed_layers",
+    "offload_spread",
+)
 _REQUIRED = ("adapter", "micro_batch_size", "gradient_accumulation_steps", "fused_loss", "gradient_checkpointing")
 
 
@@ -49,8 +58,10 @@ class Strategy:
         missing = [k for k in _REQUIRED if k not in d]
         unknown = [k for k in d if k not in KEYS]
         if missing or unknown:
-            raise ValueError(f"not a training strategy: {dict(d)!r} lacks {missing} / has unknown keys {unknown}; "
-                             "fix: re-plan (loraship plan CONFIG) instead of editing the plan by hand")
+            raise ValueError(
+                f"not a training strategy: {dict(d)!r} lacks {missing} / has unknown keys {unknown}; "
+                "fix: re-plan (loraship plan CONFIG) instead of editing the plan by hand"
+            )
         keys = tuple(d)
         values = {k: d[k] for k in keys}
         if values.get("checkpointed_layers") is None and n_layers is not None:
@@ -91,8 +102,13 @@ class Strategy:
         k = self.checkpointed_layers
         ckpt = f"{k}{of} layers" if k is not None else ("on" if self.gradient_checkpointing else "off")
         spread = f" (spread over the first {k})" if self.offload_spread and k else ""
-        off = (f", {self.offload_layers}{of} decoder layers' frozen weights streamed from CPU memory{spread}"
-               if self.offload_layers else "")
+        off = (
+            f", {self.offload_layers}{of} decoder layers' frozen weights streamed from CPU memory{spread}"
+            if self.offload_layers
+            else ""
+        )
         acts = f", {ACTIVATIONS_IN_CPU}" if self.offload_activations else ""
-        return (f"{base}{off}, micro-batch {self.micro_batch_size} x {self.gradient_accumulation_steps} accumulation, "
-                f"{'fused' if self.fused_loss else 'HF'} loss, gradient checkpointing {ckpt}{acts}")
+        return (
+            f"{base}{off}, micro-batch {self.micro_batch_size} x {self.gradient_accumulation_steps} accumulation, "
+            f"{'fused' if self.fused_loss else 'HF'} loss, gradient checkpointing {ckpt}{acts}"
+        )

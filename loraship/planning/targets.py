@@ -14,8 +14,13 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # Phi-3 computes q, k, v with one Linear (qkv_proj) and gate, up with another (gate_up_proj): the names of
 # ALL_LINEAR that a config may give (the default q, k, v, o) stand for the fused module that holds them
 # (Shape.fused_names, read off the model).
-FUSED_NAME = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-              "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+FUSED_NAME = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 
 
 def lora_modules(s: Shape, requested: list[str] | str) -> tuple[str, ...]:
@@ -36,9 +41,11 @@ def lora_modules(s: Shape, requested: list[str] | str) -> tuple[str, ...]:
         else:
             unknown.append(n)
     if unknown:
-        alias = (" (q_proj, k_proj, v_proj name qkv_proj; gate_proj, up_proj name gate_up_proj)" if s.fused else "")
-        raise ValueError(f"lora_target_modules {unknown} name no Linear of a {s.model_type} decoder layer, whose "
-                         f"Linears are {', '.join(names)}{alias}; fix: name those, or set lora_target_modules: all-linear")
+        alias = " (q_proj, k_proj, v_proj name qkv_proj; gate_proj, up_proj name gate_up_proj)" if s.fused else ""
+        raise ValueError(
+            f"lora_target_modules {unknown} name no Linear of a {s.model_type} decoder layer, whose "
+            f"Linears are {', '.join(names)}{alias}; fix: name those, or set lora_target_modules: all-linear"
+        )
     return tuple(n for n in names if n in chosen)
 
 

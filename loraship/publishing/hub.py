@@ -36,8 +36,10 @@ HUB_OWN_FILES = {".gitattributes"}
 # A repository publish creates starts private: a fine-tune of private data must not become public
 # by default. Making it public is one click in its settings; an existing repository keeps its own.
 CREATE_PRIVATE = True
-TOKEN_FIX = ("set HF_TOKEN to a token with write access (https://huggingface.co/settings/tokens), or add "
-             "`env_from_secrets: {HF_TOKEN: <Prefect Secret block>}` to the config")
+TOKEN_FIX = (
+    "set HF_TOKEN to a token with write access (https://huggingface.co/settings/tokens), or add "
+    "`env_from_secrets: {HF_TOKEN: <Prefect Secret block>}` to the config"
+)
 
 
 @dataclass(frozen=True)
@@ -64,11 +66,15 @@ def parse(url: str) -> HubTarget:
     try:
         uri = parse_hf_uri(url.rstrip("/"))
     except HfUriError as e:
-        raise OutputError(f"output {url!r}: not a Hugging Face repository URL ({e}); write it as "
-                          "hf://<namespace>/<repo>[@<branch>][/<folder>]") from e
+        raise OutputError(
+            f"output {url!r}: not a Hugging Face repository URL ({e}); write it as "
+            "hf://<namespace>/<repo>[@<branch>][/<folder>]"
+        ) from e
     if uri.type not in ("model", "dataset"):
-        raise OutputError(f"output {url!r}: a {uri.type} repository holds an app or code, not a model artifact; "
-                          "publish to a model repository, hf://<namespace>/<repo>")
+        raise OutputError(
+            f"output {url!r}: a {uri.type} repository holds an app or code, not a model artifact; "
+            "publish to a model repository, hf://<namespace>/<repo>"
+        )
     return HubTarget(url.rstrip("/"), uri.id, uri.type, uri.revision, uri.path_in_repo.strip("/"))
 
 
@@ -110,28 +116,38 @@ def output_problems(url: str) -> list[str]:
     try:
         user = api.whoami().get("name", "?")
     except OfflineModeIsEnabled:
-        return [f"output {url!r}: HF_HUB_OFFLINE is set, so the token cannot be checked and nothing can be published; "
-                "unset HF_HUB_OFFLINE for this run or choose a local output folder"]
+        return [
+            f"output {url!r}: HF_HUB_OFFLINE is set, so the token cannot be checked and nothing can be published; "
+            "unset HF_HUB_OFFLINE for this run or choose a local output folder"
+        ]
     except Exception as e:  # noqa: BLE001 - HTTP and connection errors of several libraries
         if _status(e) == 401:
             return [f"output {url!r}: the Hub refuses the token as invalid or expired (HTTP 401); {TOKEN_FIX}"]
-        return [f"output {url!r}: cannot reach the Hub to check the token ({type(e).__name__}: {e}); check the "
-                "network (or HF_ENDPOINT), then run again"]
+        return [
+            f"output {url!r}: cannot reach the Hub to check the token ({type(e).__name__}: {e}); check the "
+            "network (or HF_ENDPOINT), then run again"
+        ]
     try:
         api.create_repo(target.repo_id, repo_type=target.repo_type, private=CREATE_PRIVATE, exist_ok=True)
     except Exception as e:  # noqa: BLE001
-        return [f"output {url!r}: the token of {user!r} cannot create {target.repo_type} repository {target.repo_id!r} "
-                f"({type(e).__name__}, HTTP {_status(e)}); create it on the Hub first, or use a token with write "
-                f"access to the namespace {target.repo_id.split('/')[0]!r}"]
+        return [
+            f"output {url!r}: the token of {user!r} cannot create {target.repo_type} repository {target.repo_id!r} "
+            f"({type(e).__name__}, HTTP {_status(e)}); create it on the Hub first, or use a token with write "
+            f"access to the namespace {target.repo_id.split('/')[0]!r}"
+        ]
     try:
         api.auth_check(target.repo_id, repo_type=target.repo_type, write=True)
     except Exception as e:  # noqa: BLE001
         if _status(e) in (401, 403, 404):
-            return [f"output {url!r}: the token of {user!r} cannot write to {target.repo_type} repository "
-                    f"{target.repo_id!r} (HTTP {_status(e)}); use a token with write access to it (a write token of a "
-                    "member, or a fine-grained token with repo write permission on it), or publish to a repository "
-                    "you own"]
-        return [f"output {url!r}: cannot check write access to {target.repo_id!r} ({type(e).__name__}: {e}); run again"]
+            return [
+                f"output {url!r}: the token of {user!r} cannot write to {target.repo_type} repository "
+                f"{target.repo_id!r} (HTTP {_status(e)}); use a token with write access to it (a write token of a "
+                "member, or a fine-grained token with repo write permission on it), or publish to a repository "
+                "you own"
+            ]
+        return [
+            f"output {url!r}: cannot check write access to {target.repo_id!r} ({type(e).__name__}: {e}); run again"
+        ]
     return []
 
 
@@ -147,14 +163,22 @@ def _remote_files(api, target: HubTarget, revision: str) -> dict:
     from huggingface_hub.hf_api import RepoFile
 
     try:
-        entries = api.list_repo_tree(target.repo_id, path_in_repo=target.path or None, recursive=True,
-                                     revision=revision, repo_type=target.repo_type)
+        entries = api.list_repo_tree(
+            target.repo_id,
+            path_in_repo=target.path or None,
+            recursive=True,
+            revision=revision,
+            repo_type=target.repo_type,
+        )
         entries = list(entries)
     except EntryNotFoundError:  # the folder does not exist yet
         return {}
     prefix = f"{target.path}/" if target.path else ""
-    return {e.path[len(prefix):]: e for e in entries
-            if isinstance(e, RepoFile) and e.path.startswith(prefix) and e.path[len(prefix):] not in HUB_OWN_FILES}
+    return {
+        e.path[len(prefix) :]: e
+        for e in entries
+        if isinstance(e, RepoFile) and e.path.startswith(prefix) and e.path[len(prefix) :] not in HUB_OWN_FILES
+    }
 
 
 def _matches(remote, info: dict, local: Path) -> bool:
@@ -202,10 +226,15 @@ def sync(root: Path, files: dict, url: str, run_name: str = "") -> dict:
         if not stale and not extra:
             return {"uploaded": [], "removed": [], "commit": parent}
         commit = api.upload_folder(
-            repo_id=target.repo_id, repo_type=target.repo_type, revision=target.revision, folder_path=str(root),
+            repo_id=target.repo_id,
+            repo_type=target.repo_type,
+            revision=target.revision,
+            folder_path=str(root),
             # An empty list sends nothing (None would send the whole folder).
-            path_in_repo=target.path or None, allow_patterns=[_pattern(r) for r in stale],
-            delete_patterns=[_pattern(r) for r in extra] or None, parent_commit=parent,
+            path_in_repo=target.path or None,
+            allow_patterns=[_pattern(r) for r in stale],
+            delete_patterns=[_pattern(r) for r in extra] or None,
+            parent_commit=parent,
             commit_message=f"loraship: publish {run_name or 'artifact'} ({len(stale)} file(s) sent, {len(extra)} removed)",
         )
         held = _remote_files(api, target, commit.oid)
@@ -219,8 +248,11 @@ def sync(root: Path, files: dict, url: str, run_name: str = "") -> dict:
     wrong = [rel for rel, info in wanted.items() if not _matches(held.get(rel), info, root / rel)]
     left = sorted(rel for rel in held if rel not in wanted)
     if wrong or left:
-        shown = ", ".join(f"{rel} ({_describe(held.get(rel))}, sent {wanted[rel]['size']} bytes sha256 "
-                          f"{wanted[rel]['sha256'][:16]}...)" for rel in wrong[:3])
+        shown = ", ".join(
+            f"{rel} ({_describe(held.get(rel))}, sent {wanted[rel]['size']} bytes sha256 "
+            f"{wanted[rel]['sha256'][:16]}...)"
+            for rel in wrong[:3]
+        )
         raise OutputError(
             f"publish: {url} at commit {str(commit.oid)[:12]} does not hold what was uploaded: "
             f"{shown or 'no file differs'}{'; left over: ' + ', '.join(left) if left else ''}; check the repository "

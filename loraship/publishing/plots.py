@@ -20,8 +20,10 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
-        raise LorashipError("matplotlib is not installed, and the train stage draws its loss curves and memory plan "
-                            "with it; install the train extra: pip install 'loraship[train]'") from e
+        raise LorashipError(
+            "matplotlib is not installed, and the train stage draws its loss curves and memory plan "
+            "with it; install the train extra: pip install 'loraship[train]'"
+        ) from e
 
 
 def _save(fig, out: Path) -> Path:
@@ -31,8 +33,15 @@ def _save(fig, out: Path) -> Path:
     return out
 
 
-def loss_curves(history: list[dict], out: Path, *, eval_before: float | None = None,
-                eval_after: float | None = None, steps: int | None = None, title: str = "") -> Path:
+def loss_curves(
+    history: list[dict],
+    out: Path,
+    *,
+    eval_before: float | None = None,
+    eval_after: float | None = None,
+    steps: int | None = None,
+    title: str = "",
+) -> Path:
     """Training loss at each logged step (loss_history.jsonl rows: step, loss) and the eval loss of the
     base model (step 0, adapter off) and of the fine-tuned one (last step)."""
     from matplotlib.figure import Figure
@@ -40,13 +49,25 @@ def loss_curves(history: list[dict], out: Path, *, eval_before: float | None = N
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     if history:
-        ax.plot([h["step"] for h in history], [h["loss"] for h in history], color="tab:blue", linewidth=1.4,
-                marker="." if len(history) < 50 else None, label="training loss (per optimizer step)")
+        ax.plot(
+            [h["step"] for h in history],
+            [h["loss"] for h in history],
+            color="tab:blue",
+            linewidth=1.4,
+            marker="." if len(history) < 50 else None,
+            label="training loss (per optimizer step)",
+        )
     last = steps or (history[-1]["step"] if history else 1)
     evals = [(x, y) for x, y in ((0, eval_before), (last, eval_after)) if y is not None]
     if evals:
-        ax.plot(*zip(*evals), color="tab:orange", linestyle="--", marker="o", markersize=7,
-                label="eval loss (step 0: base model; last step: fine-tuned)")
+        ax.plot(
+            *zip(*evals),
+            color="tab:orange",
+            linestyle="--",
+            marker="o",
+            markersize=7,
+            label="eval loss (step 0: base model; last step: fine-tuned)",
+        )
         for x, y in evals:
             ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(6, 6), fontsize=9, color="tab:orange")
     ax.set_xlabel("optimizer step")
@@ -58,8 +79,15 @@ def loss_curves(history: list[dict], out: Path, *, eval_before: float | None = N
     return _save(fig, out)
 
 
-def memory_plan(predicted: dict, measured: dict, out: Path, *, budget_gib: float | None = None,
-                device: str = "cuda", title: str = "") -> Path:
+def memory_plan(
+    predicted: dict,
+    measured: dict,
+    out: Path,
+    *,
+    budget_gib: float | None = None,
+    device: str = "cuda",
+    title: str = "",
+) -> Path:
     """The plan's predicted peak, component by component (loraship/planning/memory.py's components_gib), next to
     the peak torch measured (reserved and allocated, train_metrics.json's measured_memory).
 
@@ -77,12 +105,26 @@ def memory_plan(predicted: dict, measured: dict, out: Path, *, budget_gib: float
     palette = matplotlib.colormaps["viridis"].resampled(max(len(components), 2))
     left = 0.0
     for i, (name, gib) in enumerate(components.items()):
-        ax.barh(2, gib, left=left, color=palette(i), edgecolor="white", linewidth=0.5,
-                label=f"{name.replace('_', ' ')} {gib:.3g}")
+        ax.barh(
+            2,
+            gib,
+            left=left,
+            color=palette(i),
+            edgecolor="white",
+            linewidth=0.5,
+            label=f"{name.replace('_', ' ')} {gib:.3g}",
+        )
         left += gib
     if context:
-        ax.barh(2, context, left=left, color="lightgrey", hatch="//", edgecolor="grey",
-                label=f"CUDA context {context:.3g} (not in torch's figures)")
+        ax.barh(
+            2,
+            context,
+            left=left,
+            color="lightgrey",
+            hatch="//",
+            edgecolor="grey",
+            label=f"CUDA context {context:.3g} (not in torch's figures)",
+        )
     rows = [(2, f"predicted\n{left:.2f} GiB reserved")]
     reserved, allocated = measured.get("peak_reserved_gib"), measured.get("peak_allocated_gib")
     if reserved is not None:
@@ -92,13 +134,24 @@ def memory_plan(predicted: dict, measured: dict, out: Path, *, budget_gib: float
         ax.barh(0, allocated, color="salmon", label=f"measured peak allocated {allocated:.2f}")
         rows.append((0, "measured\npeak allocated"))
     if predicted.get("predicted_allocated_gib") is not None:
-        ax.axvline(predicted["predicted_allocated_gib"], color="tab:purple", linestyle=":",
-                   label=f"predicted allocated {predicted['predicted_allocated_gib']:.2f}")
+        ax.axvline(
+            predicted["predicted_allocated_gib"],
+            color="tab:purple",
+            linestyle=":",
+            label=f"predicted allocated {predicted['predicted_allocated_gib']:.2f}",
+        )
     if budget_gib:
         ax.axvline(budget_gib, color="black", linestyle="--", label=f"GPU budget {budget_gib:g}")
     if reserved is None and allocated is None:
-        ax.text(0.98, 0.2, f"no GPU measurement: trained on {device}", transform=ax.transAxes, ha="right",
-                fontsize=9, color="dimgrey")
+        ax.text(
+            0.98,
+            0.2,
+            f"no GPU measurement: trained on {device}",
+            transform=ax.transAxes,
+            ha="right",
+            fontsize=9,
+            color="dimgrey",
+        )
     ax.set_yticks([y for y, _ in rows], [label for _, label in rows], fontsize=8)
     ax.set_ylim(-0.6, 2.6)
     ax.set_xlabel("GiB")
@@ -106,13 +159,19 @@ def memory_plan(predicted: dict, measured: dict, out: Path, *, budget_gib: float
     ax.grid(axis="x", alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     order = sorted(range(len(handles)), key=lambda i: labels[i].startswith(("predicted allocated", "GPU budget")))
-    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=7, loc="center left",
-              bbox_to_anchor=(1.01, 0.5))
+    ax.legend(
+        [handles[i] for i in order],
+        [labels[i] for i in order],
+        fontsize=7,
+        loc="center left",
+        bbox_to_anchor=(1.01, 0.5),
+    )
     return _save(fig, out)
 
 
-def quant_ladder(rows: list[dict], out: Path, *, shipped: str | None = None, shipped_label: str = "shipped",
-                 title: str = "") -> Path:
+def quant_ladder(
+    rows: list[dict], out: Path, *, shipped: str | None = None, shipped_label: str = "shipped", title: str = ""
+) -> Path:
     """Each verified quantization's size against its mean KL divergence from the merged model (verify's ladder rows:
     quant, bytes, kl_mean, passed); passed green, failed red, the shipped (or primary) one ringed, the gate limit per rung as a
     dash (kl_mean_max, where the row has it). KL on a log axis: Q8_0 and IQ3_M differ by two orders."""

@@ -54,7 +54,9 @@ class Trigger(Protocol):
 
     def find(self, deployment: str, key: str, tag: str) -> dict[str, Any] | None: ...
 
-    def run(self, deployment: str, parameters: dict[str, Any], key: str, tags: list[str], wait: bool) -> dict[str, Any]: ...
+    def run(
+        self, deployment: str, parameters: dict[str, Any], key: str, tags: list[str], wait: bool
+    ) -> dict[str, Any]: ...
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -70,10 +72,14 @@ def _resolve_ref(repo: Path, ref: str) -> str:
     try:
         return _git(repo, "rev-parse", "--verify", f"{ref}^{{commit}}").strip()
     except LorashipError as e:
-        raise LorashipError(f"unknown git ref {ref!r} in {repo}; fetch enough history (actions/checkout fetch-depth: 0)") from e
+        raise LorashipError(
+            f"unknown git ref {ref!r} in {repo}; fetch enough history (actions/checkout fetch-depth: 0)"
+        ) from e
 
 
-def changed_specs(from_ref: str, to_ref: str, *, repo: Path = Path("."), specs_dir: str = "deploy/gitops/specs") -> list[str]:
+def changed_specs(
+    from_ref: str, to_ref: str, *, repo: Path = Path("."), specs_dir: str = "deploy/gitops/specs"
+) -> list[str]:
     """Spec paths added, modified or renamed between the refs (deleted specs trigger nothing)."""
     old, new = _resolve_ref(repo, from_ref), _resolve_ref(repo, to_ref)
     out = _git(repo, "diff", "--name-only", "--no-renames", "--diff-filter=AM", old, new, "--", specs_dir)
@@ -93,8 +99,9 @@ def load_spec(text: str, path: str) -> Config:
 
 def spec_hash(config: Config) -> str:
     """Identity of a run of a spec: its validated config, the loraship release and the image."""
-    return sha256_json({"config": config.fingerprint(), "loraship": __version__,
-                        "image": os.environ.get(IMAGE_DIGEST_ENV, "")})
+    return sha256_json(
+        {"config": config.fingerprint(), "loraship": __version__, "image": os.environ.get(IMAGE_DIGEST_ENV, "")}
+    )
 
 
 @dataclass
@@ -103,7 +110,12 @@ class PrefectTrigger:
 
     def find(self, deployment: str, key: str, tag: str) -> dict[str, Any] | None:
         from prefect.client.orchestration import get_client
-        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterTags
+        from prefect.client.schemas.filters import (
+            DeploymentFilter,
+            DeploymentFilterId,
+            FlowRunFilter,
+            FlowRunFilterTags,
+        )
         from prefect.client.schemas.sorting import FlowRunSort
 
         with get_client(sync_client=True) as client:
@@ -116,7 +128,9 @@ class PrefectTrigger:
             )
         return _describe(runs[0]) if runs else None
 
-    def run(self, deployment: str, parameters: dict[str, Any], key: str, tags: list[str], wait: bool) -> dict[str, Any]:
+    def run(
+        self, deployment: str, parameters: dict[str, Any], key: str, tags: list[str], wait: bool
+    ) -> dict[str, Any]:
         from prefect.deployments import run_deployment
 
         flow_run = run_deployment(
@@ -177,7 +191,12 @@ def trigger_changed_specs(
     for path, config in specs:
         digest = spec_hash(config)
         key, tag = f"{deployment}:{digest}", TAG_PREFIX + digest[:16]
-        result: dict[str, Any] = {"spec": path, "sha256": digest, "run_name": config.run_name, "deployment": deployment}
+        result: dict[str, Any] = {
+            "spec": path,
+            "sha256": digest,
+            "run_name": config.run_name,
+            "deployment": deployment,
+        }
         if dry_run:
             results.append({**result, "action": "dry-run", "ok": True})
             continue
@@ -187,13 +206,21 @@ def trigger_changed_specs(
             failed = earlier.get("state") in RETRYABLE
             if not (failed and retry_failed):
                 ok = earlier.get("state") in (FINAL_OK, None, "SCHEDULED", "PENDING", "RUNNING")
-                hint = {"hint": f"its run ended {earlier.get('state')}; fix the cause and rerun with --retry-failed "
-                                "(same training content)"} if failed else {}
+                hint = (
+                    {
+                        "hint": f"its run ended {earlier.get('state')}; fix the cause and rerun with --retry-failed "
+                        "(same training content)"
+                    }
+                    if failed
+                    else {}
+                )
                 results.append({**result, **earlier, **hint, "action": "already-triggered", "ok": ok})
                 continue
             key, action = f"{key}:retry-of:{earlier['flow_run_id']}", "retried"
             result["retry_of"] = earlier["flow_run_id"]
-        started = trigger.run(deployment, {"config": config.model_dump(mode="json")}, key, ["loraship", "gitops", tag], wait)
+        started = trigger.run(
+            deployment, {"config": config.model_dump(mode="json")}, key, ["loraship", "gitops", tag], wait
+        )
         ok = started.get("state") == FINAL_OK if wait else started.get("state") not in RETRYABLE
         results.append({**result, **started, "action": action, "ok": ok})
     return results
@@ -216,8 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         results = trigger_changed_specs(
-            args.from_ref, args.to_ref, repo=args.repo, specs_dir=args.specs_dir,
-            deployment=args.deployment, wait=args.wait, dry_run=args.dry_run, retry_failed=args.retry_failed,
+            args.from_ref,
+            args.to_ref,
+            repo=args.repo,
+            specs_dir=args.specs_dir,
+            deployment=args.deployment,
+            wait=args.wait,
+            dry_run=args.dry_run,
+            retry_failed=args.retry_failed,
         )
     except LorashipError as e:
         print(f"error: {e}")

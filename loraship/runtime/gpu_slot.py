@@ -47,11 +47,15 @@ def slots() -> int:
     try:
         count = int(raw)
     except ValueError as e:
-        raise LorashipError(f"{SLOTS_ENV}={raw!r} is not a whole number; fix: set it to the number of GPU stages "
-                            "that may run at once on the GPUs these runs share (default 1)") from e
+        raise LorashipError(
+            f"{SLOTS_ENV}={raw!r} is not a whole number; fix: set it to the number of GPU stages "
+            "that may run at once on the GPUs these runs share (default 1)"
+        ) from e
     if count < 1:
-        raise LorashipError(f"{SLOTS_ENV}={raw!r}: at least one slot is needed, or no GPU stage could ever run; "
-                            "fix: set it to 1 or more")
+        raise LorashipError(
+            f"{SLOTS_ENV}={raw!r}: at least one slot is needed, or no GPU stage could ever run; "
+            "fix: set it to 1 or more"
+        )
     return count
 
 
@@ -62,13 +66,21 @@ def slots_dir(workdir: str | Path) -> Path:
 
 def describe_holder(holder: dict) -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
-    return (f"run {holder.get('run', '?')!r} ({holder.get('stage', '?')}, pid {holder.get('pid')} on host "
-            f"{holder.get('host')!r}) since {since}")
+    return (
+        f"run {holder.get('run', '?')!r} ({holder.get('stage', '?')}, pid {holder.get('pid')} on host "
+        f"{holder.get('host')!r}) since {since}"
+    )
 
 
 @contextlib.contextmanager
-def file_slot(folder: Path, run_name: str, stage: str, count: int | None = None,
-              timeout: float | None = None, wait_log_s: float = WAIT_LOG_S) -> Iterator[Path]:
+def file_slot(
+    folder: Path,
+    run_name: str,
+    stage: str,
+    count: int | None = None,
+    timeout: float | None = None,
+    wait_log_s: float = WAIT_LOG_S,
+) -> Iterator[Path]:
     """Hold one of `count` slot files in `folder` for the block, taking over those of dead holders."""
     folder = Path(folder)
     count = slots() if count is None else count
@@ -96,7 +108,8 @@ def file_slot(folder: Path, run_name: str, stage: str, count: int | None = None,
             raise locks.LockTimeout(
                 f"{what}: every slot still held after waiting {now - started:.0f} s, by "
                 f"{'; '.join(describe_holder(h) for h in holders)} ({folder}). Wait for that run to finish; to let "
-                f"GPU stages share the card set {SLOTS_ENV} (now {count}); to wait longer set {locks.TIMEOUT_ENV}")
+                f"GPU stages share the card set {SLOTS_ENV} (now {count}); to wait longer set {locks.TIMEOUT_ENV}"
+            )
         if said is None or now - said >= wait_log_s:
             log.info("%s: waiting for the GPU slot held by %s", what, "; ".join(describe_holder(h) for h in holders))
             said = now
@@ -164,9 +177,17 @@ def _prefect_slot_loop(run_name: str, stage: str, wait_log_s: float) -> Iterator
                 raise
             with get_client(sync_client=True) as client:
                 limit = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
-            log.info("GPU slot for %s of run %r: waiting for Prefect's concurrency limit %r (%d of %d slots taken "
-                     "at %s; a holder that died frees its slot within %.0f s)", stage, run_name, GPU_LIMIT,
-                     limit.active_slots, limit.limit, configured_api_url() or "the temporary server", LEASE_S)
+            log.info(
+                "GPU slot for %s of run %r: waiting for Prefect's concurrency limit %r (%d of %d slots taken "
+                "at %s; a holder that died frees its slot within %.0f s)",
+                stage,
+                run_name,
+                GPU_LIMIT,
+                limit.active_slots,
+                limit.limit,
+                configured_api_url() or "the temporary server",
+                LEASE_S,
+            )
 
 
 @contextlib.contextmanager

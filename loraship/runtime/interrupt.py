@@ -68,13 +68,18 @@ class _QuietAfterInterrupt(logging.Filter):
 def _console_handlers() -> list[logging.Handler]:
     """Handlers writing to a terminal stream, on every logger: not Prefect's API handler, which keeps the
     crash in the run's logs."""
-    loggers = [logging.getLogger(), *(x for x in list(logging.root.manager.loggerDict.values())
-                                      if isinstance(x, logging.Logger))]
+    loggers = [
+        logging.getLogger(),
+        *(x for x in list(logging.root.manager.loggerDict.values()) if isinstance(x, logging.Logger)),
+    ]
     found = []
     for logger in loggers:
         for handler in getattr(logger, "handlers", ()):
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler) \
-                    and handler not in found:
+            if (
+                isinstance(handler, logging.StreamHandler)
+                and not isinstance(handler, logging.FileHandler)
+                and handler not in found
+            ):
                 found.append(handler)
     return found
 
@@ -133,7 +138,9 @@ class Guard:
 
 
 @contextlib.contextmanager
-def interruptible(say: Callable[[int], str], teardown: Callable[[], None], grace_s: float = GRACE_S) -> Iterator[Guard]:
+def interruptible(
+    say: Callable[[int], str], teardown: Callable[[], None], grace_s: float = GRACE_S
+) -> Iterator[Guard]:
     """SIGINT and SIGTERM raise Interrupted in the main thread while the block runs; the caller catches it (or
     Prefect's TerminationSignal: is_interrupt), calls guard.stopping, cleans up, calls guard.finish and exits
     with exit_code_of(it).

@@ -10,8 +10,13 @@ from loraship.runtime.manifest import read_manifest, sha256_json
 
 def merged_digest(merge_manifest: dict) -> str:
     """One digest of the merged model's files, as recorded by merge's manifest."""
-    return sha256_json({rel: info["sha256"] for rel, info in sorted(merge_manifest["outputs"].items())
-                        if rel.startswith(MERGED_DIR + "/")})
+    return sha256_json(
+        {
+            rel: info["sha256"]
+            for rel, info in sorted(merge_manifest["outputs"].items())
+            if rel.startswith(MERGED_DIR + "/")
+        }
+    )
 
 
 def converted_from(config) -> str:

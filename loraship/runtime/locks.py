@@ -88,13 +88,22 @@ def _start_time(pid: int) -> str | None:
 
 def identity(**extra) -> dict:
     pid = os.getpid()
-    return {"token": f"{host()}-{pid}-{secrets.token_hex(6)}", "pid": pid, "host": host(),
-            "pid_start": _start_time(pid), "since": time.time(), **extra}
+    return {
+        "token": f"{host()}-{pid}-{secrets.token_hex(6)}",
+        "pid": pid,
+        "host": host(),
+        "pid_start": _start_time(pid),
+        "since": time.time(),
+        **extra,
+    }
 
 
 def is_own_process(holder: dict) -> bool:
-    return holder.get("host") == host() and holder.get("pid") == os.getpid() \
+    return (
+        holder.get("host") == host()
+        and holder.get("pid") == os.getpid()
         and holder.get("pid_start") == _start_time(os.getpid())
+    )
 
 
 def _pid_runs(holder: dict) -> bool:
@@ -121,7 +130,9 @@ def is_alive(holder: dict, mtime: float, quiet_for_s: float) -> bool:
 def describe(holder: dict) -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
     what = ", ".join(f"{k} {holder[k]}" for k in ("stage", "config") if holder.get(k))
-    return f"pid {holder.get('pid')} on host {holder.get('host')!r}" + (f" ({what})" if what else "") + f", since {since}"
+    return (
+        f"pid {holder.get('pid')} on host {holder.get('host')!r}" + (f" ({what})" if what else "") + f", since {since}"
+    )
 
 
 def _read(path: Path) -> tuple[dict, float] | None:
@@ -281,6 +292,7 @@ def exclusive_lock(path: Path, what: str, timeout: float | None = None, **info) 
 
 # -- the run claim ------------------------------------------------------------------------
 
+
 def _claims(folder: Path) -> list[tuple[Path, dict, float]]:
     out = []
     for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
@@ -340,7 +352,9 @@ def run_claim(locks_dir: Path, run_name: str, config: str, stage: str, timeout: 
                 if verdict is None:
                     path.unlink(missing_ok=True)
                     if not is_own_process(holder):
-                        log.warning("run %r: dropped the claim of %s, which is no longer running", run_name, describe(holder))
+                        log.warning(
+                            "run %r: dropped the claim of %s, which is no longer running", run_name, describe(holder)
+                        )
                 elif verdict and blocking is None:
                     blocking = (path, holder)
             if blocking is None:
@@ -348,8 +362,12 @@ def run_claim(locks_dir: Path, run_name: str, config: str, stage: str, timeout: 
                 break
         waited = time.monotonic() - started
         if waited >= timeout:
-            raise _timeout_error(f"run {run_name!r} (config {config[:12]}) is in use by another config", blocking[1],
-                                 blocking[0], waited)
+            raise _timeout_error(
+                f"run {run_name!r} (config {config[:12]}) is in use by another config",
+                blocking[1],
+                blocking[0],
+                waited,
+            )
         if not announced:
             log.info("run %r: waiting, its folder is in use by another config: %s", run_name, describe(blocking[1]))
             announced = True

@@ -27,8 +27,17 @@ from loraship.constants import LLAMA_CPP_PYTHON_VERSION, MANIFEST_NAME, MANIFEST
 from loraship.errors import IntegrityError
 
 _TRACKED_LIBRARIES = (
-    "torch", "transformers", "peft", "bitsandbytes", "accelerate", "liger-kernel",
-    "llama-cpp-python", "gguf", "safetensors", "tokenizers", "prefect",
+    "torch",
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "accelerate",
+    "liger-kernel",
+    "llama-cpp-python",
+    "gguf",
+    "safetensors",
+    "tokenizers",
+    "prefect",
 )
 
 
@@ -105,7 +114,9 @@ class DigestCache:
         self.dirty = False
 
 
-def describe_files(root: Path, paths: list[Path] | None = None, cache: DigestCache | None = None) -> dict[str, dict[str, Any]]:
+def describe_files(
+    root: Path, paths: list[Path] | None = None, cache: DigestCache | None = None
+) -> dict[str, dict[str, Any]]:
     """sha256 and size of every file under root (or of the given files), keyed by relative path."""
     root = Path(root)
     files = paths if paths is not None else sorted(p for p in root.rglob("*") if p.is_file())
@@ -256,7 +267,11 @@ def write_manifest(
         "fingerprint": fingerprint,
         "config": config,
         "inputs": {
-            name: {"stage_dir": m.get("_dir"), "manifest_sha256": sha256_json(_public(m)), "outputs": m.get("outputs", {})}
+            name: {
+                "stage_dir": m.get("_dir"),
+                "manifest_sha256": sha256_json(_public(m)),
+                "outputs": m.get("outputs", {}),
+            }
             for name, m in sorted(upstream.items())
         },
         "outputs": outputs if outputs is not None else describe_files(stage_dir, cache=DigestCache.of_run(stage_dir)),
@@ -283,7 +298,9 @@ def read_manifest(stage_dir: Path) -> dict | None:
     try:
         return with_dir(json.loads(path.read_text(encoding="utf-8")), stage_dir)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise IntegrityError(f"{path}: manifest is not valid JSON ({e}); delete {Path(stage_dir)} to redo that stage") from e
+        raise IntegrityError(
+            f"{path}: manifest is not valid JSON ({e}); delete {Path(stage_dir)} to redo that stage"
+        ) from e
 
 
 def _selected(rel: str, only: tuple[str, ...] | None) -> bool:

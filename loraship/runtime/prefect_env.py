@@ -118,12 +118,16 @@ def secret_env(env_from_secrets: dict[str, str]) -> Iterator[None]:
             try:
                 os.environ[name] = _load_secret(block)
             except ImportError as e:
-                raise LorashipError(f"env_from_secrets: {name} comes from the Prefect Secret block {block!r}, but Prefect "
-                                    f"is not installed here; install loraship[orchestrate] or set {name} in the "
-                                    "environment") from e
+                raise LorashipError(
+                    f"env_from_secrets: {name} comes from the Prefect Secret block {block!r}, but Prefect "
+                    f"is not installed here; install loraship[orchestrate] or set {name} in the "
+                    "environment"
+                ) from e
             except ValueError as e:
-                raise LorashipError(f"env_from_secrets: Prefect Secret block {block!r} for {name} not found; create it "
-                                    "with `prefect block create secret` or remove the entry") from e
+                raise LorashipError(
+                    f"env_from_secrets: Prefect Secret block {block!r} for {name} not found; create it "
+                    "with `prefect block create secret` or remove the entry"
+                ) from e
         yield
     finally:
         for name, value in before.items():

@@ -24,9 +24,27 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # cloud keys, secrets exported from Prefect blocks) stays out of the child: it reads local files
 # only, and a crash dump or a verbose log of it must not hold a credential.
 CHILD_ENV_KEEP = (
-    "PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "PYTHONHASHSEED",
-    "VIRTUAL_ENV", "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
-    "HF_HOME", "XDG_CACHE_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "LORASHIP_CACHE",
+    "PATH",
+    "HOME",
+    "USER",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TMPDIR",
+    "PYTHONPATH",
+    "PYTHONHASHSEED",
+    "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "HF_HOME",
+    "XDG_CACHE_HOME",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "TOKENIZERS_PARALLELISM",
+    "LORASHIP_CACHE",
 )
 
 
@@ -53,8 +71,13 @@ def kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def run_child(cmd: list[str], timeout: float, what: str, extra_env: dict[str, str] | None = None,
-              on_line: Callable[[str], None] | None = None) -> subprocess.CompletedProcess:
+def run_child(
+    cmd: list[str],
+    timeout: float,
+    what: str,
+    extra_env: dict[str, str] | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> subprocess.CompletedProcess:
     """Run cmd in its own session with an explicit environment; on timeout, an error or an
     interrupt of the stage, kill its whole process group.
 
@@ -64,8 +87,15 @@ def run_child(cmd: list[str], timeout: float, what: str, extra_env: dict[str, st
     if on_line is not None:
         # A Python child writes its stdout through as it goes, not in 8 KiB blocks at the end.
         extra_env = {"PYTHONUNBUFFERED": "1", **(extra_env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=on_line is None,
-                            env=child_env(extra_env), start_new_session=True, preexec_fn=child_setup)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=on_line is None,
+        env=child_env(extra_env),
+        start_new_session=True,
+        preexec_fn=child_setup,
+    )
     try:
         if on_line is None:
             stdout, stderr = proc.communicate(timeout=timeout)
@@ -73,8 +103,10 @@ def run_child(cmd: list[str], timeout: float, what: str, extra_env: dict[str, st
             stdout, stderr = _stream(proc, time.monotonic() + timeout, on_line)
     except subprocess.TimeoutExpired as e:
         kill_group(proc)
-        raise LorashipError(f"{what} did not finish within {timeout} s; it was stopped. "
-                            "Look for a hung or very slow disk, or raise the stage's TIMEOUT_S") from e
+        raise LorashipError(
+            f"{what} did not finish within {timeout} s; it was stopped. "
+            "Look for a hung or very slow disk, or raise the stage's TIMEOUT_S"
+        ) from e
     except BaseException:
         kill_group(proc)
         raise
@@ -87,8 +119,16 @@ def run_child(cmd: list[str], timeout: float, what: str, extra_env: dict[str, st
 def start_child(cmd: list[str], stderr) -> subprocess.Popen:
     """A long-lived child talked to through its stdin and stdout (text), isolated as run_child's are:
     its own session, an explicit environment, killed with the process that started it."""
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                            env=child_env(), start_new_session=True, preexec_fn=child_setup)
+    return subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=child_env(),
+        start_new_session=True,
+        preexec_fn=child_setup,
+    )
 
 
 def stop_child(proc: subprocess.Popen) -> None:
@@ -123,8 +163,10 @@ def _stream(proc: subprocess.Popen, deadline: float, on_line: Callable[[str], No
     """Both pipes read by threads; on_line called here, in the stage's thread, where its Prefect run
     context lives. Raises TimeoutExpired after the deadline."""
     lines: queue.Queue = queue.Queue()
-    readers = [threading.Thread(target=_read_pipe, args=(pipe, name, lines), daemon=True)
-               for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
+    readers = [
+        threading.Thread(target=_read_pipe, args=(pipe, name, lines), daemon=True)
+        for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))
+    ]
     for reader in readers:
         reader.start()
     text: dict[str, list[str]] = {"stdout": [], "stderr": []}
@@ -152,8 +194,9 @@ def _stream(proc: subprocess.Popen, deadline: float, on_line: Callable[[str], No
     return "\n".join(text["stdout"]), "\n".join(text["stderr"])
 
 
-def write_with_tool(cmd_for, out_file: Path, what: str, timeout: float,
-                    on_line: Callable[[str], None] | None = None) -> None:
+def write_with_tool(
+    cmd_for, out_file: Path, what: str, timeout: float, on_line: Callable[[str], None] | None = None
+) -> None:
     """Run cmd_for(tmp_path) in a child process that writes tmp_path; rename it to out_file on success.
 
     A timeout here, not in Prefect: a task timeout cannot interrupt blocking native code.

@@ -63,8 +63,16 @@ class Progress:
     key: Prefect artifact key; each step gets its own so that train and eval do not overwrite each other.
     """
 
-    def __init__(self, what: str, total: float | None, logger: logging.Logger, *, key: str | None = None,
-                 every: float | None = None, clock=time.monotonic):
+    def __init__(
+        self,
+        what: str,
+        total: float | None,
+        logger: logging.Logger,
+        *,
+        key: str | None = None,
+        every: float | None = None,
+        clock=time.monotonic,
+    ):
         self.what, self.total, self.log, self.key = what, total, logger, key
         self.every = every_s() if every is None else every
         self.clock = clock
@@ -188,8 +196,14 @@ class LlamaCppProgress:
     """on_line callback for loraship.runtime.proc.run_child: converter/quantizer lines into Progress updates,
     one Progress per phase (preparing tensors, writing, quantizing), so each phase has its own ETA."""
 
-    def __init__(self, what: str, logger: logging.Logger, key: str | None = None, every: float | None = None,
-                 clock=time.monotonic):
+    def __init__(
+        self,
+        what: str,
+        logger: logging.Logger,
+        key: str | None = None,
+        every: float | None = None,
+        clock=time.monotonic,
+    ):
         self.what, self.log, self.key, self.every, self.clock = what, logger, key, every, clock
         self.phase: str | None = None
         self.progress: Progress | None = None
@@ -216,7 +230,8 @@ class LlamaCppProgress:
             self._phase("writing", event.total).update(event.done, f"writing {event.name}B", total=event.total)
         elif event.phase == "quantize":
             self._phase("quantize", event.total).update(
-                event.done, f"tensor {event.done}/{event.total} ({event.name})", total=event.total)
+                event.done, f"tensor {event.done}/{event.total} ({event.name})", total=event.total
+            )
 
     def close(self) -> None:
         if self.progress is not None:

@@ -105,7 +105,8 @@ def open_stage(
         subset["_inputs"] = extra_inputs
     keyed = {
         name: {**m, "outputs": {rel: info for rel, info in m["outputs"].items() if rel in depends_on[name]}}
-        if depends_on and name in depends_on else m
+        if depends_on and name in depends_on
+        else m
         for name, m in ups.items()
     }
     fingerprint = mf.input_fingerprint(stage, subset, keyed)
@@ -127,8 +128,9 @@ def stage_lock(config: Config, stage: str):
     locks_dir = run_dir(config) / ".locks"
     fingerprint = config.fingerprint()
     with locks.run_claim(locks_dir, config.run_name, fingerprint, stage):
-        with locks.exclusive_lock(locks_dir / f"{stage}.lock", f"stage {stage} of run {config.run_name!r}",
-                                  stage=stage, config=fingerprint):
+        with locks.exclusive_lock(
+            locks_dir / f"{stage}.lock", f"stage {stage} of run {config.run_name!r}", stage=stage, config=fingerprint
+        ):
             yield
 
 

@@ -44,8 +44,12 @@ def _fingerprint(stage: str, manifest: dict, current: dict, inputs: dict, ups: d
     from loraship.runtime.manifest import input_fingerprint
 
     subset = {k: (inputs if k == "_inputs" else current.get(k)) for k in manifest.get("config", {})}
-    upstream = {up: {"outputs": {rel: info for rel, info in m.get("outputs", {}).items()
-                                 if up not in keyed or rel in keyed[up]}} for up, m in ups.items()}
+    upstream = {
+        up: {
+            "outputs": {rel: info for rel, info in m.get("outputs", {}).items() if up not in keyed or rel in keyed[up]}
+        }
+        for up, m in ups.items()
+    }
     return input_fingerprint(stage, subset, upstream)
 
 
@@ -79,9 +83,13 @@ def stage_status(config, stage: str, states: dict[str, dict]) -> dict:
     before = recorded.get("_inputs") or {}
     for name in sorted(set(before) | set(now)):
         if before.get(name) != now.get(name):
-            reasons.append(f"{name} " + ("added" if name not in before else "removed" if name not in now else "changed"))
+            reasons.append(
+                f"{name} " + ("added" if name not in before else "removed" if name not in now else "changed")
+            )
     module = stage_module(stage)
-    reasons += [f"config key {key} is new to this stage" for key in getattr(module, "FIELDS", ()) if key not in recorded]
+    reasons += [
+        f"config key {key} is new to this stage" for key in getattr(module, "FIELDS", ()) if key not in recorded
+    ]
     keyed = getattr(module, "DEPENDS_ON", {})
     if callable(getattr(module, "depends_on", None)):  # files that depend on the config (quantize's imatrix)
         try:
@@ -106,5 +114,11 @@ def stage_status(config, stage: str, states: dict[str, dict]) -> dict:
     if not reasons:
         reasons += check_outputs(manifest, folder)
     finished = manifest.get("timings", {}).get("finished")
-    return {"stage": stage, "state": "stale" if reasons else "done", "reasons": reasons, "finished": finished,
-            "seconds": manifest.get("timings", {}).get("seconds"), "dir": str(folder)}
+    return {
+        "stage": stage,
+        "state": "stale" if reasons else "done",
+        "reasons": reasons,
+        "finished": finished,
+        "seconds": manifest.get("timings", {}).get("seconds"),
+        "dir": str(folder),
+    }

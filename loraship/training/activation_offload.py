@@ -61,8 +61,10 @@ class ActivationOffload:
         def checkpoint(fn, hidden_states, *args):
             if torch.is_grad_enabled() and not hidden_states.requires_grad:
                 # The layer runs without autograd: only an input that requires grad brings its backward.
-                raise RuntimeError("activation offload needs decoder-layer inputs that require grad; call "
-                                   "model.enable_input_require_grads() after enabling gradient checkpointing")
+                raise RuntimeError(
+                    "activation offload needs decoder-layer inputs that require grad; call "
+                    "model.enable_input_require_grads() after enabling gradient checkpointing"
+                )
             return _OffloadedLayer.apply(self, index, fn, hidden_states, *args)
 
         return checkpoint
@@ -156,15 +158,20 @@ class _OffloadedLayer(torch.autograd.Function):
         devices = [x.device] if x.is_cuda else []
         kind, dtype, enabled = ctx.autocast
         # recomputing(): a marked down_proj skips its GEMM, whose output nothing reads (loraship/training/recompute.py).
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), torch.autocast(kind, dtype, enabled), \
-                recomputing():
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.enable_grad(),
+            torch.autocast(kind, dtype, enabled),
+            recomputing(),
+        ):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, x.device)
             out = ctx.fn(x, *ctx.args)
         outs = out if ctx.tuple_out else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        pairs = [
+            (o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+        ]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None, None, x.grad) + (None,) * len(ctx.args)
 

@@ -46,10 +46,14 @@ class Engine:
 
     def __post_init__(self):
         if self.name not in ENGINES:
-            raise LorashipError(f"unknown distributed engine {self.name!r}; fix: one of {', '.join(ENGINES)} (re-plan)")
+            raise LorashipError(
+                f"unknown distributed engine {self.name!r}; fix: one of {', '.join(ENGINES)} (re-plan)"
+            )
         if self.world_size < 1 or (self.name == "single") != (self.world_size == 1):
-            raise LorashipError(f"engine {self.name} on {self.world_size} rank(s) is not a valid choice; fix: single on "
-                                "1, ddp or fsdp2 on 2 or more (re-plan)")
+            raise LorashipError(
+                f"engine {self.name} on {self.world_size} rank(s) is not a valid choice; fix: single on "
+                "1, ddp or fsdp2 on 2 or more (re-plan)"
+            )
 
     @property
     def distributed(self) -> bool:
@@ -91,20 +95,39 @@ class RanksOutOfMemory(RuntimeError):
     so the train stage's is_out_of_memory re-plans exactly as after its own torch.OutOfMemoryError."""
 
     def __init__(self, rank: int, message: str, measured: dict | None):
-        super().__init__(f"rank {rank}: {message}" if "out of memory" in message.lower()
-                         else f"rank {rank}: out of memory: {message}")
+        super().__init__(
+            f"rank {rank}: {message}"
+            if "out of memory" in message.lower()
+            else f"rank {rank}: out of memory: {message}"
+        )
         self.rank, self.measured = rank, measured or {}
 
 
 def torchrun_command(module: str, args: list[str], world_size: int) -> list[str]:
     """torchrun's own command line for `python -m module args` on world_size local ranks, run through this module's
     entry (below) so that a failure comes back as torch's ChildFailedError record rather than log text."""
-    return [sys.executable, "-m", __name__, "--standalone", f"--nproc-per-node={world_size}", "--max-restarts=0",
-            "-m", module, *args]
+    return [
+        sys.executable,
+        "-m",
+        __name__,
+        "--standalone",
+        f"--nproc-per-node={world_size}",
+        "--max-restarts=0",
+        "-m",
+        module,
+        *args,
+    ]
 
 
-def launch_ranks(module: str, args: list[str], world_size: int, reports: Path, *, resume_hint: str | Callable[[], str],
-                 env: dict[str, str] | None = None) -> None:
+def launch_ranks(
+    module: str,
+    args: list[str],
+    world_size: int,
+    reports: Path,
+    *,
+    resume_hint: str | Callable[[], str],
+    env: dict[str, str] | None = None,
+) -> None:
     """Run `module args` on world_size ranks under torchrun and wait; return when every rank succeeded.
 
     Raises the first rank's LorashipError as it reported it, RanksOutOfMemory when a rank ran out of memory, and
@@ -117,8 +140,9 @@ def launch_ranks(module: str, args: list[str], world_size: int, reports: Path, *
         old.unlink(missing_ok=True)
     # The ranks are this stage, in this container: they get its environment (the model is resolved already).
     child = {**os.environ, **(env or {}), REPORTS_ENV: str(reports)}
-    proc = subprocess.Popen(torchrun_command(module, args, world_size), env=child, start_new_session=True,
-                            preexec_fn=child_setup)
+    proc = subprocess.Popen(
+        torchrun_command(module, args, world_size), env=child, start_new_session=True, preexec_fn=child_setup
+    )
     try:
         code = proc.wait()
     except BaseException:
@@ -132,8 +156,10 @@ def launch_ranks(module: str, args: list[str], world_size: int, reports: Path, *
 def failure_of(reports: Path, world_size: int, code: int, resume_hint: str) -> Exception:
     """The error for a torchrun that exited with `code`: the ranks' own reports first (a LorashipError, an
     out-of-memory), then torchrun's failure record (the first rank that died, its exit code or signal)."""
-    own = sorted((json.loads(p.read_text(encoding="utf-8")) for p in reports.glob("rank-*.json")),
-                 key=lambda r: (r.get("kind") != "user_error", r["rank"]))
+    own = sorted(
+        (json.loads(p.read_text(encoding="utf-8")) for p in reports.glob("rank-*.json")),
+        key=lambda r: (r.get("kind") != "user_error", r["rank"]),
+    )
     if own and own[0]["kind"] == "user_error":
         return LorashipError(own[0]["message"])
     if own and own[0]["kind"] == "out_of_memory":
@@ -142,8 +168,9 @@ def failure_of(reports: Path, world_size: int, code: int, resume_hint: str) -> E
     failures = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else []
     # The root cause: torchrun stops the others by SIGTERM once one failed, and a rank killed by another signal
     # (SIGKILL: the OOM killer, a scheduler) leaves its peers failing on a closed connection (exit code 1).
-    failures.sort(key=lambda f: (f.get("signal") == "SIGTERM", f.get("signal") is None, f.get("timestamp", 0),
-                                 f["rank"]))
+    failures.sort(
+        key=lambda f: (f.get("signal") == "SIGTERM", f.get("signal") is None, f.get("timestamp", 0), f["rank"])
+    )
     if not failures:
         how = f"torchrun exited with code {code} before any rank reported"
         return RankFailed(f"distributed training failed: {how}; {resume_hint}; fix: read the log above for the cause")
@@ -151,9 +178,11 @@ def failure_of(reports: Path, world_size: int, code: int, resume_hint: str) -> E
     how = f"was killed by {first['signal']}" if first.get("signal") else f"exited with code {first['exitcode']}"
     detail = (first.get("message") or "").strip().splitlines()
     cause = f" ({detail[-1]})" if detail and not first.get("signal") else ""
-    return RankFailed(f"training rank {first['rank']} of {world_size} {how}{cause}; torchrun stopped the other ranks. "
-                      f"{resume_hint}; fix: find why rank {first['rank']} stopped (out of host memory? killed by the "
-                      "scheduler?) and run the same command again")
+    return RankFailed(
+        f"training rank {first['rank']} of {world_size} {how}{cause}; torchrun stopped the other ranks. "
+        f"{resume_hint}; fix: find why rank {first['rank']} stopped (out of host memory? killed by the "
+        "scheduler?) and run the same command again"
+    )
 
 
 def _run_torchrun(argv: list[str]) -> int:
@@ -164,10 +193,18 @@ def _run_torchrun(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
-        failures = [{"rank": rank, "local_rank": f.local_rank, "exitcode": f.exitcode, "pid": f.pid,
-                     "signal": f.signal_name() if f.exitcode < 0 else None, "timestamp": f.timestamp,
-                     "message": f.message if isinstance(f.message, str) else json.dumps(f.message)}
-                    for rank, f in e.failures.items()]
+        failures = [
+            {
+                "rank": rank,
+                "local_rank": f.local_rank,
+                "exitcode": f.exitcode,
+                "pid": f.pid,
+                "signal": f.signal_name() if f.exitcode < 0 else None,
+                "timestamp": f.timestamp,
+                "message": f.message if isinstance(f.message, str) else json.dumps(f.message),
+            }
+            for rank, f in e.failures.items()
+        ]
         folder = os.environ.get(REPORTS_ENV)
         if folder:
             Path(folder, FAILURES_FILE).write_text(json.dumps(failures), encoding="utf-8")
@@ -231,8 +268,10 @@ def init_rank(device: str, timeout_s: float = 1800.0) -> Rank:
     timeout = datetime.timedelta(seconds=timeout_s)
     if device == "cuda":
         if local >= torch.cuda.device_count():
-            raise LorashipError(f"rank {rank} wants CUDA device {local} but {torch.cuda.device_count()} are visible; "
-                                "fix: ask for at most as many gpus as the machine has")
+            raise LorashipError(
+                f"rank {rank} wants CUDA device {local} but {torch.cuda.device_count()} are visible; "
+                "fix: ask for at most as many gpus as the machine has"
+            )
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
         backend = "nccl"
@@ -256,11 +295,18 @@ def report(rank: Rank | None, kind: str, message: str, measured: dict | None = N
         return
     number = rank.rank if rank else int(os.environ.get("RANK", "0"))
     Path(folder, f"rank-{number}.json").write_text(
-        json.dumps({"rank": number, "kind": kind, "message": message, "measured": measured or {}}), encoding="utf-8")
+        json.dumps({"rank": number, "kind": kind, "message": message, "measured": measured or {}}), encoding="utf-8"
+    )
 
 
-def serve_rank(work: Callable[[Rank], dict], device: str, result_file: Path, *,
-               is_out_of_memory: Callable[[BaseException], bool], measure: Callable[[], dict]) -> int:
+def serve_rank(
+    work: Callable[[Rank], dict],
+    device: str,
+    result_file: Path,
+    *,
+    is_out_of_memory: Callable[[BaseException], bool],
+    measure: Callable[[], dict],
+) -> int:
     """A rank's whole life, for the module torchrun starts: join the process group, run `work`, and leave rank 0's
     result (a JSON-able dict) in result_file for the launcher; the exit code. A LorashipError or an out-of-memory
     error is reported for the launcher (failure_of) and ends this rank; torchrun then stops the others, which wait in
@@ -331,12 +377,17 @@ def check_same_inputs(rank: Rank, fingerprints: dict[str, str]) -> None:
     for key, value in gathered[0].items():
         differ = [r for r, theirs in enumerate(gathered) if theirs.get(key) != value]
         if differ:
-            problems.append(f"{key}: rank(s) {', '.join(map(str, differ))} differ from rank 0 "
-                            f"({', '.join(str(gathered[r].get(key))[:12] for r in differ)} vs {str(value)[:12]})")
+            problems.append(
+                f"{key}: rank(s) {', '.join(map(str, differ))} differ from rank 0 "
+                f"({', '.join(str(gathered[r].get(key))[:12] for r in differ)} vs {str(value)[:12]})"
+            )
     if problems:
-        raise LorashipError(f"the {rank.world_size} training ranks disagree before training: " + "; ".join(problems)
-                            + "; fix: every rank must read the same config and data files (one image, one shared "
-                              "run folder; a file edited during the launch?), then run again")
+        raise LorashipError(
+            f"the {rank.world_size} training ranks disagree before training: "
+            + "; ".join(problems)
+            + "; fix: every rank must read the same config and data files (one image, one shared "
+            "run folder; a file edited during the launch?), then run again"
+        )
 
 
 # --- the model ------------------------------------------------------------------------------------------------
@@ -377,7 +428,8 @@ QLORA_EVERY_RANK_WHY = (
     "statistics) is a Python object built while from_pretrained quantizes: Linear4bit writes it into a state dict "
     "(_save_to_state_dict) but has no _load_from_state_dict to read it back, so set_model_state_dict over the meta "
     "shards would leave plain tensors that no layer can dequantize. NF4 costs about 0.56 byte per weight of host "
-    "memory on each rank")
+    "memory on each rank"
+)
 
 
 def rank0_loads_weights(engine: Engine, adapter: str) -> bool:
@@ -393,8 +445,9 @@ def loads_weights(engine: Engine, rank: Rank | None, adapter: str) -> bool:
     return rank is None or rank.main or not rank0_loads_weights(engine, adapter)
 
 
-def load_base(engine: Engine, rank: Rank | None, adapter: str, *, load: Callable[[], object],
-              build: Callable[[], object]):
+def load_base(
+    engine: Engine, rank: Rank | None, adapter: str, *, load: Callable[[], object], build: Callable[[], object]
+):
     """The base model for this rank: `load()` (from_pretrained) where it reads the weights (loads_weights), else
     `build()` (from_config, the same class, config and dtype) with its parameters on the meta device. Buffers are
     built for real either way, by the model's own __init__: the non-persistent ones (rotary inv_freq) are in no
@@ -406,10 +459,13 @@ def load_base(engine: Engine, rank: Rank | None, adapter: str, *, load: Callable
             if rank0_loads_weights(engine, adapter):
                 logging.getLogger("loraship").info(
                     "train: FSDP2: rank 0 alone reads the base weights; the other %d rank(s) build the model on the "
-                    "meta device and get their shards from rank 0", rank.world_size - 1)
+                    "meta device and get their shards from rank 0",
+                    rank.world_size - 1,
+                )
             else:
-                logging.getLogger("loraship").info("train: FSDP2 with QLoRA: every rank reads the base weights, "
-                                                   "because %s", QLORA_EVERY_RANK_WHY)
+                logging.getLogger("loraship").info(
+                    "train: FSDP2 with QLoRA: every rank reads the base weights, because %s", QLORA_EVERY_RANK_WHY
+                )
         return load()
     from accelerate import init_empty_weights
 
@@ -436,14 +492,19 @@ def wrap(model, engine: Engine, rank: Rank | None, layers: list, *, from_rank0: 
         # micro-steps torch 2.13's reducer fails its expect_autograd_hooks_ assertion (tests/test_distributed.py), and
         # non-reentrant checkpointing, the only kind loraship uses, needs no static graph.
         module = DistributedDataParallel(
-            model, device_ids=[rank.local_rank] if rank.device == "cuda" else None, find_unused_parameters=False,
-            gradient_as_bucket_view=True)
+            model,
+            device_ids=[rank.local_rank] if rank.device == "cuda" else None,
+            find_unused_parameters=False,
+            gradient_as_bucket_view=True,
+        )
         return Wrapped(module, model, engine, rank)
     from torch.distributed.fsdp import fully_shard
 
     if not layers:
-        raise LorashipError("FSDP2 shards per decoder layer, and this model has none that transformers marks "
-                            "(GradientCheckpointingLayer); fix: train it on gpus: 1 or with ddp")
+        raise LorashipError(
+            "FSDP2 shards per decoder layer, and this model has none that transformers marks "
+            "(GradientCheckpointingLayer); fix: train it on gpus: 1 or with ddp"
+        )
     # Rank 0's whole weights, held (references, no copy) while fully_shard replaces the parameters with shards.
     full = model.state_dict() if from_rank0 and rank.main else {}
     if from_rank0:
@@ -466,8 +527,10 @@ def wrap(model, engine: Engine, rank: Rank | None, layers: list, *, from_rank0: 
                 setattr(module, name, first)
         empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if empty:
-            raise LorashipError(f"rank {rank.rank}: {len(empty)} weight(s) got no value from rank 0, e.g. {empty[0]}; "
-                                "fix: train this model with every rank reading it (gpus: 1, or ddp) and report it")
+            raise LorashipError(
+                f"rank {rank.rank}: {len(empty)} weight(s) got no value from rank 0, e.g. {empty[0]}; "
+                "fix: train this model with every rank reading it (gpus: 1, or ddp) and report it"
+            )
     return Wrapped(model, model, engine, rank)
 
 
@@ -489,16 +552,22 @@ def same_ties_as_rank0(model, rank: Rank) -> None:
     import torch
     import torch.distributed as dist
 
-    wanted = [[[_place_name(model, module, name) for module, name in places] for places in _tied_parameters(model)]
-              if rank.main else None]
+    wanted = [
+        [[_place_name(model, module, name) for module, name in places] for places in _tied_parameters(model)]
+        if rank.main
+        else None
+    ]
     dist.broadcast_object_list(wanted, src=0)
     if rank.main:
         return
     for places in _tied_parameters(model):  # untie (new meta tensors cost nothing), then tie as rank 0 did
         for module, name in places[1:]:
             param = getattr(module, name)
-            setattr(module, name, torch.nn.Parameter(torch.empty_like(param, device="meta"),
-                                                     requires_grad=param.requires_grad))
+            setattr(
+                module,
+                name,
+                torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad),
+            )
     for names in wanted[0]:
         first = model.get_parameter(names[0])
         for full in names[1:]:
@@ -519,7 +588,7 @@ def rank_share(group: list, rank: int, world_size: int) -> list[tuple[object, bo
     if not group:
         raise ValueError("a step with no micro-batches")
     per = math.ceil(len(group) / world_size)
-    mine = [(g, True) for g in group[rank * per:(rank + 1) * per]]
+    mine = [(g, True) for g in group[rank * per : (rank + 1) * per]]
     return mine + [(group[0], False)] * (per - len(mine))
 
 
@@ -581,8 +650,9 @@ def trainable_state(wrapped: Wrapped) -> dict:
     of ranks, so a checkpoint resumes on another number of devices."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(wrapped.model, options=_options(full_state_dict=True, cpu_offload=True,
-                                                                ignore_frozen_params=True))
+    return get_model_state_dict(
+        wrapped.model, options=_options(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    )
 
 
 def _trainable(model) -> set[str]:
@@ -595,8 +665,10 @@ def load_trainable_state(wrapped: Wrapped, state: dict) -> None:
 
     missing = _trainable(wrapped.model) - set(state)
     if missing:
-        raise LorashipError(f"the checkpoint lacks {len(missing)} trainable weight(s), e.g. {sorted(missing)[0]}; "
-                            "fix: delete the train stage's checkpoints folder to start from step 0")
+        raise LorashipError(
+            f"the checkpoint lacks {len(missing)} trainable weight(s), e.g. {sorted(missing)[0]}; "
+            "fix: delete the train stage's checkpoints folder to start from step 0"
+        )
     set_model_state_dict(wrapped.model, state, options=_options(full_state_dict=True, strict=False))
 
 
@@ -615,9 +687,11 @@ def load_optimizer_state(wrapped: Wrapped, optimizer, state: dict) -> None:
     numbered = all(isinstance(i, int) for g in state.get("param_groups", []) for i in g["params"])
     if numbered and state.get("param_groups"):
         if wrapped.engine.distributed:
-            raise LorashipError("the checkpoint's optimizer state is from an older loraship that numbered the "
-                                "parameters, which several ranks cannot load; fix: resume it on one device, or delete "
-                                "the train stage's checkpoints folder to start from step 0")
+            raise LorashipError(
+                "the checkpoint's optimizer state is from an older loraship that numbered the "
+                "parameters, which several ranks cannot load; fix: resume it on one device, or delete "
+                "the train stage's checkpoints folder to start from step 0"
+            )
         optimizer.load_state_dict(state)
         return
     set_optimizer_state_dict(wrapped.model, optimizer, state, options=_options(full_state_dict=True))
@@ -632,7 +706,9 @@ def adapter_names(wrapped: Wrapped) -> dict[str, str]:
 
     names = sorted(_trainable(wrapped.model))
     # Each name's saved form, by PEFT's own renaming: a tensor per name, told apart by its value.
-    saved = get_peft_model_state_dict(wrapped.model, state_dict={n: torch.tensor([float(i)]) for i, n in enumerate(names)})
+    saved = get_peft_model_state_dict(
+        wrapped.model, state_dict={n: torch.tensor([float(i)]) for i, n in enumerate(names)}
+    )
     return {k: names[int(v.item())] for k, v in saved.items()}
 
 
@@ -644,8 +720,10 @@ def load_adapter_file(wrapped: Wrapped, path: Path) -> None:
     saved = load_file(path)
     unknown = sorted(set(saved) - set(names))
     if unknown:
-        raise LorashipError(f"{path}: {len(unknown)} weight(s) this model has no trainable place for, e.g. "
-                            f"{unknown[0]}; fix: delete the train stage's checkpoints folder to start from step 0")
+        raise LorashipError(
+            f"{path}: {len(unknown)} weight(s) this model has no trainable place for, e.g. "
+            f"{unknown[0]}; fix: delete the train stage's checkpoints folder to start from step 0"
+        )
     load_trainable_state(wrapped, {names[k]: v for k, v in saved.items()})
 
 

@@ -41,8 +41,9 @@ def _dequantized(weight, quant_state, dtype):
     return weight if weight.dtype == dtype else weight.to(dtype)
 
 
-def _lora_forward(x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype,
-                  output_unused=False):
+def _lora_forward(
+    x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype, output_unused=False
+):
     """x2 [tokens, in] in compute dtype -> (out, xa, a, b, mask): out = x2 W^T (+ bias) + s (drop(x2) A^T) B^T.
     output_unused (a recompute that never reads out: loraship/training/recompute.py): out is zeros, no GEMM; what
     backward keeps (xa, the mask: same random draws) is computed as ever."""
@@ -99,14 +100,16 @@ class FusedLoraLinear(torch.autograd.Function):
     """out = x W^T (+ bias) + scaling * (dropout(x) A^T) B^T; gradients for x, A and B (W and bias frozen)."""
 
     @staticmethod
-    def forward(ctx, x, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype,
-                output_unused=False):
+    def forward(
+        ctx, x, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype, output_unused=False
+    ):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != compute_dtype:
             x2 = x2.to(compute_dtype)
-        out, xa, a, b, mask = _lora_forward(x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p,
-                                            compute_dtype, output_unused)
+        out, xa, a, b, mask = _lora_forward(
+            x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype, output_unused
+        )
         ctx.save_for_backward(x2, xa, a, b, weight, mask)
         _keep_lora_state(ctx, quant_state, scaling, dropout_p, lora_a, lora_b)
         ctx.x_shape, ctx.x_dtype = shape, x.dtype
@@ -116,8 +119,19 @@ class FusedLoraLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2, xa, a, b, weight, mask = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x, grad_a, grad_b = _lora_backward(ctx, g, x2, xa, a, b, weight, mask, ctx.needs_input_grad[0],
-                                                ctx.needs_input_grad[4], ctx.needs_input_grad[5])
+        grad_x, grad_a, grad_b = _lora_backward(
+            ctx,
+            g,
+            x2,
+            xa,
+            a,
+            b,
+            weight,
+            mask,
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[4],
+            ctx.needs_input_grad[5],
+        )
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
         return grad_x, None, None, None, grad_a, grad_b, None, None, None, None
@@ -152,15 +166,28 @@ class SwiGLUDownLora(torch.autograd.Function):
     Unsloth's LoRA_MLP does (its fast_lora.py recomputes the activation in backward)."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype,
-                output_unused=False):
+    def forward(
+        ctx,
+        gate,
+        up,
+        weight,
+        quant_state,
+        bias,
+        lora_a,
+        lora_b,
+        scaling,
+        dropout_p,
+        compute_dtype,
+        output_unused=False,
+    ):
         shape = gate.shape
         g2, u2 = gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])
         if g2.dtype != compute_dtype:
             g2, u2 = g2.to(compute_dtype), u2.to(compute_dtype)
         h = _swiglu(g2, u2)
-        out, xa, a, b, mask = _lora_forward(h, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p,
-                                            compute_dtype, output_unused)
+        out, xa, a, b, mask = _lora_forward(
+            h, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype, output_unused
+        )
         del h
         ctx.save_for_backward(g2, u2, xa, a, b, weight, mask)
         _keep_lora_state(ctx, quant_state, scaling, dropout_p, lora_a, lora_b)
@@ -178,13 +205,25 @@ class SwiGLUDownLora(torch.autograd.Function):
         grad_a = grad_b = None
         if ctx.needs_input_grad[5] or ctx.needs_input_grad[6]:
             h = _swiglu(g2, u2)
-            _, grad_a, grad_b = _lora_backward(ctx, g, h, xa, a, b, weight, mask, False, ctx.needs_input_grad[5],
-                                               ctx.needs_input_grad[6])
+            _, grad_a, grad_b = _lora_backward(
+                ctx, g, h, xa, a, b, weight, mask, False, ctx.needs_input_grad[5], ctx.needs_input_grad[6]
+            )
             del h
         grad_h, _, _ = _lora_backward(ctx, g, None, xa, a, b, weight, mask, True, False, False)
         grad_gate, grad_up = _swiglu_backward(g2, u2, grad_h)
-        return (grad_gate.view(ctx.in_shape).to(ctx.in_dtypes[0]), grad_up.view(ctx.in_shape).to(ctx.in_dtypes[1]),
-                None, None, None, grad_a, grad_b, None, None, None, None)
+        return (
+            grad_gate.view(ctx.in_shape).to(ctx.in_dtypes[0]),
+            grad_up.view(ctx.in_shape).to(ctx.in_dtypes[1]),
+            None,
+            None,
+            None,
+            grad_a,
+            grad_b,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -230,8 +269,16 @@ def _lora_args(module, x) -> tuple | None:
     p = dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
     # Looked up per call: weights streamed from CPU memory may be set up after this (offload_frozen_layers).
     weight, quant_state = _base_weight(module.base_layer)(x.device)
-    return (weight, quant_state, module.base_layer.bias, module.lora_A[name].weight, module.lora_B[name].weight,
-            module.scaling[name], p, _compute_dtype(x))
+    return (
+        weight,
+        quant_state,
+        module.base_layer.bias,
+        module.lora_A[name].weight,
+        module.lora_B[name].weight,
+        module.scaling[name],
+        p,
+        _compute_dtype(x),
+    )
 
 
 def _fused_forward(module):

@@ -8,6 +8,7 @@ LORASHIP_LIGER_NORMS picks it (bench/train_bench.py's loraship-norms-* rows comp
 - off: transformers' own everywhere;
 - compile: transformers' own everywhere, each norm class's forward compiled once by torch.compile.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,9 @@ PER_HEAD_NORMS = ("q_norm", "k_norm")
 def setting() -> str:
     value = os.environ.get("LORASHIP_LIGER_NORMS", "all")
     if value not in SETTINGS:
-        raise ValueError(f"LORASHIP_LIGER_NORMS={value!r} is not one of {', '.join(SETTINGS)}; fix: unset it or pick one")
+        raise ValueError(
+            f"LORASHIP_LIGER_NORMS={value!r} is not one of {', '.join(SETTINGS)}; fix: unset it or pick one"
+        )
     return value
 
 

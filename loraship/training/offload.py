@@ -141,8 +141,13 @@ class Prefetcher:
             weight = self.transfer.now(module._loraship_cpu_weight, device)
         else:
             weight = self.transfer.ready(copy, done)
-        if (self.ends_model and not self.backward and i == len(self.layers) - 1
-                and len(self.used) == len(self.layers[i]) and self.recompute_follows()):
+        if (
+            self.ends_model
+            and not self.backward
+            and i == len(self.layers) - 1
+            and len(self.used) == len(self.layers[i])
+            and self.recompute_follows()
+        ):
             self._prefetch(i, device)  # backward starts with this layer's recompute
         return weight
 
@@ -217,7 +222,9 @@ def offload_frozen_layers(model, layers: int | list[int], transfer: Transfer | N
             module.forward = _streaming_forward(module, prefetcher, i)
             # The same copy for a fused LoRA Linear above it (loraship/training/fused_lora.py), which keeps it
             # for backward as F.linear would.
-            module._loraship_weight_on = (lambda m, k: lambda device: (prefetcher.weight(k, m, device), None))(module, i)
+            module._loraship_weight_on = (lambda m, k: lambda device: (prefetcher.weight(k, m, device), None))(
+                module, i
+            )
     first = next(m for modules in streamed for m in modules)
     # The decoder stack runs once per forward pass (only the layers inside it are recomputed).
     stack.register_forward_pre_hook(lambda mod, args: start_step(first.weight.device))

@@ -65,8 +65,9 @@ def packed_attention_mask(*args, attention_mask=None, **kwargs):
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
-def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                             sliding_window=None, **kwargs):
+def packed_attention_forward(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, sliding_window=None, **kwargs
+):
     """transformers' attention-function contract: query (B, Hq, T, D), key/value (B, Hkv, T, D) -> (B, T, Hq, D)."""
     import torch
 
@@ -74,14 +75,27 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     if cu_seq_lens is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
     max_length = int(kwargs.get("max_length_q") or 0)
     if dropout:
-        raise ValueError("packed attention has no attention dropout; set the model's attention_dropout to 0 or packing: off")
+        raise ValueError(
+            "packed attention has no attention dropout; set the model's attention_dropout to 0 or packing: off"
+        )
     if sliding_window is not None and max_length > sliding_window:
-        raise ValueError(f"an example of {max_length} tokens is longer than the sliding window ({sliding_window}); "
-                         "packed attention is full causal attention: set packing: off for this model")
+        raise ValueError(
+            f"an example of {max_length} tokens is longer than the sliding window ({sliding_window}); "
+            "packed attention is full causal attention: set packing: off for this model"
+        )
     b, hq, t, d = query.shape
     hkv = key.shape[1]
     scale = scaling if scaling is not None else d**-0.5

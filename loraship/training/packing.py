@@ -30,24 +30,30 @@ def packing_unsupported(model, sequence_len: int) -> str | None:
     except ImportError:
         import transformers
 
-        return (f"transformers {transformers.__version__} cannot take a registered attention function "
-                "(AttentionInterface / AttentionMaskInterface); upgrade transformers")
+        return (
+            f"transformers {transformers.__version__} cannot take a registered attention function "
+            "(AttentionInterface / AttentionMaskInterface); upgrade transformers"
+        )
     if not getattr(model, "_supports_attention_backend", False):
         return f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
     cfg = model.config
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         # Gemma 2: neither torch's variable-length kernel nor SDPA caps the scores; packed rows would train a
         # different model from the one llama.cpp runs. Padded batches keep the model's eager attention.
-        return (f"its attention logits are soft-capped (attn_logit_softcapping {cfg.attn_logit_softcapping}), which "
-                "packed attention does not apply")
+        return (
+            f"its attention logits are soft-capped (attn_logit_softcapping {cfg.attn_logit_softcapping}), which "
+            "packed attention does not apply"
+        )
     if getattr(cfg, "attention_dropout", 0.0):
         return f"the model's attention_dropout is {cfg.attention_dropout}; packed attention has none"
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None) or []
     uses_window = getattr(cfg, "use_sliding_window", True) or "sliding_attention" in layer_types
     if window and uses_window and window < sequence_len:
-        return (f"its sliding window ({window} tokens) is shorter than sequence_len {sequence_len}; "
-                "packed attention is full causal attention")
+        return (
+            f"its sliding window ({window} tokens) is shorter than sequence_len {sequence_len}; "
+            "packed attention is full causal attention"
+        )
     return None
 
 
@@ -77,8 +83,9 @@ def steps_per_epoch(n: int, micro: int, accum: int) -> int:
     return max(1, math.ceil(n / (micro * accum)))
 
 
-def epoch_steps(lengths: list[int], micro: int, accum: int, seed: int, epoch: int,
-                budget: int | None) -> list[list[list[list[int]]]]:
+def epoch_steps(
+    lengths: list[int], micro: int, accum: int, seed: int, epoch: int, budget: int | None
+) -> list[list[list[list[int]]]]:
     """One epoch as steps -> micro-batches -> rows -> example indices.
 
     Padded (budget None): micro-batches of `micro` rows, one example each. Packed: micro-batches of one
@@ -126,10 +133,18 @@ def collate_packed(examples: list[dict]) -> dict:
 
     lengths = [len(e["input_ids"]) for e in examples]
     ids = torch.tensor([[t for e in examples for t in e["input_ids"]]], dtype=torch.long)
-    labels = torch.tensor([[IGNORE_INDEX if j == 0 else lab for e in examples for j, lab in enumerate(e["labels"])]],
-                          dtype=torch.long)
+    labels = torch.tensor(
+        [[IGNORE_INDEX if j == 0 else lab for e in examples for j, lab in enumerate(e["labels"])]], dtype=torch.long
+    )
     positions = torch.tensor([[j for n in lengths for j in range(n)]], dtype=torch.long)
     bounds = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     longest = max(lengths)
-    return {"input_ids": ids, "labels": labels, "position_ids": positions, "cu_seq_lens_q": bounds,
-            "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": positions,
+        "cu_seq_lens_q": bounds,
+        "cu_seq_lens_k": bounds,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }

@@ -31,8 +31,16 @@ _state = threading.local()  # backward runs on autograd's own threads: each keep
 # add reads down_proj's output (Phi-3 puts a dropout between them, which keeps its mask, not its input; Granite a
 # multiply by the float residual_multiplier, which keeps neither). Llama 3.1 and Phi-4 run the Llama and Phi-3 layers.
 # Not Gemma 2 / Gemma 3 / OLMo 2: a norm after the MLP (post_feedforward_layernorm) keeps its input.
-LAYERS_ENDING_IN_DOWN_PROJ = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-                                        "MistralDecoderLayer", "Phi3DecoderLayer", "GraniteDecoderLayer"})
+LAYERS_ENDING_IN_DOWN_PROJ = frozenset(
+    {
+        "LlamaDecoderLayer",
+        "Qwen2DecoderLayer",
+        "Qwen3DecoderLayer",
+        "MistralDecoderLayer",
+        "Phi3DecoderLayer",
+        "GraniteDecoderLayer",
+    }
+)
 
 
 def active() -> bool:

@@ -12,8 +12,10 @@ def pick_device(config) -> str:
 
     gpu = bool(llama_cpp.llama_supports_gpu_offload()) and im.gpu_total_gib() is not None
     if config.device == "cuda" and not gpu:
-        raise LorashipError("device: cuda was asked for, but this llama-cpp-python has no GPU offload or no GPU is "
-                            "visible; install the CUDA build of llama-cpp-python or use device: auto")
+        raise LorashipError(
+            "device: cuda was asked for, but this llama-cpp-python has no GPU offload or no GPU is "
+            "visible; install the CUDA build of llama-cpp-python or use device: auto"
+        )
     return "cuda" if gpu and config.device != "cpu" else "cpu"
 
 

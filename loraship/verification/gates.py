@@ -20,7 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraship.constants import (
-    GGUF_FILE_TYPES, GGUF_KEY_ADD_BOS, GGUF_KEY_BOS, GGUF_KEY_CHAT_TEMPLATE, GGUF_KEY_EOS, GGUF_KEY_FILE_TYPE,
+    GGUF_FILE_TYPES,
+    GGUF_KEY_ADD_BOS,
+    GGUF_KEY_BOS,
+    GGUF_KEY_CHAT_TEMPLATE,
+    GGUF_KEY_EOS,
+    GGUF_KEY_FILE_TYPE,
 )
 from loraship.planning import inference_memory as im
 
@@ -48,15 +53,26 @@ class Gate:
         return record
 
 
-def judge(name: str, value, threshold, passed, note: str = "", evidence: int | None = None,
-          minimum: int | None = None, minimum_key: str = "") -> Gate:
+def judge(
+    name: str,
+    value,
+    threshold,
+    passed,
+    note: str = "",
+    evidence: int | None = None,
+    minimum: int | None = None,
+    minimum_key: str = "",
+) -> Gate:
     """A Gate. With an evidence count below its minimum, or of zero, it fails whatever the value: nothing seen is
     never a pass (0/0)."""
     passed = bool(passed)
     if evidence is not None and evidence < max(minimum or 0, 1):
         passed = False
-        why = f"{evidence} < {minimum} ({minimum_key}); add eval data or golden prompts, or lower {minimum_key}" \
-            if minimum is not None and evidence < minimum else f"{evidence} seen"
+        why = (
+            f"{evidence} < {minimum} ({minimum_key}); add eval data or golden prompts, or lower {minimum_key}"
+            if minimum is not None and evidence < minimum
+            else f"{evidence} seen"
+        )
         note = f"not enough evidence: {why}" + (f"; {note}" if note else "")
     return Gate(name, passed, value, threshold, note, evidence, minimum if evidence is not None else None)
 
@@ -81,9 +97,15 @@ def file_type_gate(fields: dict, quantization: str) -> Gate:
 
 def chat_template_gate(fields: dict, reference: dict) -> Gate:
     template, hf_template = fields.get(GGUF_KEY_CHAT_TEMPLATE), reference["tokenizer"]["chat_template"]
-    return judge("chat_template_in_gguf", bool(template), bool(hf_template), template == hf_template,
-                 "identical to the merged model's template" if hf_template
-                 else "no chat template on either side (completion data)")
+    return judge(
+        "chat_template_in_gguf",
+        bool(template),
+        bool(hf_template),
+        template == hf_template,
+        "identical to the merged model's template"
+        if hf_template
+        else "no chat template on either side (completion data)",
+    )
 
 
 def special_tokens_gate(tokens: dict, fields: dict, reference: dict) -> Gate:
@@ -95,26 +117,40 @@ def special_tokens_gate(tokens: dict, fields: dict, reference: dict) -> Gate:
     cpp_bos, not_eog = tokens["adds_bos"], tokens["stop_ids_not_eog"]
     same_bos = not (cpp_bos and facts["adds_bos"]) or fields.get(GGUF_KEY_BOS) == facts["bos_id"]
     passed = cpp_bos == facts["adds_bos"] and same_bos and not not_eog and bool(facts["stop_ids"])
-    value = {"llama_cpp_adds_bos": cpp_bos, "gguf_add_bos_token": fields.get(GGUF_KEY_ADD_BOS),
-             "gguf_bos": fields.get(GGUF_KEY_BOS), "gguf_eos": fields.get(GGUF_KEY_EOS),
-             "hf_stop_ids_not_end_of_generation": not_eog}
+    value = {
+        "llama_cpp_adds_bos": cpp_bos,
+        "gguf_add_bos_token": fields.get(GGUF_KEY_ADD_BOS),
+        "gguf_bos": fields.get(GGUF_KEY_BOS),
+        "gguf_eos": fields.get(GGUF_KEY_EOS),
+        "hf_stop_ids_not_end_of_generation": not_eog,
+    }
     threshold = {"hf_adds_bos": facts["adds_bos"], "hf_bos": facts["bos_id"], "hf_stop_ids": facts["stop_ids"]}
     note = "" if facts["stop_ids"] else "HF defines no stop token, so generation would never end"
     return judge("special_tokens", value, threshold, passed, note)
 
 
 def tokenizer_parity_gate(parity: dict) -> Gate:
-    return judge("tokenizer_parity", f"{parity['equal']}/{parity['checked']}", "all",
-                 parity["equal"] == parity["checked"],
-                 "llama.cpp tokenization of eval texts and golden prompts (BOS as served) equals HF's",
-                 evidence=parity["checked"], minimum=1, minimum_key="eval texts")
+    return judge(
+        "tokenizer_parity",
+        f"{parity['equal']}/{parity['checked']}",
+        "all",
+        parity["equal"] == parity["checked"],
+        "llama.cpp tokenization of eval texts and golden prompts (BOS as served) equals HF's",
+        evidence=parity["checked"],
+        minimum=1,
+        minimum_key="eval texts",
+    )
 
 
 # -- agreement on the eval texts ----------------------------------------------------------------
 def perplexity_ratio_gate(agreement: dict, config) -> Gate:
-    return judge("perplexity_ratio", _rounded(agreement, "perplexity_ratio", 4), config.perplexity_ratio_max,
-                 agreement["scored_tokens"] and agreement["perplexity_ratio"] <= config.perplexity_ratio_max,
-                 **_scored(agreement, config))
+    return judge(
+        "perplexity_ratio",
+        _rounded(agreement, "perplexity_ratio", 4),
+        config.perplexity_ratio_max,
+        agreement["scored_tokens"] and agreement["perplexity_ratio"] <= config.perplexity_ratio_max,
+        **_scored(agreement, config),
+    )
 
 
 def _kl_basis(agreement: dict, config, top_k: int) -> tuple[str, bool]:
@@ -126,34 +162,53 @@ def _kl_basis(agreement: dict, config, top_k: int) -> tuple[str, bool]:
     ok = mass >= config.kl_topk_mass_min
     note = f"KL(HF || GGUF) over HF's top-{top_k} + tail, a lower bound; top-k mass {mass:.3f}"
     if not ok:
-        note += (f" < kl_topk_mass_min {config.kl_topk_mass_min}: raise reference_full_logprob_tokens or _mib "
-                 "for exact KL, or reference_top_k")
+        note += (
+            f" < kl_topk_mass_min {config.kl_topk_mass_min}: raise reference_full_logprob_tokens or _mib "
+            "for exact KL, or reference_top_k"
+        )
     return note, ok
 
 
 def _kl_evidence(agreement: dict, config) -> dict:
-    return dict(evidence=agreement.get("kl_tokens", agreement["scored_tokens"]), minimum=config.min_scored_tokens,
-                minimum_key="min_scored_tokens")
+    return dict(
+        evidence=agreement.get("kl_tokens", agreement["scored_tokens"]),
+        minimum=config.min_scored_tokens,
+        minimum_key="min_scored_tokens",
+    )
 
 
 def kl_mean_gate(agreement: dict, config, top_k: int) -> Gate:
     note, basis_ok = _kl_basis(agreement, config, top_k)
-    return judge("kl_divergence_mean", _rounded(agreement, "kl_mean", 5), config.kl_mean_max,
-                 agreement["scored_tokens"] and basis_ok and agreement["kl_mean"] <= config.kl_mean_max,
-                 note, **_kl_evidence(agreement, config))
+    return judge(
+        "kl_divergence_mean",
+        _rounded(agreement, "kl_mean", 5),
+        config.kl_mean_max,
+        agreement["scored_tokens"] and basis_ok and agreement["kl_mean"] <= config.kl_mean_max,
+        note,
+        **_kl_evidence(agreement, config),
+    )
 
 
 def kl_p99_gate(agreement: dict, config, top_k: int) -> Gate:
     note, basis_ok = _kl_basis(agreement, config, top_k)
-    return judge("kl_divergence_p99", _rounded(agreement, "kl_p99", 5), config.kl_p99_max,
-                 agreement["scored_tokens"] and basis_ok and agreement["kl_p99"] <= config.kl_p99_max,
-                 note, **_kl_evidence(agreement, config))
+    return judge(
+        "kl_divergence_p99",
+        _rounded(agreement, "kl_p99", 5),
+        config.kl_p99_max,
+        agreement["scored_tokens"] and basis_ok and agreement["kl_p99"] <= config.kl_p99_max,
+        note,
+        **_kl_evidence(agreement, config),
+    )
 
 
 def same_top_gate(agreement: dict, config) -> Gate:
-    return judge("same_top_token", _rounded(agreement, "same_top_rate", 4), config.same_top_min,
-                 agreement["scored_tokens"] and agreement["same_top_rate"] >= config.same_top_min,
-                 **_scored(agreement, config))
+    return judge(
+        "same_top_token",
+        _rounded(agreement, "same_top_rate", 4),
+        config.same_top_min,
+        agreement["scored_tokens"] and agreement["same_top_rate"] >= config.same_top_min,
+        **_scored(agreement, config),
+    )
 
 
 def finetune_kl_gate(agreement: dict, config) -> Gate:
@@ -162,13 +217,22 @@ def finetune_kl_gate(agreement: dict, config) -> Gate:
     the fine-tune (drifted back to the base) fails."""
     ratio = agreement.get("finetune_kl_ratio")
     tokens = agreement.get("finetune_tokens", 0)
-    note = (f"KL(merged || GGUF) {agreement.get('finetune_kl_mean', float('nan')):.5f} / KL(merged || base) "
-            f"{agreement.get('base_kl_mean', float('nan')):.5f} over {tokens} tokens")
+    note = (
+        f"KL(merged || GGUF) {agreement.get('finetune_kl_mean', float('nan')):.5f} / KL(merged || base) "
+        f"{agreement.get('base_kl_mean', float('nan')):.5f} over {tokens} tokens"
+    )
     if tokens and ratio is None:
         note += "; the fine-tune did not move the model on these tokens (KL to the base is 0)"
-    return judge("finetune_kept_kl", None if ratio is None else round(ratio, 4), config.finetune_kl_fraction_max,
-                 ratio is not None and ratio <= config.finetune_kl_fraction_max, note,
-                 evidence=tokens, minimum=config.min_scored_tokens, minimum_key="min_scored_tokens")
+    return judge(
+        "finetune_kept_kl",
+        None if ratio is None else round(ratio, 4),
+        config.finetune_kl_fraction_max,
+        ratio is not None and ratio <= config.finetune_kl_fraction_max,
+        note,
+        evidence=tokens,
+        minimum=config.min_scored_tokens,
+        minimum_key="min_scored_tokens",
+    )
 
 
 # -- golden prompts ---------------------------------------------------------------------------
@@ -180,10 +244,18 @@ def golden_match_gate(golden: dict, n: int, config) -> Gate:
     decided never counts."""
     ties = golden.get("parted_at_near_tie", 0)
     rate = (golden["matches"] + ties) / n if n else 0.0
-    note = (f"greedy llama.cpp answer == greedy merged-HF answer: {golden['matches']}/{n} token for token, {ties} more "
-            f"parted at a near-tie (merged model's lead < golden_margin {config.golden_margin} nats)")
-    return judge("golden_match", round(rate, 4), config.golden_match_min, n and rate >= config.golden_match_min, note,
-                 **_golden_prompts(n, config))
+    note = (
+        f"greedy llama.cpp answer == greedy merged-HF answer: {golden['matches']}/{n} token for token, {ties} more "
+        f"parted at a near-tie (merged model's lead < golden_margin {config.golden_margin} nats)"
+    )
+    return judge(
+        "golden_match",
+        round(rate, 4),
+        config.golden_match_min,
+        n and rate >= config.golden_match_min,
+        note,
+        **_golden_prompts(n, config),
+    )
 
 
 def golden_decisive_gate(golden: dict, config) -> Gate:
@@ -192,16 +264,22 @@ def golden_decisive_gate(golden: dict, config) -> Gate:
     share = config.decisive_flips_max or 0.0
     flips = golden["decisive"] - golden["agreed"]
     passed = flips == 0 or (golden["decisive"] > 0 and flips / golden["decisive"] <= share)
-    return judge("golden_decisive_agreement", f"{golden['agreed']}/{golden['decisive']}",
-                 "all" if not share else f"flips <= {share:.1%}", passed,
-                 f"HF answer teacher-forced; tokens where the merged model leads by >= {config.golden_margin} nats",
-                 evidence=golden["decisive"], minimum=config.min_decisive_positions,
-                 minimum_key="min_decisive_positions")
+    return judge(
+        "golden_decisive_agreement",
+        f"{golden['agreed']}/{golden['decisive']}",
+        "all" if not share else f"flips <= {share:.1%}",
+        passed,
+        f"HF answer teacher-forced; tokens where the merged model leads by >= {config.golden_margin} nats",
+        evidence=golden["decisive"],
+        minimum=config.min_decisive_positions,
+        minimum_key="min_decisive_positions",
+    )
 
 
 def golden_format_gate(golden: dict, n: int, config) -> Gate:
-    return judge("golden_format", f"{golden['formatted']}/{n}", "all", golden["formatted"] == n,
-                 **_golden_prompts(n, config))
+    return judge(
+        "golden_format", f"{golden['formatted']}/{n}", "all", golden["formatted"] == n, **_golden_prompts(n, config)
+    )
 
 
 def finetune_answers_gate(golden: dict, config) -> Gate:
@@ -212,10 +290,15 @@ def finetune_answers_gate(golden: dict, config) -> Gate:
     # is the base model's answer.
     kept = sum(a["match"] or (a.get("parted_at_near_tie", False) and not a.get("equals_base", False)) for a in changed)
     rate = kept / len(changed) if changed else 0.0
-    return judge("finetune_kept_answers", f"{kept}/{len(changed)}", config.golden_match_min,
-                 bool(changed) and rate >= config.golden_match_min,
-                 "golden prompts whose greedy answer the fine-tune changed; the GGUF must answer as the merged model",
-                 evidence=len(changed), minimum=1)
+    return judge(
+        "finetune_kept_answers",
+        f"{kept}/{len(changed)}",
+        config.golden_match_min,
+        bool(changed) and rate >= config.golden_match_min,
+        "golden prompts whose greedy answer the fine-tune changed; the GGUF must answer as the merged model",
+        evidence=len(changed),
+        minimum=1,
+    )
 
 
 def turn_end_gate(golden: dict, reference: dict, config) -> Gate:
@@ -227,11 +310,19 @@ def turn_end_gate(golden: dict, reference: dict, config) -> Gate:
     note = ""
     if unended:
         first = unended[0]
-        note = (f"{len(unended)} answer(s) did not end with token {end}, e.g. {first['prompt'][:40]!r}: HF stopped with "
-                f"{first['hf_stop']}, llama.cpp with {first['gguf_stop']} (None: cut at max_new_tokens "
-                f"{config.max_new_tokens}; raise it, or train until answers end their turn)")
-    return judge("golden_ends_turn", len(chats) - len(unended), len(chats), not unended, note,
-                 **_golden_prompts(len(chats), config))
+        note = (
+            f"{len(unended)} answer(s) did not end with token {end}, e.g. {first['prompt'][:40]!r}: HF stopped with "
+            f"{first['hf_stop']}, llama.cpp with {first['gguf_stop']} (None: cut at max_new_tokens "
+            f"{config.max_new_tokens}; raise it, or train until answers end their turn)"
+        )
+    return judge(
+        "golden_ends_turn",
+        len(chats) - len(unended),
+        len(chats),
+        not unended,
+        note,
+        **_golden_prompts(len(chats), config),
+    )
 
 
 # -- served --------------------------------------------------------------------------------------
@@ -247,13 +338,16 @@ def parting_words(answer: dict, which: str, margin: float) -> str:
     if lead is None:
         return f"{at}, past the GGUF's own answer and stop (no lead known there)"
     merged = answer.get(f"{which}_merged_lead_there")
-    merged_words = (f"; the merged model, whose answer the GGUF's is, led by {merged:.2f}"
-                    if merged is not None else "")
+    merged_words = f"; the merged model, whose answer the GGUF's is, led by {merged:.2f}" if merged is not None else ""
     if lead < margin:
-        return (f"{at} at a near-tie: llama.cpp's own top token led by {lead:.2f} nats < golden_margin "
-                f"{margin}{merged_words}")
-    return (f"{at} where it was decided: llama.cpp's own top token led by {lead:.2f} nats >= golden_margin "
-            f"{margin}{merged_words}")
+        return (
+            f"{at} at a near-tie: llama.cpp's own top token led by {lead:.2f} nats < golden_margin "
+            f"{margin}{merged_words}"
+        )
+    return (
+        f"{at} where it was decided: llama.cpp's own top token led by {lead:.2f} nats >= golden_margin "
+        f"{margin}{merged_words}"
+    )
 
 
 def _served_as_gguf(answer: dict, which: str, margin: float) -> bool:
@@ -272,30 +366,54 @@ def served_gate(served: dict, config) -> Gate:
     greedy answers compare with the merged model's is golden_match's question; equal_to_reference is
     reported, not gated twice, and so is what the server's default settings answer (server_defaults)."""
     n, margin = served["requests"], config.golden_margin
-    counts = {k: served[k] for k in ("finished_by_stop", "equal_to_gguf_greedy", "equal_to_reference",
-                                     "streamed_equal", "without_markers")}
-    bad = [a for a in served["answers"] if not (a["finish_reason"] == a["streamed_finish_reason"] == "stop"
-                                                and _served_as_gguf(a, "whole", margin)
-                                                and _served_as_gguf(a, "streamed", margin)
-                                                and not a["markers_leaked"])]
+    counts = {
+        k: served[k]
+        for k in (
+            "finished_by_stop",
+            "equal_to_gguf_greedy",
+            "equal_to_reference",
+            "streamed_equal",
+            "without_markers",
+        )
+    }
+    bad = [
+        a
+        for a in served["answers"]
+        if not (
+            a["finish_reason"] == a["streamed_finish_reason"] == "stop"
+            and _served_as_gguf(a, "whole", margin)
+            and _served_as_gguf(a, "streamed", margin)
+            and not a["markers_leaked"]
+        )
+    ]
     defaults = served.get("server_defaults")
-    note = (f"{defaults['differ_from_gguf_greedy']} of {defaults['requests']} answers differ under the server's "
-            f"default settings ({defaults['settings']}), reported, not gated" if defaults else "")
+    note = (
+        f"{defaults['differ_from_gguf_greedy']} of {defaults['requests']} answers differ under the server's "
+        f"default settings ({defaults['settings']}), reported, not gated"
+        if defaults
+        else ""
+    )
     if bad:
         a = bad[0]
-        note = (f"{len(bad)} of {n} failed, e.g. {a['prompt'][:40]!r}: served {a['served'][:60]!r}, streamed "
-                f"{a['streamed'][:60]!r} (finish {a['finish_reason']}, streamed {a['streamed_finish_reason']}, "
-                f"markers {a['markers_leaked']}), the GGUF's greedy answer outside the server {a['gguf_greedy'][:60]!r}; "
-                f"served: {parting_words(a, 'whole', margin)}; streamed: "
-                f"{parting_words(a, 'streamed', margin)}" + (f"; {note}" if note else ""))
+        note = (
+            f"{len(bad)} of {n} failed, e.g. {a['prompt'][:40]!r}: served {a['served'][:60]!r}, streamed "
+            f"{a['streamed'][:60]!r} (finish {a['finish_reason']}, streamed {a['streamed_finish_reason']}, "
+            f"markers {a['markers_leaked']}), the GGUF's greedy answer outside the server {a['gguf_greedy'][:60]!r}; "
+            f"served: {parting_words(a, 'whole', margin)}; streamed: "
+            f"{parting_words(a, 'streamed', margin)}" + (f"; {note}" if note else "")
+        )
     return judge("served", counts, {"each": n}, not bad, note, **_golden_prompts(n, config))
 
 
 # -- training and the target GPU -------------------------------------------------------------------
 def eval_loss_gate(train_metrics: dict) -> Gate:
     before, after = train_metrics.get("eval_loss_before"), train_metrics.get("eval_loss_after")
-    return judge("eval_loss_improved", {"before": before, "after": after}, "after < before",
-                 before is not None and after is not None and after < before)
+    return judge(
+        "eval_loss_improved",
+        {"before": before, "after": after},
+        "after < before",
+        before is not None and after is not None and after < before,
+    )
 
 
 def fits_target_gpu_gate(memory: dict, gpu_memory: dict, layout, config) -> Gate:
@@ -303,35 +421,59 @@ def fits_target_gpu_gate(memory: dict, gpu_memory: dict, layout, config) -> Gate
     used = gpu_memory["measured_gib"]
     value = used if used is not None else gpu_memory["predicted_gib"]
     return judge(
-        "fits_target_gpu", round(value, 3), config.target_gpu_memory_gib,
+        "fits_target_gpu",
+        round(value, 3),
+        config.target_gpu_memory_gib,
         memory["fits"] and value <= config.target_gpu_memory_gib,
-        ("measured through NVML (the process that loaded it)" if used is not None else "predicted from the GGUF's tensors")
+        (
+            "measured through NVML (the process that loaded it)"
+            if used is not None
+            else "predicted from the GGUF's tensors"
+        )
         + f", every layer on the GPU at n_ctx {config.target_context}"
-        + ("" if memory["fits"] else f"; does not fit: all layers fit up to n_ctx {memory['largest_context_all_layers']}, "
-           f"{memory['gpu_layers_at_target_context']} of {im.all_layers(layout)} layers (llama.cpp's -ngl, the output layer "
-           f"included) at n_ctx {config.target_context}"),
+        + (
+            ""
+            if memory["fits"]
+            else f"; does not fit: all layers fit up to n_ctx {memory['largest_context_all_layers']}, "
+            f"{memory['gpu_layers_at_target_context']} of {im.all_layers(layout)} layers (llama.cpp's -ngl, the output layer "
+            f"included) at n_ctx {config.target_context}"
+        ),
     )
 
 
 # -- base GGUF + adapter GGUF ----------------------------------------------------------------------
 def adapter_kl_mean_gate(agreement: dict, config, note: str) -> Gate:
-    return judge("adapter_kl_divergence_mean", _rounded(agreement, "kl_mean", 5), config.adapter_kl_mean_max,
-                 agreement["scored_tokens"] and agreement["kl_mean"] <= config.adapter_kl_mean_max,
-                 note + " (KL(merged || base + adapter))", **_scored(agreement, config))
+    return judge(
+        "adapter_kl_divergence_mean",
+        _rounded(agreement, "kl_mean", 5),
+        config.adapter_kl_mean_max,
+        agreement["scored_tokens"] and agreement["kl_mean"] <= config.adapter_kl_mean_max,
+        note + " (KL(merged || base + adapter))",
+        **_scored(agreement, config),
+    )
 
 
 def adapter_same_top_gate(agreement: dict, config, note: str) -> Gate:
-    return judge("adapter_same_top_token", _rounded(agreement, "same_top_rate", 4), config.adapter_same_top_min,
-                 agreement["scored_tokens"] and agreement["same_top_rate"] >= config.adapter_same_top_min,
-                 note, **_scored(agreement, config))
+    return judge(
+        "adapter_same_top_token",
+        _rounded(agreement, "same_top_rate", 4),
+        config.adapter_same_top_min,
+        agreement["scored_tokens"] and agreement["same_top_rate"] >= config.adapter_same_top_min,
+        note,
+        **_scored(agreement, config),
+    )
 
 
 # -- which gates a quantization gets -------------------------------------------------------------
 def agreement_gates(parity: dict, agreement: dict, config, limits, top_k: int) -> list[Gate]:
     """The gates on the eval texts: tokenizer parity, then agreement under this quantization's limits."""
-    gates = [tokenizer_parity_gate(parity), perplexity_ratio_gate(agreement, limits),
-             kl_mean_gate(agreement, limits, top_k), kl_p99_gate(agreement, limits, top_k),
-             same_top_gate(agreement, limits)]
+    gates = [
+        tokenizer_parity_gate(parity),
+        perplexity_ratio_gate(agreement, limits),
+        kl_mean_gate(agreement, limits, top_k),
+        kl_p99_gate(agreement, limits, top_k),
+        same_top_gate(agreement, limits),
+    ]
     # A reference made before the base model was scored has no base_kl: no fine-tune gates then.
     if "finetune_tokens" in agreement:
         gates.append(finetune_kl_gate(agreement, config))
@@ -341,8 +483,11 @@ def agreement_gates(parity: dict, agreement: dict, config, limits, top_k: int) -
 def golden_gates(golden: dict, reference: dict, config, limits) -> list[Gate]:
     """The gates on the golden prompts the reference answered."""
     n = len(reference["golden"])
-    gates = [golden_match_gate(golden, n, config), golden_decisive_gate(golden, limits),
-             golden_format_gate(golden, n, config)]
+    gates = [
+        golden_match_gate(golden, n, config),
+        golden_decisive_gate(golden, limits),
+        golden_format_gate(golden, n, config),
+    ]
     if any(r.get("base_answer_ids") is not None for r in reference["golden"]):
         gates.append(finetune_answers_gate(golden, config))
     # Chat answers only: a completion run's prompts are plain text that ends with EOS.

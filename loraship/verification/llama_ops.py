@@ -28,8 +28,9 @@ def served_ids(llm, text: str, add_bos: bool) -> list[int]:
     return llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
 
 
-def greedy(llm, prompt: list[int], max_new: int, stops: set[int],
-           leads: list[float] | None = None) -> tuple[list[int], int | None, float]:
+def greedy(
+    llm, prompt: list[int], max_new: int, stops: set[int], leads: list[float] | None = None
+) -> tuple[list[int], int | None, float]:
     """Argmax decoding straight from llama.cpp's logits (no sampler settings to disagree on):
     (answer, stop token or None, seconds spent generating). `leads`, when given, gets the nats by which
     each step's top token led its runner-up (answer tokens, then the stop)."""

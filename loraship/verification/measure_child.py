@@ -13,8 +13,13 @@ from loraship.errors import LorashipError
 from loraship.planning import inference_memory as im
 from loraship.planning.resources import cpu_count
 from loraship.verification.llama_ops import adds_bos, is_eog, vocab_of
-from loraship.verification.scoring import builtin_engine_report, eval_agreement, golden_agreement, gguf_topk, \
-    tokenizer_parity
+from loraship.verification.scoring import (
+    builtin_engine_report,
+    eval_agreement,
+    golden_agreement,
+    gguf_topk,
+    tokenizer_parity,
+)
 
 MEASURE_TIMEOUT_S = 3 * 3600
 log = logging.getLogger("loraship.verify")
@@ -50,16 +55,27 @@ def measure_apart(ctx, job: dict, entry: str = "measure", module: str | None = N
 
     job_file, result_file = ctx.dir / ".measure-job.json", ctx.dir / ".measure-result.json"
     # llama.cpp's arguments, decided here: the child loads before it imports anything of loraship.
-    llama = {"model_path": job["gguf"], "n_ctx": job["n_ctx"], "n_gpu_layers": job["n_gpu_layers"], "logits_all": True,
-             "seed": job["seed"], "n_threads": cpu_count(), "verbose": os.environ.get("LORASHIP_LLAMA_VERBOSE") == "1"}
+    llama = {
+        "model_path": job["gguf"],
+        "n_ctx": job["n_ctx"],
+        "n_gpu_layers": job["n_gpu_layers"],
+        "logits_all": True,
+        "seed": job["seed"],
+        "n_threads": cpu_count(),
+        "verbose": os.environ.get("LORASHIP_LLAMA_VERBOSE") == "1",
+    }
     if job.get("lora"):
         llama.update(lora_path=job["lora"], lora_scale=1.0)
     job_file.write_text(json.dumps({**job, "llama": llama}), encoding="utf-8")
     result_file.unlink(missing_ok=True)
     module = module or __name__
     keep = {k: os.environ[k] for k in ("LORASHIP_LLAMA_VERBOSE", "PYTHONUNBUFFERED") if k in os.environ}
-    done = run_child([sys.executable, "-c", _MEASURE, module, str(job_file), str(result_file), entry],
-                     MEASURE_TIMEOUT_S, f"verify's llama.cpp run on {Path(job['gguf']).name}", extra_env=keep)
+    done = run_child(
+        [sys.executable, "-c", _MEASURE, module, str(job_file), str(result_file), entry],
+        MEASURE_TIMEOUT_S,
+        f"verify's llama.cpp run on {Path(job['gguf']).name}",
+        extra_env=keep,
+    )
     if keep.get("LORASHIP_LLAMA_VERBOSE") == "1" or done.returncode != 0:
         sys.stderr.write(done.stderr)
     if done.returncode != 0 or not result_file.is_file():
@@ -67,7 +83,8 @@ def measure_apart(ctx, job: dict, entry: str = "measure", module: str | None = N
             f"llama.cpp failed while loading or running {job['gguf']} {child_death(done.returncode, done.stderr)}\n"
             "A GGUF that llama-cpp-python cannot load is a llama.cpp version mismatch or a broken file: run the "
             "convert and quantize stages again with this image's llama-cpp-python; out of memory: lower target_context"
-            + native_crash_hint(done.returncode))
+            + native_crash_hint(done.returncode)
+        )
     result = json.loads(result_file.read_text(encoding="utf-8"))
     job_file.unlink(missing_ok=True)
     result_file.unlink(missing_ok=True)

@@ -34,8 +34,12 @@ def kl_stats(kls, prefix: str = "kl") -> dict:
     import numpy as np
 
     kls = np.maximum(np.asarray(kls, dtype=np.float64), 0.0)
-    return {f"{prefix}_mean": float(kls.mean()), f"{prefix}_median": float(np.median(kls)),
-            f"{prefix}_p99": float(np.percentile(kls, 99)), f"{prefix}_max": float(kls.max())}
+    return {
+        f"{prefix}_mean": float(kls.mean()),
+        f"{prefix}_median": float(np.median(kls)),
+        f"{prefix}_p99": float(np.percentile(kls, 99)),
+        f"{prefix}_max": float(kls.max()),
+    }
 
 
 def topk_bound_kl(p_ids, p_lp, q):
@@ -118,8 +122,12 @@ def _agreement_figures(seen: dict, topk, min_exact: int) -> dict:
         # The same positions on both sides: the first len(base_kl) scored positions, in order.
         shared = min(len(base_kl), len(exact_kls))
         gguf_mean, base_mean = float(np.mean(exact_kls[:shared])), float(np.mean(base_kl[:shared]))
-        out.update(finetune_tokens=shared, base_kl_mean=base_mean, finetune_kl_mean=gguf_mean,
-                   finetune_kl_ratio=gguf_mean / base_mean if base_mean > 0 else None)
+        out.update(
+            finetune_tokens=shared,
+            base_kl_mean=base_mean,
+            finetune_kl_mean=gguf_mean,
+            finetune_kl_ratio=gguf_mean / base_mean if base_mean > 0 else None,
+        )
     return out
 
 
@@ -138,9 +146,16 @@ def gguf_topk(llm, reference: dict, topk, k: int) -> dict:
         ids = np.argpartition(-q, k - 1, axis=1)[:, :k]
         ids = np.take_along_axis(ids, np.argsort(-np.take_along_axis(q, ids, axis=1), axis=1), axis=1)
         targets = topk["target"][rows]
-        rows_of.append({"example": topk["example"][rows], "position": topk["position"][rows], "target": targets,
-                        "topk_ids": ids, "topk_logprobs": np.take_along_axis(q, ids, axis=1).astype(np.float32),
-                        "target_logprob": q[np.arange(len(rows)), targets].astype(np.float32)})
+        rows_of.append(
+            {
+                "example": topk["example"][rows],
+                "position": topk["position"][rows],
+                "target": targets,
+                "topk_ids": ids,
+                "topk_logprobs": np.take_along_axis(q, ids, axis=1).astype(np.float32),
+                "target_logprob": q[np.arange(len(rows)), targets].astype(np.float32),
+            }
+        )
     return {key: np.concatenate([r[key] for r in rows_of]) for key in rows_of[0]} if rows_of else {}
 
 
@@ -167,8 +182,12 @@ def builtin_engine_report(llm, reference: dict) -> dict:
             break
         equal += served_ids(llm, prompt, False) == record["prompt_ids"]
     if not recognised:
-        return {"checked": 0, "recognised": False, "note": "llama.cpp's built-in engine does not know this template; "
-                "serve it with the GGUF's Jinja template (llama-server --jinja)"}
+        return {
+            "checked": 0,
+            "recognised": False,
+            "note": "llama.cpp's built-in engine does not know this template; "
+            "serve it with the GGUF's Jinja template (llama-server --jinja)",
+        }
     return {"checked": len(chats), "recognised": True, "equal_to_hf": equal}
 
 
@@ -219,16 +238,37 @@ def golden_answer(llm, record: dict, config, stops: set[int]) -> tuple[dict, dic
     ok_format = bool(re.search(record["expect_regex"], text)) if record.get("expect_regex") else True
     shown = record["messages"][-1]["content"] if record["kind"] == "chat" else record["prompt_text"]
     changed = record.get("base_answer_ids") is not None and record["base_answer_ids"] != record["answer_ids"]
-    row = {"kind": record["kind"], "prompt": shown, "hf": record["answer_text"], "gguf": text, "match": match,
-           "parted_at": parted_at, "merged_lead_there": lead, "parted_at_near_tie": near_tie,
-           "changed_by_finetune": changed, "equals_base": answer == record.get("base_answer_ids"),
-           "hf_stop": record.get("stop_id"), "gguf_stop": stop,
-           # What the served check needs to tell a near-tie flip from a real difference.
-           "gguf_own": {"text": full_text, "leads": leads,
-                        "prefix_bytes": [len(llm.detokenize(answer[: k + 1])) for k in range(len(answer))]},
-           "format_ok": ok_format, **({"reference": record["reference"]} if "reference" in record else {})}
-    counts = {"matches": match, "parted_at_near_tie": near_tie, "formatted": ok_format, "decisive": decisive,
-              "agreed": agreed, "gen_tokens": len(answer) + (stop is not None), "gen_seconds": seconds}
+    row = {
+        "kind": record["kind"],
+        "prompt": shown,
+        "hf": record["answer_text"],
+        "gguf": text,
+        "match": match,
+        "parted_at": parted_at,
+        "merged_lead_there": lead,
+        "parted_at_near_tie": near_tie,
+        "changed_by_finetune": changed,
+        "equals_base": answer == record.get("base_answer_ids"),
+        "hf_stop": record.get("stop_id"),
+        "gguf_stop": stop,
+        # What the served check needs to tell a near-tie flip from a real difference.
+        "gguf_own": {
+            "text": full_text,
+            "leads": leads,
+            "prefix_bytes": [len(llm.detokenize(answer[: k + 1])) for k in range(len(answer))],
+        },
+        "format_ok": ok_format,
+        **({"reference": record["reference"]} if "reference" in record else {}),
+    }
+    counts = {
+        "matches": match,
+        "parted_at_near_tie": near_tie,
+        "formatted": ok_format,
+        "decisive": decisive,
+        "agreed": agreed,
+        "gen_tokens": len(answer) + (stop is not None),
+        "gen_seconds": seconds,
+    }
     return row, counts
 
 
@@ -245,5 +285,8 @@ def golden_agreement(llm, reference: dict, config, stops: set[int]) -> dict:
         for key, count in counts.items():
             totals[key] += count
     gen_tokens = totals["gen_tokens"]
-    return {"answers": answers, **totals,
-            "gen_tokens_per_s": round(gen_tokens / gen_seconds, 1) if gen_seconds else None}
+    return {
+        "answers": answers,
+        **totals,
+        "gen_tokens_per_s": round(gen_tokens / gen_seconds, 1) if gen_seconds else None,
+    }
