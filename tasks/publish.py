@@ -3,11 +3,12 @@
 Holds the quantized GGUF (one per quantization listed; the first, the primary, is the one the
 Modelfile and the card's llama-server command use), an Ollama Modelfile beside it, the adapter, every stage's manifest,
 plan.json, verify.json and a model card (huggingface_hub's ModelCard: YAML front matter, how to
-run it with llama-server and Ollama, the strategy that really trained, memory and verify figures). Files are uploaded first and manifest.json last, so a destination with a manifest
-is complete; local destinations get each file under a temporary name, then renamed. Every file
-is read back from the destination (size and sha256); a rerun sends only what is missing or
-differs there, and removes what this artifact no longer ships. An `hf://<namespace>/<repo>` output
-is a Hugging Face Hub repository, published in one atomic commit (loraship/publishing/hub.py).
+run it with llama-server and Ollama, the strategy that really trained, memory and verify figures). Files are
+uploaded first and manifest.json last, so a destination with a manifest is complete; local destinations get
+each file under a temporary name, then renamed. Every file is read back from the destination (size and sha256);
+a rerun sends only what is missing or differs there, and removes what this artifact no longer ships. An
+`hf://<namespace>/<repo>` output is a Hugging Face Hub repository, published in one atomic commit
+(loraship/publishing/hub.py).
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ def ladder_table(verify: dict) -> str:
     rows = "\n".join(
         f"| {r['quant']} | {_figure((r['bytes'] or 0) / 2**20, 1)} MiB | {_figure(r['kl_mean'], 4)} | "
         f"{_figure(r['kl_p99'], 4)} | {_figure(r['same_top'], 1, percent=True)} | {_figure(r['ppl_ratio'], 4)} | "
-        f"{'yes' if r['fits'] else 'no'} | {'shipped' if r['quant'] == verify['shipped_quantization'] else 'FAIL: ' + ', '.join(r['failed_gates'])} |"
+        f"{'yes' if r['fits'] else 'no'} | "
+        f"{'shipped' if r['quant'] == verify['shipped_quantization'] else 'FAIL: ' + ', '.join(r['failed_gates'])} |"
         if r["tried"]
         else f"| {r['quant']} | | | | | | | not tried: a smaller rung passed |"
         for r in verify["ladder"]
@@ -213,91 +215,53 @@ def ladder_picture(verify_manifest: dict) -> str:
 
 
 def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, facts: dict, metadata: dict) -> str:
-    """README.md of the artifact: a huggingface_hub ModelCard (YAML front matter + text)."""
+    """README.md of the artifact: a huggingface_hub ModelCard (YAML front matter + text), one section at a time."""
     from huggingface_hub import ModelCard
 
     train = manifests["train"]["metrics"]
-    quant = manifests["quantize"]["metrics"]
+    adapter = (train.get("strategy") or {}).get("adapter", config.adapter)  # the planner may have fallen back to QLoRA
+    body = "".join(
+        (
+            card_header(config, adapter, manifests, metadata),
+            run_section(config, verify, facts),
+            training_section(train),
+            memory_section(config, plan, manifests["train"]),
+            quantizations_section(config, verify, manifests),
+            verification_section(config, verify),
+            files_section(config, facts, manifests),
+        )
+    )
+    return str(ModelCard(f"---\n{card_data(config, metadata, adapter).to_yaml()}\n---\n\n{body}"))
+
+
+def card_header(config, adapter: str, manifests: dict[str, dict], metadata: dict) -> str:
+    """The title: what was fine-tuned from what into which GGUF, its license, the llama.cpp that verified it."""
+    kind = "QLoRA" if adapter == "qlora" else "LoRA"
     gguf = quantized_gguf_name(config.primary_quantization)
-    quant_rows = "\n".join(
-        f"| {q}{' (primary)' if q == config.primary_quantization else ''} | `{quantized_gguf_name(q)}` | "
-        f"{_figure((f['gguf_bytes'] or 0) / 2**20, 1)} MiB | {_figure(f['perplexity_ratio'], 4)} | {_figure(f['kl_mean'], 4)} | "
-        f"{_figure(f['same_top_rate'], 1, percent=True)} | {'pass' if f['passed'] else 'FAIL'} |"
-        for q, f in quantization_figures(config, verify).items()
+    size = manifests["quantize"]["metrics"]["bytes"] / 2**20
+    name = metadata.get("general.name", config.run_name)
+    llama_cpp = manifests["verify"]["versions"].get("llama-cpp-python", "?")
+    license_line = (
+        f"License: {metadata['general.license']} (from the base model's card).\n\n"
+        if metadata.get("general.license")
+        else ""
     )
-    other_ggufs = "".join(
-        f"- `{quantized_gguf_name(q)}`: the same model quantized to {q} (verified the same way)\n"
-        for q in config.quantizations[1:]
-    )
-    gates = "\n".join(
-        f"| {name} | {'pass' if g['passed'] else 'FAIL'} | {g['value']} | {g['threshold']} |"
-        for name, g in verify["gates"].items()
-    )
-    versions = manifests["verify"]["versions"]
+    return f"""# {config.run_name}
+
+Fine-tuned from `{config.base_model}` with a {kind} adapter (r={config.lora_r},
+alpha={config.lora_alpha}, targets {config.lora_target_modules}) and shipped as
+`{gguf}` ({size:.1f} MiB, GGUF `general.name` `{name}`) by loraship.
+
+{license_line}Verified with llama.cpp from llama-cpp-python {llama_cpp}: load it with the
+same or a newer llama.cpp.
+
+"""
+
+
+def run_section(config, verify: dict, facts: dict) -> str:
+    """## Run it: the llama-server and Ollama commands, what their context and layers mean, the chat template
+    and stop tokens, and the sampling settings."""
     commands = serve_commands(config, verify)
-    agreement = verify["eval_agreement"]
-    gpu = verify["gpu_memory"]
-    measured_gpu = gpu["measured_gib"]
-    predicted = plan["memory"]
-    components = "\n".join(f"| {name} | {value:.3f} |" for name, value in predicted["components_gib"].items())
-    measured = train.get("measured_memory") or {}
-    speed = (
-        f"{train['tokens_per_s']:,.0f} tokens/s, {train.get('tokens_per_s_basis')}"
-        if train.get("tokens_per_s")
-        else "n/a"
-    )
-    mfu = (
-        f"{train['mfu']:.1%} ({train.get('mfu_basis')})"
-        if train.get("mfu") is not None
-        else f"n/a ({train.get('mfu_basis') or 'not measured'})"
-    )
-    measured_line = (
-        f"measured on the training GPU: peak reserved {_gib(measured.get('peak_reserved_gib'))}, peak allocated "
-        f"{_gib(measured.get('peak_allocated_gib'))}"
-        if measured.get("peak_reserved_gib") is not None
-        else f"not measured: trained on the {train.get('device', 'cpu')}, where there is no GPU memory to measure"
-    )
-    trained = train.get("strategy") or {}
-    adapter = trained.get("adapter", config.adapter)  # the planner may have fallen back to QLoRA
-    retries = train.get("oom_retries") or []
-    retried = "".join(
-        f"\n- out of memory with {r['strategy']} ({r['error']}); under-predicted: {r.get('under_predicted') or 'unknown'}"
-        for r in retries
-    )
-    stops = ", ".join(f"`{t}`" for t in facts.get("stop_tokens") or []) or "none"
-    if facts.get("family"):
-        template_note = (
-            f"The Modelfile carries the chat template as an Ollama Go template ({facts['family']} family), which renders "
-            "the same prompt text as the model's own template"
-            + (", and its default system prompt (`SYSTEM`)" if facts.get("system") else "")
-            + "."
-        )
-    else:
-        template_note = (
-            f"The Modelfile has no TEMPLATE ({facts.get('reason', 'template not recognised')}): Ollama will use the "
-            "GGUF's template, deriving its own from the chat template stored in the GGUF. Check what it made with "
-            f"`ollama show --template {config.run_name.lower()}`; llama-server `--jinja` runs the GGUF's template as is."
-        )
-    pictures = shipped_pictures(manifests["train"])
-    picture_lines = "".join(f"\n![{PICTURES[name]}]({name})\n" for name in pictures)
-    picture_files = (
-        (
-            f"- {', '.join(f'`{name}`' for name in pictures)}: loss curves and the memory plan against the "
-            "measured peak\n"
-        )
-        if pictures
-        else ""
-    )
-    ladder_block = (
-        (
-            f"\n![each quantization's size against its KL divergence; passed green, failed red]"
-            f"({ladder_picture(manifests['verify'])})\n"
-        )
-        if ladder_picture(manifests["verify"])
-        else ""
-    )
-    if ladder_picture(manifests["verify"]):
-        picture_files += f"- `{LADDER_PLOT_FILE}`: each verified quantization's size against its KL divergence\n"
     adapter_block = (
         (
             f"The adapter alone (`{ADAPTER_GGUF}`) on the base model quantized the same way (verify gated the pair "
@@ -306,21 +270,11 @@ def model_card(config, manifests: dict[str, dict], verify: dict, plan: dict, fac
         if commands["llama_server_adapter"]
         else ""
     )
-    license_line = (
-        f"License: {metadata['general.license']} (from the base model's card).\n\n"
-        if metadata.get("general.license")
-        else ""
-    )
-    body = f"""# {config.run_name}
-
-Fine-tuned from `{config.base_model}` with a {"QLoRA" if adapter == "qlora" else "LoRA"} adapter (r={config.lora_r},
-alpha={config.lora_alpha}, targets {config.lora_target_modules}) and shipped as
-`{gguf}` ({quant["bytes"] / 2**20:.1f} MiB, GGUF `general.name` `{metadata.get("general.name", config.run_name)}`) by loraship.
-
-{license_line}Verified with llama.cpp from llama-cpp-python {versions.get("llama-cpp-python", "?")}: load it with the
-same or a newer llama.cpp.
-
-## Run it
+    layers = commands["gpu_layers"]
+    on_gpu = "every layer" if layers == 999 else f"{layers} layers"
+    target = f"{config.target_gpu_memory_gib:g} GiB"
+    stops = ", ".join(f"`{t}`" for t in facts.get("stop_tokens") or []) or "none"
+    return f"""## Run it
 
 ```bash
 {commands["llama_server"]}
@@ -331,13 +285,50 @@ same or a newer llama.cpp.
 {commands["ollama_run"]}
 ```
 
-`-c {config.target_context}` is the context verify checked against the target GPU ({config.target_gpu_memory_gib:g} GiB);
-`-ngl {commands["gpu_layers"]}` puts {"every layer" if commands["gpu_layers"] == 999 else f"{commands['gpu_layers']} layers"} on it.
-Stop tokens: {stops}. {template_note}
+`-c {config.target_context}` is the context verify checked against the target GPU ({target});
+`-ngl {layers}` puts {on_gpu} on it.
+Stop tokens: {stops}. {template_note(config, facts)}
 
 {sampling_note(verify)}
 
-## Training
+"""
+
+
+def template_note(config, facts: dict) -> str:
+    """What the Modelfile's TEMPLATE is: the family's Go template, or none (Ollama derives one from the GGUF)."""
+    if facts.get("family"):
+        return (
+            f"The Modelfile carries the chat template as an Ollama Go template ({facts['family']} family), which "
+            "renders the same prompt text as the model's own template"
+            + (", and its default system prompt (`SYSTEM`)" if facts.get("system") else "")
+            + "."
+        )
+    return (
+        f"The Modelfile has no TEMPLATE ({facts.get('reason', 'template not recognised')}): Ollama will use the "
+        "GGUF's template, deriving its own from the chat template stored in the GGUF. Check what it made with "
+        f"`ollama show --template {config.run_name.lower()}`; llama-server `--jinja` runs the GGUF's template "
+        "as is."
+    )
+
+
+def training_section(train: dict) -> str:
+    """## Training: the strategy that really trained and why (out-of-memory retries included), speed, losses."""
+    speed = (
+        f"{train['tokens_per_s']:,.0f} tokens/s, {train.get('tokens_per_s_basis')}"
+        if train.get("tokens_per_s")
+        else "n/a"
+    )
+    mfu = (
+        f"{train['mfu']:.1%} ({train.get('mfu_basis')})"
+        if train.get("mfu") is not None
+        else f"n/a ({train.get('mfu_basis') or 'not measured'})"
+    )
+    retried = "".join(
+        f"\n- out of memory with {r['strategy']} ({r['error']}); "
+        f"under-predicted: {r.get('under_predicted') or 'unknown'}"
+        for r in train.get("oom_retries") or []
+    )
+    return f"""## Training
 - trained as: {train.get("trained_as", "n/a")}
 - why: {train.get("strategy_reason") or "n/a"}{retried}
 - steps: {train["steps"]}, train examples: {train["train_examples"]}, eval examples: {train["eval_examples"]}
@@ -345,24 +336,75 @@ Stop tokens: {stops}. {template_note}
 - eval loss: {train["eval_loss_before"]:.4f} (base) -> {train["eval_loss_after"]:.4f} (fine-tuned)
 - truncation policy: {train["truncation_policy"]} ({train["truncated_examples"]} examples truncated)
 
-## Memory
-Planned for a {plan.get("budget_gib", config.gpu_memory_gib):g} GiB training GPU: {plan.get("reason", "n/a")}. Predicted peak
-{_gib(predicted.get("predicted_total_gib"))} (reserved {_gib(predicted.get("predicted_reserved_gib"))}); for the strategy that
+"""
+
+
+def memory_section(config, plan: dict, train_manifest: dict) -> str:
+    """## Memory: the plan's predicted peak and components against what the training GPU measured, and the
+    train stage's pictures."""
+    train = train_manifest["metrics"]
+    predicted = plan["memory"]
+    measured = train.get("measured_memory") or {}
+    measured_line = (
+        f"measured on the training GPU: peak reserved {_gib(measured.get('peak_reserved_gib'))}, peak allocated "
+        f"{_gib(measured.get('peak_allocated_gib'))}"
+        if measured.get("peak_reserved_gib") is not None
+        else f"not measured: trained on the {train.get('device', 'cpu')}, where there is no GPU memory to measure"
+    )
+    budget = plan.get("budget_gib", config.gpu_memory_gib)
+    peak = _gib(predicted.get("predicted_total_gib"))
+    reserved = _gib(predicted.get("predicted_reserved_gib"))
+    components = "\n".join(f"| {name} | {value:.3f} |" for name, value in predicted["components_gib"].items())
+    picture_lines = "".join(f"\n![{PICTURES[name]}]({name})\n" for name in shipped_pictures(train_manifest))
+    return f"""## Memory
+Planned for a {budget:g} GiB training GPU: {plan.get("reason", "n/a")}. Predicted peak
+{peak} (reserved {reserved}); for the strategy that
 trained, predicted reserved {_gib(train.get("predicted_reserved_gib"))}, {measured_line}.
 
 | component | predicted GiB |
 |---|---|
 {components}
 {picture_lines}
-## Quantizations
+"""
+
+
+def quantizations_section(config, verify: dict, manifests: dict[str, dict]) -> str:
+    """## Quantizations: how they were made, each one's verify figures, and quantization auto's ladder."""
+    rows = "\n".join(
+        f"| {q}{' (primary)' if q == config.primary_quantization else ''} | `{quantized_gguf_name(q)}` | "
+        f"{_figure((f['gguf_bytes'] or 0) / 2**20, 1)} MiB | {_figure(f['perplexity_ratio'], 4)} | "
+        f"{_figure(f['kl_mean'], 4)} | {_figure(f['same_top_rate'], 1, percent=True)} | "
+        f"{'pass' if f['passed'] else 'FAIL'} |"
+        for q, f in quantization_figures(config, verify).items()
+    )
+    picture = ladder_picture(manifests["verify"])
+    ladder_block = (
+        f"\n![each quantization's size against its KL divergence; passed green, failed red]({picture})\n"
+        if picture
+        else ""
+    )
+    return f"""## Quantizations
 Each made from the same F16 GGUF and verified against the merged HF model on the eval split.
-{imatrix_line(quant)}
+{imatrix_line(manifests["quantize"]["metrics"])}
 
 | quantization | file | size | perplexity ratio | KL mean | same top token | verify |
 |---|---|---|---|---|---|---|
-{quant_rows}
+{rows}
 {ladder_table(verify)}{ladder_block}
-## Verification gates
+"""
+
+
+def verification_section(config, verify: dict) -> str:
+    """## Verification gates: every gate's value against its threshold, the eval-split agreement between the
+    merged HF model and the GGUF, and the GPU memory verify predicted and measured."""
+    gates = "\n".join(
+        f"| {name} | {'pass' if g['passed'] else 'FAIL'} | {g['value']} | {g['threshold']} |"
+        for name, g in verify["gates"].items()
+    )
+    agreement = verify["eval_agreement"]
+    gpu = verify["gpu_memory"]
+    measured = f"{gpu['measured_gib']:.2f} GiB" if gpu["measured_gib"] is not None else "n/a (verified on CPU)"
+    return f"""## Verification gates
 | gate | result | value | threshold |
 |---|---|---|---|
 {gates}
@@ -371,11 +413,28 @@ On the eval split ({agreement["scored_tokens"]} scored tokens): perplexity merge
 {agreement["hf_perplexity"]:.4f}, GGUF {agreement["gguf_perplexity"]:.4f}; mean KL divergence
 {agreement["kl_mean"]:.4f} nats/token (99th percentile {agreement["kl_p99"]:.4f}); same top
 token {agreement["same_top_rate"]:.1%}. GPU memory at n_ctx {config.target_context}: predicted
-{gpu["predicted_gib"]:.2f} GiB, measured {f"{measured_gpu:.2f} GiB" if measured_gpu is not None else "n/a (verified on CPU)"}
+{gpu["predicted_gib"]:.2f} GiB, measured {measured}
 (target {config.target_gpu_memory_gib:g} GiB).
 
-## Files
-- `{gguf}`: the model for llama.cpp / Ollama / LM Studio
+"""
+
+
+def files_section(config, facts: dict, manifests: dict[str, dict]) -> str:
+    """## Files: what the artifact folder holds."""
+    other_ggufs = "".join(
+        f"- `{quantized_gguf_name(q)}`: the same model quantized to {q} (verified the same way)\n"
+        for q in config.quantizations[1:]
+    )
+    pictures = shipped_pictures(manifests["train"])
+    picture_files = (
+        f"- {', '.join(f'`{name}`' for name in pictures)}: loss curves and the memory plan against the measured peak\n"
+        if pictures
+        else ""
+    )
+    if ladder_picture(manifests["verify"]):
+        picture_files += f"- `{LADDER_PLOT_FILE}`: each verified quantization's size against its KL divergence\n"
+    return f"""## Files
+- `{quantized_gguf_name(config.primary_quantization)}`: the model for llama.cpp / Ollama / LM Studio
 {other_ggufs}- `{MODELFILE}`: `ollama create` reads it (FROM the GGUF beside it, context, sampling settings, stop \
 tokens{", template" if facts.get("family") else ""})
 - `{GENERATION_CONFIG_FILE}`: the same greedy decoding for transformers (`do_sample` false, `repetition_penalty` \
@@ -384,7 +443,6 @@ tokens{", template" if facts.get("family") else ""})
 - `manifests/<stage>.json`: inputs, outputs (sha256), library versions and figures of each stage
 {picture_files}- `plan.json`, `verify.json`, `manifest.json` (this folder's checksums)
 """
-    return str(ModelCard(f"---\n{card_data(config, metadata, adapter).to_yaml()}\n---\n\n{body}"))
 
 
 def stage_artifact(config, ctx) -> Path:
