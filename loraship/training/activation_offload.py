@@ -157,7 +157,8 @@ class _OffloadedLayer(torch.autograd.Function):
         x = x.detach().requires_grad_(True)
         devices = [x.device] if x.is_cuda else []
         kind, dtype, enabled = ctx.autocast
-        # recomputing(): a marked down_proj skips its GEMM, whose output nothing reads (loraship/training/recompute.py).
+        # recomputing(): a marked down_proj skips its GEMM, whose output nothing reads
+        # (loraship/training/recompute.py).
         with (
             torch.random.fork_rng(devices=devices),
             torch.enable_grad(),

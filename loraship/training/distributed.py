@@ -132,7 +132,8 @@ def launch_ranks(
 
     Raises the first rank's LorashipError as it reported it, RanksOutOfMemory when a rank ran out of memory, and
     RankFailed naming the rank, its exit code or signal, for anything else. resume_hint: what a rerun does (where it
-    resumes), or a function that says it once the ranks stopped. The ranks lead their own session, killed with this process (interrupt or kill -9)."""
+    resumes), or a function that says it once the ranks stopped. The ranks lead their own session, killed with this
+    process (interrupt or kill -9)."""
     from loraship.runtime.proc import child_setup, kill_group
 
     reports.mkdir(parents=True, exist_ok=True)

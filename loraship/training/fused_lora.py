@@ -201,7 +201,8 @@ class SwiGLUDownLora(torch.autograd.Function):
         if g.dtype != xa.dtype:
             g = g.to(xa.dtype)  # once, for both calls below
         # h (for A's gradient) and h's gradient are each the size of gate: h goes before its gradient is made, so the
-        # layer's backward holds one such tensor beyond gate and up, not two (B's product g B is computed twice: r wide).
+        # layer's backward holds one such tensor beyond gate and up, not two (B's product g B is computed twice:
+        # r wide).
         grad_a = grad_b = None
         if ctx.needs_input_grad[5] or ctx.needs_input_grad[6]:
             h = _swiglu(g2, u2)

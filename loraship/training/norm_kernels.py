@@ -28,8 +28,8 @@ def setting() -> str:
 
 def liger_norm_kwargs() -> dict:
     """The arguments for Liger's patch: its norms off where transformers' own run everywhere; with compiled layers
-    only the fused loss (torch.compile cannot trace Liger's RMSNorm kernel: bench/results/train_bench_gemma3_kernels.json),
-    inductor fusing the norms, RoPE and the gated MLP itself."""
+    only the fused loss (torch.compile cannot trace Liger's RMSNorm kernel:
+    bench/results/train_bench_gemma3_kernels.json), inductor fusing the norms, RoPE and the gated MLP itself."""
     if os.environ.get("LORASHIP_COMPILE_LAYERS") == "1":
         return {"rms_norm": False, "rope": False, "geglu": False, "swiglu": False}
     return {"rms_norm": False} if setting() in ("off", "compile") else {}

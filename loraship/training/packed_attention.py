@@ -1,7 +1,7 @@
 """Padding-free attention for packed micro-batches: each example attends to itself only, at the cost of its length.
 
-A packed micro-batch is one row of whole examples laid end to end (loraship/training/packing.py). The train stage passes
-their boundaries as cumulative lengths in transformers' own keyword arguments (cu_seq_lens_q / cu_seq_lens_k /
+A packed micro-batch is one row of whole examples laid end to end (loraship/training/packing.py). The train stage
+passes their boundaries as cumulative lengths in transformers' own keyword arguments (cu_seq_lens_q / cu_seq_lens_k /
 max_length_q / max_length_k, which its models hand down to the attention function unchanged). On CUDA, torch's
 variable-length FlashAttention (torch.nn.attention.varlen.varlen_attn, torch >= 2.10) computes every example's
 causal attention in one kernel: no mask is built and no score is computed across examples, so a row of many short

@@ -6,9 +6,9 @@ it; the output of that second forward is never read. Llama, Qwen2, Qwen3, Mistra
 its rank-r product h A^T and h itself, for A's gradient). So down_proj's GEMM is wasted work in every recompute: on
 Qwen2-7B, 3584 x 18944 of a layer's ~233M frozen parameters, 29% of its matmuls.
 
-torch's non-reentrant checkpoint (the train stage's for layers whose inputs stay on the GPU) already stops its recompute
-once the last tensor forward saved is saved again ("early stop"): a frozen down_proj's matmul saves its weight before
-it runs, so it is skipped there. Two recomputes still run it:
+torch's non-reentrant checkpoint (the train stage's for layers whose inputs stay on the GPU) already stops its
+recompute once the last tensor forward saved is saved again ("early stop"): a frozen down_proj's matmul saves its
+weight before it runs, so it is skipped there. Two recomputes still run it:
 - a LoRA down_proj's fused node (loraship/training/fused_lora.py), which saves its tensors after computing;
 - layers whose input waits in CPU memory (loraship/training/activation_offload.py), whose recompute rebuilds the whole
   graph, as reentrant checkpointing does (and as Unsloth's offloaded checkpointing does: it runs the GEMM).
