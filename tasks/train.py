@@ -4,15 +4,14 @@ A plain loop rather than HF Trainer so that resume is exact: the data order is a
 permutation per epoch (loraship/training/packing.py), and a checkpoint holds adapter, optimizer, scheduler,
 step and RNG state (CPU, CUDA, Python), so a rerun after kill -9 continues the same loss curve at
 the same data position. Examples are packed padding-free where the model allows it, each attending to
-itself only (loraship/training/packed_attention.py). On CUDA it records measured peak memory next to the plan's prediction; an
-out-of-memory error releases the failed attempt, re-plans along the plan's own ladder (smaller
-micro-batch, then the config's `fallback`), persists the new plan so a rerun starts from it, and
+itself only (loraship/training/packed_attention.py). On CUDA it records measured peak memory next to the
+plan's prediction; an out-of-memory error releases the failed attempt, re-plans along the plan's own ladder
+(smaller micro-batch, then the config's `fallback`), persists the new plan so a rerun starts from it, and
 retries instead of failing.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
@@ -50,6 +49,14 @@ from loraship.training.packing import collate_packed, epoch_steps, packing_unsup
 from loraship.training.packing import collate_padded as collate
 from loraship.runtime.progress import Progress, artifact_key
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
+from loraship.training.device import (
+    compute,
+    configure_cuda_allocator,
+    gpu_memory_text,
+    peak_memory,
+    pick_device,
+    release_memory,
+)
 
 STAGE = "train"
 UPSTREAM = ("plan",)
@@ -90,14 +97,6 @@ REPLANNED_FILE = "replanned.json"  # in the checkpoints folder: kept, like the c
 RANKS_DIR = "ranks"  # in the stage folder: what the ranks were given (job.json), their reports, rank 0's result
 RANK_JOB_ARG = "--rank-job"  # python -m loraship.stages.train --rank-job FILE: one rank, as torchrun starts it
 log = logging.getLogger("loraship.train")
-
-
-def pick_device(config) -> str:
-    import torch
-
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise LorashipError("device: cuda was asked for but no CUDA device is visible; use device: auto or cpu")
-    return "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
 
 
 def decoder_layers(model) -> list:
@@ -417,19 +416,6 @@ def recompute_skip_wanted() -> bool:
     return os.environ.get("LORASHIP_RECOMPUTE_SKIP", "1") != "0"
 
 
-def compute(device: str):
-    """Where every forward pass runs. On CUDA: torch.autocast in bf16, the mixed precision HF Trainer's bf16 uses:
-    the frozen weights are bf16 already and the LoRA weights stay fp32 masters (AdamW updates them in fp32), but
-    their matmuls run in bf16 on tensor cores, and no fp32 copy of a layer's input is made or kept for backward."""
-    import contextlib
-
-    import torch
-
-    if device == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def evaluate(
     model,
     examples: list[dict],
@@ -650,40 +636,6 @@ def micro_batch(
 def target_tokens(example: dict) -> int:
     """Labels the model predicts (it shifts by one: the first label is never a target)."""
     return sum(1 for lab in example["labels"][1:] if lab != IGNORE_INDEX)
-
-
-def release_memory(device: str) -> None:
-    """Return what unreachable tensors hold: gc for reference cycles (PEFT and checkpointing hooks make
-    some), then the CUDA caching allocator's free blocks, so the next allocation starts clean."""
-    gc.collect()
-    if device == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
-
-
-def gpu_memory_text(device: str) -> str:
-    """The CUDA caching allocator's figures for a progress line ('' on the CPU)."""
-    if device != "cuda":
-        return ""
-    import torch
-
-    gib = 2**30
-    return (
-        f", GPU {torch.cuda.memory_allocated() / gib:.1f} GiB allocated, {torch.cuda.memory_reserved() / gib:.1f} "
-        f"reserved (peak {torch.cuda.max_memory_reserved() / gib:.1f})"
-    )
-
-
-def peak_memory(device: str) -> dict:
-    if device != "cuda":
-        return {}
-    import torch
-
-    return {
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-    }
 
 
 # Optimizer steps left out of the steady-state rate: the first allocates AdamW's state and runs every kernel's first
@@ -1046,24 +998,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     if type(error).__name__ in ("OutOfResources", "OutOfMemoryError"):
         return True
     return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in OOM_MESSAGES)
-
-
-def configure_cuda_allocator() -> str:
-    """expandable_segments:True unless the user configured the allocator; call before CUDA starts.
-
-    The caching allocator reads its configuration once, when CUDA initialises; expandable segments let
-    a segment grow instead of leaving freed blocks of odd sizes behind, so reserved stays close to
-    allocated (measured gap 1-6 GiB with the default allocator: bench/memory_matrix.md).
-    """
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # the second is torch >= 2.9's name
-        if os.environ.get(name):
-            return f"{name}={os.environ[name]} (set by the user)"
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set after CUDA started in this process: not applied"
-    return "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 
 def import_training_stack(strategy: Strategy, device: str) -> None:
