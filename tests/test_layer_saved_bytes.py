@@ -82,7 +82,7 @@ def _train_stage_model(targets, r: int):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from loraship.training.fused_lora import fuse_lora_linears
-    from tasks.train import checkpoint_first_layers, enable_checkpointing
+    from loraship.training.gradient_checkpointing import checkpoint_first_layers, enable_checkpointing
 
     config = Qwen2Config(**SHAPE, max_position_embeddings=1024, tie_word_embeddings=False)
     config._attn_implementation = "sdpa"

@@ -41,7 +41,7 @@ def test_lora_stays_off_the_vision_tower(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from loraship.planning import memory
-    from loraship.stages import train
+    from loraship.training.lora_targets import lora_excluded
 
     folder = _tiny_gemma3_multimodal(tmp_path / "gemma3-mm")
     import json
@@ -53,7 +53,7 @@ def test_lora_stays_off_the_vision_tower(tmp_path):
         r=4,
         lora_alpha=8,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-        exclude_modules=train.lora_excluded(folder),
+        exclude_modules=lora_excluded(folder),
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)

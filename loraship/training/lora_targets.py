@@ -1,0 +1,62 @@
+"""Which Linears the LoRA adapter trains: lora_target_modules as the architecture names them, the modules the plan
+leaves untrained, and PEFT's LoraConfig built from both."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from loraship.errors import LorashipError
+
+
+def lora_targets(model_dir: Path, config) -> list[str] | str:
+    """lora_target_modules as this architecture names its Linears (memory.lora_modules: Phi-3's fused qkv_proj
+    and gate_up_proj); as written for an architecture the planner cannot read."""
+    from loraship.planning import memory
+
+    try:
+        shape = memory.parse_model_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError):
+        return config.lora_target_modules
+    try:
+        return list(memory.lora_modules(shape, config.lora_target_modules))
+    except ValueError as e:  # the plan's preflight refuses it first; a train run on its own says it too
+        raise LorashipError(str(e)) from e
+
+
+def lora_excluded(model_dir: Path) -> str | None:
+    """A regex (PEFT's exclude_modules) for the modules the plan leaves untrained: a multimodal model's vision tower
+    and projector (Gemma 3), whose Linears share the language model's names (q_proj, ...)."""
+    from loraship.planning import memory
+
+    try:
+        shape = memory.parse_model_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError):
+        return None
+    if not shape.untrained_modules:
+        return None
+    return "(?:" + "|".join(re.escape(m) for m in shape.untrained_modules) + r")(?:\..*)?"
+
+
+def lora_target_note(model_config: dict, config) -> str | None:
+    from loraship.planning import memory
+
+    try:
+        return memory.lora_target_note(memory.parse_model_config(model_config), config.lora_target_modules)
+    except ValueError:
+        return None
+
+
+def lora_config(model_dir: Path, config):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=lora_targets(model_dir, config),
+        exclude_modules=lora_excluded(model_dir),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
