@@ -600,15 +600,17 @@ def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_m
 
 
 def test_allocator_gets_expandable_segments_unless_the_user_set_it(monkeypatch):
+    import os
+
     import loraship.stages.train as train
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert train.configure_cuda_allocator().startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-    assert train.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
     assert "set by the user" in train.configure_cuda_allocator()
-    assert train.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"
 
 
 class _RecordingModel(torch.nn.Module):
