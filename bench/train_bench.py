@@ -646,7 +646,7 @@ def train_loop(model, examples, order, config, device, tok) -> list[float]:
     import torch
 
     from loraship.training.packing import collate_padded
-    from loraship.stages.train import schedule
+    from loraship.training.step_loop import schedule
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)

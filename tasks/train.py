@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from loraship.planning import flops, memory
+from loraship.planning import memory
 from loraship.planning.strategy_record import Strategy
 
-from loraship.training import distributed, packed_attention
+from loraship.training import distributed
 
 from loraship.publishing import plots
 from loraship.constants import (
@@ -34,22 +33,13 @@ from loraship.constants import (
     PLAN_FILE,
     STRATEGY_FILE,
 )
-from loraship.data import IGNORE_INDEX, load_splits
+from loraship.data import load_splits
 from loraship.errors import LorashipError
 from loraship.runtime.manifest import atomic_write_json, atomic_write_text, sha256_json
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model
-from loraship.training.packing import collate_packed, epoch_steps, packing_unsupported, steps_per_epoch
-from loraship.training.packing import collate_padded as collate
 from loraship.runtime.progress import Progress, artifact_key
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
-from loraship.training.device import (
-    compute,
-    configure_cuda_allocator,
-    gpu_memory_text,
-    peak_memory,
-    pick_device,
-    release_memory,
-)
+from loraship.training.device import configure_cuda_allocator, peak_memory, pick_device, release_memory
 from loraship.training.gradient_checkpointing import decoder_layers
 from loraship.training.lora_targets import lora_target_note, lora_targets
 from loraship.training.model_loading import (
@@ -59,14 +49,11 @@ from loraship.training.model_loading import (
     load_model,
     load_tokenizer,
 )
-from loraship.training.checkpoints import (
-    load_checkpoint,
-    resume_words,
-    save_adapter,
-    save_checkpoint,
-    set_checkpoints_aside,
-)
+from loraship.training.checkpoints import load_checkpoint, resume_words, save_adapter, set_checkpoints_aside
 from loraship.training.evaluation import evaluate, evaluate_base
+from loraship.training.batches import Batches, use_packing
+from loraship.training.step_loop import StepLoop, make_optimizer, run_steps
+from loraship.training.throughput import flops_per_token, steady_rate, utilisation
 
 STAGE = "train"
 UPSTREAM = ("plan",)
@@ -109,147 +96,6 @@ RANK_JOB_ARG = "--rank-job"  # python -m loraship.stages.train --rank-job FILE: 
 log = logging.getLogger("loraship.train")
 
 
-def schedule(config, total_steps: int):
-    def factor(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / (config.warmup_steps + 1)
-        progress = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
-        if config.lr_scheduler == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        if config.lr_scheduler == "linear":
-            return max(0.0, 1 - progress)
-        return 1.0
-
-    return factor
-
-
-def use_packing(config, model, device: str) -> tuple[bool, str]:
-    """Whether this run packs examples, and why (recorded in the manifest). Packing sets the model's attention
-    to loraship/training/packed_attention.py."""
-    if config.packing == "off":
-        return False, "packing: off"
-    why_not = packing_unsupported(model, config.sequence_len)
-    kernel = packed_attention.kernel_for(device)
-    if why_not is None and kernel != "varlen" and device == "cuda" and config.packing == "auto":
-        import torch
-
-        # One SDPA call per example is right but slow on a GPU: padding wins there.
-        why_not = (
-            f"torch {torch.__version__} has no variable-length attention (torch.nn.attention.varlen, torch >= 2.10)"
-        )
-    if why_not is None:
-        model.set_attn_implementation(packed_attention.register())
-        return True, (
-            f"packing: {config.packing}; examples laid end to end, each attending to itself only "
-            f"({kernel} attention; a micro-batch of one length runs as a plain batch)"
-        )
-    if config.packing == "on":
-        raise LorashipError(
-            f"packing: on, but {why_not}; set packing: auto (pads where packing is unsupported) or off"
-        )
-    return False, f"padded batches: {why_not}"
-
-
-def micro_batch(
-    examples: list[dict], rows: list[list[int]], packed: bool, pad_id: int, device: str
-) -> tuple[dict, int, int]:
-    """Model inputs for one micro-batch, its number of real (non-pad) tokens and of target tokens."""
-    batch = [examples[i] for row in rows for i in row]
-    if packed and len({len(e["input_ids"]) for e in batch}) == 1:
-        # Examples of one length (e.g. long rows cut at sequence_len) leave no padding to remove: as a plain batch
-        # with no mask, attention runs SDPA's causal kernel (cuDNN's on Hopper), which on the H200 took 0.54x the
-        # time of variable-length FlashAttention on the same tokens (bench/results/train_bench_profile.json).
-        ids, labels, _mask = collate(batch, pad_id)
-        inputs = {"input_ids": ids, "labels": labels}
-    elif packed:
-        inputs = collate_packed(batch)
-    else:
-        ids, labels, mask = collate(batch, pad_id)
-        inputs = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-    tokens = sum(len(e["input_ids"]) for e in batch)
-    # Counted on the CPU: on the GPU it would wait for the copy (a sync per micro-batch).
-    targets = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
-    on_device = {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in inputs.items()}
-    return on_device, tokens, targets
-
-
-def target_tokens(example: dict) -> int:
-    """Labels the model predicts (it shifts by one: the first label is never a target)."""
-    return sum(1 for lab in example["labels"][1:] if lab != IGNORE_INDEX)
-
-
-# Optimizer steps left out of the steady-state rate: the first allocates AdamW's state and runs every kernel's first
-# launch (autotuning, cuBLAS heuristics, lazy CUDA module loads); the second still settles the allocator's segments.
-WARMUP_STEPS = 2
-
-
-def steady_rate(stamps: list[tuple[float, int]], warmup: int = WARMUP_STEPS) -> tuple[float | None, str]:
-    """Tokens per second after the warm-up steps, from (seconds, tokens so far) stamped after each step of this run,
-    and the words that say which steps it covers. None when no step is left after the warm-up."""
-    if len(stamps) <= warmup:
-        return None, f"no steady-state rate: {len(stamps)} step(s) in this run, the first {warmup} are warm-up"
-    (t0, n0), (t1, n1) = stamps[warmup - 1] if warmup else (0.0, 0), stamps[-1]
-    if t1 <= t0:
-        return None, "no steady-state rate: no time elapsed after the warm-up"
-    return round((n1 - n0) / (t1 - t0), 1), (
-        f"steady state: steps {warmup + 1}-{len(stamps)} of this run, the first {warmup} (warm-up) left out"
-    )
-
-
-def flops_per_token(model_dir: Path, config, lengths: list[int]) -> float | None:
-    """Model FLOPs of one trained token (loraship/planning/flops.py), None for an architecture the planner cannot read."""
-    try:
-        model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        return flops.train_flops_per_token(model_config, config, flops.attention_length(lengths))
-    except (ValueError, KeyError):
-        return None
-
-
-def utilisation(tokens_per_s: float | None, per_token: float | None, device: str) -> dict:
-    """MFU against the card's dense bf16 peak, with the reason where there is none (a CPU, a card not in the table,
-    too few steps, an architecture whose FLOPs are not counted)."""
-    name = None
-    if device == "cuda":
-        import torch
-
-        name = torch.cuda.get_device_name(0)
-    if per_token is None:
-        return {"mfu": None, "mfu_basis": "no FLOP count for this architecture", "flops_per_token": None}
-    value, basis = flops.mfu(tokens_per_s, per_token, name)
-    return {"mfu": value, "mfu_basis": basis, "flops_per_token": round(per_token)}
-
-
-@dataclass(frozen=True)
-class Batches:
-    """How a run draws its optimizer steps: the examples, their lengths and the micro-batch layout."""
-
-    examples: list[dict]
-    lengths: list[int]
-    micro: int  # micro_batch_size
-    accum: int  # gradient_accumulation_steps
-    per_epoch: int  # optimizer steps an epoch, the last, short one included
-    packed: bool
-    pad_id: int
-    seed: int
-    sequence_len: int
-
-    def epoch(self, epoch: int) -> list:
-        """The epoch's steps, each a list of micro-batches of rows of example indices (a seeded permutation)."""
-        budget = self.micro * self.sequence_len if self.packed else None
-        return epoch_steps(self.lengths, self.micro, self.accum, self.seed, epoch, budget)
-
-
-@dataclass
-class StepLoop:
-    """What the step loop carries from one optimizer step to the next (and train_once reads after it)."""
-
-    step: int
-    history: list[dict]
-    tokens_seen: int = 0
-    started: float = 0.0
-    stamps: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens so far) after each step
-
-
 def train_once(
     config,
     ctx,
@@ -271,79 +117,34 @@ def train_once(
     model = loaded.model
     # DDP around it, or FSDP2's shards in place (its parameters replaced: the optimizer is made after), filled from
     # rank 0's weights where only rank 0 read them.
-    wrapped = distributed.wrap(
-        model,
-        ranks.engine,
-        ranks.rank,
-        decoder_layers(model),
-        from_rank0=distributed.rank0_loads_weights(ranks.engine, strategy.adapter),
-    )
+    from_rank0 = distributed.rank0_loads_weights(ranks.engine, strategy.adapter)
+    wrapped = distributed.wrap(model, ranks.engine, ranks.rank, decoder_layers(model), from_rank0=from_rank0)
     resident_gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
     packed, packing_why = use_packing(config, model, device)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # A global step is micro-batch x accumulation x ranks, laid out as one process would run it (each rank then
-    # trains its share: distributed.rank_share), so the losses and the adapter are those of one process.
-    micro, accum = strategy.micro_batch_size, strategy.gradient_accumulation_steps * ranks.world_size
-    examples = train.examples
-    lengths = [len(e["input_ids"]) for e in examples]
-    batches = Batches(
-        examples,
-        lengths,
-        micro,
-        accum,
-        steps_per_epoch(len(examples), micro, accum),
-        packed,
-        pad_id,
-        config.seed,
-        config.sequence_len,
-    )
-    total_steps = config.max_steps or max(1, math.ceil(batches.per_epoch * config.num_epochs))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(config, total_steps))
-
-    eval_batch = max(1, micro)
-    eval_key = artifact_key(config.run_name, STAGE, "eval-progress")
-    eval_before = evaluate_base(
-        model,
-        evaluation.examples,
-        eval_batch,
-        pad_id,
-        device,
-        Progress("train: eval before (base model)", None, log, key=eval_key),
-        loaded.fused_loss,
-    )
+    batches = Batches.of(config, strategy, train.examples, packed, tokenizer, ranks.world_size)
+    opt = make_optimizer(config, model, batches.total_steps(config))
+    eval_before = eval_loss(config, loaded, evaluation, batches, device, "train: eval before (base model)", base=True)
     eval_peak = peak_memory(device)
     # The evaluation's activations and logits are free now; hand their cached blocks back so that
     # training's own peak, not the eval's leftovers, shapes the allocator's segments.
     release_memory(device)
-    step, history = load_checkpoint(ctx.dir / CHECKPOINTS_DIR, wrapped, optimizer, scheduler)
-    resumed_from = step
+    resumed_from, history = load_checkpoint(ctx.dir / CHECKPOINTS_DIR, wrapped, opt.optimizer, opt.scheduler)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    loop = StepLoop(step, history, started=time.perf_counter())
-    per_token = flops_per_token(model_dir, config, lengths)
-    run_steps(
-        config, ctx, wrapped, ranks, batches, trainable, optimizer, scheduler, total_steps, loop, per_token, device
-    )
+    loop = StepLoop(resumed_from, history, started=time.perf_counter())
+    per_token = flops_per_token(model_dir, config, batches.lengths)
+    progress = Progress("train", opt.total_steps, log, key=artifact_key(config.run_name, STAGE, "progress"))
+    run_steps(config, ctx.dir / CHECKPOINTS_DIR, wrapped, ranks, batches, opt, loop, per_token, device, progress)
     seconds = time.perf_counter() - loop.started
     measured = distributed.worst_rank_memory(peak_memory(device), ranks.rank)  # the card that limits the plan
-    eval_after = evaluate(
-        model,
-        evaluation.examples,
-        eval_batch,
-        pad_id,
-        device,
-        Progress("train: eval after", None, log, key=eval_key),
-        fused_loss=loaded.fused_loss,
-    )
+    eval_after = eval_loss(config, loaded, evaluation, batches, device, "train: eval after")
     save_adapter(ctx.dir, wrapped, tokenizer, loop.history)
     if measured:
         measured.update(
             allocated_after_load_gib=resident_gib, eval_peak_reserved_gib=eval_peak.get("peak_reserved_gib")
         )
     return {
-        "steps": total_steps,
+        "steps": opt.total_steps,
         "resumed_from_step": resumed_from,
         "eval_loss_before": eval_before,
         "eval_loss_after": eval_after,
@@ -353,6 +154,17 @@ def train_once(
         **attempt_metrics(loaded, loop, seconds, per_token, device),
         "measured_memory": measured,
     }
+
+
+def eval_loss(
+    config, loaded: LoadedModel, evaluation, batches: Batches, device: str, title: str, base: bool = False
+) -> float | None:
+    """The eval split's loss per target token, of the base alone (the adapter switched off) where `base`; its
+    progress under the stage's eval key."""
+    progress = Progress(title, None, log, key=artifact_key(config.run_name, STAGE, "eval-progress"))
+    measure = evaluate_base if base else evaluate
+    examples, batch_size = evaluation.examples, max(1, batches.micro)
+    return measure(loaded.model, examples, batch_size, batches.pad_id, device, progress, loaded.fused_loss)
 
 
 def attempt_metrics(loaded: LoadedModel, loop: StepLoop, seconds: float, per_token: float | None, device: str) -> dict:
@@ -372,115 +184,6 @@ def attempt_metrics(loaded: LoadedModel, loop: StepLoop, seconds: float, per_tok
         **utilisation(steady, per_token, device),
         "seconds": round(seconds, 2),
     }
-
-
-def run_steps(
-    config,
-    ctx,
-    wrapped: distributed.Wrapped,
-    ranks: distributed.Ranks,
-    batches: Batches,
-    trainable: list,
-    optimizer,
-    scheduler,
-    total_steps: int,
-    loop: StepLoop,
-    per_token: float | None,
-    device: str,
-) -> None:
-    """The optimizer steps from loop.step to total_steps: each accumulates its micro-batches, steps the optimizer,
-    reports progress, and every save_steps checkpoints."""
-    import torch
-
-    peak = flops.bf16_peak_tflops(torch.cuda.get_device_name(0)) if device == "cuda" and per_token else None
-    progress = Progress("train", total_steps, log, key=artifact_key(config.run_name, STAGE, "progress"))
-    steps: tuple[int, list] = (-1, [])
-    while loop.step < total_steps:
-        epoch, within = divmod(loop.step, batches.per_epoch)
-        if steps[0] != epoch:
-            steps = (epoch, batches.epoch(epoch))
-        step_loss = accumulate_step(wrapped, ranks, batches, steps[1][within], loop, device)
-        optimizer_step(trainable, optimizer, scheduler)
-        loop.step += 1
-        elapsed = time.perf_counter() - loop.started
-        loop.stamps.append((elapsed, loop.tokens_seen))
-        report_progress(progress, loop, total_steps, step_loss, elapsed, per_token, peak, device)
-        if loop.step % config.logging_steps == 0 or loop.step == total_steps:
-            loop.history.append(
-                {"step": loop.step, "epoch": epoch, "loss": round(step_loss, 6), "lr": scheduler.get_last_lr()[0]}
-            )
-        if loop.step % config.save_steps == 0 and loop.step < total_steps:
-            save_checkpoint(ctx.dir / CHECKPOINTS_DIR, wrapped, optimizer, scheduler, loop.step, loop.history)
-
-
-def accumulate_step(
-    wrapped: distributed.Wrapped, ranks: distributed.Ranks, batches: Batches, group: list, loop: StepLoop, device: str
-) -> float:
-    """Forward and backward of this rank's share of one optimizer step's micro-batches, gradients synced across the
-    ranks on the last; the step's loss per target token, summed over the ranks (every rank reports the global one)."""
-    examples = batches.examples
-    # Weight each micro-batch by its share of the step's target tokens, so accumulation equals one
-    # big batch; a short last step of an epoch is then a mean over fewer tokens, not a smaller one.
-    step_targets = max(1, sum(target_tokens(examples[i]) for rows in group for row in rows for i in row))
-    step_loss, tokens = 0.0, 0
-    share = distributed.rank_share(group, ranks.index, ranks.world_size)
-    for m, (rows, counts) in enumerate(share):
-        with distributed.accumulating(wrapped, final=m == len(share) - 1):
-            loss, n_tokens = forward_backward(
-                wrapped.module,
-                batches,
-                rows,
-                step_targets,
-                device,
-                weight=distributed.gradient_scale(ranks.engine) if counts else 0.0,
-            )
-        step_loss = step_loss + loss  # read once a step: one sync, not one each
-        tokens += n_tokens if counts else 0
-    step_loss, tokens = distributed.all_sum([float(step_loss), tokens], ranks.rank)
-    loop.tokens_seen += int(tokens)
-    return step_loss
-
-
-def forward_backward(
-    model, batches: Batches, rows: list[list[int]], step_targets: int, device: str, weight: float = 1.0
-):
-    """One micro-batch: forward, backward of its share of the step's loss times `weight` (the engine's gradient
-    scale; 0 for a rank's stand-in micro-batch); that share (on the device, detached, 0 for a stand-in) and its
-    real tokens."""
-    inputs, n_tokens, n = micro_batch(batches.examples, rows, batches.packed, batches.pad_id, device)
-    with compute(device):
-        loss = model(**inputs).loss
-    (loss * (n * weight / step_targets)).backward()
-    return loss.detach() * (n / step_targets if weight else 0.0), n_tokens
-
-
-def optimizer_step(trainable: list, optimizer, scheduler) -> None:
-    import torch
-
-    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def report_progress(
-    progress: Progress,
-    loop: StepLoop,
-    total_steps: int,
-    step_loss: float,
-    elapsed: float,
-    per_token: float | None,
-    peak: float | None,
-    device: str,
-) -> None:
-    rate, _ = steady_rate(loop.stamps)
-    if rate is None:
-        speed = f"{loop.tokens_seen / max(elapsed, 1e-9):,.0f} tokens/s (warm-up)"
-    else:
-        speed = f"{rate:,.0f} tokens/s" + (f", MFU {rate * per_token / 1e12 / peak:.0%}" if peak else "")
-    progress.update(
-        loop.step, f"step {loop.step}/{total_steps}, loss {step_loss:.4f}, {speed}{gpu_memory_text(device)}"
-    )
 
 
 # Messages of out-of-memory errors that do not arrive as torch.OutOfMemoryError: a cudaMalloc outside

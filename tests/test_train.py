@@ -128,7 +128,7 @@ def test_packed_loss_equals_padded_loss(model_dir, request):
 
 
 def test_a_packed_micro_batch_of_one_length_runs_as_a_plain_batch_with_the_same_loss(tiny_model):
-    from tasks.train import micro_batch
+    from loraship.training.batches import micro_batch
 
     model = _tiny(tiny_model, packed=True)
     nine, thirteen = _examples()[0], _examples()[2]
@@ -473,7 +473,7 @@ class Killed(Exception):
 
 
 def test_resume_with_lora_dropout_repeats_the_loss_curve(tiny_model, tmp_path, monkeypatch):
-    import loraship.stages.train as train
+    from loraship.training import checkpoints
 
     common = dict(
         max_steps=8, save_steps=3, lora_dropout=0.2, micro_batch_size=8, gradient_accumulation_steps=1, warmup_steps=1
@@ -482,17 +482,17 @@ def test_resume_with_lora_dropout_repeats_the_loss_curve(tiny_model, tmp_path, m
     killed = parse_config(demo_config_dict(tiny_model, tmp_path / "b", run_name="killed", **common))
     run_stages(clean, ["plan", "train"])
 
-    real_save = train.save_checkpoint
+    real_save = checkpoints.save_checkpoint
 
     def save_then_die(folder, model, optimizer, scheduler, step, history):
         real_save(folder, model, optimizer, scheduler, step, history)
         if step == 6:  # the second checkpoint: dropout masks of 6 steps drawn before it
             raise Killed
 
-    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", save_then_die)
     with pytest.raises(Killed):
         run_stages(killed, ["plan", "train"])
-    monkeypatch.setattr(train, "save_checkpoint", real_save)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", real_save)
     resumed = run_stages(killed, ["plan", "train"])["train"]["metrics"]
     assert resumed["resumed_from_step"] == 6
     a, b = curve(killed), curve(clean)
@@ -502,7 +502,7 @@ def test_resume_with_lora_dropout_repeats_the_loss_curve(tiny_model, tmp_path, m
 
 
 def test_checkpoint_carries_the_cuda_rng_state_when_cuda_is_present(tiny_model, tmp_path, monkeypatch):
-    import loraship.stages.train as train
+    from loraship.training import checkpoints
 
     fake_state = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
     restored = []
@@ -516,8 +516,8 @@ def test_checkpoint_carries_the_cuda_rng_state_when_cuda_is_present(tiny_model, 
     model = get_peft_model(_tiny(tiny_model), LoraConfig(r=4, target_modules=["q_proj"]))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    train.save_checkpoint(tmp_path, model, opt, sched, 3, [])
-    step, _ = train.load_checkpoint(tmp_path, model, opt, sched)
+    checkpoints.save_checkpoint(tmp_path, model, opt, sched, 3, [])
+    step, _ = checkpoints.load_checkpoint(tmp_path, model, opt, sched)
     assert step == 3 and len(restored) == 1
     assert all(torch.equal(a, b) for a, b in zip(restored[0], fake_state))
 
@@ -654,8 +654,8 @@ def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_t
     """Out of memory after the bf16 run checkpointed step 2. A re-plan to NF4 (QLoRA) must not resume the adapter
     and AdamW state fitted against the bf16 weights: it trains from step 0, with the old checkpoints moved aside
     and the restart in the manifest. A re-plan that keeps bf16 (a smaller micro-batch) resumes at step 2."""
-    import loraship.stages.train as train
     from loraship.planning import memory
+    from loraship.training import checkpoints
 
     # Accumulating: without it the configured plan holds no LoRA gradients at its peak (memory.estimate), and every
     # smaller micro-batch of this tiny model, accumulating and so holding them, comes within the same 0.01 GiB, which
@@ -672,7 +672,7 @@ def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_t
             warmup_steps=0,
         )
     )
-    real_save, real_replan = train.save_checkpoint, memory.replan_after_oom
+    real_save, real_replan = checkpoints.save_checkpoint, memory.replan_after_oom
     attempts = []
 
     def save_then_run_out_of_memory(folder, model, optimizer, scheduler, step, history):
@@ -689,7 +689,7 @@ def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_t
             "oom_component": "activations",
         }
 
-    monkeypatch.setattr(train, "save_checkpoint", save_then_run_out_of_memory)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", save_then_run_out_of_memory)
     monkeypatch.setattr(memory, "replan_after_oom", replan)
     metrics = run_stages(config, ["plan", "train"])["train"]["metrics"]
     checkpoints = stage_dir(config, "train") / "checkpoints"

@@ -15,8 +15,8 @@ computes every masked score. On the H200 (2026-12-03) packed rows that way train
 this module, 2.43x (bench/results/train_bench.json as of commit 10ebd3a, case `packing`).
 
 A micro-batch whose examples all have one length has nothing to unpad: the train stage sends it as a plain batch
-with no mask (tasks/train.py `micro_batch`), which this function hands to SDPA's causal kernel. On the H200 that kernel
-(cuDNN's) took 0.54x the time of variable-length FlashAttention on the same full-length rows
+with no mask (loraship/training/batches.py `micro_batch`), which this function hands to SDPA's causal kernel. On the
+H200 that kernel (cuDNN's) took 0.54x the time of variable-length FlashAttention on the same full-length rows
 (bench/results/train_bench_profile.json).
 
 Registered under ATTENTION with transformers' AttentionInterface and AttentionMaskInterface (its documented way to
