@@ -189,6 +189,7 @@ def test_packing_is_on_by_default_and_trains_every_token(tiny_model, tmp_path):
 
 def test_packing_refuses_what_packed_attention_cannot_do(tiny_model, monkeypatch):
     import loraship.stages.train as train
+    from loraship.errors import LorashipError
     from loraship.training import packed_attention
 
     config = parse_config(demo_config_dict(tiny_model, tiny_model.parent, packing="auto"))
@@ -196,7 +197,7 @@ def test_packing_refuses_what_packed_attention_cannot_do(tiny_model, monkeypatch
     model.config.attention_dropout = 0.1
     packed, why = train.use_packing(config, model, "cpu")
     assert not packed and "attention_dropout is 0.1" in why
-    with pytest.raises(train.LorashipError, match="packing: on, but the model's attention_dropout is 0.1"):
+    with pytest.raises(LorashipError, match="packing: on, but the model's attention_dropout is 0.1"):
         train.use_packing(config.model_copy(update={"packing": "on"}), model, "cpu")
     model.config.attention_dropout = 0.0
     model.config.sliding_window = 16
@@ -226,6 +227,7 @@ def _family_model(name: str, folder):
 
 def test_phi3_lora_adapts_its_fused_linears_and_gemma2_trains_with_eager_attention_padded(tiny_model, tmp_path):
     import loraship.stages.train as train
+    from loraship.errors import LorashipError
     from loraship.planning import memory
 
     # The Config default (the demo's config names all-linear).
@@ -240,14 +242,14 @@ def test_phi3_lora_adapts_its_fused_linears_and_gemma2_trains_with_eager_attenti
     assert adapted == {"qkv_proj", "o_proj"}  # not o_proj alone, which PEFT would match of q, k, v, o
     every = config.model_copy(update={"lora_target_modules": "all-linear"})
     assert train.lora_targets(tmp_path / "phi3", every) == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
-    with pytest.raises(train.LorashipError, match=r"\['c_attn'\] name no Linear of a phi3 decoder layer"):
+    with pytest.raises(LorashipError, match=r"\['c_attn'\] name no Linear of a phi3 decoder layer"):
         train.lora_targets(tmp_path / "phi3", config.model_copy(update={"lora_target_modules": ["c_attn"]}))
 
     gemma2 = train.load_model(_family_model("gemma2", tmp_path / "gemma2"), config, strategy, "cpu").model
     assert gemma2.config._attn_implementation == "eager"  # the one that applies attn_logit_softcapping
     packed, why = train.use_packing(config, gemma2, "cpu")
     assert not packed and "soft-capped (attn_logit_softcapping 50.0)" in why
-    with pytest.raises(train.LorashipError, match="packing: on, but its attention logits are soft-capped"):
+    with pytest.raises(LorashipError, match="packing: on, but its attention logits are soft-capped"):
         train.use_packing(config.model_copy(update={"packing": "on"}), gemma2, "cpu")
 
 
@@ -546,6 +548,7 @@ def test_out_of_memory_errors_are_recognised_whatever_their_type(error, oom):
 
 def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_model, tmp_path, monkeypatch):
     import loraship.stages.train as train
+    from loraship.training import out_of_memory
 
     config = parse_config(
         demo_config_dict(
@@ -582,7 +585,7 @@ def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_m
     monkeypatch.setattr(train, "load_model", load_and_fail_first)
     with pytest.raises(Killed):
         run_stages(config, ["plan", "train"])
-    saved = json.loads((stage_dir(config, "train") / "checkpoints" / train.REPLANNED_FILE).read_text())
+    saved = json.loads((stage_dir(config, "train") / "checkpoints" / out_of_memory.REPLANNED_FILE).read_text())
     assert len(saved["attempts"]) == 1
     loaded.clear()
     result = run_stages(config, ["plan", "train"])["train"]["metrics"]

@@ -1,1 +1,2 @@
-"""Training kernels and memory savers the train stage uses: weight streaming, activation offload, packing, packed attention."""
+"""What the train stage runs: model loading, batches, the step loop, evaluation, checkpoints, the out-of-memory
+re-plan loop; and the kernels and memory savers under it (weight streaming, activation offload, packed attention)."""

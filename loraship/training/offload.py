@@ -5,12 +5,12 @@ Some decoder layers keep their frozen Linear weights in pinned CPU memory; each 
 matmul, and autograd frees the copy once backward no longer needs it. LoRA weights, norms,
 embeddings and every other layer stay on the GPU.
 
-Which layers: the train stage checkpoints the first k layers (tasks/train.py), and a streamed layer must be one
-of them (otherwise autograd keeps its copy from forward to backward). Streaming n of the first k lets a plan
-checkpoint only k of L: the memory streaming frees pays for the later layers' saved activations, whose recompute is
-then saved (loraship/planning/memory.py trades the two). The plan streams the first n, or spreads them evenly over
-the first k (memory.streamed_layers): then a copy has the forward of the layers between two streamed ones to hide
-behind, where one layer's forward can be shorter than its copy (a 14B layer on a PCIe 5.0 H100).
+Which layers: the train stage checkpoints the first k layers (loraship/training/gradient_checkpointing.py), and a
+streamed layer must be one of them (otherwise autograd keeps its copy from forward to backward). Streaming n of the
+first k lets a plan checkpoint only k of L: the memory streaming frees pays for the later layers' saved activations,
+whose recompute is then saved (loraship/planning/memory.py trades the two). The plan streams the first n, or spreads
+them evenly over the first k (memory.streamed_layers): then a copy has the forward of the layers between two streamed
+ones to hide behind, where one layer's forward can be shorter than its copy (a 14B layer on a PCIe 5.0 H100).
 
 Overlap: the copies are prefetched. When a streamed layer starts, its weights were already
 copied on a side CUDA stream, and the copy of the streamed layer that runs next starts, so the PCIe
