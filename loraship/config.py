@@ -36,20 +36,21 @@ class DatasetSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str = Field(
-        description="A local .jsonl/.json/.parquet/.csv file, or a Hugging Face Hub dataset: 'hf://datasets/<org>/<name>' "
-        "or '<org>/<name>' (read through the `datasets` library, from its cache when HF_HUB_OFFLINE=1), or such a file "
-        "at an fsspec URL (s3://, gs://, az://, ...: its fsspec package must be installed in every stage's image)."
+        description="A local .jsonl/.json/.parquet/.csv file, or a Hugging Face Hub dataset: "
+        "'hf://datasets/<org>/<name>' or '<org>/<name>' (read through the `datasets` library, from its cache when "
+        "HF_HUB_OFFLINE=1), or such a file at an fsspec URL (s3://, gs://, az://, ...: its fsspec package must be "
+        "installed in every stage's image)."
     )
     type: Literal["alpaca", "chat", "sharegpt", "completion"] = Field(
-        description="alpaca: instruction/input/output rows; chat: {'messages': [{role, content}]} (OpenAI style) rendered "
-        "by the tokenizer's chat template; sharegpt: {'conversations': [{from, value}]}, roles mapped onto chat's; "
-        "completion: {'text': ...}, loss on all tokens."
+        description="alpaca: instruction/input/output rows; chat: {'messages': [{role, content}]} (OpenAI style) "
+        "rendered by the tokenizer's chat template; sharegpt: {'conversations': [{from, value}]}, roles mapped onto "
+        "chat's; completion: {'text': ...}, loss on all tokens."
     )
     split: str = Field("train", description="Split of a Hub dataset (local files are one split).")
     fields: dict[str, str] = Field(
         default_factory=dict,
-        description="The type's field names -> this file's column names, e.g. {instruction: prompt, output: answer} or "
-        "{messages: convo, role: speaker, content: text}.",
+        description="The type's field names -> this file's column names, e.g. {instruction: prompt, output: answer} "
+        "or {messages: convo, role: speaker, content: text}.",
     )
 
     @model_validator(mode="after")
@@ -195,19 +196,20 @@ class Config(BaseModel):
 
     quantization: list[Quantization] = Field(
         default_factory=lambda: ["Q4_K_M"],
-        description="llama.cpp quantization of the shipped GGUF, or a list of them (e.g. [Q4_K_M, Q8_0]): each is made "
-        "from the one F16 GGUF, verified and shipped. The first is the primary: the Modelfile and `loraship chat` open it. "
-        "'auto': the smallest of the ladder IQ3_M, Q3_K_M, IQ4_XS, Q4_K_M, Q5_K_M, Q6_K, Q8_0 that passes every "
-        "verify gate (each under its own limits) and fits target_gpu_memory_gib at target_context is shipped alone.",
+        description="llama.cpp quantization of the shipped GGUF, or a list of them (e.g. [Q4_K_M, Q8_0]): each is "
+        "made from the one F16 GGUF, verified and shipped. The first is the primary: the Modelfile and "
+        "`loraship chat` open it. 'auto': the smallest of the ladder IQ3_M, Q3_K_M, IQ4_XS, Q4_K_M, Q5_K_M, Q6_K, "
+        "Q8_0 that passes every verify gate (each under its own limits) and fits target_gpu_memory_gib at "
+        "target_context is shipped alone.",
     )
     imatrix: bool = Field(
         True,
         description="Quantize with an importance matrix computed from this run's own training texts (chat template "
         "applied, special tokens parsed) by llama.cpp's llama-imatrix over the F16 GGUF, once per run, and used by "
         "every quantization through llama-quantize --imatrix; both tools are built once from the pinned llama.cpp "
-        "(needs cmake and a C++ compiler; `loraship build-tools`). On by default: on 5,859 held-out tokens of the real "
-        "model measured here it lowered mean KL at every rung, Q4_K_M 0.061 -> 0.040 (README, quantization section). "
-        "false: quantize with llama-cpp-python's binding, no importance matrix, no tools to build.",
+        "(needs cmake and a C++ compiler; `loraship build-tools`). On by default: on 5,859 held-out tokens of the "
+        "real model measured here it lowered mean KL at every rung, Q4_K_M 0.061 -> 0.040 (README, quantization "
+        "section). false: quantize with llama-cpp-python's binding, no importance matrix, no tools to build.",
     )
     imatrix_min_tokens: int = Field(
         1024,
@@ -219,9 +221,10 @@ class Config(BaseModel):
     imatrix_max_tokens: int = Field(
         32768,
         ge=256,
-        description="Most training-text tokens the importance matrix is computed from (64 chunks of 512): llama-imatrix "
-        "runs the F16 model on the CPU, about linear in tokens, so a large dataset is sampled (whole rows, seeded by "
-        "`seed`, spread over the split) rather than read in full. Raise it for a finer matrix at that cost.",
+        description="Most training-text tokens the importance matrix is computed from (64 chunks of 512): "
+        "llama-imatrix runs the F16 model on the CPU, about linear in tokens, so a large dataset is sampled (whole "
+        "rows, seeded by `seed`, spread over the split) rather than read in full. Raise it for a finer matrix at that "
+        "cost.",
     )
     golden_prompts: str | None = Field(
         None,
@@ -247,8 +250,8 @@ class Config(BaseModel):
     golden_margin: float = Field(
         1.0,
         ge=0.0,
-        description="Nats between the merged model's top two tokens that make a golden-answer token decisive; with the "
-        "HF answer teacher-forced, llama.cpp must pick the same token at every decisive position.",
+        description="Nats between the merged model's top two tokens that make a golden-answer token decisive; with "
+        "the HF answer teacher-forced, llama.cpp must pick the same token at every decisive position.",
     )
     perplexity_ratio_max: float | None = Field(
         None,
@@ -272,8 +275,9 @@ class Config(BaseModel):
         64,
         ge=2,
         le=4096,
-        description="HF log-probs kept per scored eval position by the reference stage; the rest of the distribution is "
-        "kept as one lumped tail, which bounds verify's KL divergence from below (top_k_mass in reference.json says how tight).",
+        description="HF log-probs kept per scored eval position by the reference stage; the rest of the distribution "
+        "is kept as one lumped tail, which bounds verify's KL divergence from below (top_k_mass in reference.json "
+        "says how tight).",
     )
     reference_full_logprob_tokens: int = Field(
         2048,
@@ -317,14 +321,15 @@ class Config(BaseModel):
         None,
         ge=0.0,
         le=1.0,
-        description="Smallest fraction of eval positions where the GGUF's top token is HF's; "
-        "unset: the quantization's own default (Q4_K_M 0.85, Q8_0 0.95; llama.cpp reports 91.9% and 97.7% for Llama-3-8B).",
+        description="Smallest fraction of eval positions where the GGUF's top token is HF's; unset: the "
+        "quantization's own default (Q4_K_M 0.85, Q8_0 0.95; llama.cpp reports 91.9% and 97.7% for Llama-3-8B).",
     )
     adapter_gguf: bool = Field(
         False,
-        description="Also ship the LoRA as an adapter-only GGUF (llama.cpp's convert_lora_to_gguf.py) with the base model "
-        "converted and quantized like the merged one, to run as `llama-server -m base.gguf --lora adapter.gguf`; verify "
-        "then gates base GGUF + adapter against the merged GGUF (adapter_kl_mean_max, adapter_same_top_min).",
+        description="Also ship the LoRA as an adapter-only GGUF (llama.cpp's convert_lora_to_gguf.py) with the base "
+        "model converted and quantized like the merged one, to run as "
+        "`llama-server -m base.gguf --lora adapter.gguf`; verify then gates base GGUF + adapter against the merged "
+        "GGUF (adapter_kl_mean_max, adapter_same_top_min).",
     )
     adapter_kl_mean_max: float = Field(
         0.1,
@@ -342,8 +347,9 @@ class Config(BaseModel):
     )
     chat_template: str | None = Field(
         None,
-        description="Chat template for training and the shipped GGUF: a name (chatml, llama3, mistral, alpaca) or Jinja "
-        "text. Overrides the base model's template; required for chat/alpaca data on a base model that has none.",
+        description="Chat template for training and the shipped GGUF: a name (chatml, llama3, mistral, alpaca) or "
+        "Jinja text. Overrides the base model's template; required for chat/alpaca data on a base model that has "
+        "none.",
     )
     thinking: bool = Field(
         False,
@@ -365,10 +371,10 @@ class Config(BaseModel):
     )
     output: str = Field(
         "artifacts",
-        description="The folder runs publish under: the artifact lands in <output>/<run_name>/ (`loraship plan` prints "
-        "where), a local folder or any fsspec URL (s3://...); or a Hugging Face Hub repository, "
-        "hf://<namespace>/<repo>[@<branch>][/<folder>], which holds the artifact itself, no run_name folder "
-        "(token: HF_TOKEN, e.g. through env_from_secrets).",
+        description="The folder runs publish under: the artifact lands in <output>/<run_name>/ (`loraship plan` "
+        "prints where), a local folder or any fsspec URL (s3://...); or a Hugging Face Hub repository, "
+        "hf://<namespace>/<repo>[@<branch>][/<folder>], which holds the artifact itself, no run_name folder (token: "
+        "HF_TOKEN, e.g. through env_from_secrets).",
     )
 
     @field_validator("lora_target_modules")

@@ -86,11 +86,13 @@ def test_quantization_is_one_name_or_a_list(given, listed):
     [
         (
             "Q3_K_XL",
-            "'Q3_K_XL' is not allowed; use 'Q8_0', 'Q6_K', 'Q5_K_M', 'Q5_K_S', 'Q4_K_M', 'Q4_K_S', 'IQ4_XS', 'Q3_K_L', 'Q3_K_M', 'IQ3_M' or 'auto'",
+            "'Q3_K_XL' is not allowed; use 'Q8_0', 'Q6_K', 'Q5_K_M', 'Q5_K_S', 'Q4_K_M', 'Q4_K_S', 'IQ4_XS', "
+            "'Q3_K_L', 'Q3_K_M', 'IQ3_M' or 'auto'",
         ),
         (
             ["Q4_K_M", "IQ2_XXS"],
-            "quantization.1: 'IQ2_XXS' is not allowed; use 'Q8_0', 'Q6_K', 'Q5_K_M', 'Q5_K_S', 'Q4_K_M', 'Q4_K_S', 'IQ4_XS', 'Q3_K_L', 'Q3_K_M', 'IQ3_M' or 'auto'",
+            "quantization.1: 'IQ2_XXS' is not allowed; use 'Q8_0', 'Q6_K', 'Q5_K_M', 'Q5_K_S', 'Q4_K_M', 'Q4_K_S', "
+            "'IQ4_XS', 'Q3_K_L', 'Q3_K_M', 'IQ3_M' or 'auto'",
         ),
         ([], "quantization: list is empty"),
         (["Q8_0", "Q4_K_M", "Q8_0"], "Q8_0 listed more than once"),
