@@ -483,7 +483,8 @@ def gpu_table(distributed: dict):
     how = (
         f"gpus: {distributed['requested']} -> {chosen['engine']} on {chosen['gpus']}"
         if chosen
-        else f"gpus: auto: train takes the fastest fitting option on the GPUs it sees (at least {distributed['min_gpus']})"
+        else f"gpus: auto: train takes the fastest fitting option on the GPUs it sees (at least "
+        f"{distributed['min_gpus']})"
     )
     g = Table(title=f"GPUs ({how})")
     for c in ("GPUs", "engine", "GiB per GPU", "tokens/s", "fits"):
@@ -557,8 +558,9 @@ def inspect(
         out.print_json(data=info)
         return
     out.print(
-        f"[bold]{info['file']}[/]  {human_size(info['bytes'])}, {info['architecture']}, file type {info['file_type']}, "
-        f"{info['tensor_count']} tensors, {info['parameters']:,} parameters, name {info['name']!r}"
+        f"[bold]{info['file']}[/]  {human_size(info['bytes'])}, {info['architecture']}, file type "
+        f"{info['file_type']}, {info['tensor_count']} tensors, {info['parameters']:,} parameters, name "
+        f"{info['name']!r}"
     )
     types = Table(title="tensor types")
     for column in ("type", "tensors", "parameters", "size"):
@@ -647,7 +649,8 @@ def chat(
                 "render; train with chat data or set `chat_template:` in the config, then ship again"
             )
         trained = fields.get(f"{fields.get('general.architecture')}.context_length") or 4096
-        # llama.cpp in a child that loads the GGUF first: this process has imported numpy (loraship/llamacpp/llama_child.py).
+        # llama.cpp in a child that loads the GGUF first: this process has imported numpy
+        # (loraship/llamacpp/llama_child.py).
         llm = ChatChild(path, n_ctx=context or min(int(trained), 4096), seed=seed)
     with llm, _user_errors():
         _chat_loop(llm, path, system, max_tokens=max_tokens, temperature=temperature, seed=seed)

@@ -40,8 +40,8 @@ def resolve_base_model(config: Config, weights: bool = True) -> Path:
         return Path(snapshot_download(config.base_model, revision=config.base_model_revision, allow_patterns=patterns))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
         raise LorashipError(
-            f"base_model {config.base_model!r}: could not fetch it from the Hugging Face hub ({type(e).__name__}: {e}); "
-            "check the id and HF_TOKEN, or point base_model at a local folder"
+            f"base_model {config.base_model!r}: could not fetch it from the Hugging Face hub ({type(e).__name__}: "
+            f"{e}); check the id and HF_TOKEN, or point base_model at a local folder"
         ) from e
 
 
@@ -202,7 +202,8 @@ def base_model_problems(config: Config, folder: Path, weights: bool = True) -> l
     where = f"base_model {str(folder)!r}"
     if not folder.is_dir():
         return [
-            f"{where}: folder does not exist; point base_model at a folder holding config.json, a tokenizer and *.safetensors"
+            f"{where}: folder does not exist; point base_model at a folder holding config.json, a tokenizer and "
+            "*.safetensors"
         ]
     problems = [f"{where}: {p}" for p in model_json_problems(folder)]
     model_config = json_file_problems(folder / "config.json")[0] if (folder / "config.json").is_file() else None
@@ -221,8 +222,8 @@ def base_model_problems(config: Config, folder: Path, weights: bool = True) -> l
         pickles = [p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES] if folder.is_dir() else []
         if not safetensors and pickles and not config.allow_pickle:
             problems.append(
-                f"{where}: only pickle checkpoints ({', '.join(sorted(p.name for p in pickles))}); pickle can run code on load. "
-                "Convert to safetensors, or set allow_pickle: true if you trust the source"
+                f"{where}: only pickle checkpoints ({', '.join(sorted(p.name for p in pickles))}); pickle can run "
+                "code on load. Convert to safetensors, or set allow_pickle: true if you trust the source"
             )
         elif not safetensors and not pickles:
             problems.append(f"{where}: no weights (*.safetensors)")
@@ -301,7 +302,8 @@ def sentencepiece_problems(folder: Path) -> list[str]:
 
 
 # The names transformers gives the input embedding and the output layer in every architecture the planner
-# knows (memory.SUPPORTED: Llama, Qwen2, Mistral, Gemma 2, Phi-3); llama.cpp's converter maps them to token_embd and output.
+# knows (memory.SUPPORTED: Llama, Qwen2, Mistral, Gemma 2, Phi-3); llama.cpp's converter maps them to token_embd
+# and output.
 EMBED_TOKENS, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 

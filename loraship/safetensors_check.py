@@ -60,7 +60,8 @@ def safetensors_problem(path: Path) -> str | None:
         begin, end, name = max(spans, key=lambda s: s[1])
         return (
             f"{path}: truncated or its header is wrong: tensor {name!r} has data_offsets [{begin}, {end}] past the "
-            f"end of the data ({data_bytes} bytes; the file has {size}, its header needs {8 + header_len + end}); {_FIX}"
+            f"end of the data ({data_bytes} bytes; the file has {size}, its header needs {8 + header_len + end}); "
+            f"{_FIX}"
         )
     for (b1, e1, n1), (b2, e2, n2) in zip(spans, spans[1:]):
         if b2 < e1:

@@ -260,7 +260,8 @@ def _llama(**kw) -> dict:
         (
             _llama(architectures=["FancyLlamaForCausalLM"]),
             [
-                r"architecture FancyLlamaForCausalLM is not in the llama.cpp converter's registry .*llama-cpp-python==",
+                r"architecture FancyLlamaForCausalLM is not in the llama.cpp converter's registry "
+                r".*llama-cpp-python==",
                 "fix: pick a base model whose architecture the converter registers",
             ],
         ),

@@ -63,9 +63,9 @@ def lora_converter() -> Path:
         return script
     if os.environ.get("LORASHIP_LLAMA_CPP_DIR"):
         raise LorashipError(
-            f"LORASHIP_LLAMA_CPP_DIR={folder} has no {LORA_CONVERTER}, which adapter_gguf needs; copy it there from the "
-            f"same llama.cpp (vendor/llama.cpp/ of the llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist), or set "
-            "adapter_gguf: false"
+            f"LORASHIP_LLAMA_CPP_DIR={folder} has no {LORA_CONVERTER}, which adapter_gguf needs; copy it there from "
+            f"the same llama.cpp (vendor/llama.cpp/ of the llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist), or "
+            "set adapter_gguf: false"
         )
     fetch_converter(folder)  # a cache unpacked before the LoRA converter was part of it
     return script
@@ -232,8 +232,9 @@ def pre_tokenizer_table(folder: Path | None = None) -> tuple[str, dict[str, str]
     return chktxt, table
 
 
-# llama.cpp scales Gemma 2's queries by its own rule, not by config.json's query_pre_attn_scalar: 1/sqrt(hidden / heads)
-# for the 27B, which it knows by its 46 layers, 1/sqrt(head_dim) for every other (models/gemma2.cpp in the pinned sdist).
+# llama.cpp scales Gemma 2's queries by its own rule, not by config.json's query_pre_attn_scalar:
+# 1/sqrt(hidden / heads) for the 27B, which it knows by its 46 layers, 1/sqrt(head_dim) for every other
+# (models/gemma2.cpp in the pinned sdist).
 GEMMA2_27B_LAYERS = 46
 
 
@@ -274,8 +275,9 @@ def check_convertible(model_dir: Path) -> list[str]:
     for arch in archs:
         if arch not in supported:
             problems.append(
-                f"architecture {arch} is not supported by llama.cpp's converter (llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}); "
-                "pick a base model with a supported architecture or wait for a loraship release that pins a newer llama.cpp"
+                f"architecture {arch} is not supported by llama.cpp's converter "
+                f"(llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}); pick a base model with a supported architecture or "
+                "wait for a loraship release that pins a newer llama.cpp"
             )
     problems += gemma2_scale_problems(config)
     if (Path(model_dir) / "tokenizer.model").exists():
@@ -293,8 +295,8 @@ def check_convertible(model_dir: Path) -> list[str]:
             if chkhsh not in table:
                 problems.append(
                     f"the tokenizer's BPE pre-tokenizer is not recognised by llama.cpp's converter (chkhsh {chkhsh}); "
-                    "convert_hf_to_gguf.py would stop with 'BPE pre-tokenizer was not recognized'. Use the base model's "
-                    "original tokenizer (added tokens or a changed pre-tokenizer change the hash)"
+                    "convert_hf_to_gguf.py would stop with 'BPE pre-tokenizer was not recognized'. Use the base "
+                    "model's original tokenizer (added tokens or a changed pre-tokenizer change the hash)"
                 )
     else:
         problems.append("no tokenizer.model or tokenizer.json in the model folder; the GGUF would have no vocabulary")

@@ -79,7 +79,8 @@ def check_loads(path: Path, lora: Path | None = None) -> None:
     lines = done.stderr.strip().splitlines()
     reasons = [line.strip() for line in lines if "error" in line.lower() or "failed" in line.lower()] or lines[-8:]
     raise IntegrityError(
-        f"{path}: llama.cpp (llama-cpp-python {library_versions().get('llama-cpp-python')}) cannot load it ({how}):\n  "
+        f"{path}: llama.cpp (llama-cpp-python {library_versions().get('llama-cpp-python')}) "
+        f"cannot load it ({how}):\n  "
         + "\n  ".join(reasons[-6:])
         + "\nllama-server and Ollama would refuse it too. A missing or misshapen tensor comes from the checkpoint "
         "(its weights or config.json): fix the base model and run again; otherwise convert again with the pinned "

@@ -68,8 +68,8 @@ def tools_dir(build: bool = True) -> Path:
         folder = Path(explicit)
         if not _have_all(folder):
             raise LorashipError(
-                f"LORASHIP_LLAMA_CPP_TOOLS_DIR={folder} does not hold the executables {', '.join(TOOLS)}; unset it to let "
-                f"loraship build them from llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}'s llama.cpp"
+                f"LORASHIP_LLAMA_CPP_TOOLS_DIR={folder} does not hold the executables {', '.join(TOOLS)}; unset it to "
+                f"let loraship build them from llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}'s llama.cpp"
             )
         return folder
     folder = tools_root() / "bin"
@@ -100,10 +100,11 @@ def build_tools() -> Path:
     missing = missing_build_tools()
     if missing:
         raise LorashipError(
-            f"building llama.cpp's tools (imatrix: true needs llama-imatrix and llama-quantize) needs {', '.join(missing)}, "
-            "which this machine lacks; install them (Debian/Ubuntu: apt-get install cmake g++ make), or set "
-            "LORASHIP_LLAMA_CPP_TOOLS_DIR to a folder with llama-imatrix, llama-quantize and llama-perplexity built from "
-            f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}'s vendor/llama.cpp, or set imatrix: false"
+            "building llama.cpp's tools (imatrix: true needs llama-imatrix and llama-quantize) needs "
+            f"{', '.join(missing)}, which this machine lacks; install them (Debian/Ubuntu: apt-get install cmake g++ "
+            "make), or set LORASHIP_LLAMA_CPP_TOOLS_DIR to a folder with llama-imatrix, llama-quantize and "
+            f"llama-perplexity built from llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}'s vendor/llama.cpp, or set "
+            "imatrix: false"
         )
     source = source_dir()
     root = tools_root()

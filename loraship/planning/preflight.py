@@ -169,8 +169,8 @@ def check_inputs(config: Config) -> Path:
             f"run {config.run_name!r}",
             [
                 f"the input checks read the tokenizer and weights' headers with {', '.join(missing)}, which this "
-                f"environment lacks; fix: install them (pip install {' '.join(missing)}, or loraship[train]), or predict "
-                "memory alone with `loraship plan CONFIG --memory-only`"
+                f"environment lacks; fix: install them (pip install {' '.join(missing)}, or loraship[train]), or "
+                "predict memory alone with `loraship plan CONFIG --memory-only`"
             ],
         )
     model_dir = resolve_base_model(config, weights=False)
@@ -203,8 +203,8 @@ def check_free_disk(folder: Path, needed_bytes: float, what: str) -> None:
     free = shutil.disk_usage(probe).free
     if free < needed_bytes:
         raise LorashipError(
-            f"{what} needs about {needed_bytes / 2**30:.2f} GiB free in {probe}, but only {free / 2**30:.2f} GiB is free; "
-            "free space there or point workdir at a larger disk"
+            f"{what} needs about {needed_bytes / 2**30:.2f} GiB free in {probe}, but only {free / 2**30:.2f} GiB is "
+            "free; free space there or point workdir at a larger disk"
         )
 
 
@@ -494,7 +494,8 @@ def lora_target_problems(config: Config, model_dir: Path) -> list[str]:
 
 def space_prefix_problems(config: Config, tokenizer) -> list[str]:
     """llama.cpp must tokenize what this run serves (rendered chat, plain text) as HF trains on it; for a
-    sentencepiece vocabulary that hangs on one GGUF flag that fits some texts only (loraship/llamacpp/space_prefix.py)."""
+    sentencepiece vocabulary that hangs on one GGUF flag that fits some texts only
+    (loraship/llamacpp/space_prefix.py)."""
     from loraship.llamacpp import space_prefix
 
     _, problem = space_prefix.choose(tokenizer, space_prefix.served_kinds(config))

@@ -232,8 +232,8 @@ def _refusal(s: Shape, cfg: Config, tried: list[tuple[dict, str, dict]]) -> str:
     fixes.append(f"train on a card with at least {math.ceil(_card_needed_gib(need))} GiB (gpu_memory_gib)")
     return (
         f"nothing fits gpu_memory_gib {budget:g} GiB ({budget - margin:.1f} GiB after the {margin:.1f} GiB safety "
-        f"margin): {_why_not(tried, cfg, n_layers)}. The smallest plan tried ({_describe(smallest[0], n_layers)}) needs {need:.1f} GiB, "
-        f"{need - (budget - margin):.1f} GiB too much. Fix: " + "; or ".join(fixes) + "."
+        f"margin): {_why_not(tried, cfg, n_layers)}. The smallest plan tried ({_describe(smallest[0], n_layers)}) "
+        f"needs {need:.1f} GiB, {need - (budget - margin):.1f} GiB too much. Fix: " + "; or ".join(fixes) + "."
     )
 
 
@@ -352,9 +352,10 @@ def _stream_for_speed(s: Shape, cfg: Config, strat: dict, est: dict, why: str) -
         chosen,
         chosen_est,
         (
-            f"{why}; streaming {chosen['offload_layers']} layers instead of {n}{spread} leaves room for {s.L - k} layers' "
-            f"activations, whose recompute is saved: predicted {t:.2f} s a micro-batch instead of {first:.2f} s "
-            f"(at {step_time.PLAN_EXECUTED_TFLOPS:g} TFLOP/s and {step_time.PLAN_HOST_TO_DEVICE_GBPS:g} GB/s host to device)"
+            f"{why}; streaming {chosen['offload_layers']} layers instead of {n}{spread} leaves room for {s.L - k} "
+            f"layers' activations, whose recompute is saved: predicted {t:.2f} s a micro-batch instead of {first:.2f} "
+            f"s (at {step_time.PLAN_EXECUTED_TFLOPS:g} TFLOP/s and {step_time.PLAN_HOST_TO_DEVICE_GBPS:g} GB/s host "
+            "to device)"
         ),
     )
 

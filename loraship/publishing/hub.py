@@ -235,7 +235,9 @@ def sync(root: Path, files: dict, url: str, run_name: str = "") -> dict:
             allow_patterns=[_pattern(r) for r in stale],
             delete_patterns=[_pattern(r) for r in extra] or None,
             parent_commit=parent,
-            commit_message=f"loraship: publish {run_name or 'artifact'} ({len(stale)} file(s) sent, {len(extra)} removed)",
+            commit_message=(
+                f"loraship: publish {run_name or 'artifact'} ({len(stale)} file(s) sent, {len(extra)} removed)"
+            ),
         )
         held = _remote_files(api, target, commit.oid)
     except OutputError:
@@ -243,7 +245,8 @@ def sync(root: Path, files: dict, url: str, run_name: str = "") -> dict:
     except Exception as e:  # noqa: BLE001 - HTTP, connection and Hub errors
         raise OutputError(
             f"publish: cannot write to {url} ({type(e).__name__}: {e}); check the token's write access to "
-            f"{target.repo_id!r} and the network, then run again: files already on the Hub and intact are not sent again"
+            f"{target.repo_id!r} and the network, then run again: files already on the Hub and intact are not sent "
+            "again"
         ) from e
     wrong = [rel for rel, info in wanted.items() if not _matches(held.get(rel), info, root / rel)]
     left = sorted(rel for rel in held if rel not in wanted)

@@ -39,8 +39,8 @@ def memory_plan(layout, config) -> dict:
             one = im.predict_gpu(layout, config.target_context, 1)
             raise LorashipError(
                 f"the GGUF does not fit target_gpu_memory_gib {config.target_gpu_memory_gib:g} even with one layer "
-                f"(the output layer) on the GPU (about {one['total_gib']:.2f} GiB at n_ctx {config.target_context}); choose a smaller "
-                "quantization, a smaller base model, or a larger target GPU"
+                f"(the output layer) on the GPU (about {one['total_gib']:.2f} GiB at n_ctx {config.target_context}); "
+                "choose a smaller quantization, a smaller base model, or a larger target GPU"
             )
         plan["largest_context_all_layers"] = im.largest_context(layout, config.target_gpu_memory_gib)
         plan["gpu_layers_at_target_context"] = layers

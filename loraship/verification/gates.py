@@ -435,8 +435,8 @@ def fits_target_gpu_gate(memory: dict, gpu_memory: dict, layout, config) -> Gate
             ""
             if memory["fits"]
             else f"; does not fit: all layers fit up to n_ctx {memory['largest_context_all_layers']}, "
-            f"{memory['gpu_layers_at_target_context']} of {im.all_layers(layout)} layers (llama.cpp's -ngl, the output layer "
-            f"included) at n_ctx {config.target_context}"
+            f"{memory['gpu_layers_at_target_context']} of {im.all_layers(layout)} layers (llama.cpp's -ngl, the "
+            f"output layer included) at n_ctx {config.target_context}"
         ),
     )
 
