@@ -31,13 +31,15 @@ NAMED_TEMPLATES: dict[str, str] = {
     # Llama 3 instruct headers.
     "llama3": (
         "{{ bos_token }}{% for message in messages %}"
-        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + "
+        "'<|eot_id|>' }}"
         "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
     ),
     # Mistral [INST] turns; a system message is prepended to the first user turn.
     "mistral": (
-        "{{ bos_token }}{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' %}"
+        "{{ bos_token }}"
+        "{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' %}"
         "{% for message in messages if message['role'] != 'system' %}"
         "{% if message['role'] == 'user' %}"
         "{{ '[INST] ' + ((system + '\\n\\n') if system and loop.first else '') + message['content'] + ' [/INST]' }}"
@@ -47,7 +49,8 @@ NAMED_TEMPLATES: dict[str, str] = {
     ),
     # Gemma's turns (user / model); no system role, so a system message opens the first user turn, as Gemma's own.
     "gemma": (
-        "{{ bos_token }}{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' %}"
+        "{{ bos_token }}"
+        "{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' %}"
         "{% for message in messages if message['role'] != 'system' %}"
         "{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
         "{{ '<start_of_turn>' + role + '\\n' + ((system + '\\n\\n') if system and loop.first else '') "

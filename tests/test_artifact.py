@@ -44,8 +44,10 @@ LLAMA3_INSTRUCT = (  # meta-llama/Meta-Llama-3-8B-Instruct
 LLAMA31_DATED = (  # Llama 3.1's shape: a dated system header in front of any system prompt
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
     "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
-    "<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n"
-    "{{ system }}<|eot_id|>{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\\n\\n"
+    "<|start_header_id|>system<|end_header_id|>\\n\\n"
+    "Cutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n"
+    "{{ system }}<|eot_id|>{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\\n\\n"
     "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\\n\\n{% endif %}"
 )
@@ -53,9 +55,11 @@ MISTRAL_V03 = (  # mistralai/Mistral-7B-Instruct-v0.3 without its tool branches
     "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
     "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
     "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
-    "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
+    "{%- if loop.last and system_message is defined %}"
+    "{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
     "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
-    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content']|trim + eos_token }}{%- endif %}{%- endfor %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content']|trim + eos_token }}{%- endif %}"
+    "{%- endfor %}"
 )
 MISTRAL_V01 = (  # mistralai/Mistral-7B-Instruct-v0.1: no system role at all
     "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"

@@ -840,7 +840,8 @@ def fake_sdist(folder: Path, version: str, marker: Path | None = None) -> Path:
         "    import os\n"
         f"    d = os.path.join(metadata_directory, 'llama_cpp_python-{version}.dist-info')\n"
         "    os.makedirs(d)\n"
-        f"    open(os.path.join(d, 'METADATA'), 'w').write('Metadata-Version: 2.1\\nName: llama_cpp_python\\nVersion: {version}\\n')\n"
+        "    open(os.path.join(d, 'METADATA'), 'w')"
+        f".write('Metadata-Version: 2.1\\nName: llama_cpp_python\\nVersion: {version}\\n')\n"
         "    return os.path.basename(d)\n"
     )
     files = {

@@ -74,7 +74,8 @@ def test_generation_blocks_use_transformers_assistant_mask(qwen_tokenizer):
     "template",
     [
         # loopcontrols, strftime_now and an unescaped tojson: what real templates use and a bare Jinja lacks.
-        "{% for m in messages %}{% if loop.index > 5 %}{% break %}{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
+        "{% for m in messages %}{% if loop.index > 5 %}{% break %}{% endif %}{{ m.role }}: {{ m.content }}\n"
+        "{% endfor %}",
         "Today is {{ strftime_now('%Y') }}.{% for m in messages %}{{ m.content }}{% endfor %}",
         "{{ messages | tojson }}{% if add_generation_prompt %}>{% endif %}",
     ],
