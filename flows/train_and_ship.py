@@ -1,7 +1,7 @@
 """The `train-and-ship` flow: plan -> train -> merge -> reference -> convert -> quantize -> verify -> publish.
 
-Each stage is one Prefect task around `loraship.stages.<stage>.run(config)` (tasks/<stage>.py). Resume is the stages' own:
-a stage whose manifest shows the same inputs and intact outputs returns at once (logged as
+Each stage is one Prefect task around `loraship.stages.<stage>.run(config)` (tasks/<stage>.py). Resume is the stages'
+own: a stage whose manifest shows the same inputs and intact outputs returns at once (logged as
 skipped). Prefect's own result caching stays off because it keys on argument values, not on the
 content of the files behind paths.
 

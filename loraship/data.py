@@ -320,7 +320,8 @@ def _datasets_module(where: str):
 
 
 def load_table(spec):
-    """A `datasets.Dataset` for a .parquet/.csv file or a Hub dataset; a one-line DataError saying how to fix a failure."""
+    """A `datasets.Dataset` for a .parquet/.csv file or a Hub dataset; a one-line DataError saying how to fix a
+    failure."""
     repo = hub_dataset_id(spec.path)
     where = spec.path
     datasets = _datasets_module(where)
@@ -399,7 +400,8 @@ def read_dataset(spec) -> list[dict]:
 
 
 def dataset_identity(spec) -> str:
-    """What the data is, for fingerprints: a local file's sha256, a Hub dataset's id, split and `datasets` fingerprint."""
+    """What the data is, for fingerprints: a local file's sha256, a Hub dataset's id, split and `datasets`
+    fingerprint."""
     from loraship.runtime.manifest import sha256_file
 
     repo = hub_dataset_id(spec.path)

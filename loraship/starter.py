@@ -56,8 +56,9 @@ def detect_dataset_type(path: Path, sample: int = 200) -> str:
                 )
                 if kind is None:
                     raise LorashipError(
-                        f"dataset {path} line {number}: cannot tell the row type from its keys {sorted(keys)}; rows need "
-                        "'messages' (chat), 'conversations' (ShareGPT), 'instruction'+'output' (alpaca) or 'text' (completion)"
+                        f"dataset {path} line {number}: cannot tell the row type from its keys {sorted(keys)}; rows "
+                        "need 'messages' (chat), 'conversations' (ShareGPT), 'instruction'+'output' (alpaca) or "
+                        "'text' (completion)"
                     )
                 kinds.setdefault(kind, number)
                 if len(kinds) > 1:
@@ -84,7 +85,8 @@ def _dataset_entry(
     fields: dict[str, str] | None = None,
     split: str | None = None,
 ) -> dict:
-    """A datasets[] entry for the config in config_dir, its rows read now (every bad one named) rather than at plan time."""
+    """A datasets[] entry for the config in config_dir, its rows read now (every bad one named) rather than at plan
+    time."""
     from loraship.config import DatasetSpec
     from loraship.data import hub_dataset_id, read_dataset
 

@@ -299,8 +299,8 @@ def test_the_planner_knows_every_family(family_folders, name):
 def test_plan_leaves_the_fused_loss_off_where_liger_kernel_has_none(
     family_folders, name, fused, tmp_path, monkeypatch
 ):
-    """On CUDA with liger-kernel installed, fused_loss: auto plans Liger's fused loss, except for a model type liger has
-    none for (Granite scales its logits): plan leaves it off there, and fused_loss: on is refused at plan."""
+    """On CUDA with liger-kernel installed, fused_loss: auto plans Liger's fused loss, except for a model type liger
+    has none for (Granite scales its logits): plan leaves it off there, and fused_loss: on is refused at plan."""
     from loraship.planning import knobs, memory
 
     monkeypatch.setattr(knobs.importlib.util, "find_spec", lambda n: object() if n == "liger_kernel" else None)

@@ -50,7 +50,8 @@ def test_flops_per_token_counts_each_term(tmp_path):
     forward = 2 * 576 + 2 * 2 * ((8 + 8) + (8 + 4)) + 2 * 8 * 10
     assert flops.forward_flops_per_layer_token(TOY, cfg, 10) == forward
     assert flops.recompute_flops_per_layer_token(TOY, cfg, 10) == forward - 2 * 16 * 8
-    # down_proj adapted too: its LoRA B product (r x 8) is skipped with it; A's (16 x r) is not (B's gradient needs it).
+    # down_proj adapted too: its LoRA B product (r x 8) is skipped with it; A's (16 x r) is not (B's gradient
+    # needs it).
     all_linear = parse_config(demo_config_dict(tmp_path, tmp_path, lora_r=2, lora_target_modules="all-linear"))
     assert (
         flops.forward_flops_per_layer_token(TOY, all_linear, 10)

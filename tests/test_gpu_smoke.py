@@ -216,8 +216,8 @@ def test_bf16_lora_with_partial_cpu_offload(gpu_model, tmp_path):
 
 
 def test_packing_on(gpu_model, tmp_path):
-    # loraship/training/packed_attention.py through torch's variable-length FlashAttention: the same examples per step as
-    # padded batches, so the same losses step for step (bf16 kernels differ: within 2%).
+    # loraship/training/packed_attention.py through torch's variable-length FlashAttention: the same examples per step
+    # as padded batches, so the same losses step for step (bf16 kernels differ: within 2%).
     strategy, metrics, history = train(
         config_dict(gpu_model, tmp_path / "on", "packed", kind="chat", packing="on"), CAP_GIB
     )

@@ -112,7 +112,8 @@ def test_auto_ships_the_smallest_rung_that_passes_every_gate(pipeline_run):
         rows = {r["quant"]: r for r in verify["ladder"]}
         assert list(rows) == list(AUTO_LADDER)
         smaller = list(AUTO_LADDER)[: list(AUTO_LADDER).index(chosen)]
-        # Every smaller rung was verified and failed (never shipped), the chosen one passed, larger ones were not tried.
+        # Every smaller rung was verified and failed (never shipped), the chosen one passed, larger ones were not
+        # tried.
         assert all(rows[q]["tried"] and not rows[q]["passed"] and rows[q]["failed_gates"] for q in smaller)
         assert rows[chosen]["passed"] and rows[chosen]["bytes"] == verify["gguf_bytes"]
         assert not any(r["tried"] for r in verify["ladder"][len(smaller) + 1 :])

@@ -1,1 +1,2 @@
-"""llama.cpp and GGUF: the pinned converter, reading GGUF files, llama.cpp in a child process, Ollama, the served check."""
+"""llama.cpp and GGUF: the pinned converter, reading GGUF files, llama.cpp in a child process, Ollama, the served
+check."""

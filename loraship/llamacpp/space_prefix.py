@@ -105,7 +105,8 @@ def probe_texts(tokenizer, kinds: set[str]) -> dict[str, str]:
             try:
                 texts[what] = render(tokenizer, messages, add_generation_prompt=prompt)
             except DataError:
-                pass  # a template this probe does not suit; plan renders the run's own rows, verify's parity gate the rest
+                # a template this probe does not suit; plan renders the run's own rows, verify's parity gate the rest
+                pass
     return texts
 
 

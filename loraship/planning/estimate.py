@@ -72,7 +72,8 @@ KEPT_ANYWAY = {"attn_out"}
 # separate gate_proj, up_proj, down_proj around SiLU; loraship/training/fused_lora.py SwiGLUDownLora): h = silu(gate)
 # * up is rebuilt in backward from gate and up, which the SwiGLU keeps anyway. Liger's other MLPs (Phi-3's fused
 # gate_up_proj, Gemma's GEGLU) keep their own forward. Where a decoder layer ends in `residual + down_proj(h)`
-# (Shape.recompute_skips_down), a checkpointed layer's recompute skips down_proj's GEMM (loraship/training/recompute.py).
+# (Shape.recompute_skips_down), a checkpointed layer's recompute skips down_proj's GEMM
+# (loraship/training/recompute.py).
 
 
 def lora_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], program: str, liger: bool = False) -> float:
@@ -142,8 +143,8 @@ def layer_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progr
 
 def fused_loss_transient(T: int, s: Shape) -> float:
     """Bytes Liger's fused linear cross-entropy holds while it runs (liger_kernel ops/fused_linear_cross_entropy.py):
-    the final norm's bf16 output it reads, the bf16 input gradient it fills, and one chunk of bf16 logits of the rows it
-    picks, next_power_of_2(T / ceil(V / h)); its cross-entropy kernel writes the chunk's gradient over the logits in
+    the final norm's bf16 output it reads, the bf16 input gradient it fills, and one chunk of bf16 logits of the rows
+    it picks, next_power_of_2(T / ceil(V / h)); its cross-entropy kernel writes the chunk's gradient over the logits in
     place (no fp32 copy: 2 bytes per entry, not 2 + 4 as counted before, which over-predicted issue #24's partially
     checkpointed rows, bench/results/planner_rescore.json). Also the final norm's bf16 input, which Liger's RMSNorm
     keeps for backward and no decoder layer's term counts (layer_saved_per_token counts each layer's own input)."""
@@ -325,7 +326,8 @@ def _activations_at_peak(
     # True)): with k < L the peak, at the loss or the last layer's backward, comes before any is written. Not so with
     # every layer checkpointed (the peak recurs at each recompute, the last one after nearly all gradients were
     # written), nor with accumulation (later micro-batches hold the earlier ones'). The first recompute (k > 0) comes
-    # after the gradients of the L - k later layers: counted whole there, with one layer's activations instead of L - k.
+    # after the gradients of the L - k later layers: counted whole there, with one layer's activations instead of
+    # L - k.
     # With k < L the layer peak is the last layer's plain backward, before any streamed layer (all among the first k,
     # recomputed later) is copied back; the first recompute below counts the copies.
     k = a.k

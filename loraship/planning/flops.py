@@ -40,7 +40,8 @@ def bf16_peak_tflops(device_name: str | None) -> float | None:
 
 
 def attention_length(lengths: list[int]) -> float:
-    """The sequence length an average trained token sits in (each example attends to itself only): sum(n^2) / sum(n)."""
+    """The sequence length an average trained token sits in (each example attends to itself only):
+    sum(n^2) / sum(n)."""
     total = sum(lengths)
     return sum(n * n for n in lengths) / total if total else 0.0
 

@@ -21,9 +21,9 @@ def plan_disk_and_inference(s: Shape, cfg: Config) -> dict:
     quant, quant_disk = each[cfg.primary_quantization], sum(each.values())
     # llama.cpp KV cache in f16: K and V, every layer, every position.
     kv = 2 * s.L * cfg.target_context * s.kv * 2
-    # The compute buffer and CUDA context as verify predicts them from the GGUF (loraship/planning/inference_memory.py),
-    # here from the model config; the weights are the whole GGUF (the input embedding, which llama.cpp
-    # keeps on the CPU, included: a margin at plan time).
+    # The compute buffer and CUDA context as verify predicts them from the GGUF
+    # (loraship/planning/inference_memory.py), here from the model config; the weights are the whole GGUF (the input
+    # embedding, which llama.cpp keeps on the CPU, included: a margin at plan time).
     compute = im.compute_buffer_bytes(cfg.target_context, s.heads, s.h, s.f, s.V)
     ctx = im.CUDA_OVERHEAD_GIB * GIB
     runtime = kv + compute + ctx

@@ -173,8 +173,8 @@ def quant_ladder(
     rows: list[dict], out: Path, *, shipped: str | None = None, shipped_label: str = "shipped", title: str = ""
 ) -> Path:
     """Each verified quantization's size against its mean KL divergence from the merged model (verify's ladder rows:
-    quant, bytes, kl_mean, passed); passed green, failed red, the shipped (or primary) one ringed, the gate limit per rung as a
-    dash (kl_mean_max, where the row has it). KL on a log axis: Q8_0 and IQ3_M differ by two orders."""
+    quant, bytes, kl_mean, passed); passed green, failed red, the shipped (or primary) one ringed, the gate limit per
+    rung as a dash (kl_mean_max, where the row has it). KL on a log axis: Q8_0 and IQ3_M differ by two orders."""
     from matplotlib.figure import Figure
 
     tried = [r for r in rows if r.get("tried", True) and r.get("bytes") and r.get("kl_mean") is not None]

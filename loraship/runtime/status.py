@@ -40,7 +40,8 @@ def short(value: Any, width: int = 40) -> str:
 
 
 def _fingerprint(stage: str, manifest: dict, current: dict, inputs: dict, ups: dict[str, dict], keyed: dict) -> str:
-    """The input fingerprint open_stage (loraship/runtime/stage.py) would compute now for the stage's recorded fields."""
+    """The input fingerprint open_stage (loraship/runtime/stage.py) would compute now for the stage's recorded
+    fields."""
     from loraship.runtime.manifest import input_fingerprint
 
     subset = {k: (inputs if k == "_inputs" else current.get(k)) for k in manifest.get("config", {})}
