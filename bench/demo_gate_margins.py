@@ -37,8 +37,9 @@ except Exception as e:
     print("verify failed:", e, file=sys.stderr)
 verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
 train = json.loads((stage_dir(config, "train") / "manifest.json").read_text())["metrics"]
+fields = ("passed", "value", "threshold", "evidence")
 json.dump({"passed": verify["passed"], "eval_loss_after": train.get("eval_loss_after"),
-           "gates": {k: {x: g.get(x) for x in ("passed", "value", "threshold", "evidence")} for k, g in verify["gates"].items()}},
+           "gates": {k: {x: g.get(x) for x in fields} for k, g in verify["gates"].items()}},
           open(sys.argv[2], "w"))
 """
 

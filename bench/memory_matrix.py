@@ -21,7 +21,8 @@ disk (as LlamaForCausalLM, Qwen2 shapes with attention_bias=True; the tiny Llama
 process runs loraship.stages.plan.run + loraship.stages.train.run on a config that forces the strategy (generous
 gpu_memory_gib, fallback [], packing off, completion rows longer than sequence_len). The row's peak is the max of the
 eval before training (model load included) and training, from the train manifest; its prediction is the plan's.
-Raw rows carry "through": "train-stage"; `analyze` on such a file scores them (no refit). GPU: bench/train_kit/matrix_call.sh.
+Raw rows carry "through": "train-stage"; `analyze` on such a file scores them (no refit).
+GPU: bench/train_kit/matrix_call.sh.
 """
 
 from __future__ import annotations
@@ -670,8 +671,8 @@ NOTES = """## How it was measured, and what to know
   the most tokens under HF loss. Row 27 (Llama-3-8B QLoRA, 4 x 4096) left 9.35 GiB between reserved and
   allocated and is under-predicted by 7.5% (far over 32 GiB either way); row 37 (Mistral-7B QLoRA, 4 x 8192)
   by 7.0%: predicted 28.62, measured 30.77 reserved, which with the 0.74 GiB context still fits 32 GiB by
-  0.49 GiB; its allocated was predicted within 0.1 GiB. The 8% margin is what absorbs this. `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` was not
-  measured here.
+  0.49 GiB; its allocated was predicted within 0.1 GiB. The 8% margin is what absorbs this.
+  `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` was not measured here.
 - CPU cross-check of the activation count (saved-tensor hooks on one Qwen2-shaped decoder layer with PEFT
   LoRA q/v/o, dropout 0): 22,408 bytes saved per token against 22,112 by the planner's formula.
 """
@@ -705,11 +706,12 @@ def _markdown(out: dict) -> str:
     ]
     for r in out["rows"]:
         lines.append(
-            f"| {r['index']} | {r['config']} | {'yes' if r['used_for_fit'] else 'no'} | {r['predicted_reserved_gib']:.2f} "
-            f"| {r['measured_reserved_gib']:.2f} | {r['reserved_error_pct']:+.1f}% | {r['predicted_allocated_gib']:.2f} "
-            f"| {r['measured_allocated_gib']:.2f} | {'yes' if r['fits_32gib_predicted'] else 'no'} "
-            f"| {'yes' if r['oom_under_32gib_cap'] else 'no'}{'' if r['oom_source'].startswith('measured') else '*'} "
-            f"| {r['weights_only_estimate_gib']:.2f} |"
+            f"| {r['index']} | {r['config']} | {'yes' if r['used_for_fit'] else 'no'} | "
+            f"{r['predicted_reserved_gib']:.2f} | {r['measured_reserved_gib']:.2f} | {r['reserved_error_pct']:+.1f}% "
+            f"| {r['predicted_allocated_gib']:.2f} | {r['measured_allocated_gib']:.2f} | "
+            f"{'yes' if r['fits_32gib_predicted'] else 'no'} | "
+            f"{'yes' if r['oom_under_32gib_cap'] else 'no'}{'' if r['oom_source'].startswith('measured') else '*'} | "
+            f"{r['weights_only_estimate_gib']:.2f} |"
         )
     lines += [
         "",
@@ -926,8 +928,8 @@ def _build_shape(shape: str, models: Path, tokenizer: Path, device: str) -> floa
         return 0.0
     t0 = time.time()
     code = (
-        f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import memory_matrix as m; from pathlib import Path; "
-        f"m._train_bench().make_model(m.stage_dims({shape!r}), Path({str(tokenizer)!r}), "
+        f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import memory_matrix as m; from pathlib import "
+        f"Path; m._train_bench().make_model(m.stage_dims({shape!r}), Path({str(tokenizer)!r}), "
         f"Path({str(models / shape)!r}), {device!r})"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -68,7 +68,8 @@ def timed(cmd: list[str], env: dict) -> dict:
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         sys.exit(
-            f"{' '.join(cmd)} failed (its folders are kept) (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            f"{' '.join(cmd)} failed (its folders are kept) (exit {done.returncode}):\n"
+            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         )
     return {
         "seconds": round(seconds, 2),

@@ -82,8 +82,8 @@ def rescore(bench: dict) -> dict:
         )
     changed = [r for r in rows if r["changed_plan"]]
     return {
-        "what": "the planner now (loraship/planning/memory.py) at each loraship row's trained strategy, against the row's "
-        "measured peak; error = predicted / measured - 1 (reserved unless named). In-sample: these rows were "
+        "what": "the planner now (loraship/planning/memory.py) at each loraship row's trained strategy, against the "
+        "row's measured peak; error = predicted / measured - 1 (reserved unless named). In-sample: these rows were "
         "seen before this planner was written, not a held-out measurement.",
         "source": {
             "file": "bench/results/train_bench.json",
@@ -115,8 +115,9 @@ def main() -> None:
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     for r in out["rows"]:
         print(
-            f"{r['case']:26s} {r['trainer']:17s} k={r['checkpointed_layers']:>2} reserved {r['measured_reserved_gib']:6.2f} "
-            f"predicted {r['predicted_reserved_gib']:6.2f} ({r['error_now']:+.2%}; in run {r['error_in_run']:+.2%})"
+            f"{r['case']:26s} {r['trainer']:17s} k={r['checkpointed_layers']:>2} "
+            f"reserved {r['measured_reserved_gib']:6.2f} predicted {r['predicted_reserved_gib']:6.2f} "
+            f"({r['error_now']:+.2%}; in run {r['error_in_run']:+.2%})"
         )
     print(json.dumps({k: out[k] for k in ("commit", "dirty", "all_rows", "changed_plan_rows")}))
 

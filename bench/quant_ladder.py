@@ -367,8 +367,9 @@ def ladder_rows(
             )
         rows.append(row)
         print(
-            f"{quant:7s} imatrix={str(imatrix):5s} {section['gguf_bytes'] / 2**20:7.1f} MiB  KL {a.get('kl_mean'):.5f}  "
-            f"p99 {a.get('kl_p99'):.4f}  same-top {a.get('same_top_rate'):.3f}  PPL x{a.get('perplexity_ratio'):.4f}  "
+            f"{quant:7s} imatrix={str(imatrix):5s} {section['gguf_bytes'] / 2**20:7.1f} MiB  "
+            f"KL {a.get('kl_mean'):.5f}  p99 {a.get('kl_p99'):.4f}  same-top {a.get('same_top_rate'):.3f}  "
+            f"PPL x{a.get('perplexity_ratio'):.4f}  "
             + (
                 f"peer KL {row['peer_kl_mean']:.5f} ours(F16 base) {row['peer_base_kl_mean']:.5f} "
                 f"({row['ours_vs_peer']:+.1%}) under its rules {row['peer_rules_kl_mean']:.5f} "
@@ -466,14 +467,14 @@ def main() -> None:
         "(plus 4 LoRA steps merged in bf16): re-quantizing them errs differently from a bf16 checkpoint's; "
         "llama.cpp's Llama-3-8B scoreboard (loraship/constants.py) is the other anchor",
         "peer_note": (
-            f"llama-perplexity {' '.join(PEER_ARGS)}: the eval texts verify scores, joined, read without special-token "
-            "parsing, chunks of PEER_CTX tokens, the second half of each scored over every token; "
-            "peer_base_kl_mean is tasks/verify.py's eval_agreement on exactly those tokens and positions "
-            "with the F16 GGUF as the base, as llama-perplexity has it (ours_vs_peer: its relative "
-            "difference); peer_rules_kl_mean the same KL computed under llama-perplexity's storage of the "
-            "base (log-probs within 16 nats of the top only, rounded to uint16 steps; "
-            "ours_rules_vs_peer); peer_positions_kl_mean the same with the merged HF model as the base, as verify "
-            "gates. kl_mean (verify's) is over the assistant tokens of each eval text, a different set"
+            f"llama-perplexity {' '.join(PEER_ARGS)}: the eval texts verify scores, joined, read without "
+            "special-token parsing, chunks of PEER_CTX tokens, the second half of each scored over every token; "
+            "peer_base_kl_mean is tasks/verify.py's eval_agreement on exactly those tokens and positions with the "
+            "F16 GGUF as the base, as llama-perplexity has it (ours_vs_peer: its relative difference); "
+            "peer_rules_kl_mean the same KL computed under llama-perplexity's storage of the base (log-probs within "
+            "16 nats of the top only, rounded to uint16 steps; ours_rules_vs_peer); peer_positions_kl_mean the same "
+            "with the merged HF model as the base, as verify gates. kl_mean (verify's) is over the assistant tokens "
+            "of each eval text, a different set"
         ),
         "eval": evaluation,
         "peer_tokens": peer.tokens if peer else None,

@@ -132,7 +132,8 @@ def main() -> None:
     free = shutil.disk_usage(args.dir.parent).free
     if free < total * 1.2:
         sys.exit(
-            f"needs {total * 1.2 / 2**30:.1f} GiB free in {args.dir.parent}, {free / 2**30:.1f} GiB is; pass a smaller --gib"
+            f"needs {total * 1.2 / 2**30:.1f} GiB free in {args.dir.parent}, {free / 2**30:.1f} GiB is; pass a "
+            "smaller --gib"
         )
     config = parse_config(
         {
@@ -161,7 +162,10 @@ def main() -> None:
     cold = resume(config, run)
     cached = resume(config, run)
     result = {
-        "what": f"open_stage of all {len(STAGES)} stages on a finished run (resume that skips every stage), page cache evicted",
+        "what": (
+            f"open_stage of all {len(STAGES)} stages on a finished run (resume that skips every stage), "
+            "page cache evicted"
+        ),
         "files_gib": round(on_disk / 2**30, 2),
         "modes": {
             "full (every upstream output re-hashed; before the digest cache)": full,

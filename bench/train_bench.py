@@ -16,9 +16,10 @@ Models: random weights in the real architecture class and shape of examples/mode
 (Qwen2ForCausalLM: q/k/v biases, no o_proj bias), saved with the tiny model's sentencepiece tokenizer (token ids fit
 every vocabulary; speed and memory depend on shapes, not on weight values).
 
-Every trainer trains the same examples (loraship's data code, the same split) in the same order (loraship/training/packing.py's
-permutation), with LoRA dropout 0 (Unsloth's fast path), torch AdamW at loraship's learning rate and weight decay,
-loraship's schedule (cosine, no warm-up, over --steps) and gradient clipping at 1.0, so the first losses agree:
+Every trainer trains the same examples (loraship's data code, the same split) in the same order
+(loraship/training/packing.py's permutation), with LoRA dropout 0 (Unsloth's fast path), torch AdamW at loraship's
+learning rate and weight decay, loraship's schedule (cosine, no warm-up, over --steps) and gradient clipping at 1.0, so
+the first losses agree:
 - unsloth-sft: FastLanguageModel + trl's SFTTrainer with bf16=True, as Unsloth's users run it (its notebooks):
   use_gradient_checkpointing="unsloth", pre-tokenized rows (input_ids, labels), trl's own collator; a sequential
   sampler keeps loraship's order.
@@ -37,9 +38,9 @@ loraship's schedule (cosine, no warm-up, over --steps) and gradient clipping at 
 - loraship-packed / loraship-padded (case `packing`): packing on / off on variable-length chat rows.
 
 Timing: a global optimizer step hook synchronises and stamps each step; tokens/s is non-pad tokens of the steps after
---warmup divided by their time. MFU: model FLOPs per token (loraship/planning/flops.py; recompute not counted) times that
-tokens/s over the card's dense bf16 peak. Peak memory: loraship's is the train stage's own measurement (training only,
-after the eval before training), the peers' over their training steps.
+--warmup divided by their time. MFU: model FLOPs per token (loraship/planning/flops.py; recompute not counted) times
+that tokens/s over the card's dense bf16 peak. Peak memory: loraship's is the train stage's own measurement (training
+only, after the eval before training), the peers' over their training steps.
 """
 
 from __future__ import annotations
@@ -1067,8 +1068,8 @@ def trained_strategy(row: dict, cfg) -> dict:
 
 
 def planner_scores(rows: list[dict]) -> dict:
-    """The current planner (loraship/planning/memory.py) against each loraship row's measured peak reserved, at the strategy
-    that row trained with: issue #10's item 5 on rows measured through the train stage itself."""
+    """The current planner (loraship/planning/memory.py) against each loraship row's measured peak reserved, at the
+    strategy that row trained with: issue #10's item 5 on rows measured through the train stage itself."""
     import statistics
 
     from loraship.planning import memory

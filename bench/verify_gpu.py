@@ -4,8 +4,8 @@
 
 Random weights in the real shapes (examples/models/<shape>/config.json) measure memory and speed
 exactly as real weights would; the tokenizer is Qwen's real BPE vocabulary (loraship/fixtures/tinyqwen.py's
-files, passed with --tokenizer). The stages are the product's: plan -> train (3 steps at a high learning rate, so that an
-adapter exists) -> merge -> reference -> convert -> quantize -> verify, each timed. verify loads
+files, passed with --tokenizer). The stages are the product's: plan -> train (3 steps at a high learning rate, so that
+an adapter exists) -> merge -> reference -> convert -> quantize -> verify, each timed. verify loads
 only the Q4_K_M GGUF, every layer on the GPU at n_ctx --n-ctx, and measures its own GPU memory
 through NVML. Quality gates mean nothing on random weights; the row keeps their verdicts anyway.
 llama.cpp's own buffer sizes (model, KV, compute) are read from verify's verbose log

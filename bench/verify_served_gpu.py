@@ -232,7 +232,8 @@ print("LOADED", round(time.perf_counter() - t, 2), repr(out["choices"][0]["messa
 """
 LOAD_VARIANTS = {
     "llama_cpp_only": "import llama_cpp",
-    "after_server_modules": "import llama_cpp, llama_cpp.server.app, llama_cpp.server.settings, llama_cpp.server.model, uvicorn",
+    "after_server_modules": "import llama_cpp, llama_cpp.server.app, llama_cpp.server.settings, "
+    "llama_cpp.server.model, uvicorn",
 }
 
 
