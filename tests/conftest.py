@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import resource
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +61,34 @@ def cache_lock(folder: Path):
             yield folder
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# LORASHIP_TEST_CPU_LOG=<file>: one JSON line per test with the CPU seconds it cost (this process and the
+# subprocesses it waited for; a session fixture counts in the first test that builds it). CPU time, unlike a
+# duration, does not depend on what else shares the cores: bench/test_cpu.py sums the lines per file.
+CPU_LOG = os.environ.get("LORASHIP_TEST_CPU_LOG")
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not CPU_LOG:
+        return (yield)
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    try:
+        return (yield)
+    finally:
+        row = {
+            "test": item.nodeid,
+            "cpu_s": round(_cpu_seconds() - cpu, 2),
+            "wall_s": round(time.monotonic() - wall, 2),
+        }
+        with open(CPU_LOG, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def pytest_sessionfinish(session, exitstatus):
