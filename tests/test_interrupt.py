@@ -100,10 +100,20 @@ def test_prefect_slot_wait_is_said_and_ends_when_the_holder_lets_go(monkeypatch,
     it is said (taken slots and the server), and it ends when the holding lease is released."""
     import uuid
 
-    from prefect.client.orchestration import get_client
+    from prefect.testing.utilities import prefect_test_harness
 
     name = f"loraship-gpu-test-{uuid.uuid4().hex[:8]}"
     monkeypatch.setattr(gpu_slot, "GPU_LIMIT", name)
+    # A server and database of its own: the ephemeral server of PREFECT_HOME is shared with the flow runs other
+    # tests start in subprocesses, and under xdist one of them migrating the same SQLite file failed this server's
+    # startup ("Application startup failed"). 120 s: the start is slow on 2 busy cores.
+    with prefect_test_harness(server_startup_timeout=120):
+        _slot_wait_is_said_and_ends(name, caplog)
+
+
+def _slot_wait_is_said_and_ends(name, caplog):
+    from prefect.client.orchestration import get_client
+
     client = get_client(sync_client=True)
     with client:
         gpu_slot.ensure_gpu_limit(client, 1)
