@@ -47,9 +47,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = [json.loads(line) for line in args.log.read_text(encoding="utf-8").splitlines() if line.strip()]
     summary = summarize(rows)
-    print(
-        f"{summary['tests']} tests, {summary['cpu_s']:.0f} CPU-s (floor on 2 cores {summary['floor_on_2_cores_s']:.0f} s)"
-    )
+    floor = summary["floor_on_2_cores_s"]
+    print(f"{summary['tests']} tests, {summary['cpu_s']:.0f} CPU-s (floor on 2 cores {floor:.0f} s)")
     for name, e in list(summary["files"].items())[:25]:
         print(f"{e['cpu_s']:8.1f} CPU-s {e['share']:6.1%} {e['tests']:4d} tests  {name}")
     if args.out:
