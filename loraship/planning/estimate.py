@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 
 from loraship.config import Config
-from loraship.planning.knobs import checkpointed_layers
 from loraship.planning.shape import Shape
+from loraship.planning.strategy_record import Strategy
 from loraship.planning.targets import target_names
 
 GIB = 2**30
@@ -164,12 +164,12 @@ class _Weights:
     streamed_at_loss: float
 
 
-def _frozen_weights(s: Shape, strategy: dict, qlora: bool) -> _Weights:
+def _frozen_weights(s: Shape, strategy: Strategy, qlora: bool) -> _Weights:
     # Frozen weights: NF4 quantizes only decoder Linears; embeddings, lm_head, norms, biases stay bf16.
     layer_lin_bytes = s.layer_linear_params * (NF4_BYTES_PER_PARAM if qlora else 2)
     # A multimodal wrapper loads its vision tower too (other_params), frozen and untrained.
     rest_bytes = 2 * (s.n_params - s.L * s.layer_linear_params + s.other_params)
-    n_off = min(strategy.get("offload_layers", 0), s.L)
+    n_off = min(strategy.offload_layers, s.L)
     weights = (s.L - n_off) * layer_lin_bytes + rest_bytes
     # n layers stream back one at a time (loraship/training/offload.py; which ones: streamed_layers, the same memory
     # either way): two copies on the GPU (current + prefetch) while one of them runs or recomputes. At the loss only
@@ -202,9 +202,11 @@ class _Activations:
         return self.layer_saved + self.layer_backward if self.k == n_layers else self.layer_backward
 
 
-def _activations(s: Shape, cfg: Config, strategy: dict, targets, program: str, T: int, qlora: bool) -> _Activations:
+def _activations(
+    s: Shape, cfg: Config, strategy: Strategy, targets, program: str, T: int, qlora: bool
+) -> _Activations:
     lin = s.linears()
-    liger = strategy["fused_loss"] and program == "train-stage"
+    liger = strategy.fused_loss and program == "train-stage"
     per_tok = layer_saved_per_token(s, cfg, targets, program, liger)
     scores_bwd = T * 8 * s.heads * cfg.sequence_len if s.attn_softcap else 0.0
     layer_saved = CAL["layer"] * T * per_tok
@@ -218,11 +220,11 @@ def _activations(s: Shape, cfg: Config, strategy: dict, targets, program: str, T
     # all of `kept` still held (a later recompute holds at most k keeps + one layer, which is less: at
     # least one layer's saved activations were freed before it). k = 0 and k = L are exactly the two
     # modes the CAL constants were fitted on (bench/results/memory_matrix.json); 0 < k < L is not measured.
-    k = checkpointed_layers(strategy, s.L)
+    k = strategy.checkpointed(s.L)
     kept_ckpt = CAL["keep"] * T * 2 * s.h * k
     # Checkpointed inputs in pinned CPU memory (loraship/training/activation_offload.py): on the GPU at most two at a
     # time (the layer computing and the one prefetched or still being copied out).
-    offloaded_acts = bool(strategy.get("offload_activations")) and k > 0
+    offloaded_acts = bool(strategy.offload_activations) and k > 0
     host_acts = 0
     if offloaded_acts:
         host_acts = T * 2 * s.h * k
@@ -231,16 +233,16 @@ def _activations(s: Shape, cfg: Config, strategy: dict, targets, program: str, T
     return _Activations(k, layer_saved, layer_bwd, dequant, kept_ckpt, kept_full, host_acts)
 
 
-def _loss_transient(s: Shape, strategy: dict, program: str, T: int) -> float:
+def _loss_transient(s: Shape, strategy: Strategy, program: str, T: int) -> float:
     """Bytes the loss holds at the start of backward."""
-    if strategy["fused_loss"] and program == "train-stage":
+    if strategy.fused_loss and program == "train-stage":
         # Liger's own buffers only. The harness's fitted CAL["fused_loss"] (13x more at 2 x 4096 on a 7B) stood in
         # for the first recompute + backward after the loss, which the train stage's Liger RMSNorm/SwiGLU make
         # smaller: counted here, it over-predicted the four partially checkpointed rows of issue #24's run
         # (bench/results/train_bench.json) by 1.84-2.44 GiB, each within 0.4 GiB of it, and the four all-checkpointed
         # 7B/14B rows by 0.08-1.04 GiB, where one layer's recompute + backward is within 0.1 GiB of what they measured.
         return fused_loss_transient(T, s)
-    if strategy["fused_loss"]:
+    if strategy.fused_loss:
         return CAL["fused_loss"] * T * 2 * s.h
     loss = CAL["hf_loss"] * T * s.V
     if s.final_softcap:
@@ -250,7 +252,7 @@ def _loss_transient(s: Shape, strategy: dict, program: str, T: int) -> float:
     return loss
 
 
-def estimate(s: Shape, cfg: Config, strategy: dict, program: str = "train-stage") -> dict:
+def estimate(s: Shape, cfg: Config, strategy: Strategy | dict, program: str = "train-stage") -> dict:
     """Predicted peak memory of one training step under `strategy`, in GiB, by component.
 
     `program`: what runs the step. "train-stage" is tasks/train.py: with the fused loss it applies every
@@ -261,12 +263,15 @@ def estimate(s: Shape, cfg: Config, strategy: dict, program: str = "train-stage"
     The peak holds the static terms (weights, LoRA weights, gradients, optimizer state) and the kept
     activations, plus the larger of two transients: the loss (at the start of backward) or one decoder
     layer's recompute + backward (`peak_phase` names which). The allocator reserve and the CUDA context
-    come on top: the card must hold reserved + context.
+    come on top: the card must hold reserved + context. A strategy read from a plan file may come as its JSON
+    object: it is read into the record here, once.
     """
-    T = strategy["micro_batch_size"] * cfg.sequence_len
+    if not isinstance(strategy, Strategy):
+        strategy = Strategy.from_json(strategy)
+    T = strategy.micro_batch_size * cfg.sequence_len
     targets = target_names(cfg, s)
     lin = s.linears()
-    qlora = strategy["adapter"] == "qlora"
+    qlora = strategy.adapter == "qlora"
     w = _frozen_weights(s, strategy, qlora)
     lora_params = s.L * sum(cfg.lora_r * (lin[n][0] + lin[n][1]) for n in targets)
     lora_w = lora_params * LORA_BYTES_PER_PARAM["weight"]
@@ -318,7 +323,7 @@ def estimate(s: Shape, cfg: Config, strategy: dict, program: str = "train-stage"
 
 
 def _activations_at_peak(
-    s: Shape, strategy: dict, program: str, w: _Weights, a: _Activations, loss: float, lora_g: float
+    s: Shape, strategy: Strategy, program: str, w: _Weights, a: _Activations, loss: float, lora_g: float
 ) -> tuple[float, float, float]:
     """What the peak holds on top of the static terms (kept activations, the larger transient, the LoRA gradients
     where written by then), the LoRA gradients among it, and the streamed copies at a layer's transient."""
@@ -333,7 +338,7 @@ def _activations_at_peak(
     k = a.k
     streamed_at_layer = w.streamed if k == s.L else 0.0
     act_peak = max(loss + w.streamed_at_loss, a.layer_peak(s.L) + a.dequant + streamed_at_layer)
-    grads_before_peak = program == "train-stage" and k < s.L and strategy["gradient_accumulation_steps"] == 1
+    grads_before_peak = program == "train-stage" and k < s.L and strategy.gradient_accumulation_steps == 1
     at_peak, grads_at_peak = a.kept + act_peak, lora_g
     if not grads_before_peak:
         at_peak += lora_g
@@ -348,13 +353,13 @@ def _activations_at_peak(
     return at_peak, grads_at_peak, streamed_at_layer
 
 
-def _allocator_reserve(strategy: dict, program: str, loss: float, a: _Activations) -> tuple[float, float]:
+def _allocator_reserve(strategy: Strategy, program: str, loss: float, a: _Activations) -> tuple[float, float]:
     """The allocator's reserve on top of allocated, and the part of it it hands back under pressure."""
     # Fragmentation follows the largest one-layer transient that happens at all: a recompute's whenever k > 0.
     layer_transient = (a.layer_saved + a.layer_backward if a.k else a.layer_backward) + a.dequant
     reclaimable = 0.0
     if program == "train-stage":
-        if not strategy["fused_loss"]:
+        if not strategy.fused_loss:
             reclaimable = CAL["reserve_hf_loss_expandable"] * loss
         return CAL["reserve_expandable_gib"] * GIB + reclaimable, reclaimable
     return CAL["reserve_loss"] * loss + CAL["reserve_layer"] * layer_transient + CAL[
