@@ -370,14 +370,14 @@ def test_14b_bf16_lora_under_optimize_speed_streams_more_layers_to_checkpoint_fe
     least = next(
         s
         for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c)
-        if s["offload_layers"] and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"]
+        if s.offload_layers and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"]
     )
-    assert least["checkpointed_layers"] == L and least["offload_layers"] < n
-    chosen, rung = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (st, least))
+    assert least.checkpointed_layers == L and least.offload_layers < n
+    chosen, rung = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (st, least.to_json()))
     assert chosen["step_s"] < 0.99 * rung["step_s"] and chosen["compute_s"] < rung["compute_s"]
     # The fewest checkpointed layers at that offload: one fewer does not fit.
     assert not memory.estimate(QWEN2_14B_EXAMPLE, c, memory.with_checkpointing(st, k - 1))["fits"]
-    assert f"streaming {n} layers instead of {least['offload_layers']}" in plan["reason"]
+    assert f"streaming {n} layers instead of {least.offload_layers}" in plan["reason"]
     assert f"room for {L - k} layers' activations" in plan["reason"]
 
 
@@ -391,9 +391,9 @@ def test_streaming_stops_where_the_copies_would_take_longer_than_the_matmuls(mon
     least = next(
         s
         for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c)
-        if s["offload_layers"] and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"]
+        if s.offload_layers and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"]
     )
-    assert slow["offload_layers"] == least["offload_layers"] < fast
+    assert slow["offload_layers"] == least.offload_layers < fast
 
 
 def test_step_model_hides_copies_behind_compute_until_they_are_longer(monkeypatch):
@@ -454,14 +454,14 @@ def test_70b_on_8gib_is_refused_at_plan_time(fused):
 def test_qlora_is_never_combined_with_offload(mc, adapter):
     c = cfg(adapter=adapter, sequence_len=8192, micro_batch_size=4, gpu_memory_gib=16)
     for strat, _why in strategy.ladder(memory.parse_model_config(mc), c):
-        assert not (strat["adapter"] == "qlora" and strat["offload_layers"]), strat
+        assert not (strat.adapter == "qlora" and strat.offload_layers), strat
 
 
 def test_fallback_order_is_the_configured_order():
     def kinds(fallback):
         c = cfg(**LORA_14B, fallback=fallback)
         seen = [
-            ("offload" if s["offload_layers"] else s["adapter"])
+            ("offload" if s.offload_layers else s.adapter)
             for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B), c)
         ]
         return list(dict.fromkeys(k for k in seen if k != "lora"))
@@ -676,7 +676,7 @@ def test_lean_mode_checkpoints_every_layer_on_every_rung():
     plan = memory.plan_training(QWEN2_7B, c)
     assert plan["strategy"]["checkpointed_layers"] == L and plan["reason"].startswith("as configured fits")
     assert all(
-        st["checkpointed_layers"] == 48 and st["gradient_checkpointing"]
+        st.checkpointed_layers == 48 and st.gradient_checkpointing
         for st, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B), c)
     )
     # The alternatives show what the fast mode would checkpoint instead.
@@ -691,8 +691,8 @@ def test_fast_mode_falls_back_only_when_every_layer_checkpointed_does_not_fit():
     assert 0 < st["offload_layers"] and st["checkpointed_layers"] == 48
     assert "checkpointing more layers" in plan["reason"] and "gradient checkpointing 48 of 48 layers" in plan["reason"]
     for strat, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c):
-        if strat["offload_layers"]:
-            assert strat["checkpointed_layers"] == 48
+        if strat.offload_layers:
+            assert strat.checkpointed_layers == 48
 
 
 def test_render_plan_names_the_checkpointed_layers():
@@ -868,7 +868,7 @@ def test_offload_activations_on_applies_to_every_rung_that_checkpoints():
     # fast mode (no checkpointing asked) with `on`: whatever the ladder checkpoints waits in CPU memory.
     c = cfg(**{**LEAN_7B, "gradient_checkpointing": False}, offload_activations="on")
     for strat, _why in strategy.ladder(memory.parse_model_config(QWEN2_7B), c):
-        assert bool(strat.get("offload_activations")) == (memory.checkpointed_layers(strat, 28) > 0), strat
+        assert strat.offload_activations == (strat.checkpointed(28) > 0), strat
 
 
 # --- optimize: speed (the default) or memory ------------------------------------------------------------------
@@ -903,7 +903,7 @@ def test_optimize_memory_gives_the_least_memory():
     least = min(
         memory.estimate(QWEN2_7B, c, s)["predicted_total_gib"]
         for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_7B), c)
-        if s["adapter"] == "lora" and not s["offload_layers"] and s["micro_batch_size"] == 2
+        if s.adapter == "lora" and not s.offload_layers and s.micro_batch_size == 2
     )
     assert lean["memory"]["predicted_total_gib"] == pytest.approx(least, abs=0.01)
 

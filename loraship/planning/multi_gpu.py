@@ -23,10 +23,10 @@ from loraship.config import Config
 from loraship.errors import LorashipError
 from loraship.planning import flops
 from loraship.planning.estimate import GIB, NF4_BYTES_PER_PARAM, estimate, safety_margin_gib
-from loraship.planning.knobs import checkpointed_layers
 from loraship.planning.shape import Shape
 from loraship.planning.step_time import PLAN_EXECUTED_TFLOPS, step_seconds
 from loraship.planning.strategy import PlanRefused, _alternatives, _plan, ladder, plan_training
+from loraship.planning.strategy_record import Strategy
 
 GPU_COUNTS = (1, 2, 4, 8)
 ENGINES = ("single", "ddp", "fsdp2")
@@ -51,10 +51,10 @@ def requested_counts(cfg: Config) -> list[int]:
 
 
 # -- memory ----------------------------------------------------------------------------------------------------------
-def _decoder_bytes_per_param(strategy: dict) -> tuple[float, float]:
+def _decoder_bytes_per_param(strategy: Strategy) -> tuple[float, float]:
     """(bytes per decoder Linear parameter that shard, bytes that stay whole on every rank): bf16 shards all 2; NF4
     shards its 4-bit codes (0.5, in bf16-typed storage) and keeps the absmax statistics (quant_state) whole."""
-    if strategy["adapter"] == "qlora":
+    if strategy.adapter == "qlora":
         return 0.5, NF4_BYTES_PER_PARAM - 0.5
     return 2.0, 0.0
 
@@ -65,7 +65,7 @@ def ddp_per_gpu_gib(est: dict) -> float:
     return est["predicted_total_gib"] + est["lora_params"] * 4 / GIB + NCCL_BUFFERS_GIB
 
 
-def fsdp2_per_gpu_gib(s: Shape, strategy: dict, est: dict, n: int) -> float:
+def fsdp2_per_gpu_gib(s: Shape, strategy: Strategy, est: dict, n: int) -> float:
     """One rank of FSDP2 over n GPUs: the single-GPU prediction less what sharding takes off each rank (decoder
     weights, LoRA weights, gradients and AdamW states to 1/n), plus two gathered layers in flight and NCCL's buffers.
     The strategy streams no layers from CPU memory (FSDP2 is not combined with offload)."""
@@ -95,13 +95,13 @@ def ddp_seconds(single_s: float, lora_params: int, n: int) -> float:
     return single_s + 2 * _bus_seconds(lora_params * 4, n)
 
 
-def fsdp2_seconds(s: Shape, cfg: Config, strategy: dict, lora_params: int, n: int) -> float:
+def fsdp2_seconds(s: Shape, cfg: Config, strategy: Strategy, lora_params: int, n: int) -> float:
     """Seconds of one micro-batch on each FSDP2 rank: layer by layer, the larger of its compute (step_time's rates)
     and the all-gather of its sharded weights (prefetched behind the layer before it), in forward and again in
     backward (weights are resharded after forward), then the reduce-scatter of the LoRA gradients."""
-    T = strategy["micro_batch_size"] * cfg.sequence_len
+    T = strategy.micro_batch_size * cfg.sequence_len
     rate = PLAN_EXECUTED_TFLOPS * 1e12
-    k = checkpointed_layers(strategy, s.L)
+    k = strategy.checkpointed(s.L)
     forward = T * flops.forward_flops_per_layer_token(s, cfg, cfg.sequence_len) / rate
     recompute = T * flops.recompute_flops_per_layer_token(s, cfg, cfg.sequence_len) / rate
     head = T * 4 * s.V * s.h / rate
@@ -124,12 +124,15 @@ def _option(n: int, engine: str, fits: bool, per_gpu: float, tokens: float | Non
     }
 
 
-def options_for(s: Shape, cfg: Config, strategy: dict, counts: list[int]) -> list[dict]:
-    """single at 1 GPU, ddp and fsdp2 at every other count, each priced for the plan's one strategy."""
+def options_for(s: Shape, cfg: Config, strategy: Strategy | dict, counts: list[int]) -> list[dict]:
+    """single at 1 GPU, ddp and fsdp2 at every other count, each priced for the plan's one strategy (as a plan holds
+    it, or its record)."""
+    if not isinstance(strategy, Strategy):
+        strategy = Strategy.from_json(strategy)
     est = estimate(s, cfg, strategy)
     cap = cfg.gpu_memory_gib - safety_margin_gib(cfg.gpu_memory_gib)
-    T = strategy["micro_batch_size"] * cfg.sequence_len
-    single_s = step_seconds(s, cfg, strategy)["step_s"]
+    T = strategy.micro_batch_size * cfg.sequence_len
+    single_s = step_seconds(s, cfg, strategy.to_json())["step_s"]
     single_tps = T / single_s
     lora = est["lora_params"]
     room = f"of {cap:.1f} GiB usable per GPU ({cfg.gpu_memory_gib:g} GiB less the safety margin)"
@@ -145,9 +148,9 @@ def options_for(s: Shape, cfg: Config, strategy: dict, counts: list[int]) -> lis
         )
     ]
     host = ""
-    if strategy.get("offload_layers"):
+    if strategy.offload_layers:
         host = (
-            f"; each rank streams its own copy of the {strategy['offload_layers']} offloaded layers from CPU "
+            f"; each rank streams its own copy of the {strategy.offload_layers} offloaded layers from CPU "
             "memory (that much host memory per rank)"
         )
     for n in (c for c in counts if c > 1):
@@ -168,8 +171,8 @@ def options_for(s: Shape, cfg: Config, strategy: dict, counts: list[int]) -> lis
                 f"({_ASSUMED})",
             )
         )
-        if strategy.get("offload_layers"):
-            plain = {**strategy, "offload_layers": 0, "offload_spread": False}
+        if strategy.offload_layers:
+            plain = strategy.replace(offload_layers=0, offload_spread=False)
             per = fsdp2_per_gpu_gib(s, plain, estimate(s, cfg, plain), n)
             out.append(
                 _option(
@@ -179,7 +182,7 @@ def options_for(s: Shape, cfg: Config, strategy: dict, counts: list[int]) -> lis
                     per,
                     None,
                     f"FSDP2 on {n} GPUs would need {per:.1f} GiB per GPU without the plan's streamed "
-                    f"layers, but the plan streams {strategy['offload_layers']} layers from CPU memory, "
+                    f"layers, but the plan streams {strategy.offload_layers} layers from CPU memory, "
                     f"which FSDP2 does not combine with; set gpus: {n} to plan sharding before fallback's "
                     "offload",
                 )
@@ -226,7 +229,7 @@ def _sharded_search(s: Shape, cfg: Config, counts: list[int], fallback: list[str
     no layers (the least change to the configured run first), or None; also the smallest per-GPU GiB seen at the
     largest count, for the refusal."""
     cap = cfg.gpu_memory_gib - safety_margin_gib(cfg.gpu_memory_gib)
-    rungs = [st for st, _why in ladder(s, cfg, fallback) if not st.get("offload_layers")]
+    rungs = [st for st, _why in ladder(s, cfg, fallback) if not st.offload_layers]
     least = math.inf
     for n in (c for c in counts if c > 1):
         for st in rungs:
@@ -247,15 +250,17 @@ def _sharded_plan(s: Shape, cfg: Config, found: tuple, before: str) -> dict:
         cfg,
         st,
         est,
-        f"{before}; FSDP2 over {n} GPUs holds {st['adapter']} at micro-batch "
-        f"{st['micro_batch_size']} with {checkpointed_layers(st, s.L)} of {s.L} layers checkpointed: "
+        f"{before}; FSDP2 over {n} GPUs holds {st.adapter} at micro-batch "
+        f"{st.micro_batch_size} with {st.checkpointed(s.L)} of {s.L} layers checkpointed: "
         f"{per:.1f} GiB per GPU of {cap:.1f} usable",
         _alternatives(s, cfg, st),
     )
 
 
 def _uses_fallback(strategy: dict, cfg: Config) -> bool:
-    return bool(strategy.get("offload_layers")) or strategy["adapter"] != cfg.adapter
+    """Whether a plan's strategy (as plan.json holds it) takes fallback's offload or QLoRA."""
+    st = Strategy.from_json(strategy)
+    return bool(st.offload_layers) or st.adapter != cfg.adapter
 
 
 def plan_on_gpus(s: Shape, cfg: Config) -> dict:

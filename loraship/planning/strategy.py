@@ -16,20 +16,37 @@ from loraship.planning.knobs import (
     LIGER_NO_FUSED_LOSS,
     activations_setting,
     checkpoint_every_layer,
-    checkpointed_layers,
     strategy_from_config,
-    with_checkpointing,
 )
 from loraship.planning.shape import Shape
 from loraship.planning.step_time import faster_layout, layout_times, step_seconds
 from loraship.planning.strategy_record import Strategy
 
 
+# The keys of a rung the ladder builds, in the order its plan files have always had them: plan.json is hashed into
+# later stages' fingerprints, so the same plan must be the same bytes.
+_RUNG_KEYS = (
+    "adapter",
+    "offload_layers",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "fused_loss",
+    "offload_activations",
+    "gradient_checkpointing",
+    "checkpointed_layers",
+)
+
+
 def _divisors_desc(n: int, at_most: int) -> list[int]:
     return [d for d in range(min(n, at_most), 0, -1) if n % d == 0]
 
 
-def ladder(s: Shape, cfg: Config, fallback: list[str] | None = None) -> list[tuple[dict, str]]:
+def _user(cfg: Config, n_layers: int) -> Strategy:
+    """The configuration as written, as a record."""
+    return Strategy.from_json(strategy_from_config(cfg, n_layers))
+
+
+def ladder(s: Shape, cfg: Config, fallback: list[str] | None = None) -> list[tuple[Strategy, str]]:
     """Candidate strategies in order of preference (least change to the user's run first).
 
     After the configuration itself: more checkpointed layers, then smaller micro-batches at the same
@@ -44,18 +61,18 @@ def ladder(s: Shape, cfg: Config, fallback: list[str] | None = None) -> list[tup
     micro-batch and adapter.
     """
     fallback = cfg.fallback if fallback is None else fallback
-    user = strategy_from_config(cfg, s.L)
+    user = _user(cfg, s.L)
     eff = cfg.micro_batch_size * cfg.gradient_accumulation_steps
     budget = f"{cfg.gpu_memory_gib:g} GiB"
     every = checkpoint_every_layer(cfg)
     setting = activations_setting(cfg)
     ks = [s.L] if every else list(range(s.L + 1))
-    out: list[tuple[dict, str]] = [(user, "as configured")]
+    out: list[tuple[Strategy, str]] = [(user, "as configured")]
     for k in ks:
-        if k != user["checkpointed_layers"]:
+        if k != user.checkpointed_layers:
             out.append(
                 (
-                    with_checkpointing({**user, "offload_activations": setting == "on" and k > 0}, k),
+                    user.replace(offload_activations=setting == "on" and k > 0).with_checkpointing(k),
                     f"checkpointing {k} of {s.L} layers to fit {budget}",
                 )
             )
@@ -65,13 +82,13 @@ def ladder(s: Shape, cfg: Config, fallback: list[str] | None = None) -> list[tup
     if setting == "auto":
         out.append(
             (
-                {**with_checkpointing(user, s.L), "offload_activations": True},
+                user.with_checkpointing(s.L).replace(offload_activations=True),
                 f"checkpointed activations kept in CPU memory to fit {budget}",
             )
         )
         acts = True
         ks = [s.L]
-    fused = user["fused_loss"]
+    fused = user.fused_loss
     mbs = _divisors_desc(eff, cfg.micro_batch_size)
 
     def ckpt_words(k):
@@ -80,33 +97,31 @@ def ladder(s: Shape, cfg: Config, fallback: list[str] | None = None) -> list[tup
         return f", checkpointing {k} of {s.L} layers to fit {budget}" if k else ", no layer checkpointed"
 
     def step(adapter, mb, n_off, k, why):
-        return (
-            with_checkpointing(
-                {
-                    "adapter": adapter,
-                    "offload_layers": n_off,
-                    "micro_batch_size": mb,
-                    "gradient_accumulation_steps": eff // mb,
-                    "fused_loss": fused,
-                    "offload_activations": acts and k > 0,
-                },
-                k,
-            ),
-            why,
+        rung = Strategy(
+            adapter=adapter,
+            offload_layers=n_off,
+            micro_batch_size=mb,
+            gradient_accumulation_steps=eff // mb,
+            fused_loss=fused,
+            offload_activations=acts and k > 0,
+            gradient_checkpointing=k > 0,
+            checkpointed_layers=k,
+            keys=_RUNG_KEYS,
         )
+        return rung, why
 
     for mb in mbs[1:]:
         for k in ks:
             out.append(
                 step(
-                    user["adapter"],
+                    user.adapter,
                     mb,
                     0,
                     k,
                     f"micro-batch {mb} x {eff // mb} accumulation keeps the effective batch {eff}{ckpt_words(k)}",
                 )
             )
-    if user["adapter"] != "lora":
+    if user.adapter != "lora":
         return out
     for kind in dict.fromkeys(fallback):
         if kind == "offload":
@@ -143,29 +158,23 @@ def ladder(s: Shape, cfg: Config, fallback: list[str] | None = None) -> list[tup
     return out
 
 
-def _rung(strategy: dict, user: dict) -> str:
+def _rung(strategy: Strategy, user: Strategy) -> str:
     """Which kind of change a ladder rung makes to the user's strategy."""
-    if strategy["offload_layers"]:
+    if strategy.offload_layers:
         return "offload"
-    if strategy["adapter"] != user["adapter"]:
+    if strategy.adapter != user.adapter:
         return "qlora"
-    if strategy["micro_batch_size"] != user["micro_batch_size"]:
+    if strategy.micro_batch_size != user.micro_batch_size:
         return "micro-batch"
-    if bool(strategy.get("offload_activations")) != bool(user.get("offload_activations")):
+    if bool(strategy.offload_activations) != bool(user.offload_activations):
         return "activations"
-    return (
-        "checkpointing" if strategy.get("checkpointed_layers") != user.get("checkpointed_layers") else "as configured"
-    )
+    return "checkpointing" if strategy.checkpointed_layers != user.checkpointed_layers else "as configured"
 
 
-def _describe(strategy: dict, n_layers: int) -> str:
-    return Strategy.from_json(strategy).describe(n_layers)
-
-
-def _why_not(tried: list[tuple[dict, str, dict]], cfg: Config, n_layers: int) -> str:
+def _why_not(tried: list[tuple[Strategy, str, dict]], cfg: Config, n_layers: int) -> str:
     """One clause per kind of rung tried without fitting: the least memory that kind reached."""
-    user = strategy_from_config(cfg, n_layers)
-    best: dict[str, tuple[dict, dict]] = {}
+    user = _user(cfg, n_layers)
+    best: dict[str, tuple[Strategy, dict]] = {}
     for strat, _why, est in tried:
         kind = _rung(strat, user)
         if kind not in best or est["predicted_total_gib"] < best[kind][1]["predicted_total_gib"]:
@@ -179,11 +188,11 @@ def _why_not(tried: list[tuple[dict, str, dict]], cfg: Config, n_layers: int) ->
         "qlora": "QLoRA",
     }
     parts = [
-        f"{words[k]} ({_describe(st, n_layers)}) needs {est['predicted_total_gib']:.1f} GiB"
+        f"{words[k]} ({st.describe(n_layers)}) needs {est['predicted_total_gib']:.1f} GiB"
         + (f" (peak at {est['peak_phase']})" if k == "as configured" else "")
         for k, (st, est) in best.items()
     ]
-    if user["adapter"] == "lora":
+    if user.adapter == "lora":
         barred = [k for k in ("offload", "qlora") if k not in cfg.fallback]
         if barred:
             parts.append(f"fallback {list(cfg.fallback)} rules out {' and '.join(barred)}")
@@ -195,9 +204,10 @@ def _card_needed_gib(total_gib: float) -> float:
     return max(total_gib + SAFETY_MARGIN_MIN_GIB, total_gib / (1 - SAFETY_MARGIN_FRACTION))
 
 
-def _refusal(s: Shape, cfg: Config, tried: list[tuple[dict, str, dict]]) -> str:
+def _refusal(s: Shape, cfg: Config, tried: list[tuple[Strategy, str, dict]]) -> str:
     budget, margin = cfg.gpu_memory_gib, safety_margin_gib(cfg.gpu_memory_gib)
     n_layers = s.L
+    user = _user(cfg, n_layers)
     smallest = min(tried, key=lambda t: t[2]["predicted_total_gib"])
     need = smallest[2]["predicted_total_gib"]
     fixes = []
@@ -209,41 +219,37 @@ def _refusal(s: Shape, cfg: Config, tried: list[tuple[dict, str, dict]]) -> str:
                 (
                     st
                     for st, _w in ladder(s, cfg, fallback=[kind])
-                    if _rung(st, strategy_from_config(cfg, n_layers)) == kind and estimate(s, cfg, st)["fits"]
+                    if _rung(st, user) == kind and estimate(s, cfg, st)["fits"]
                 ),
                 None,
             )
             if fit:
-                fixes.append(f"set fallback: [{kind}] ({_describe(fit, n_layers)} fits)")
+                fixes.append(f"set fallback: [{kind}] ({fit.describe(n_layers)} fits)")
     if activations_setting(cfg) == "off":
         auto = cfg.model_copy(update={"offload_activations": "auto"})
         fit = next(
-            (st for st, _w in ladder(s, auto) if st.get("offload_activations") and estimate(s, auto, st)["fits"]), None
+            (st for st, _w in ladder(s, auto) if st.offload_activations and estimate(s, auto, st)["fits"]), None
         )
         if fit:
-            fixes.append(f"set offload_activations: auto ({_describe(fit, n_layers)} fits)")
-    if (
-        cfg.fused_loss == "auto"
-        and not strategy_from_config(cfg)["fused_loss"]
-        and s.model_type not in LIGER_NO_FUSED_LOSS
-    ):
+            fixes.append(f"set offload_activations: auto ({fit.describe(n_layers)} fits)")
+    if cfg.fused_loss == "auto" and not user.fused_loss and s.model_type not in LIGER_NO_FUSED_LOSS:
         fixes.append("install liger-kernel (pip install 'loraship[train]') so fused_loss: auto uses the fused loss")
     fixes.append(f"lower sequence_len (now {cfg.sequence_len}) or lora_r (now {cfg.lora_r})")
     fixes.append(f"train on a card with at least {math.ceil(_card_needed_gib(need))} GiB (gpu_memory_gib)")
     return (
         f"nothing fits gpu_memory_gib {budget:g} GiB ({budget - margin:.1f} GiB after the {margin:.1f} GiB safety "
-        f"margin): {_why_not(tried, cfg, n_layers)}. The smallest plan tried ({_describe(smallest[0], n_layers)}) "
+        f"margin): {_why_not(tried, cfg, n_layers)}. The smallest plan tried ({smallest[0].describe(n_layers)}) "
         f"needs {need:.1f} GiB, {need - (budget - margin):.1f} GiB too much. Fix: " + "; or ".join(fixes) + "."
     )
 
 
-def _row(strategy: dict, est: dict) -> dict:
-    return {**strategy, "predicted_total_gib": round(est["predicted_total_gib"], 2), "fits": est["fits"]}
+def _row(strategy: Strategy, est: dict) -> dict:
+    return {**strategy.to_json(), "predicted_total_gib": round(est["predicted_total_gib"], 2), "fits": est["fits"]}
 
 
-def _plan(s: Shape, cfg: Config, strategy: dict, est: dict, reason: str, alternatives: list[dict]) -> dict:
+def _plan(s: Shape, cfg: Config, strategy: Strategy, est: dict, reason: str, alternatives: list[dict]) -> dict:
     return {
-        "strategy": strategy,
+        "strategy": strategy.to_json(),
         "decoder_layers": s.L,
         # What was planned, as transformers builds it (loraship/planning/shape.py), and what the plan leaves out.
         "model": {
@@ -301,40 +307,46 @@ def plan_training(s: Shape, cfg: Config) -> dict:
     return _plan(s, cfg, strat, est, why, _alternatives(s, cfg, strat))
 
 
-def _spread_if_faster(s: Shape, cfg: Config, strat: dict, why: str) -> tuple[dict, str]:
+def _layout_times(s: Shape, cfg: Config, strat: Strategy) -> list[tuple[float, Strategy]]:
+    """step_time.layout_times for a record: each placement of its streamed layers, with its predicted seconds."""
+    return [(t, Strategy.from_json(c)) for t, c in layout_times(s, cfg, strat.to_json())]
+
+
+def _spread_if_faster(s: Shape, cfg: Config, strat: Strategy, why: str) -> tuple[Strategy, str]:
     """Any plan that streams fewer layers than it checkpoints (optimize: memory's least offload among them) spreads
     them where the step model says that is faster: no more memory, the same copies, more compute to hide them."""
-    if not strat.get("offload_layers") or strat.get("offload_spread"):
+    if not strat.offload_layers or strat.offload_spread:
         return strat, why
-    options = layout_times(s, cfg, strat)
+    options = _layout_times(s, cfg, strat)
     t, chosen = min(options, key=lambda o: o[0])
-    if not chosen.get("offload_spread"):
+    if not chosen.offload_spread:
         return strat, why
     first = options[0][0]
-    k = checkpointed_layers(chosen, s.L)
+    k = chosen.checkpointed(s.L)
     return chosen, (
-        f"{why}; its {chosen['offload_layers']} streamed layers spread over the first {k} hide their copies "
+        f"{why}; its {chosen.offload_layers} streamed layers spread over the first {k} hide their copies "
         f"better: predicted {t:.2f} s a micro-batch instead of {first:.2f} s, the same memory"
     )
 
 
-def _stream_for_speed(s: Shape, cfg: Config, strat: dict, est: dict, why: str) -> tuple[dict, dict, str]:
+def _stream_for_speed(s: Shape, cfg: Config, strat: Strategy, est: dict, why: str) -> tuple[Strategy, dict, str]:
     """Where offload had to stream n layers with every layer checkpointed (the ladder's rung), stream more where that
     is faster: each streamed layer frees its weights for the saved activations of a later layer, which then skips its
     recompute (loraship/planning/flops.py recompute_flops_per_layer_token); the copies cost nothing while the matmuls
     take longer, which spreading the streamed layers over the checkpointed ones helps (streamed_layers). The layout
     changes no memory: the same layers' weights stay off the GPU, at most two copies on it. optimize: speed only."""
-    n = strat.get("offload_layers", 0)
+    n = strat.offload_layers
     if not n or checkpoint_every_layer(cfg) or cfg.gradient_checkpointing is not None:
         return strat, est, why
-    first = step_seconds(s, cfg, strat)["step_s"]
+    first = step_seconds(s, cfg, strat.to_json())["step_s"]
     options = [(first, strat, est)]
     for more in range(n, s.L + 1):
         for k in range(more, s.L + 1):  # streamed layers are among the checkpointed (offload.py)
-            cand = with_checkpointing({**strat, "offload_layers": more}, k)
+            cand = strat.replace(offload_layers=more).with_checkpointing(k)
             cand_est = estimate(s, cfg, cand)
             if cand_est["fits"]:
-                t, cand = faster_layout(s, cfg, cand)
+                t, faster = faster_layout(s, cfg, cand.to_json())
+                cand = Strategy.from_json(faster)
                 options.append((t, cand, cand_est))
                 break  # more checkpointed layers would only be slower
     fastest = min(t for t, _, _ in options)
@@ -342,17 +354,17 @@ def _stream_for_speed(s: Shape, cfg: Config, strat: dict, est: dict, why: str) -
     t, chosen, chosen_est = next(o for o in options if o[0] <= fastest * 1.01)
     if chosen is strat or t > first * 0.99:
         return strat, est, why
-    k = checkpointed_layers(chosen, s.L)
+    k = chosen.checkpointed(s.L)
     spread = (
         f", spread over the first {k} (one copy hidden behind more than one layer's forward)"
-        if chosen.get("offload_spread")
+        if chosen.offload_spread
         else ""
     )
     return (
         chosen,
         chosen_est,
         (
-            f"{why}; streaming {chosen['offload_layers']} layers instead of {n}{spread} leaves room for {s.L - k} "
+            f"{why}; streaming {chosen.offload_layers} layers instead of {n}{spread} leaves room for {s.L - k} "
             f"layers' activations, whose recompute is saved: predicted {t:.2f} s a micro-batch instead of {first:.2f} "
             f"s (at {step_time.PLAN_EXECUTED_TFLOPS:g} TFLOP/s and {step_time.PLAN_HOST_TO_DEVICE_GBPS:g} GB/s host "
             "to device)"
@@ -360,27 +372,25 @@ def _stream_for_speed(s: Shape, cfg: Config, strat: dict, est: dict, why: str) -
     )
 
 
-def _alternatives(s: Shape, cfg: Config, chosen: dict) -> list[dict]:
+def _alternatives(s: Shape, cfg: Config, chosen: Strategy) -> list[dict]:
     L = s.L
-    user = strategy_from_config(cfg, L)
+    user = _user(cfg, L)
     cands = [
         user,
-        {**user, "fused_loss": not user["fused_loss"]} if cfg.fused_loss == "auto" else None,
-        {**user, "adapter": "qlora"},
-        {**user, "adapter": "lora"},
+        user.replace(fused_loss=not user.fused_loss) if cfg.fused_loss == "auto" else None,
+        user.replace(adapter="qlora"),
+        user.replace(adapter="lora"),
     ]
     # The fewest checkpointed layers that fit as configured: what optimize: speed would run, the speed
     # optimize: memory leaves unused.
-    fewest = next(
-        (c for c in (with_checkpointing(user, k) for k in range(L + 1)) if estimate(s, cfg, c)["fits"]), None
-    )
+    fewest = next((c for c in (user.with_checkpointing(k) for k in range(L + 1)) if estimate(s, cfg, c)["fits"]), None)
     cands.append(fewest)
-    cands.append({**with_checkpointing(user, L), "offload_activations": True})  # Unsloth's way: inputs in CPU memory
+    cands.append(user.with_checkpointing(L).replace(offload_activations=True))  # Unsloth's way: inputs in CPU memory
     eff = cfg.micro_batch_size * cfg.gradient_accumulation_steps
-    cands.append(with_checkpointing({**user, "micro_batch_size": 1, "gradient_accumulation_steps": eff}, L))
+    cands.append(user.replace(micro_batch_size=1, gradient_accumulation_steps=eff).with_checkpointing(L))
     # The least offload that fits bf16 LoRA at the configured micro-batch (quality of bf16, speed of PCIe).
     for n in range(1, L + 1):
-        c = with_checkpointing({**user, "adapter": "lora", "offload_layers": n}, L)
+        c = user.replace(adapter="lora", offload_layers=n).with_checkpointing(L)
         if estimate(s, cfg, c)["fits"]:
             cands.append(c)
             break
@@ -449,7 +459,12 @@ def replan_after_oom(plan: dict, s: Shape, cfg: Config, measured: dict) -> dict 
         strat,
         est,
         f"re-planned after out-of-memory (under-predicted: {oom_component}); {why}",
-        [_row(plan["strategy"], {"predicted_total_gib": cur["predicted_total_gib"], "fits": False})],
+        [
+            _row(
+                Strategy.from_json(plan["strategy"]),
+                {"predicted_total_gib": cur["predicted_total_gib"], "fits": False},
+            )
+        ],
     )
     out["oom_component"] = oom_component
     return out
