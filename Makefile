@@ -47,9 +47,8 @@ lint: $(VENV)/.installed
 # Two pytest-xdist workers on 2 cores: one test process alone keeps only part of both busy (bench/results/ci_time.json).
 # --dist loadfile: a test file runs on one worker, so no module fixture is built twice; the order tests/conftest.py
 # gives (longest files first) is kept.
-# Serial by default: under xdist tests/test_interrupt.py's Prefect slot test cannot start its ephemeral server
-# ("Application startup failed"); PYTEST_WORKERS=2 runs the two workers.
-PYTEST_WORKERS ?= 0
+# PYTEST_WORKERS=0 runs the tests in one process.
+PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed lint
 	$(PY) -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
