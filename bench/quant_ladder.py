@@ -469,7 +469,8 @@ def main() -> None:
         "peer_note": (
             f"llama-perplexity {' '.join(PEER_ARGS)}: the eval texts verify scores, joined, read without "
             "special-token parsing, chunks of PEER_CTX tokens, the second half of each scored over every token; "
-            "peer_base_kl_mean is tasks/verify.py's eval_agreement on exactly those tokens and positions with the "
+            "peer_base_kl_mean is loraship/verification/scoring.py's eval_agreement on exactly those tokens and "
+            "positions with the "
             "F16 GGUF as the base, as llama-perplexity has it (ours_vs_peer: its relative difference); "
             "peer_rules_kl_mean the same KL computed under llama-perplexity's storage of the base (log-probs within "
             "16 nats of the top only, rounded to uint16 steps; ours_rules_vs_peer); peer_positions_kl_mean the same "

@@ -423,7 +423,8 @@ def main() -> None:
     result: dict = {
         "what": "bench/quant_ladder_gpu.py: a random-weight model in a real shape with Qwen's vocabulary through "
         "loraship's stages (plan with quantization: auto -> train -> merge -> convert -> quantize, one rung "
-        "per quantize call); each rung loaded as verify loads it (tasks/verify.py measure_apart: every layer "
+        "per quantize call); each rung loaded as verify loads it (loraship/verification/measure_child.py "
+        "measure_apart: every layer "
         "on the GPU at n_ctx = target_context, flash attention off), its GPU memory through NVML in that "
         "process, a prompt and greedy generation timed; predictions from plan.json and verify's memory_plan",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

@@ -6,7 +6,7 @@
 The config is what a user writes: configs/demo.yaml (the demo), or for --family the demo config with
 tests/test_families.py's overrides (FAMILY_OVERRIDES, SEQUENCE_LEN, the family's chat template), as
 run_family runs it; device: cuda, so verify refuses to fall back to the CPU
-(tasks/verify.py pick_device). Each stage runs as its image does, `python -m loraship.stages.<stage>
+(loraship/verification/device.py pick_device). Each stage runs as its image does, `python -m loraship.stages.<stage>
 CONFIG` in its own process, timed (torch's CUDA libraries and llama.cpp's in one process crashed
 verify once: bench/verify_gpu.py). publish is left out.
 
