@@ -19,6 +19,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LORASHIP_CACHE", str(REPO / ".loraship" / "cache"))
 # Under pytest-xdist (make test runs `-n 2`) each worker starts its own ephemeral Prefect server: one SQLite
 # database each, or two servers migrate and write the same file at once. Set before anything imports prefect.
+# Prefect reads its settings once, when first imported (collection imports every test file): the 20 s default to
+# start the ephemeral server ran out in CI while the other worker trained ("Timed out while attempting to connect").
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER and not os.environ.get("PREFECT_HOME", "").endswith(f"xdist-{WORKER}"):  # tests import this file again
     os.environ["PREFECT_HOME"] = str(Path(os.environ.get("PREFECT_HOME") or REPO / ".prefect") / f"xdist-{WORKER}")
