@@ -24,6 +24,7 @@ weight's product, so the base need not be F16).
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -224,7 +225,21 @@ def base_license(config) -> str | None:
     return ",".join(value) if isinstance(value, list) else value
 
 
-def gguf_metadata(config) -> dict:
+def llama_cpp_name(name: str, tokenizer) -> str:
+    """general.name as llama.cpp must read it. llama.cpp strips the whitespace after special tokens, as Phi-3's
+    HF tokenizer does (rstrip), only where general.name holds "phi-3" or "phi3" (llama.cpp's src/llama-vocab.cpp):
+    a Phi-3 from a folder of another name served every prompt with newlines the model never saw
+    (tests/test_families.py's export checks), and such a name over a tokenizer that keeps them strips them."""
+    rstrips = any(t.special and t.rstrip for t in getattr(tokenizer, "added_tokens_decoder", {}).values())
+    says_phi3 = re.search(r"phi-?3", name, re.IGNORECASE) is not None
+    if rstrips and not says_phi3:
+        return f"{name}-phi-3"
+    if says_phi3 and not rstrips:
+        return re.sub(r"(phi-?)3", r"\g<1>_3", name, flags=re.IGNORECASE)
+    return name
+
+
+def gguf_metadata(config, tokenizer) -> dict:
     """The converter's metadata override (gguf-py's Metadata.load reads these keys)."""
     from gguf import Keys
 
@@ -236,7 +251,7 @@ def gguf_metadata(config) -> dict:
         if config.base_model_revision:
             base["version"] = config.base_model_revision
     metadata = {
-        Keys.General.NAME: f"{label}-{config.run_name}",
+        Keys.General.NAME: llama_cpp_name(f"{label}-{config.run_name}", tokenizer),
         Keys.General.BASENAME: label,
         Keys.General.FINETUNE: config.run_name,
         "general.base_models": [base],  # gguf-py's override key for general.base_model.{count,N.*}
@@ -274,11 +289,11 @@ def run(config) -> dict:
     merged = ctx.upstream_dir("merge") / MERGED_DIR
     merged_bytes = sum(p.stat().st_size for p in merged.glob("*.safetensors"))
     check_free_disk(ctx.dir, merged_bytes * 1.05, "convert (F16 GGUF)")
-    metadata = gguf_metadata(config)
-    atomic_write_json(ctx.dir / GGUF_METADATA_FILE, metadata)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(merged)
+    metadata = gguf_metadata(config, tokenizer)
+    atomic_write_json(ctx.dir / GGUF_METADATA_FILE, metadata)
     # Rendered as trained (Qwen3's enable_thinking from `thinking:`), so the Modelfile's template renders that form.
     set_template_kwargs(tokenizer, template_kwargs(template_of(tokenizer), config.thinking))
     facts = ollama_facts(tokenizer, merged)

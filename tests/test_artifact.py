@@ -359,9 +359,9 @@ def test_license_comes_from_the_base_models_card(tmp_path):
     config = parse_config(
         {"base_model": str(base), "run_name": "support-bot", "datasets": [{"path": "x", "type": "chat"}]}
     )
-    assert "general.license" not in gguf_metadata(config)  # no card: no license claimed
+    assert "general.license" not in gguf_metadata(config, None)  # no card: no license claimed
     (base / "README.md").write_text("---\nlicense: apache-2.0\ntags: [text]\n---\n\n# My base\n", encoding="utf-8")
-    metadata = gguf_metadata(config)
+    metadata = gguf_metadata(config, None)
     assert metadata["general.license"] == "apache-2.0"
     assert metadata["general.name"] == "my-base-support-bot" and metadata["general.finetune"] == "support-bot"
 

@@ -64,16 +64,14 @@ def run_family(model: Path, family: Family, root: Path, run_name: str | None = N
     return config, manifests, verify
 
 
-# A family's run takes 1.5-2 minutes on 2 quiet CPU cores (building its model included), so the default run
-# (CI) takes each tokenizer and template once: these three are `slow` because another default test runs the
-# same ones through the pipeline. `pytest -m slow tests/test_families.py` runs them all.
-COVERED_ELSEWHERE = {
-    "llama3-instruct": "llama3-base runs the same Llama 3 tokenizer with the llama3 template",
-    "smollm2": "the real SmolLM2 run below has the same tokenizer and template, with real weights",
-    "qwen2-base": "tests/test_turn_end.py runs a Qwen2 base with Qwen's vocabulary, given ChatML by init",
-}
+# A family's pipeline costs 170-600 CPU-s on 2 cores, its model build included (bench/results/test_cpu.json), and
+# eleven of them were half the default suite's CPU. The default run (CI) takes the whole pipeline, served check
+# included, for the families users fine-tune most today; every other family gets the export checks further down
+# (the pinned converter, the GGUF's pre-tokenizer, template, turn end and tokenizer parity, on random weights).
+# `pytest -m slow tests/test_families.py` runs every family's pipeline.
+DEFAULT_PIPELINES = {"qwen3", "gemma3", "llama31"}
 PIPELINE_FAMILIES = [
-    pytest.param(n, marks=pytest.mark.slow) if n in COVERED_ELSEWHERE else n for n in sorted(FAMILIES)
+    n if n in DEFAULT_PIPELINES else pytest.param(n, marks=pytest.mark.slow) for n in sorted(FAMILIES)
 ]
 
 
@@ -342,3 +340,91 @@ def test_ollama_template_renders_qwen3_in_the_form_it_was_trained(family_folders
         .split('"""', 1)[0]
         .endswith("<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n"))
     )
+
+
+# -- export checks of every other family, on random weights ------------------------------------------------------
+@pytest.fixture(scope="session", params=sorted(set(FAMILIES) - DEFAULT_PIPELINES))
+def family_export(request, tmp_path_factory):
+    """The family's tokenizer and config with seeded random weights, made into a merged folder by merge's own
+    functions (tokenizer copy, configured template, stop tokens) and converted to GGUF by convert's: what the
+    converter and llama.cpp make of this tokenizer and template needs no training (seconds, not minutes)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from loraship.fixtures.families import SEED, model_config, write_folder_without_weights
+    from loraship.llamacpp import space_prefix
+    from loraship.stages import convert, merge
+
+    family = FAMILIES[request.param]
+    root = tmp_path_factory.mktemp(f"export-{family.name}")
+    base, merged = root / "base", root / "merged"
+    base.mkdir()
+    write_folder_without_weights(family.name, base)
+    with torch.random.fork_rng():
+        torch.manual_seed(SEED)
+        AutoModelForCausalLM.from_config(model_config(family)).save_pretrained(merged)
+    merge.copy_tokenizer(base, merged, trust_remote_code=False)
+    merge.write_chat_template(merged, family.chat_template)
+    merge.stop_at_turn_end(merged)
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    add_space_prefix, problem = space_prefix.choose(tokenizer, {"chat"})
+    assert problem is None, problem
+    gguf, metadata = root / "model-f16.gguf", root / "metadata.json"
+    # The folder's name says nothing of the family, as a user's own base folder may not.
+    metadata.write_text(json.dumps({"general.name": convert.llama_cpp_name("merged-run", tokenizer)}))
+    convert.convert(merged, gguf, metadata=metadata, add_space_prefix=add_space_prefix)
+    return family, tokenizer, gguf
+
+
+@pytest.fixture(scope="module")
+def demo_chats() -> list[list[dict]]:
+    rows = (REPO / "data" / "demo" / "train.jsonl").read_text(encoding="utf-8").splitlines()[:24]
+    return [json.loads(line)["messages"] for line in rows]
+
+
+def test_export_names_the_family_pre_tokenizer_and_template(family_export):
+    from loraship.chat import template_of
+
+    family, tokenizer, gguf = family_export
+    fields = _gguf_fields({"gguf": str(gguf)})
+    assert fields["tokenizer.ggml.pre"] == family.pre
+    assert fields["tokenizer.chat_template"] == template_of(tokenizer)
+
+
+def test_export_ends_generation_on_the_turn_end_and_tokenizes_like_hf(family_export, demo_chats):
+    """llama.cpp reads the GGUF's vocabulary as HF does on the demo's conversations (whole, and as served
+    prompts), and stops at the template's turn end."""
+    import llama_cpp
+
+    from loraship.chat import render, turn_end
+    from loraship.verification.llama_ops import served_ids
+
+    family, tokenizer, gguf = family_export
+    end = turn_end(tokenizer)
+    assert end["text"] == family.turn_end
+    texts = [render(tokenizer, chat) for chat in demo_chats]
+    texts += [render(tokenizer, chat[:1], add_generation_prompt=True) for chat in demo_chats]
+    llm = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
+    try:
+        assert llama_cpp.llama_vocab_is_eog(llm._model.vocab, end["id"]), f"{end} does not end generation"
+        differ = [t for t in texts if served_ids(llm, t, False) != tokenizer(t, add_special_tokens=False).input_ids]
+    finally:
+        llm.close()
+    assert texts and not differ, f"{len(differ)}/{len(texts)} differ, first: {differ[:1]}"
+
+
+@pytest.mark.parametrize(
+    "family, name, served",
+    [
+        ("phi3", "support-bot-v2", "support-bot-v2-phi-3"),  # llama.cpp strips after its markers only by name
+        ("phi3", "Phi-3-mini-support", "Phi-3-mini-support"),
+        ("phi4", "Phi3-style-support", "Phi_3-style-support"),  # Phi-4's markers keep the whitespace after them
+        ("qwen3", "support-bot", "support-bot"),
+    ],
+)
+def test_gguf_name_makes_llama_cpp_strip_after_special_tokens_as_hf_does(family_folders, family, name, served):
+    from transformers import AutoTokenizer
+
+    from loraship.stages.convert import llama_cpp_name
+
+    assert llama_cpp_name(name, AutoTokenizer.from_pretrained(family_folders[family])) == served
