@@ -47,9 +47,9 @@ lint: $(VENV)/.installed
 # Two pytest-xdist workers on 2 cores: one test process alone keeps only part of both busy (bench/results/ci_time.json).
 # --dist loadfile: a test file runs on one worker, so no module fixture is built twice; the order tests/conftest.py
 # gives (longest files first) is kept.
-# One torch thread per worker: two workers of two OpenMP threads each on 2 cores took 76 s for what one thread each
-# did in 36 and one process of two threads in 42 (bench/results/omp_threads.json: 76, 39 and 42 s); CI's two-worker run was slower
-# than its serial one. PYTEST_WORKERS=0 runs the tests in one process, with torch's own thread count.
+# One torch thread per worker: the same training loop twice took 76 s on two workers of two OpenMP threads each,
+# 39 s on one thread each and 42 s in one process of two (bench/results/omp_threads.json); CI's two-worker run was
+# slower than its serial one. PYTEST_WORKERS=0 runs the tests in one process, with torch's own thread count.
 PYTEST_WORKERS ?= 2
 test: $(VENV)/.installed lint
 	$(if $(filter-out 0,$(PYTEST_WORKERS)),OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}) $(PY) -m pytest \
