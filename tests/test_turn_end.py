@@ -142,7 +142,17 @@ def base_given_chatml_run(tiny_qwen, tmp_path_factory):
     template, _why = template_for_base(base, "chat")
     config = parse_config(
         demo_config_dict(
-            base, root, run_name="base-chatml", chat_template=template, sequence_len=96, max_new_tokens=16
+            base,
+            root,
+            run_name="base-chatml",
+            chat_template=template,
+            sequence_len=96,
+            max_new_tokens=16,
+            # The tiny Qwen knows the reply format from pre-training (loraship/fixtures/tinyqwen.py).
+            max_steps=16,
+            save_steps=16,
+            warmup_steps=2,
+            micro_batch_size=8,
         )
     )
     import importlib
