@@ -11,7 +11,7 @@ TINY_MODEL := .loraship/models/tiny-llama
 
 .PHONY: venv demo test lint tiny-model clean
 
-# llama-cpp-python is compiled here (187 s on 2 cores, 2026-12-05) for any x86-64 with AVX2, not for this CPU: a native build
+# llama-cpp-python is compiled here (187 s on 2 cores) for any x86-64 with AVX2, not for this CPU: a native build
 # (-march=native) on a CPU with AMX runs ggml's AMX matmul, which crashed every llama.cpp decode on such a machine
 # (SIGSEGV in ggml_backend_amx_mul_mat); the images build with GGML_NATIVE off too (images/Dockerfile).
 # LLAVA_BUILD off: no multimodal library (libmtmd), which nothing here loads: 187 s instead of 226 s on 2 cores.

@@ -161,7 +161,7 @@ STAMPED_SOURCES = ("bench/train_bench.py", "tasks/plan.py", "tasks/train.py", "l
 def source_stamp() -> dict:
     """The commit this ran from ($LORASHIP_COMMIT, which the device call passes, else git) and a hash of the sources
     that decide a row. The variable comes first: the device machine's copy of the tree carries a .git that is not
-    updated when the tree is sent (on 2026-12-04 it still named the session's first commit)."""
+    updated when the tree is sent (it once still named the session's first commit)."""
     commit, dirty = os.environ.get("LORASHIP_COMMIT") or None, None
     try:
         if commit is None:

@@ -222,7 +222,7 @@ def real_run(real_smollm2, tmp_path_factory):
 
 def test_real_pretrained_model_passes_every_gate(real_run):
     """4 LoRA steps (what 2 cores afford) teach the reply format, not the invented capitals, so most names
-    are near-tied guesses: measured 2026-12-04, 1/12 answers equal the merged model's token for token and
+    are near-tied guesses: measured on 2 cores, 1/12 answers equal the merged model's token for token and
     the other 11 part from it where it led by 0.04-0.46 nats (golden_margin 1.0), decisive agreement 45/45,
     KL 0.013, same top token 95%, parity 24/24; one served answer parted from the GGUF's own greedy answer
     where llama.cpp led by 0.067 nats."""

@@ -3,7 +3,7 @@
 # PYTHONPATH), unpack the tiny model whose tokenizer the benches use, and print what is installed.
 #   bash .whl-train/install.sh && export PYTHONPATH=/tmp/site:$PWD
 # Run from the repository root. Everything is --no-deps: the image's python3 has torch 2.11, transformers
-# 5.17, peft, accelerate, triton, numpy, pyyaml, ... (as found on the lent H200, 2026-12-02); what it lacks is here.
+# 5.17, peft, accelerate, triton, numpy, pyyaml, ... (as found on the lent H200); what it lacks is here.
 set -e
 D=$(cd "$(dirname "$0")" && pwd)
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "${SITE:=/tmp/site}" "$D"/*.whl

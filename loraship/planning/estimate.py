@@ -46,10 +46,9 @@ CAL = {
     # NVML per-process used minus torch reserved, H200, torch 2.11 + CUDA 13: 0.74 GiB in every run.
     "cuda_context_gib": 0.74,
     # The train stage runs with expandable segments (tasks/train.py), where reserved stays close to allocated:
-    # reserved minus allocated was 0.28-0.48 GiB (median 0.31) in its six H200 rows of bench/results/train_bench.json
-    # as of commit 10ebd3a (2026-12-03), fitted on those (in-sample); 0.16-0.46 (median 0.34) in the eight distinct
-    # loraship rows of it as of 6f6364f (2026-12-04), measured after the fit; 0.13-0.67 (median 0.31) in the ten
-    # loraship rows of issue #24's run (the file now). The reserve_* terms above are the default allocator's.
+    # reserved minus allocated was 0.28-0.48 GiB (median 0.31) in the six H200 rows it was fitted on (in-sample);
+    # 0.16-0.46 (median 0.34) in eight loraship rows measured after the fit and 0.13-0.67 (median 0.31) in the ten
+    # loraship rows of bench/results/train_bench.json. The reserve_* terms above are the default allocator's.
     "reserve_expandable_gib": 0.31,
     # ...except after HF cross-entropy: its fp32 logits and log-softmax are a step's largest blocks, and the space
     # they leave stays mapped between steps on a card with room. A fraction of that loss transient, fitted on the

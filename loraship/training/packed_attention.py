@@ -11,8 +11,8 @@ this is transformers' SDPA attention with its usual mask.
 
 transformers' own answer for packed rows under SDPA is a block-causal mask built from the position ids
 (masking_utils.find_packed_sequence_indices): a T x T mask per row that keeps SDPA off its flash kernel and still
-computes every masked score. On the H200 (2026-12-03) packed rows that way trained at 0.59x the padded speed; through
-this module, 2.43x (bench/results/train_bench.json as of commit 10ebd3a, case `packing`).
+computes every masked score. On the H200 packed rows that way trained at 0.59x the padded speed; through this
+module, 2.43x (bench/README.md, the `packing` case of the train bench).
 
 A micro-batch whose examples all have one length has nothing to unpad: the train stage sends it as a plain batch
 with no mask (loraship/training/batches.py `micro_batch`), which this function hands to SDPA's causal kernel. On the
