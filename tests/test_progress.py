@@ -256,6 +256,47 @@ print(json.dumps(found))
     assert json.loads(result.stdout.strip().splitlines()[-1]) == [["progress", 100, "train: step 4/4, 100%"]]
 
 
+def test_training_ranks_progress_reaches_the_flow_runs_artifact(tmp_path):
+    """Ranks under torchrun have no Prefect run: rank 0 relays its figures through a file and the launcher, inside
+    the flow run, mirrors them into the artifact (rank 1 says the same figures and relays none)."""
+    (tmp_path / "rank_progress.py").write_text(
+        "import logging, os, time\n"
+        "from loraship.runtime.progress import Progress\n"
+        "p = Progress('train', 4, logging.getLogger('loraship'), key='relay-test', every=0)\n"
+        "for step in range(1, 5):\n"
+        "    p.update(step, f'step {step}/4 rank {os.environ[\"RANK\"]}')\n"
+        "    time.sleep(0.5)\n"
+    )
+    code = """
+import json, sys
+from pathlib import Path
+from prefect import flow
+from prefect.client.orchestration import get_client
+from loraship.training import distributed
+
+@flow
+def f():
+    distributed.launch_ranks("rank_progress", [], 2, Path(sys.argv[1]), resume_hint="")
+    return len((Path(sys.argv[1]) / distributed.PROGRESS_FILE).read_text().splitlines())
+
+lines = f()
+with get_client(sync_client=True) as client:
+    found = [(a.type, a.data, a.description) for a in client.read_artifacts() if a.key == "relay-test"]
+print(json.dumps([lines, found]))
+"""
+    env = {
+        "PYTHONPATH": f"{REPO}:{tmp_path}",
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+        "OMP_NUM_THREADS": "1",
+    }
+    result = run_child([sys.executable, "-c", code, str(tmp_path / "reports")], 300, "flow", extra_env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines, found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert lines == 4  # rank 0's four figures, none of rank 1's
+    assert found == [["progress", 100, "train: step 4/4 rank 0, 100%"]]
+
+
 # --- pictures ---------------------------------------------------------------------------------------
 def png_size(data: bytes) -> tuple[int, int]:
     """Width and height of a well-formed PNG: signature, IHDR first, every chunk's CRC right, IEND last."""

@@ -9,10 +9,15 @@ importing Prefect, which the stage images need not have.
 
 `LlamaCppProgress` reads llama.cpp's converter and quantizer output, line by line as it streams
 (loraship/runtime/proc.py), into Progress updates.
+
+A child process has no Prefect run (training ranks under torchrun): where its parent set LORASHIP_PROGRESS_RELAY,
+the child's rank 0 appends each figure it says to that file, and the parent's `ProgressRelay` mirrors them into the
+same artifacts from the flow run's own process.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 
 PROGRESS_S_ENV = "LORASHIP_PROGRESS_S"
 DEFAULT_EVERY_S = 15.0
+PROGRESS_RELAY_ENV = "LORASHIP_PROGRESS_RELAY"
 
 
 def every_s() -> float:
@@ -82,6 +88,9 @@ class Progress:
         self.said_last = False
         self.artifact = None  # Prefect artifact id, or None
         self.mirror = in_prefect_run()
+        # Outside a run, a parent's relay file (rank 0 only: the other ranks say the same figures).
+        relay = os.environ.get(PROGRESS_RELAY_ENV)
+        self.relay = relay if relay and key and not self.mirror and os.environ.get("RANK", "0") == "0" else None
 
     def update(self, done: float, detail: str = "", total: float | None = None) -> None:
         if total is not None:
@@ -136,6 +145,18 @@ class Progress:
         pct = self.percent(done)
         if self.mirror and pct is not None:
             self._mirror(pct, text)
+        elif self.relay and pct is not None:
+            self._relay(pct, text)
+
+    def _relay(self, pct: float, text: str) -> None:
+        try:
+            with open(
+                self.relay, "a", encoding="utf-8"
+            ) as f:  # one short line per write: the reader takes whole lines
+                f.write(json.dumps({"key": self.key, "what": self.what, "pct": pct, "text": text}) + "\n")
+        except OSError as e:
+            self.relay = None
+            self.log.warning("%s: progress no longer relayed to the parent (%s)", self.what, e)
 
     def _mirror(self, pct: float, text: str) -> None:
         from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -148,6 +169,42 @@ class Progress:
         except Exception as e:  # noqa: BLE001 - an unreachable or refusing API must not stop a training run
             self.mirror = False
             self.log.warning("%s: progress no longer mirrored to Prefect (%s: %s)", self.what, type(e).__name__, e)
+
+
+class ProgressRelay:
+    """The parent's side of LORASHIP_PROGRESS_RELAY: `poll()` mirrors the figures a child appended since the last
+    poll into Prefect progress artifacts, one per key, from this process (inside the flow run). Logs nothing: the
+    child's own lines reach the stage log already. Outside a Prefect run it reads nothing."""
+
+    def __init__(self, path, logger: logging.Logger):
+        self.path, self.log, self.offset = path, logger, 0
+        self.active = in_prefect_run()
+        self.mirrors: dict[str, Progress] = {}
+
+    def env(self) -> dict[str, str]:
+        """What the child's environment needs (nothing outside a Prefect run)."""
+        return {PROGRESS_RELAY_ENV: str(self.path)} if self.active else {}
+
+    def poll(self) -> int:
+        """Mirror every complete new line; returns how many."""
+        if not self.active:
+            return 0
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return 0
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        lines = [json.loads(line) for line in complete.decode("utf-8").splitlines() if line.strip()]
+        for line in lines:
+            mirror = self.mirrors.get(line["key"])
+            if mirror is None:
+                mirror = self.mirrors[line["key"]] = Progress(line["what"], 100.0, self.log, key=line["key"])
+            if mirror.mirror:
+                mirror._mirror(line["pct"], line["text"])
+        return len(lines)
 
 
 # -- llama.cpp's converter (convert_hf_to_gguf.py) and quantizer (llama_model_quantize) output ------------

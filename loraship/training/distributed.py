@@ -32,6 +32,8 @@ ENGINES = ("single", "ddp", "fsdp2")
 CPU_RANKS_ENV = "LORASHIP_CPU_RANKS"  # ranks on a CPU, which has no visible GPUs to count (tests, CI)
 REPORTS_ENV = "LORASHIP_RANK_REPORTS"  # the folder where ranks and the launcher leave what went wrong
 FAILURES_FILE = "failures.json"
+PROGRESS_FILE = "progress.jsonl"  # rank 0's progress figures, relayed to Prefect by the launcher
+RELAY_POLL_S = 2.0
 # A rank's exit code after it wrote its report: a LorashipError (the CLI's code for it) or out of memory.
 EXIT_USER_ERROR = 2
 EXIT_OUT_OF_MEMORY = 3
@@ -134,18 +136,33 @@ def launch_ranks(
     RankFailed naming the rank, its exit code or signal, for anything else. resume_hint: what a rerun does (where it
     resumes), or a function that says it once the ranks stopped. The ranks lead their own session, killed with this
     process (interrupt or kill -9)."""
+    import logging
+
+    from loraship.runtime.progress import ProgressRelay
     from loraship.runtime.proc import child_setup, kill_group
 
     reports.mkdir(parents=True, exist_ok=True)
-    for old in [*reports.glob("rank-*.json"), reports / FAILURES_FILE]:  # an earlier attempt's
+    for old in [
+        *reports.glob("rank-*.json"),
+        reports / FAILURES_FILE,
+        reports / PROGRESS_FILE,
+    ]:  # an earlier attempt's
         old.unlink(missing_ok=True)
+    # The ranks have no Prefect run: rank 0 relays its progress figures, mirrored here into the flow run's artifacts.
+    relay = ProgressRelay(reports / PROGRESS_FILE, logging.getLogger("loraship.train"))
     # The ranks are this stage, in this container: they get its environment (the model is resolved already).
-    child = {**os.environ, **(env or {}), REPORTS_ENV: str(reports)}
+    child = {**os.environ, **(env or {}), **relay.env(), REPORTS_ENV: str(reports)}
     proc = subprocess.Popen(
         torchrun_command(module, args, world_size), env=child, start_new_session=True, preexec_fn=child_setup
     )
     try:
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait(timeout=RELAY_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                relay.poll()
+        relay.poll()
     except BaseException:
         kill_group(proc)
         raise
