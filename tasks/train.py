@@ -128,7 +128,9 @@ def train_once(
     packed, packing_why = use_packing(config, model, device)
     batches = Batches.of(config, strategy, train.examples, packed, tokenizer, ranks.world_size)
     opt = make_optimizer(config, model, batches.total_steps(config))
-    eval_before = eval_loss(config, loaded, evaluation, batches, device, "train: eval before (base model)", base=True)
+    eval_before = eval_loss(
+        config, loaded, evaluation, batches, device, "train: eval before (base model)", ranks.rank, base=True
+    )
     eval_peak = peak_memory(device)
     # The evaluation's activations and logits are free now; hand their cached blocks back so that
     # training's own peak, not the eval's leftovers, shapes the allocator's segments.
@@ -142,7 +144,7 @@ def train_once(
     run_steps(config, ctx.dir / CHECKPOINTS_DIR, wrapped, ranks, batches, opt, loop, per_token, device, progress)
     seconds = time.perf_counter() - loop.started
     measured = distributed.worst_rank_memory(peak_memory(device), ranks.rank)  # the card that limits the plan
-    eval_after = eval_loss(config, loaded, evaluation, batches, device, "train: eval after")
+    eval_after = eval_loss(config, loaded, evaluation, batches, device, "train: eval after", ranks.rank)
     save_adapter(ctx.dir, wrapped, tokenizer, loop.history)
     if measured:
         measured.update(
@@ -162,14 +164,21 @@ def train_once(
 
 
 def eval_loss(
-    config, loaded: LoadedModel, evaluation, batches: Batches, device: str, title: str, base: bool = False
+    config,
+    loaded: LoadedModel,
+    evaluation,
+    batches: Batches,
+    device: str,
+    title: str,
+    rank: distributed.Rank | None = None,
+    base: bool = False,
 ) -> float | None:
     """The eval split's loss per target token, of the base alone (the adapter switched off) where `base`; its
     progress under the stage's eval key."""
     progress = Progress(title, None, log, key=artifact_key(config.run_name, STAGE, "eval-progress"))
     measure = evaluate_base if base else evaluate
     examples, batch_size = evaluation.examples, max(1, batches.micro)
-    return measure(loaded.model, examples, batch_size, batches.pad_id, device, progress, loaded.fused_loss)
+    return measure(loaded.model, examples, batch_size, batches.pad_id, device, progress, loaded.fused_loss, rank)
 
 
 def attempt_metrics(loaded: LoadedModel, loop: StepLoop, seconds: float, per_token: float | None, device: str) -> dict:

@@ -341,3 +341,37 @@ def test_the_train_stage_on_two_cpu_ranks_trains_as_one_process(tiny_model, tmp_
         stage_dir(configs["two"], "train") / "checkpoints" / "last" / "trainer_state.pt", weights_only=True
     )
     assert state["step"] == 2 and state["world_size"] == 2
+
+
+@pytest.mark.parametrize("world_size, batches", [(2, 5), (3, 5), (2, 4), (4, 2)])
+def test_ranks_share_the_eval_and_add_up_to_one_processs_loss(monkeypatch, world_size, batches):
+    """Each rank evaluates every world_size-th batch and the sums are added: one process's mean loss, each rank
+    running as many forwards (FSDP2's forward is a collective), a padding forward counted for nothing."""
+    from types import SimpleNamespace
+
+    from loraship.data import IGNORE_INDEX
+    from loraship.training import evaluation
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.forwards = 0
+
+        def forward(self, input_ids, attention_mask, labels):
+            self.forwards += 1
+            return SimpleNamespace(loss=input_ids.float().mean() / 10)  # differs per batch
+
+    examples = [
+        {"input_ids": [i + 1] * (3 + i % 4), "labels": [IGNORE_INDEX] + [i + 1] * (2 + i % 4)}
+        for i in range(batches * 2)
+    ]
+    one = evaluation.evaluate(Model(), examples, 2, 0, "cpu")
+    partial, forwards = [], []
+    monkeypatch.setattr(dist_lib, "all_sum", lambda values, rank: partial.append(values) or values)
+    for r in range(world_size):
+        model = Model()
+        evaluation.evaluate(model, examples, 2, 0, "cpu", rank=SimpleNamespace(rank=r, world_size=world_size))
+        forwards.append(model.forwards)
+    total, count = (sum(p[i] for p in partial) for i in (0, 1))
+    assert total / count == pytest.approx(one, rel=1e-12)
+    assert len(set(forwards)) == 1 and forwards[0] == -(-batches // world_size)
