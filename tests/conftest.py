@@ -19,12 +19,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LORASHIP_CACHE", str(REPO / ".loraship" / "cache"))
 # Under pytest-xdist (make test runs `-n 2`) each worker starts its own ephemeral Prefect server: one SQLite
 # database each, or two servers migrate and write the same file at once. Set before anything imports prefect.
-# Prefect reads its settings once, when first imported (collection imports every test file): the 20 s default to
-# start the ephemeral server ran out in CI while the other worker trained ("Timed out while attempting to connect").
+# Prefect reads its settings once, when first imported (collection imports every test file): its 20 s default to
+# start the ephemeral server is short while the other worker trains.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER and not os.environ.get("PREFECT_HOME", "").endswith(f"xdist-{WORKER}"):  # tests import this file again
     os.environ["PREFECT_HOME"] = str(Path(os.environ.get("PREFECT_HOME") or REPO / ".prefect") / f"xdist-{WORKER}")
+    # Prefect makes the home's last folder only: on a fresh clone (CI) it failed, the server found no database
+    # and every test on it timed out ("Timed out while attempting to connect to ephemeral Prefect API server").
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
 
 # Under xdist a test file stays on one worker (--dist loadfile): its module and session fixtures are built once.
 # pytest-xdist 3.8's loadgroup cannot split test_families.py by family under pytest 9.2 (it renames node ids
