@@ -343,26 +343,27 @@ def test_ollama_template_renders_qwen3_in_the_form_it_was_trained(family_folders
 
 
 # -- export checks of every other family, on random weights ------------------------------------------------------
-@pytest.fixture(scope="session", params=sorted(set(FAMILIES) - DEFAULT_PIPELINES))
-def family_export(request, tmp_path_factory):
-    """The family's tokenizer and config with seeded random weights, made into a merged folder by merge's own
-    functions (tokenizer copy, configured template, stop tokens) and converted to GGUF by convert's: what the
-    converter and llama.cpp make of this tokenizer and template needs no training (seconds, not minutes)."""
+@pytest.fixture(scope="module", params=sorted(set(FAMILIES) - DEFAULT_PIPELINES))
+def family_export(request, family_folders, tmp_path_factory):
+    """The family's tokenizer and config (family_folders) with seeded random weights, made into a merged folder by
+    merge's own functions (tokenizer copy, configured template, stop tokens) and converted to GGUF by convert's:
+    what the converter and llama.cpp make of this tokenizer and template needs no training (seconds, not minutes)."""
+    import shutil
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loraship.fixtures.families import SEED, model_config, write_folder_without_weights
+    from loraship.fixtures.families import SEED, model_config
     from loraship.llamacpp import space_prefix
     from loraship.stages import convert, merge
 
     family = FAMILIES[request.param]
     root = tmp_path_factory.mktemp(f"export-{family.name}")
-    base, merged = root / "base", root / "merged"
-    base.mkdir()
-    write_folder_without_weights(family.name, base)
+    base, merged = family_folders[family.name], root / "merged"
     with torch.random.fork_rng():
         torch.manual_seed(SEED)
         AutoModelForCausalLM.from_config(model_config(family)).save_pretrained(merged)
+    shutil.copy(base / "generation_config.json", merged)  # as merge_shards does
     merge.copy_tokenizer(base, merged, trust_remote_code=False)
     merge.write_chat_template(merged, family.chat_template)
     merge.stop_at_turn_end(merged)
