@@ -19,9 +19,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LORASHIP_CACHE", str(REPO / ".loraship" / "cache"))
 # Under pytest-xdist (make test runs `-n 2`) each worker starts its own ephemeral Prefect server: one SQLite
 # database each, or two servers migrate and write the same file at once. Set before anything imports prefect.
-# Prefect reads its settings once, when first imported (collection imports every test file): its 20 s default to
-# start the ephemeral server is short while the other worker trains.
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
+# Prefect reads its settings once, when first imported (collection imports every test file, so a test file's own
+# setting comes too late): its 20 s default to start the ephemeral server is short while the other worker trains.
+# 180 s as loraship.runtime.prefect_env gives the embedded default.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER and not os.environ.get("PREFECT_HOME", "").endswith(f"xdist-{WORKER}"):  # tests import this file again
     os.environ["PREFECT_HOME"] = str(Path(os.environ.get("PREFECT_HOME") or REPO / ".prefect") / f"xdist-{WORKER}")
@@ -102,6 +103,11 @@ def pytest_sessionfinish(session, exitstatus):
     from loraship.runtime.prefect_env import stop_local_prefect
 
     stop_local_prefect()
+
+
+# The tiny Qwen is pre-trained in the demo's reply format (loraship/fixtures/tinyqwen.py): 16 steps of 8 rows pass
+# every gate of its pipelines, where the demo's 80 of 16 cost about 500 CPU-s a run through its 152k-row output layer.
+QWEN_STEPS = dict(max_steps=16, save_steps=16, warmup_steps=2, micro_batch_size=8)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ from tests.conftest import demo_config_dict
 
 # Before prefect is imported anywhere in this process: a private, throwaway Prefect home.
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="loraship-prefect-"))
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 PLANTED = "hf_PLANTEDflowSecret0123456789"

@@ -18,17 +18,12 @@ from loraship.config import parse_config
 from loraship.constants import MANIFEST_NAME, STAGES
 from loraship.errors import ConfigError, DataError, LorashipError
 from loraship.runtime.stage import stage_dir
-from tests.conftest import REPO, demo_config_dict
+from tests.conftest import QWEN_STEPS, REPO, demo_config_dict
 
 CHAT = [
     {"role": "user", "content": "What is the capital of Zorvia?"},
     {"role": "assistant", "content": "Answer: Kelmar."},
 ]
-
-
-# The tiny Qwen is pre-trained in the demo's reply format (loraship/fixtures/tinyqwen.py): 16 steps of 8 rows pass
-# every gate, where the demo's 80 of 16 cost about 500 CPU-s a run through its 152k-row output layer.
-QWEN_STEPS = dict(max_steps=16, save_steps=16, warmup_steps=2, micro_batch_size=8)
 
 
 def qwen_config(tiny_qwen: Path, root: Path, **overrides):

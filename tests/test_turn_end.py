@@ -14,7 +14,7 @@ import pytest
 from loraship.config import parse_config
 from loraship.errors import DataError, LorashipError
 from loraship.runtime.stage import stage_dir
-from tests.conftest import demo_config_dict
+from tests.conftest import QWEN_STEPS, demo_config_dict
 
 CHAT = [
     {"role": "user", "content": "What is the capital of Zorvia?"},
@@ -148,11 +148,7 @@ def base_given_chatml_run(tiny_qwen, tmp_path_factory):
             chat_template=template,
             sequence_len=96,
             max_new_tokens=16,
-            # The tiny Qwen knows the reply format from pre-training (loraship/fixtures/tinyqwen.py).
-            max_steps=16,
-            save_steps=16,
-            warmup_steps=2,
-            micro_batch_size=8,
+            **QWEN_STEPS,
         )
     )
     import importlib

@@ -149,10 +149,9 @@ class Progress:
             self._relay(pct, text)
 
     def _relay(self, pct: float, text: str) -> None:
+        # One short line per write: the reader (ProgressRelay.poll) takes whole lines only.
         try:
-            with open(
-                self.relay, "a", encoding="utf-8"
-            ) as f:  # one short line per write: the reader takes whole lines
+            with open(self.relay, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"key": self.key, "what": self.what, "pct": pct, "text": text}) + "\n")
         except OSError as e:
             self.relay = None

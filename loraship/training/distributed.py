@@ -142,11 +142,8 @@ def launch_ranks(
     from loraship.runtime.proc import child_setup, kill_group
 
     reports.mkdir(parents=True, exist_ok=True)
-    for old in [
-        *reports.glob("rank-*.json"),
-        reports / FAILURES_FILE,
-        reports / PROGRESS_FILE,
-    ]:  # an earlier attempt's
+    earlier_attempt = [*reports.glob("rank-*.json"), reports / FAILURES_FILE, reports / PROGRESS_FILE]
+    for old in earlier_attempt:
         old.unlink(missing_ok=True)
     # The ranks have no Prefect run: rank 0 relays its progress figures, mirrored here into the flow run's artifacts.
     relay = ProgressRelay(reports / PROGRESS_FILE, logging.getLogger("loraship.train"))
