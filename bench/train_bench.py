@@ -35,6 +35,8 @@ the first losses agree:
 - loraship-contiguous: loraship-default streaming the first n layers rather than spreading them over the checkpointed
   ones (LORASHIP_OFFLOAD_SPREAD=0): what the spread layout (loraship/planning/memory.py streamed_layers) is worth where
   a plan streams weights (qwen2-14b-lora); elsewhere it plans as the default. Named with --trainers only.
+- loraship-sdpa / loraship-flex: loraship-default under SDPA / under flex attention everywhere
+  (LORASHIP_ATTENTION): what the default's flex attention on sliding-window models is worth. Named with --trainers.
 - loraship-packed / loraship-padded (case `packing`): packing on / off on variable-length chat rows.
 
 Timing: a global optimizer step hook synchronises and stamps each step; tokens/s is non-pad tokens of the steps after
@@ -145,7 +147,7 @@ PHASES = [
 ]
 # loraship rows also compared with loraship's own variant that leaves one change out (what that change is worth).
 OWN_BASELINES = {
-    "loraship-default": ["loraship-unfused", "loraship-contiguous"],
+    "loraship-default": ["loraship-unfused", "loraship-contiguous", "loraship-sdpa"],
     "loraship-lean": ["loraship-lean-full-recompute"],
 }
 SMOKE_SEQ = 128  # --smoke: the tiny shape at short rows, so the CPU check takes seconds
@@ -525,6 +527,7 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
         "strategy": metrics["trained_as"],
         "strategy_reason": metrics["strategy_reason"],
         "packing": metrics["packing"],
+        "attention": metrics.get("attention"),
         "oom_retries": metrics["oom_retries"],
         "predicted_reserved_gib": metrics["predicted_reserved_gib"],
         "strategy_detail": st,
@@ -841,6 +844,8 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
         os.environ["LORASHIP_OFFLOAD_SPREAD"] = "0"
     if trainer == "loraship-flex":  # the default under transformers' flex attention (sliding windows as block masks)
         os.environ["LORASHIP_ATTENTION"] = "flex_attention"
+    if trainer == "loraship-sdpa":  # the default under SDPA: what flex attention on sliding windows is worth
+        os.environ["LORASHIP_ATTENTION"] = "sdpa"
     if trainer.startswith("loraship-norms-"):  # loraship/training/norm_kernels.py: which kernel runs the RMSNorms
         os.environ["LORASHIP_LIGER_NORMS"] = trainer.rsplit("-", 1)[1]
     if trainer.startswith("loraship-compile-layers"):  # decoder layers compiled (+ "-flex": under flex attention)

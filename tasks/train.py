@@ -158,6 +158,10 @@ def train_once(
         "first_loss": loop.history[0]["loss"] if loop.history else None,
         "last_loss": loop.history[-1]["loss"] if loop.history else None,
         "packing": {"packed": packed, "why": packing_why},
+        "attention": {
+            "implementation": model.config._attn_implementation,
+            "why": packing_why if packed else loaded.attention_why,
+        },
         **attempt_metrics(loaded, loop, seconds, per_token, device),
         "measured_memory": measured,
     }

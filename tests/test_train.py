@@ -719,3 +719,26 @@ def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_t
     )
     # A rerun of the same inputs is done: the restart stays recorded in its manifest.
     assert run_stages(config, ["train"])["train"]["metrics"]["restarted_from_step_0"] == [restart]
+
+
+def test_sliding_window_models_train_under_flex_attention_on_cuda(tmp_path, monkeypatch):
+    """A window shorter than sequence_len: flex attention's block mask on CUDA (SDPA would run the window as a dense
+    mask over full causal attention); no window, a long enough window, or the CPU: transformers' default."""
+    from loraship.training.model_loading import attention_choice
+
+    monkeypatch.delenv("LORASHIP_ATTENTION", raising=False)
+
+    def choice(sequence_len, device="cuda", **config):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        return attention_choice(tmp_path, sequence_len, device)
+
+    gemma3 = {"sliding_window": 1024, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+    implementation, why = choice(4096, **gemma3)
+    assert implementation == "flex_attention" and "(1024 tokens) are shorter than sequence_len 4096" in why
+    assert choice(4096, text_config=gemma3)[0] == "flex_attention"  # a multimodal checkpoint's text model
+    assert choice(1024, **gemma3)[0] is None  # the window covers every example
+    assert choice(4096, device="cpu", **gemma3)[0] is None
+    assert choice(4096, sliding_window=4096, layer_types=["full_attention"])[0] is None  # a window no layer uses
+    assert choice(4096, attn_logit_softcapping=50.0, **gemma3)[0] == "eager"  # Gemma 2: only eager caps
+    monkeypatch.setenv("LORASHIP_ATTENTION", "sdpa")
+    assert choice(4096, **gemma3) == ("sdpa", "set by LORASHIP_ATTENTION")
