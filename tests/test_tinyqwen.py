@@ -149,6 +149,28 @@ def test_gguf_keeps_vocab_template_and_tokenizes_like_hf(tiny_qwen, hf_tok, tmp_
         assert llm.token_eos() == IM_END_ID
     finally:
         llm.close()
+    _read_gguf_matches_gguf_reader(gguf)
+
+
+def _read_gguf_matches_gguf_reader(gguf: Path) -> None:
+    """read_gguf's faster array parsing (loraship/llamacpp/gguf_info.py) gives every field as gguf's own
+    GGUFReader does, on a real 151k vocabulary (token strings, merges, token types); cut inside the token
+    strings, the file is refused with its name."""
+    from gguf import GGUFReader
+
+    from loraship.errors import IntegrityError
+    from loraship.llamacpp.gguf_info import read_gguf
+
+    reader = GGUFReader(str(gguf))
+    expected = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    info = read_gguf(gguf)
+    assert info["fields"] == expected and info["tensor_count"] == len(reader.tensors)
+    assert len(info["fields"]["tokenizer.ggml.merges"]) > 100_000
+    cut = gguf.with_name("cut.gguf")
+    tokens_at = reader.fields["tokenizer.ggml.tokens"].offset
+    cut.write_bytes(gguf.read_bytes()[: tokens_at + 500_000])
+    with pytest.raises(IntegrityError, match="cut.gguf"):
+        read_gguf(cut)
 
 
 def test_pretrained_not_noise(tiny_qwen):
