@@ -98,14 +98,34 @@ def _open(path: Path):
     return CheckedReader(str(path))
 
 
-def read_gguf(path: Path) -> dict:
-    """{'fields': {key: value}, 'tensor_count': n} of a GGUF file, or IntegrityError naming it."""
+_READ: dict[tuple, dict] = {}
+
+
+def open_gguf(path: Path):
+    """A GGUF's reader (gguf.GGUFReader, its tensor extents checked first), or IntegrityError naming the file."""
     try:
-        reader = _open(path)
+        return _open(path)
     except _TensorExtentError as e:
         raise IntegrityError(f"{path}: {e}; {_FIX}") from e
     except Exception as e:  # gguf raises ValueError/struct errors/IndexError on truncated files
         raise IntegrityError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); {_FIX}") from e
+
+
+def read_gguf(path: Path, reader=None) -> dict:
+    """{'fields': {key: value}, 'tensor_count': n} of a GGUF file (of `reader`, open_gguf's, where one is open), or
+    IntegrityError naming it."""
+    if reader is None:
+        # A stage reads one file more than once (convert its output, quantize its input): the same file, unchanged,
+        # is read once. Its identity: path, inode, size and modification time.
+        try:
+            stat = Path(path).stat()
+        except OSError:
+            return read_gguf(path, open_gguf(path))  # open_gguf names the problem
+        key = (str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if key not in _READ:
+            _READ.clear()  # the last file only: a vocabulary's fields are tens of MB of Python strings
+            _READ[key] = read_gguf(path, open_gguf(path))
+        return {"fields": dict(_READ[key]["fields"]), "tensor_count": _READ[key]["tensor_count"]}
     fields = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
@@ -130,15 +150,16 @@ _READ_APART = """
 import dataclasses, json, sys
 from pathlib import Path
 from loraship.errors import LorashipError
-from loraship.llamacpp.gguf_info import read_gguf
+from loraship.llamacpp.gguf_info import open_gguf, read_gguf
 from loraship.planning.inference_memory import read_layout
 path = Path(sys.argv[1])
 try:
-    info = read_gguf(path)
+    reader = open_gguf(path)
+    info = read_gguf(path, reader)
 except LorashipError as e:
     sys.exit(str(e))
 try:
-    info["layout"] = dataclasses.asdict(read_layout(path))
+    info["layout"] = dataclasses.asdict(read_layout(path, reader))
 except (KeyError, TypeError, ValueError) as e:  # metadata a prediction needs is missing or odd
     info["layout"], info["layout_error"] = None, f"{type(e).__name__}: {e}"
 print(json.dumps(info, default=str))

@@ -65,12 +65,10 @@ def _token_text(fields: dict, token_id) -> str | None:
 
 def describe_gguf(path: Path) -> dict:
     """Metadata, tensor types and sizes, chat template and special tokens of a GGUF file."""
-    from gguf import GGUFReader
+    from loraship.llamacpp.gguf_info import open_gguf, read_gguf
 
-    from loraship.llamacpp.gguf_info import read_gguf
-
-    fields = read_gguf(path)["fields"]  # names a truncated or corrupt file
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)  # names a truncated or corrupt file
+    fields = read_gguf(path, reader)["fields"]
     types: dict[str, dict] = {}
     for tensor in reader.tensors:
         row = types.setdefault(tensor.tensor_type.name, {"tensors": 0, "parameters": 0, "bytes": 0})

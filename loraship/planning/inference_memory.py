@@ -50,10 +50,12 @@ class GGUFLayout:
         return (sum(self.layer_bytes) + self.output_bytes + self.cpu_bytes) / GIB
 
 
-def read_layout(path: Path) -> GGUFLayout:
-    from gguf import GGUFReader
+def read_layout(path: Path, reader=None) -> GGUFLayout:
+    """The tensor layout of the GGUF at `path` (`reader`: its gguf reader, where one is open already)."""
+    if reader is None:
+        from loraship.llamacpp.gguf_info import open_gguf
 
-    reader = GGUFReader(str(path))
+        reader = open_gguf(path)
 
     def field(key: str, default=None):
         f = reader.fields.get(key)
