@@ -63,15 +63,17 @@ def test_trained_stages_were_reused_not_rerun(adapter_run):
 
 
 def test_adapter_gguf_is_a_lora_of_the_trained_adapter(adapter_run):
-    from gguf import GGUFReader, Keys
+    from gguf import Keys
     from safetensors import safe_open
+
+    from loraship.llamacpp.gguf_info import open_gguf
 
     config, manifests = adapter_run
     convert = stage_dir(config, "convert")
     fields = read_gguf(convert / ADAPTER_GGUF)["fields"]
     assert fields[Keys.General.TYPE] == "adapter" and fields[Keys.Adapter.TYPE] == "lora"
     assert fields[Keys.Adapter.LORA_ALPHA] == config.lora_alpha
-    names = [t.name for t in GGUFReader(str(convert / ADAPTER_GGUF)).tensors]
+    names = [t.name for t in open_gguf(convert / ADAPTER_GGUF).tensors]
     assert names and all(n.endswith((".lora_a", ".lora_b")) for n in names)
     with safe_open(stage_dir(config, "train") / ADAPTER_DIR / "adapter_model.safetensors", "np") as peft:
         assert len(names) == 2 * sum(".lora_A." in key for key in peft.keys())  # every adapted module, A and B

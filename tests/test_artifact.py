@@ -258,11 +258,13 @@ def test_modelfile_of_a_recognised_family(tokenizers):
 
 
 def test_gguf_is_named_after_the_run_and_its_base(pipeline_run):
-    from gguf import GGUFReader, Keys
+    from gguf import Keys
+
+    from loraship.llamacpp.gguf_info import open_gguf
 
     config, _ = pipeline_run
     shipped = Path(config.output) / config.run_name / quantized_gguf_name(config.primary_quantization)
-    fields = GGUFReader(str(shipped)).fields
+    fields = open_gguf(shipped).fields
     value = {key: fields[key].contents() for key in fields if key.startswith("general.")}
     base = Path(config.base_model).name
     assert value[Keys.General.NAME] == f"{base}-{config.run_name}" != "merged"

@@ -289,8 +289,9 @@ def _through(config, stages):
 def test_a_tied_embedding_stored_only_as_lm_head_is_merged_under_its_own_name(lm_head_only, tmp_path):
     """transformers loads such a checkpoint, but llama.cpp's converter would write no token_embd.weight: the merge
     writes the embedding as model.embed_tokens.weight, and the GGUFs hold token_embd.weight and load."""
-    from gguf import GGUFReader
     from safetensors import safe_open
+
+    from loraship.llamacpp.gguf_info import open_gguf
 
     from loraship.config import parse_config
     from tests.conftest import demo_config_dict
@@ -314,7 +315,7 @@ def test_a_tied_embedding_stored_only_as_lm_head_is_merged_under_its_own_name(lm
         stage_dir(config, "convert") / F16_GGUF,
         stage_dir(config, "quantize") / quantized_gguf_name(config.primary_quantization),
     ):
-        assert "token_embd.weight" in {t.name for t in GGUFReader(str(gguf)).tensors}, gguf
+        assert "token_embd.weight" in {t.name for t in open_gguf(gguf).tensors}, gguf
 
 
 def test_a_gguf_without_token_embd_is_refused_at_convert(lm_head_only, tmp_path, monkeypatch):
