@@ -121,6 +121,7 @@ HELD_OUT_CASES = {
     "qwen3-8b-qlora-1x8192": ("qwen3-8b", "qlora", 64, QVO, 1, 8192, "long"),
     "gemma3-12b-qlora-all-linear": ("gemma-3-12b", "qlora", 16, "all-linear", 2, 4096, "long"),
     "gemma3-12b-lora": ("gemma-3-12b", "lora", 64, QVO, 1, 4096, "long"),  # bf16 asked: 23 GiB of weights
+    "gemma3-12b-lora-2x2048": ("gemma-3-12b", "lora", 64, QVO, 2, 2048, "long"),  # flex attention held out
     "qwen2-14b-qlora-4x2048": ("qwen2-14b", "qlora", 64, QVO, 4, 2048, "long"),
     "mistral-7b-qlora-4x2048": ("mistral-7b", "qlora", 64, QVO, 4, 2048, "long"),
     "llama-3-8b-lora-1x8192": ("llama-3-8b", "lora", 64, QVO, 1, 8192, "long"),

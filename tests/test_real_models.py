@@ -183,36 +183,6 @@ def test_alpaca_data_without_golden_file_passes_on_qwen(tiny_qwen, tmp_path):
     assert manifests["publish"]["metrics"]
 
 
-def test_config_chat_template_reaches_the_gguf(tiny_qwen, tmp_path):
-    """A chat_template: from the config is trained with, saved with the adapter, merged and embedded.
-    (ChatML on Qwen's vocabulary, where <|im_end|> is one special token; on the sentencepiece toy it is
-    refused at plan: tests/test_turn_end.py.)"""
-    from loraship.chat import NAMED_TEMPLATES
-    from loraship.llamacpp.gguf_info import read_gguf
-
-    # Where the template goes is the question, not what the model answers: plan -> quantize, a few steps (reference
-    # and verify judge answers; they run on this vocabulary in the chat and alpaca runs above).
-    config = qwen_config(
-        tiny_qwen,
-        tmp_path,
-        run_name="chatml",
-        chat_template="chatml",
-        max_steps=4,
-        save_steps=4,
-        warmup_steps=1,
-        imatrix=False,
-    )
-    run_stages(config, ("plan", "train", "merge", "convert", "quantize"))
-    adapter_template = json.loads((stage_dir(config, "train") / "adapter" / "tokenizer_config.json").read_text())
-    saved = (
-        adapter_template.get("chat_template")
-        or (stage_dir(config, "train") / "adapter" / "chat_template.jinja").read_text()
-    )
-    assert saved == NAMED_TEMPLATES["chatml"]
-    gguf = read_gguf(stage_dir(config, "quantize") / "model-Q4_K_M.gguf")["fields"]
-    assert gguf["tokenizer.chat_template"] == NAMED_TEMPLATES["chatml"]
-
-
 # -- gates need evidence ----------------------------------------------------------------------
 def test_a_gate_with_too_little_evidence_fails(pipeline_run):
     config, _ = pipeline_run

@@ -172,6 +172,25 @@ def test_a_base_given_a_template_by_init_stops_by_itself_when_served(base_given_
     assert 151645 in generation["eos_token_id"]  # <|im_end|>: HF stops where llama.cpp does
 
 
+def test_config_chat_template_reaches_the_gguf(base_given_chatml_run):
+    """A chat_template: from the config is trained with, saved with the adapter, merged and embedded in every GGUF.
+    (ChatML on Qwen's vocabulary, where <|im_end|> is one special token; on the sentencepiece toy it is refused at
+    plan: test_plan_refuses_a_template_without_a_special_turn_end above.)"""
+    from loraship.chat import NAMED_TEMPLATES
+    from loraship.llamacpp.gguf_info import read_gguf
+
+    config = base_given_chatml_run
+    assert config.chat_template == "chatml"
+    adapter = stage_dir(config, "train") / "adapter"
+    saved = (
+        json.loads((adapter / "tokenizer_config.json").read_text()).get("chat_template")
+        or (adapter / "chat_template.jinja").read_text()
+    )
+    assert saved == NAMED_TEMPLATES["chatml"]
+    for gguf in (stage_dir(config, "convert") / "model-F16.gguf", stage_dir(config, "quantize") / "model-Q4_K_M.gguf"):
+        assert read_gguf(gguf)["fields"]["tokenizer.chat_template"] == NAMED_TEMPLATES["chatml"], gguf
+
+
 def test_the_turn_end_gate_fails_a_model_that_does_not_stop():
     from types import SimpleNamespace
 
