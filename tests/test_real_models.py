@@ -315,7 +315,10 @@ def test_gemma3_tokenizer_matches_the_real_gguf(gemma3_folder):
 
 @pytest.mark.slow
 def test_real_gemma3_passes_every_gate(tmp_path):
-    """google/gemma-3-270m with its real weights (dequantized from the packaged Q4_K_M GGUF) plan -> publish."""
+    """google/gemma-3-270m with its real weights (dequantized from the packaged Q4_K_M GGUF) plan -> publish, shipped
+    as Q8_0. Its Q4_K_M failed verify here, rightly: KL 0.305 (gate 0.1), same top token 81.7% (gate 85%),
+    perplexity ratio 1.126 (gate 1.1) over 82 positions; at 270M the 4-bit file would save about 100 MB. After 4
+    steps of 4 rows neither HF nor llama.cpp ended an answer with <end_of_turn>, so it trains 16."""
     from loraship.fixtures.families import FAMILIES, real_gemma3
     from tests.test_families import run_family
 
@@ -329,8 +332,9 @@ def test_real_gemma3_passes_every_gate(tmp_path):
         tmp_path,
         "real-gemma3",
         golden_prompts=str(golden),
-        max_steps=4,
-        save_steps=4,
+        quantization="Q8_0",
+        max_steps=16,
+        save_steps=16,
         warmup_steps=1,
         micro_batch_size=4,
     )
