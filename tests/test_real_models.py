@@ -143,17 +143,36 @@ def test_alpaca_and_completion_data_give_golden_prompts(tiny_model, tmp_path):
 
 # -- the whole pipeline on a real vocabulary --------------------------------------------------
 @pytest.fixture(scope="module")
-def qwen_chat_run(tiny_qwen, tmp_path_factory):
-    config = qwen_config(tiny_qwen, tmp_path_factory.mktemp("qwen-chat"), run_name="qwen-chat")
+def qwen_mixed_run(tiny_qwen, tmp_path_factory):
+    """One Qwen run for what two datasets of a user look like: half the demo rows as chat, half as alpaca
+    instructions, no golden file (its prompts drawn from the data) and no eval file (a validation split)."""
+    root = tmp_path_factory.mktemp("qwen-mixed")
+    rows = [json.loads(line) for line in (REPO / "data/demo/train.jsonl").read_text().splitlines()]
+    half = len(rows) // 2
+    chat = write_jsonl(root / "chat.jsonl", rows[:half])
+    alpaca = write_jsonl(
+        root / "alpaca.jsonl",
+        [{"instruction": r["messages"][0]["content"], "output": r["messages"][1]["content"]} for r in rows[half:]],
+    )
+    config = qwen_config(
+        tiny_qwen,
+        root,
+        run_name="qwen-mixed",
+        golden_prompts=None,
+        eval_datasets=[],
+        datasets=[{"path": chat, "type": "chat"}, {"path": alpaca, "type": "alpaca"}],
+        val_set_size=0.15,
+    )
     return config, run_stages(config)
 
 
-def test_qwen_pipeline_passes_every_gate_with_chat_data(qwen_chat_run):
+def test_qwen_pipeline_passes_every_gate_with_chat_and_alpaca_data(qwen_mixed_run):
     from loraship.llamacpp.gguf_info import read_gguf
 
-    config, manifests = qwen_chat_run
+    config, manifests = qwen_mixed_run
     verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
     assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
+    assert verify["gates"]["golden_match"]["evidence"] >= config.min_golden_prompts
     tokens = verify["gates"]["special_tokens"]["value"]
     # Qwen: no BOS from HF, none from llama.cpp, although the converter copies config.json's bos id.
     assert tokens["llama_cpp_adds_bos"] is False and tokens["gguf_bos"] == 151643
@@ -161,25 +180,6 @@ def test_qwen_pipeline_passes_every_gate_with_chat_data(qwen_chat_run):
     assert gguf["tokenizer.ggml.pre"] == "qwen2"
     assert gguf["tokenizer.chat_template"].startswith("{%- if tools %}")
     assert verify["tokenizer_parity"]["equal"] == verify["tokenizer_parity"]["checked"] > 0
-
-
-def test_alpaca_data_without_golden_file_passes_on_qwen(tiny_qwen, tmp_path):
-    rows = [json.loads(line) for line in (REPO / "data/demo/train.jsonl").read_text().splitlines()]
-    alpaca = [{"instruction": r["messages"][0]["content"], "output": r["messages"][1]["content"]} for r in rows]
-    data = write_jsonl(tmp_path / "alpaca.jsonl", alpaca)
-    config = qwen_config(
-        tiny_qwen,
-        tmp_path,
-        run_name="qwen-alpaca",
-        golden_prompts=None,
-        eval_datasets=[],
-        datasets=[{"path": data, "type": "alpaca"}],
-        val_set_size=0.15,
-    )
-    manifests = run_stages(config)
-    verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
-    assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
-    assert verify["gates"]["golden_match"]["evidence"] >= config.min_golden_prompts
     assert manifests["publish"]["metrics"]
 
 
