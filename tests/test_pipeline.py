@@ -305,6 +305,7 @@ def test_a_tied_embedding_stored_only_as_lm_head_is_merged_under_its_own_name(lm
             micro_batch_size=4,
             gradient_accumulation_steps=1,
             warmup_steps=0,
+            imatrix=False,  # which tensors the GGUFs hold is the question, not how they are quantized
         )
     )
     manifests = _through(config, ["plan", "train", "merge", "convert", "quantize"])
