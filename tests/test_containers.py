@@ -31,6 +31,7 @@ def cgroup_tree(tmp_path: Path, files: dict[str, str], own: str) -> tuple[Path, 
 
 def test_cgroup_v2_memory_and_cpu_limits(tmp_path, monkeypatch):
     # A 64 GiB pod (4 GiB in use) with 2.5 CPUs on a 1 TiB node: the pod's numbers count.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # make test sets it; its own cap is tested below
     root, proc_self = cgroup_tree(
         tmp_path,
         {
@@ -45,6 +46,13 @@ def test_cgroup_v2_memory_and_cpu_limits(tmp_path, monkeypatch):
     monkeypatch.setattr(resources, "host_available_memory", lambda: 1024 * GiB)
     assert resources.available_memory(root, proc_self) == 60 * GiB
     assert resources.cpu_limit(root, proc_self) == 2.5
+    assert resources.cpu_count(root, proc_self) == min(3, len(os.sched_getaffinity(0)))
+    # OMP_NUM_THREADS, where set, is the thread budget: it caps the count, never raises it; junk is ignored.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert resources.cpu_count(root, proc_self) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")
+    assert resources.cpu_count(root, proc_self) == min(3, len(os.sched_getaffinity(0)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
     assert resources.cpu_count(root, proc_self) == min(3, len(os.sched_getaffinity(0)))
 
 

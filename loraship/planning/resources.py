@@ -122,7 +122,10 @@ def cpu_limit(root: Path | None = None, proc_self: Path | None = None) -> float 
 
 
 def cpu_count(root: Path | None = None, proc_self: Path | None = None) -> int:
-    """Threads worth starting: CPUs this process may run on (affinity), capped by the CPU quota."""
+    """Threads worth starting (llama.cpp's tools, its server, verify's measuring child): CPUs this process may run on
+    (affinity), capped by the CPU quota and by OMP_NUM_THREADS where it is set, the thread budget this process was
+    given. llama.cpp's threads spin at every barrier: two test workers each starting 2 on 2 cores ran verify's
+    llama.cpp 10x slower than one thread each (prompt 21 tokens/s, a 135M Q4_K_M; bench/results/ci_time.json)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -130,4 +133,7 @@ def cpu_count(root: Path | None = None, proc_self: Path | None = None) -> int:
     quota = cpu_limit(root, proc_self)
     if quota is not None:
         cpus = min(cpus, max(1, math.ceil(quota)))
+    budget = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if budget.isdigit() and int(budget) > 0:
+        cpus = min(cpus, int(budget))
     return max(1, cpus)
