@@ -46,7 +46,7 @@ def _open(path: Path):
         def _get_field_parts(self, orig_offs, raw_type):
             # An array as few parts: a scalar array one view of all its items, a string array one memoryview per
             # string. GGUFReader makes numpy views per item (and two per string): a 151k-token vocabulary's tokens,
-            # scores and merges took 5-10 s a read, and a pipeline reads its GGUFs 7 times (test_gguf_info.py
+            # scores and merges took 5-10 s a read, and a pipeline reads its GGUFs 7 times (tests/test_tinyqwen.py
             # compares every field with GGUFReader's). contents() gives the same values; the field's data then
             # indexes one part per array, so contents(i) of a scalar array is not the i-th item.
             from gguf import GGUFValueType

@@ -37,9 +37,11 @@ def attention_choice(model_dir: Path, sequence_len: int, device: str) -> tuple[s
     # A bench knob (bench/train_bench.py loraship-sdpa, loraship-flex): one of transformers' implementations by name.
     if os.environ.get("LORASHIP_ATTENTION"):
         return os.environ["LORASHIP_ATTENTION"], "set by LORASHIP_ATTENTION"
+    from transformers.utils import is_torch_flex_attn_available
+
     window = model_config.get("sliding_window")
     sliding = "sliding_attention" in (model_config.get("layer_types") or [])
-    if device == "cuda" and sliding and window and window < sequence_len and flex_attention_available():
+    if device == "cuda" and sliding and window and window < sequence_len and is_torch_flex_attn_available():
         # SDPA runs a sliding-window layer as full causal attention under a dense mask; flex attention's block mask
         # skips the blocks outside the window: Gemma 3 12B's attention kernels 459 -> 220 ms over two steps
         # (bench/results/train_bench_gemma3_profile.json).
@@ -48,14 +50,6 @@ def attention_choice(model_dir: Path, sequence_len: int, device: str) -> tuple[s
             "and a block mask skips what lies outside them"
         )
     return None, "transformers' default (SDPA)"
-
-
-def flex_attention_available() -> bool:
-    try:
-        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -89,8 +83,8 @@ def load_model(
     from loraship.planning.strategy_record import Strategy
 
     strategy = Strategy.from_json(strategy)
-    kwargs, offload = model_kwargs(model_dir, config, strategy, device, engine)
-    attention_why = attention_choice(model_dir, config.sequence_len, device)[1]
+    attention, attention_why = attention_choice(model_dir, config.sequence_len, device)
+    kwargs, offload = model_kwargs(model_dir, config, strategy, device, engine, attention)
     model = load_base(model_dir, config, strategy, kwargs, engine, rank)
     if strategy.adapter == "qlora" and device != "cuda":
         keep_nf4_trainable_on_cpu(model)
@@ -197,16 +191,16 @@ def model_kwargs(
     strategy: Strategy,
     device: str,
     engine: distributed.Engine = distributed.ONE_PROCESS.engine,
+    attention: str | None = None,
 ) -> tuple[dict, int]:
-    """from_pretrained's arguments for `strategy` on `device`, and how many layers stream from CPU memory; refuses,
-    before any weight loads, what the plan cannot have meant."""
+    """from_pretrained's arguments for `strategy` on `device` (`attention`: attention_choice's implementation), and how
+    many layers stream from CPU memory; refuses, before any weight loads, what the plan cannot have meant."""
     import torch
     from transformers import BitsAndBytesConfig
 
     # bf16 on GPUs; fp32 on CPU, where bf16 matmuls are slow and lossy for tiny models.
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     kwargs = {"dtype": dtype, **torch_load_kwargs(config)}
-    attention = attention_choice(model_dir, config.sequence_len, device)[0]
     if attention:
         kwargs["attn_implementation"] = attention
     if strategy.adapter == "qlora":
