@@ -37,6 +37,8 @@ the first losses agree:
   a plan streams weights (qwen2-14b-lora); elsewhere it plans as the default. Named with --trainers only.
 - loraship-sdpa / loraship-flex: loraship-default under SDPA / under flex attention everywhere
   (LORASHIP_ATTENTION): what the default's flex attention on sliding-window models is worth. Named with --trainers.
+- loraship-norms-liger: loraship-default with Liger's own RMSNorm backward (LORASHIP_LIGER_NORMS=liger): what the
+  spread backward of frozen norms (loraship/training/rms_norm_backward.py) is worth. Named with --trainers.
 - loraship-packed / loraship-padded (case `packing`): packing on / off on variable-length chat rows.
 
 Timing: a global optimizer step hook synchronises and stamps each step; tokens/s is non-pad tokens of the steps after
@@ -148,7 +150,7 @@ PHASES = [
 ]
 # loraship rows also compared with loraship's own variant that leaves one change out (what that change is worth).
 OWN_BASELINES = {
-    "loraship-default": ["loraship-unfused", "loraship-contiguous", "loraship-sdpa"],
+    "loraship-default": ["loraship-unfused", "loraship-contiguous", "loraship-sdpa", "loraship-norms-liger"],
     "loraship-lean": ["loraship-lean-full-recompute"],
 }
 SMOKE_SEQ = 128  # --smoke: the tiny shape at short rows, so the CPU check takes seconds

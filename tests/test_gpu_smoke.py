@@ -349,3 +349,30 @@ def test_recompute_without_down_proj_matches_the_full_recompute_under_liger(gpu_
     assert grads.keys() == grads_ref.keys() and len(grads) == 2 * 7 * L
     worst = worst_cosine(grads, grads_ref)
     assert worst >= 0.9999, worst
+
+
+@pytest.mark.parametrize(
+    "rows,width,offset,mode,in_place",
+    [(4096, 3840, 1.0, "gemma", False), (4096 * 16, 256, 1.0, "gemma", False), (2 * 4096, 4096, 0.0, "llama", True)],
+)
+def test_spread_norm_backward_matches_liger_on_real_widths(rows, width, offset, mode, in_place):
+    """loraship/training/rms_norm_backward.py against Liger's own backward, on Gemma-3-12B's layer and per-head norms
+    and a Llama layer norm (in place), bf16 on the GPU."""
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    from loraship.training.rms_norm_backward import FrozenWeightRMSNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) * 3
+    w = (torch.randn(width, device="cuda") * 0.1).to(torch.bfloat16)
+    dy = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for fn in (LigerRMSNormFunction, FrozenWeightRMSNorm):
+        xi = x.clone().requires_grad_()
+        y = fn.apply(xi, w, 1e-6, offset, mode, in_place, None)
+        y.backward(dy.clone())
+        grads.append((y.detach(), xi.grad))
+    (y_liger, dx_liger), (y_ours, dx_ours) = grads
+    assert torch.equal(y_ours, y_liger)  # the same forward kernel
+    torch.testing.assert_close(dx_ours.float(), dx_liger.float(), rtol=2e-2, atol=2e-2)
+    assert (dx_ours.float() - dx_liger.float()).abs().mean() < 2e-3 * dx_liger.float().abs().mean()

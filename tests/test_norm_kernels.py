@@ -1,5 +1,10 @@
 """loraship/training/norm_kernels.py: the RMSNorm kernel settings keep the model's numbers."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from loraship.training import norm_kernels
@@ -62,5 +67,82 @@ def test_compiled_norms_give_the_same_loss_and_gradients(monkeypatch):
 
 def test_an_unknown_setting_names_the_choices(monkeypatch):
     monkeypatch.setenv("LORASHIP_LIGER_NORMS", "fast")
-    with pytest.raises(ValueError, match="all, layer, off, compile"):
+    with pytest.raises(ValueError, match="all, liger, layer, off, compile"):
         norm_kernels.setting()
+
+
+# Triton's interpreter runs loraship/training/rms_norm_backward.py's kernel on the CPU (set before triton is imported,
+# hence a child). Liger's forward kernel does not run there, so the child gives its function a torch forward that
+# returns what Liger's saves: the gradient under test is the kernel's alone.
+SPREAD_CHILD = textwrap.dedent(
+    """
+    import torch
+    import liger_kernel.ops.rms_norm as liger_ops
+    from liger_kernel.transformers.monkey_patch import _patch_rms_norm_module
+    from tests.test_norm_kernels import tiny_gemma3
+    from loraship.training import norm_kernels
+
+    def torch_forward(X, W, eps, offset, casting_mode, row_mode):
+        x = X.reshape(-1, X.shape[-1]).float()
+        rstd = torch.rsqrt(x.pow(2).mean(-1) + eps)
+        y = (x * rstd[:, None] * (W.float() + offset)).to(X.dtype)
+        return y.view(X.shape), X.reshape(-1, X.shape[-1]), rstd, 64, 4, casting_mode
+
+    liger_ops.rms_norm_forward = torch_forward
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 12))
+    results = []
+    for spread in (False, True):
+        model = tiny_gemma3()
+        for name, param in model.named_parameters():
+            param.requires_grad_("norm" not in name)  # frozen norms, as under LoRA
+        if spread:
+            for name, module in model.named_modules():
+                if name.endswith("norm"):
+                    _patch_rms_norm_module(module, offset=1.0, casting_mode="gemma", in_place=False)
+            assert norm_kernels.adjust_norms(model) == 2 * 6 + 1
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append((out.loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (eager_loss, eager), (loss, spread) = results
+    assert abs(loss - eager_loss) < 1e-5 * abs(eager_loss), (loss, eager_loss)
+    assert spread.keys() == eager.keys() and len(spread) > 10
+    for name, grad in spread.items():
+        torch.testing.assert_close(grad, eager[name], rtol=1e-4, atol=1e-6)
+    print("ok", len(spread))
+    """
+)
+
+
+def test_the_spread_backward_gives_the_same_gradients_as_transformers():
+    pytest.importorskip("liger_kernel")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", SPREAD_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-3000:]
+
+
+def test_the_spread_backward_matches_the_formula_on_wide_rows_and_bf16():
+    child = textwrap.dedent(
+        """
+        import torch
+        from loraship.training.rms_norm_backward import input_grad
+        torch.manual_seed(0)
+        # (shape, offset, dtype, weight, in place): a 300-wide row pads to 512 columns; 16 rows a program on 24 wide
+        for shape, offset, dtype, has_w, in_place in [((70, 300), 0.0, torch.bfloat16, True, False),
+                                                      ((2, 5, 4, 16), 1.0, torch.float32, True, True),
+                                                      ((9, 24), 0.0, torch.float32, False, False)]:
+            x = torch.randn(shape, dtype=dtype, requires_grad=True)
+            w = torch.randn(shape[-1], dtype=dtype) * 0.1 if has_w else None
+            g = torch.randn(shape, dtype=dtype)
+            rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+            (x.float() * rstd * ((w.float() + offset) if has_w else 1.0)).to(dtype).backward(g)
+            ours = input_grad(g.clone(), x.detach(), w, rstd.detach().reshape(-1), offset, in_place)
+            assert ours.shape == x.shape and ours.dtype == dtype
+            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(ours.float(), x.grad.float(), rtol=tol, atol=tol)
+        print("ok")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-3000:]

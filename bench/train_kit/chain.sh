@@ -16,7 +16,8 @@ from loraship.llamacpp.llamacpp import converter_dir; print('preflight ok', conv
   echo "preflight failed $(date +%T)" >> $S/progress; touch $S/all.done; exit 1
 fi
 gpu_tests() {  # tests/test_gpu_smoke.py: the four strategies through plan + train (about 1-2 min)
-  timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu_smoke.py -p no:cacheprovider > $S/gpu_tests.log 2>&1
+  timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu_smoke.py -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
+    > $S/gpu_tests.log 2>&1
   local rc=$?; echo "gpu tests rc=$rc $(date +%T)" >> $S/progress; return $rc
 }
 # First: the smoke tests gate the bench (a failure there would fail every row the same way).

@@ -1,10 +1,11 @@
 """Which kernel runs each RMSNorm in training: Liger's Triton kernel, transformers' own, or transformers' own compiled.
 
 LORASHIP_LIGER_NORMS picks it (bench/train_bench.py's loraship-norms-* rows compare them):
-- all (default): Liger's RMSNorm everywhere liger-kernel patches one;
+- all (default): Liger's RMSNorm forward everywhere liger-kernel patches one, the backward of a frozen weight spread
+  over every row block (loraship/training/rms_norm_backward.py);
+- liger: Liger's RMSNorm, its own backward too;
 - layer: Liger's on the layer norms, transformers' own on attention's per-head q/k norms (QK-norm: Qwen3, Gemma 3,
-  OLMo 2), where Liger's backward reduces the weight gradient over every head of every token
-  (bench/results/train_bench_gemma3_profile.json: 371 ms of device time in two Gemma-3-12B steps);
+  OLMo 2);
 - off: transformers' own everywhere;
 - compile: transformers' own everywhere, each norm class's forward compiled once by torch.compile.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-SETTINGS = ("all", "layer", "off", "compile")
+SETTINGS = ("all", "liger", "layer", "off", "compile")
 PER_HEAD_NORMS = ("q_norm", "k_norm")
 
 
@@ -45,7 +46,9 @@ def adjust_norms(model) -> int:
     """After Liger's patch: put the norms the setting wants back on transformers' forward. Returns how many changed."""
     chosen = setting()
     changed = 0
-    if chosen == "layer":
+    if chosen == "all":
+        changed = spread_backward(model)
+    elif chosen == "layer":
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] in PER_HEAD_NORMS and "forward" in module.__dict__:
                 _unpatch(module)
@@ -63,6 +66,22 @@ def adjust_norms(model) -> int:
                     compiled[cls] = torch.compile(cls.forward, dynamic=True)
                 module.forward = compiled[cls].__get__(module, cls)
                 changed += 1
+    return changed
+
+
+def spread_backward(model) -> int:
+    """Every norm Liger patched runs loraship/training/rms_norm_backward.py's function: Liger's forward kernel, the
+    input's gradient one program per row block. Returns how many."""
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+    from loraship.training import rms_norm_backward
+
+    changed = 0
+    for module in model.modules():
+        bound = module.__dict__.get("forward")
+        if getattr(bound, "__func__", None) is LigerRMSNorm.forward:
+            module.forward = rms_norm_backward.forward.__get__(module, type(module))
+            changed += 1
     return changed
 
 
