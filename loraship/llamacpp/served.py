@@ -78,6 +78,8 @@ def start_server(
             str(n_gpu_layers),
             "--n_threads",
             str(threads),
+            "--n_threads_batch",  # else every core of the host, as in the measuring child
+            str(threads),
             "--verbose",
             "False",
         ]

@@ -61,7 +61,10 @@ def measure_apart(ctx, job: dict, entry: str = "measure", module: str | None = N
         "n_gpu_layers": job["n_gpu_layers"],
         "logits_all": True,
         "seed": job["seed"],
+        # Prompts are scored as batches, on n_threads_batch, which llama-cpp-python otherwise sets to every core of
+        # the host (a 135M model scored 12x slower beside another busy process: bench/results/ci_time.json).
         "n_threads": cpu_count(),
+        "n_threads_batch": cpu_count(),
         "verbose": os.environ.get("LORASHIP_LLAMA_VERBOSE") == "1",
     }
     if job.get("lora"):
