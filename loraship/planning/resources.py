@@ -125,7 +125,8 @@ def cpu_count(root: Path | None = None, proc_self: Path | None = None) -> int:
     """Threads worth starting (llama.cpp's tools, its server, verify's measuring child): CPUs this process may run on
     (affinity), capped by the CPU quota and by OMP_NUM_THREADS where it is set, the thread budget this process was
     given. llama.cpp's threads spin at every barrier: two test workers each starting 2 on 2 cores ran verify's
-    llama.cpp 10x slower than one thread each (prompt 21 tokens/s, a 135M Q4_K_M; bench/results/ci_time.json)."""
+    llama.cpp 10x slower than one thread each (prompt 21 tokens/s, a 135M Q4_K_M; bench/results/ci_time.json).
+    Callers pass it for the batch (prompt) threads too: llama-cpp-python counts the host's cores for those."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
