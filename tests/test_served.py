@@ -249,3 +249,40 @@ def test_a_default_server_answer_is_called_decided_where_llama_cpp_was(repeating
     verdict = served_gate(served, _CONFIG)
     assert not verdict.passed and "near-tie" not in verdict.note
     assert f"where it was decided: llama.cpp's own top token led by {lead:.2f} nats" in verdict.note
+
+
+def test_llama_cpp_scores_prompts_on_the_capped_thread_count(tmp_path, monkeypatch):
+    """verify's measuring child and the served check's server take cpu_count() for prompt batches too:
+    llama-cpp-python's own default for n_threads_batch is every core of the host."""
+    import subprocess
+    from types import SimpleNamespace
+
+    import loraship.runtime.proc as proc
+    from loraship.llamacpp import served
+    from loraship.planning.resources import cpu_count
+    from loraship.verification.measure_child import measure_apart
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    seen = {}
+
+    def child(cmd, timeout, what, extra_env=None):
+        seen["job"] = json.loads(Path(cmd[-3]).read_text())
+        Path(cmd[-2]).write_text("{}")
+        return SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(proc, "run_child", child)
+    measure_apart(SimpleNamespace(dir=tmp_path), {"gguf": "m.gguf", "n_ctx": 64, "n_gpu_layers": 0, "seed": 0})
+    assert seen["job"]["llama"]["n_threads"] == seen["job"]["llama"]["n_threads_batch"] == cpu_count() == 1
+
+    class Started(Exception):
+        pass
+
+    def popen(cmd, **kwargs):
+        seen["server"] = cmd
+        raise Started
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(Started):
+        served.start_server(tmp_path / "m.gguf", 64, 0, cpu_count(), tmp_path / "server.log")
+    args = seen["server"]
+    assert args[args.index("--n_threads_batch") + 1] == args[args.index("--n_threads") + 1] == "1"
