@@ -282,10 +282,12 @@ def probe(
 ) -> dict:
     """Logits on a probe batch: base, base+adapter (unmerged), merged; plus the NF4 view for QLoRA."""
     import torch
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from loraship.runtime.imports import import_peft
     from loraship.training.packing import collate_padded
+
+    PeftModel = import_peft().PeftModel
 
     ids, _labels, mask = collate_padded(examples, pad_id=0)
     load = dict(
@@ -338,8 +340,11 @@ def probe(
 def nf4_view_kl(config, base_dir, adapter_dir, ids, mask, merged_logits, kl) -> float | None:
     """KL between what the adapter was trained against (NF4 base) and the shipped bf16 merge."""
     import torch
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from loraship.runtime.imports import import_peft
+
+    PeftModel = import_peft().PeftModel
 
     quant = BitsAndBytesConfig(
         load_in_4bit=True,

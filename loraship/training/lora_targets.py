@@ -49,9 +49,9 @@ def lora_target_note(model_config: dict, config) -> str | None:
 
 
 def lora_config(model_dir: Path, config):
-    from peft import LoraConfig
+    from loraship.runtime.imports import import_peft
 
-    return LoraConfig(
+    return import_peft().LoraConfig(
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,

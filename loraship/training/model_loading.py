@@ -314,8 +314,11 @@ def import_training_stack(strategy: Strategy, device: str) -> None:
     every caller's frame with its locals. Imported first inside load_model, that pinned the attempt's
     model, so after an out-of-memory error the retry still found it in memory (tests/test_train.py).
     """
-    import peft  # noqa: F401  (imports bitsandbytes where installed)
     import transformers  # noqa: F401
+
+    from loraship.runtime.imports import import_peft
+
+    import_peft()
 
     if device == "cuda" and strategy.fused_loss:
         import liger_kernel.transformers  # noqa: F401
