@@ -49,20 +49,11 @@ def send(message: dict) -> None:
 @contextlib.contextmanager
 def _command(path: Path, n_ctx: int, entry: str, job: dict) -> Iterator[list[str]]:
     """The child's command line; what it loads and runs in a file (a GGUF's metadata can outgrow an argument)."""
-    # n_gpu_layers=0 as the CLI always loaded it: these checks and chats need no GPU. Threads as verify's child
-    # takes them (loraship/verification/measure_child.py): llama-cpp-python's defaults count the host's cores.
-    from loraship.planning.resources import cpu_count
+    # n_gpu_layers=0 as the CLI always loaded it: these checks and chats need no GPU.
+    from loraship.planning.resources import llama_threads
 
-    threads = cpu_count()
     spec = {
-        "llama": {
-            "model_path": str(path),
-            "n_ctx": n_ctx,
-            "n_gpu_layers": 0,
-            "n_threads": threads,
-            "n_threads_batch": threads,
-            "verbose": False,
-        },
+        "llama": {"model_path": str(path), "n_ctx": n_ctx, "n_gpu_layers": 0, "verbose": False, **llama_threads()},
         "entry": entry,
         "job": job,
         "mark": MARK,

@@ -126,7 +126,7 @@ def cpu_count(root: Path | None = None, proc_self: Path | None = None) -> int:
     (affinity), capped by the CPU quota and by OMP_NUM_THREADS where it is set, the thread budget this process was
     given. llama.cpp's threads spin at every barrier: two test workers each starting 2 on 2 cores ran verify's
     llama.cpp 10x slower than one thread each (prompt 21 tokens/s, a 135M Q4_K_M; bench/results/ci_time.json).
-    Callers pass it for the batch (prompt) threads too: llama-cpp-python counts the host's cores for those."""
+    Callers pass it for the batch (prompt) threads too (llama_threads)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -138,3 +138,11 @@ def cpu_count(root: Path | None = None, proc_self: Path | None = None) -> int:
     if budget.isdigit() and int(budget) > 0:
         cpus = min(cpus, int(budget))
     return max(1, cpus)
+
+
+def llama_threads() -> dict:
+    """llama_cpp.Llama's thread arguments: cpu_count() for generation and for prompt batches alike. Left unset,
+    llama-cpp-python gives batches every core of the host (a 135M model scored prompts 12x slower beside another busy
+    process: bench/results/ci_time.json)."""
+    threads = cpu_count()
+    return {"n_threads": threads, "n_threads_batch": threads}

@@ -90,17 +90,13 @@ class FrozenWeightRMSNorm(torch.autograd.Function):
             X.contiguous(), W, eps, offset, casting_mode, row_mode
         )
         ctx.settings = (offset, mode, block_size, num_warps, in_place, row_mode)
-        ctx.has_weight = W is not None
-        ctx.save_for_backward(X_saved, W, RSTD) if W is not None else ctx.save_for_backward(X_saved, RSTD)
+        ctx.save_for_backward(X_saved, W, RSTD)  # W may be None: saved and given back as None
         return Y
 
     @staticmethod
     def backward(ctx, dY):
         offset, mode, block_size, num_warps, in_place, row_mode = ctx.settings
-        if ctx.has_weight:
-            X, W, RSTD = ctx.saved_tensors
-        else:
-            (X, RSTD), W = ctx.saved_tensors, None
+        X, W, RSTD = ctx.saved_tensors
         if W is not None and ctx.needs_input_grad[1]:
             from liger_kernel.ops.rms_norm import rms_norm_backward
 

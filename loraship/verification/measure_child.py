@@ -11,7 +11,7 @@ from pathlib import Path
 
 from loraship.errors import LorashipError
 from loraship.planning import inference_memory as im
-from loraship.planning.resources import cpu_count
+from loraship.planning.resources import llama_threads
 from loraship.verification.llama_ops import adds_bos, is_eog, vocab_of
 from loraship.verification.scoring import (
     builtin_engine_report,
@@ -61,10 +61,7 @@ def measure_apart(ctx, job: dict, entry: str = "measure", module: str | None = N
         "n_gpu_layers": job["n_gpu_layers"],
         "logits_all": True,
         "seed": job["seed"],
-        # Prompts are scored as batches, on n_threads_batch, which llama-cpp-python otherwise sets to every core of
-        # the host (a 135M model scored 12x slower beside another busy process: bench/results/ci_time.json).
-        "n_threads": cpu_count(),
-        "n_threads_batch": cpu_count(),
+        **llama_threads(),
         "verbose": os.environ.get("LORASHIP_LLAMA_VERBOSE") == "1",
     }
     if job.get("lora"):
