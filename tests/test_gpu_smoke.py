@@ -376,3 +376,30 @@ def test_spread_norm_backward_matches_liger_on_real_widths(rows, width, offset, 
     assert torch.equal(y_ours, y_liger)  # the same forward kernel
     torch.testing.assert_close(dx_ours.float(), dx_liger.float(), rtol=2e-2, atol=2e-2)
     assert (dx_ours.float() - dx_liger.float()).abs().mean() < 2e-3 * dx_liger.float().abs().mean()
+
+
+@pytest.mark.parametrize("rows,vocab,width", [(4096, 262144, 3840), (8192, 128256, 4096), (4096, 151936, 4096)])
+def test_wider_loss_chunks_give_liger_default_loss_and_gradient(rows, vocab, width):
+    """loraship/training/loss_chunks.py on Liger's real kernels, bf16 at Gemma 3's, Llama 3's and Qwen's vocabularies:
+    the chunk train runs gives the loss and input gradient of Liger's default chunk."""
+    import liger_kernel.transformers.functional as liger_functional
+
+    from loraship.training.loss_chunks import widen_loss_chunks
+
+    torch.manual_seed(0)
+    hidden = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(vocab, width, device="cuda", dtype=torch.bfloat16) / width**0.5
+    target = torch.randint(0, vocab, (rows,), device="cuda")
+    target[:100] = -100
+    current = liger_functional.liger_fused_linear_cross_entropy
+    default = getattr(current, "__wrapped__", current)  # Liger's own, were it wrapped already
+    widen_loss_chunks()
+    results = []
+    for fn in (default, liger_functional.liger_fused_linear_cross_entropy):
+        x = hidden.clone().requires_grad_()
+        loss = fn(x, weight, target)
+        loss.backward()
+        results.append((loss.item(), x.grad.float()))
+    (loss_default, grad_default), (loss_wide, grad_wide) = results
+    assert loss_wide == pytest.approx(loss_default, rel=1e-5)
+    torch.testing.assert_close(grad_wide, grad_default, rtol=1e-2, atol=1e-5)

@@ -10,10 +10,10 @@ f intermediate, V vocab, L layers, r rank, T = micro_batch x sequence_len tokens
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from loraship.config import Config
+from loraship.fused_loss import liger_loss_chunk_rows, loss_chunk_mem_const
 from loraship.planning.shape import Shape
 from loraship.planning.strategy_record import Strategy
 from loraship.planning.targets import target_names
@@ -142,12 +142,12 @@ def layer_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progr
 
 def fused_loss_transient(T: int, s: Shape) -> float:
     """Bytes Liger's fused linear cross-entropy holds while it runs (liger_kernel ops/fused_linear_cross_entropy.py):
-    the final norm's bf16 output it reads, the bf16 input gradient it fills, and one chunk of bf16 logits of the rows
-    it picks, next_power_of_2(T / ceil(V / h)); its cross-entropy kernel writes the chunk's gradient over the logits in
-    place (no fp32 copy: 2 bytes per entry, not 2 + 4 as counted before, which over-predicted issue #24's partially
-    checkpointed rows, bench/results/planner_rescore.json). Also the final norm's bf16 input, which Liger's RMSNorm
-    keeps for backward and no decoder layer's term counts (layer_saved_per_token counts each layer's own input)."""
-    rows = min(T, 1 << max(0, math.ceil(T / math.ceil(s.V / s.h)) - 1).bit_length())
+    the final norm's bf16 output it reads, the bf16 input gradient it fills, and one chunk of bf16 logits
+    (loss_chunk_mem_const's rows); its cross-entropy kernel writes the chunk's gradient over the logits in place (no
+    fp32 copy: 2 bytes per entry, not 2 + 4 as counted before, which over-predicted issue #24's partially checkpointed
+    rows, bench/results/planner_rescore.json). Also the final norm's bf16 input, which Liger's RMSNorm keeps for
+    backward and no decoder layer's term counts (layer_saved_per_token counts each layer's own input)."""
+    rows = liger_loss_chunk_rows(T, s.V, s.h, loss_chunk_mem_const(T, s.V, s.h))
     return 3 * 2 * T * s.h + rows * s.V * 2
 
 

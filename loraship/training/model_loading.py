@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from loraship.chat import set_template_kwargs, template_kwargs, template_of, use_configured_template
 from loraship.errors import LorashipError
 from loraship.models import torch_load_kwargs
-from loraship.training import distributed, norm_kernels
+from loraship.training import distributed, loss_chunks, norm_kernels
 from loraship.training.gradient_checkpointing import apply_checkpointing, decoder_layers
 from loraship.training.lora_targets import lora_config
 
@@ -276,6 +276,7 @@ def apply_fused_loss(model) -> None:
         cross_entropy=False,
         **norm_kernels.liger_norm_kwargs(),
     )
+    loss_chunks.widen_loss_chunks()
     # The default keeps Liger's kernels everywhere: the fastest of the settings
     # (bench/results/train_bench_gemma3_kernels.json).
     norm_kernels.adjust_norms(model)
