@@ -39,6 +39,8 @@ the first losses agree:
   (LORASHIP_ATTENTION): what the default's flex attention on sliding-window models is worth. Named with --trainers.
 - loraship-norms-liger: loraship-default with Liger's own RMSNorm backward (LORASHIP_LIGER_NORMS=liger): what the
   spread backward of frozen norms (loraship/training/rms_norm_backward.py) is worth. Named with --trainers.
+- loraship-chunks-liger: loraship-default with Liger's own fused-loss chunks (LORASHIP_LOSS_CHUNKS=liger): what chunks
+  of 512 rows (loraship/training/loss_chunks.py) are worth (its plan counts the wider chunk).
 - loraship-packed / loraship-padded (case `packing`): packing on / off on variable-length chat rows.
 
 Timing: a global optimizer step hook synchronises and stamps each step; tokens/s is non-pad tokens of the steps after
@@ -150,7 +152,13 @@ PHASES = [
 ]
 # loraship rows also compared with loraship's own variant that leaves one change out (what that change is worth).
 OWN_BASELINES = {
-    "loraship-default": ["loraship-unfused", "loraship-contiguous", "loraship-sdpa", "loraship-norms-liger"],
+    "loraship-default": [
+        "loraship-unfused",
+        "loraship-contiguous",
+        "loraship-sdpa",
+        "loraship-norms-liger",
+        "loraship-chunks-liger",
+    ],
     "loraship-lean": ["loraship-lean-full-recompute"],
 }
 SMOKE_SEQ = 128  # --smoke: the tiny shape at short rows, so the CPU check takes seconds
@@ -851,6 +859,8 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
         os.environ["LORASHIP_ATTENTION"] = "sdpa"
     if trainer.startswith("loraship-norms-"):  # loraship/training/norm_kernels.py: which kernel runs the RMSNorms
         os.environ["LORASHIP_LIGER_NORMS"] = trainer.rsplit("-", 1)[1]
+    if trainer == "loraship-chunks-liger":  # Liger's own fused-loss chunks: what loss_chunks.py is worth
+        os.environ["LORASHIP_LOSS_CHUNKS"] = "liger"
     if trainer.startswith("loraship-compile-layers"):  # decoder layers compiled (+ "-flex": under flex attention)
         os.environ.update(LORASHIP_COMPILE_LAYERS="1", LORASHIP_RECOMPUTE_SKIP="0")
         if trainer.endswith("-flex"):
