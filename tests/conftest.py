@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import json
 import os
 import resource
@@ -23,6 +24,11 @@ os.environ.setdefault("LORASHIP_CACHE", str(REPO / ".loraship" / "cache"))
 # setting comes too late): its 20 s default to start the ephemeral server is short while the other worker trains.
 # 180 s as loraship.runtime.prefect_env gives the embedded default.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+# A pytest worker runs stage after stage in its own process, and each load of a 128k-262k-token tokenizer or GGUF
+# vocabulary makes millions of objects: at Python's default thresholds (700, 10, 10) that set off a full collection
+# every 70k allocations: 20 of tests/test_turn_end.py's 99-108 s (bench/results/ci_time.json, session_36). Young
+# cycles are still collected every 50k allocations, the whole heap every 10M; train's release_memory collects at once.
+gc.set_threshold(50_000, 20, 10)
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER and not os.environ.get("PREFECT_HOME", "").endswith(f"xdist-{WORKER}"):  # tests import this file again
     os.environ["PREFECT_HOME"] = str(Path(os.environ.get("PREFECT_HOME") or REPO / ".prefect") / f"xdist-{WORKER}")
