@@ -235,26 +235,37 @@ def test_real_pretrained_model_passes_every_gate(real_run):
 
 
 # -- plan-time facts of every family, without weights -------------------------------------------------
-@pytest.fixture(scope="module")
-def family_folders(tmp_path_factory):
-    """Each family's tokenizer files and config.json: the cached model folder where a pipeline run built it (the same
-    files, beside weights these tests do not read), else written here without weights."""
-    from loraship.fixtures.families import BUILD_VERSION, write_folder_without_weights
+def _built_version(marker: Path) -> int | None:
+    try:
+        return json.loads(marker.read_text())["build_version"]
+    except (OSError, ValueError, KeyError):
+        return None
 
-    root = tmp_path_factory.mktemp("family-tokenizers")
+
+@pytest.fixture(scope="module")
+def family_folders():
+    """Each family's tokenizer files and config.json: the cached model folder where a pipeline run built it (the same
+    files, beside weights these tests do not read), else a folder without weights, written once and cached under
+    .loraship/models as the models are: the same BUILD_VERSION writes the same files, and building the eleven
+    tokenizers from their packages took 32-33 s of every run (bench/results/ci_time.json, session_36)."""
+    from loraship.fixtures.families import BUILD_VERSION, write_folder_without_weights
+    from loraship.runtime.manifest import atomic_path
+    from tests.conftest import cache_lock
+
     folders = {}
     for name in sorted(FAMILIES):
         built = REPO / ".loraship" / "models" / f"family-{name}"
-        try:
-            complete = json.loads((built / "pretrain_log.json").read_text())["build_version"] == BUILD_VERSION
-        except (OSError, ValueError, KeyError):
-            complete = False
-        if complete:
+        if _built_version(built / "pretrain_log.json") == BUILD_VERSION:
             folders[name] = built
             continue
-        folders[name] = root / name
-        folders[name].mkdir()
-        write_folder_without_weights(name, folders[name])
+        with cache_lock(REPO / ".loraship" / "models" / "family-tokenizers" / name) as cached:
+            marker = cached / "loraship_weightless.json"
+            if _built_version(marker) != BUILD_VERSION:
+                with atomic_path(cached) as folder:
+                    folder.mkdir(parents=True)
+                    write_folder_without_weights(name, folder)
+                    (folder / marker.name).write_text(json.dumps({"build_version": BUILD_VERSION}))
+        folders[name] = cached
     return folders
 
 
