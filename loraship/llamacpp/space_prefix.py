@@ -42,7 +42,12 @@ def prepend_scheme(tokenizer) -> str | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    spec = json.loads(backend.to_str())
+    # Only the normalizer's and pre-tokenizer's JSON, as backend.to_str() holds them: parsing the whole tokenizer for
+    # two small entries took 0.1-1.9 s a call at 49k-262k tokens (bench/results/ci_time.json, session_36).
+    spec = {
+        key: json.loads(part.__getstate__()) if part is not None else None
+        for key, part in (("normalizer", backend.normalizer), ("pre_tokenizer", backend.pre_tokenizer))
+    }
 
     def parts(node: dict | None, key: str) -> list[dict]:
         node = node or {}
