@@ -286,29 +286,57 @@ def _through(config, stages):
     return {s: importlib.import_module(f"loraship.stages.{s}").run(config) for s in stages}
 
 
-def test_a_tied_embedding_stored_only_as_lm_head_is_merged_under_its_own_name(lm_head_only, tmp_path):
+def _lm_head_config(model: Path, root: Path, **more):
+    from loraship.config import parse_config
+    from tests.conftest import demo_config_dict
+
+    return parse_config(
+        demo_config_dict(
+            model,
+            root,
+            run_name="lm-head",
+            max_steps=2,
+            micro_batch_size=4,
+            gradient_accumulation_steps=1,
+            warmup_steps=0,
+            **more,
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def lm_head_trained(lm_head_only, tmp_path_factory):
+    """plan and train on lm_head_only, once for the two tests below, which train the same config and differ from
+    merge on (each copies these stages, as tests/test_adapter_gguf.py does): one train of the tiny Qwen less."""
+    config = _lm_head_config(lm_head_only, tmp_path_factory.mktemp("lm-head-trained"))
+    _through(config, ["plan", "train"])
+    return config
+
+
+def _trained_copy(trained, model: Path, root: Path, **more):
+    import shutil
+
+    from loraship.runtime.manifest import DIGESTS_FILE
+    from loraship.runtime.stage import run_dir
+
+    ours = _lm_head_config(model, root, **more)
+    for stage in ("plan", "train"):
+        shutil.copytree(stage_dir(trained, stage), stage_dir(ours, stage))
+    shutil.copy2(run_dir(trained) / DIGESTS_FILE, run_dir(ours) / DIGESTS_FILE)
+    return ours
+
+
+def test_a_tied_embedding_stored_only_as_lm_head_is_merged_under_its_own_name(lm_head_only, lm_head_trained, tmp_path):
     """transformers loads such a checkpoint, but llama.cpp's converter would write no token_embd.weight: the merge
     writes the embedding as model.embed_tokens.weight, and the GGUFs hold token_embd.weight and load."""
     from safetensors import safe_open
 
     from loraship.llamacpp.gguf_info import open_gguf
 
-    from loraship.config import parse_config
-    from tests.conftest import demo_config_dict
-
-    config = parse_config(
-        demo_config_dict(
-            lm_head_only,
-            tmp_path,
-            run_name="lm-head",
-            max_steps=2,
-            micro_batch_size=4,
-            gradient_accumulation_steps=1,
-            warmup_steps=0,
-            imatrix=False,  # which tensors the GGUFs hold is the question, not how they are quantized
-        )
-    )
+    # imatrix off: which tensors the GGUFs hold is the question, not how they are quantized.
+    config = _trained_copy(lm_head_trained, lm_head_only, tmp_path, imatrix=False)
     manifests = _through(config, ["plan", "train", "merge", "convert", "quantize"])
+    assert manifests["train"].get("_skipped")  # the copied stages stand: train is keyed on nothing imatrix changes
     assert manifests["merge"]["metrics"]["renamed_tensors"] == {"lm_head.weight": "model.embed_tokens.weight"}
     with safe_open(stage_dir(config, "merge") / MERGED_DIR / "model.safetensors", framework="pt") as f:
         assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
@@ -319,26 +347,14 @@ def test_a_tied_embedding_stored_only_as_lm_head_is_merged_under_its_own_name(lm
         assert "token_embd.weight" in {t.name for t in open_gguf(gguf).tensors}, gguf
 
 
-def test_a_gguf_without_token_embd_is_refused_at_convert(lm_head_only, tmp_path, monkeypatch):
+def test_a_gguf_without_token_embd_is_refused_at_convert(lm_head_only, lm_head_trained, tmp_path, monkeypatch):
     """Without the merge's renaming, the converter writes a GGUF llama.cpp cannot load: convert refuses it, naming
     the missing tensor, and writes no manifest (nothing downstream takes it)."""
-    from loraship.config import parse_config
     from loraship.errors import IntegrityError
-    from tests.conftest import demo_config_dict
 
     merge = importlib.import_module("loraship.stages.merge")
     monkeypatch.setattr(merge, "embedding_only_as_lm_head", lambda folder: False)
-    config = parse_config(
-        demo_config_dict(
-            lm_head_only,
-            tmp_path,
-            run_name="no-token-embd",
-            max_steps=2,
-            micro_batch_size=4,
-            gradient_accumulation_steps=1,
-            warmup_steps=0,
-        )
-    )
+    config = _trained_copy(lm_head_trained, lm_head_only, tmp_path)
     _through(config, ["plan", "train", "merge"])
     with pytest.raises(IntegrityError, match=r"model-F16.gguf: llama.cpp .* cannot load it(.|\n)*token_embd.weight"):
         _through(config, ["convert"])
