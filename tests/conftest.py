@@ -114,6 +114,10 @@ def pytest_sessionfinish(session, exitstatus):
 # The tiny Qwen is pre-trained in the demo's reply format (loraship/fixtures/tinyqwen.py): 16 steps of 8 rows pass
 # every gate of its pipelines, where the demo's 80 of 16 cost about 500 CPU-s a run through its 152k-row output layer.
 QWEN_STEPS = dict(max_steps=16, save_steps=16, warmup_steps=2, micro_batch_size=8)
+# The tiny models' pipelines compute quantize's importance matrix over 1024 tokens (imatrix_min_tokens, two chunks of
+# 512) instead of all 2.3k-4.8k their training rows hold: llama-imatrix runs the F16 model over every token, through a
+# 128k-262k output layer. Their gates keep wide margins (bench/results/ci_time.json, session_36).
+SMALL_IMATRIX = dict(imatrix_max_tokens=1024)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from loraship.constants import OLLAMA_FILE, STAGES
 from loraship.errors import LorashipError
 from loraship.fixtures.families import FAMILIES, Family
 from loraship.runtime.stage import stage_dir
-from tests.conftest import REPO, demo_config_dict
+from tests.conftest import REPO, SMALL_IMATRIX, demo_config_dict
 
 # Far shorter than the demo's 80 steps of 16: each family's model is pre-trained on the same world with
 # its own template, and a 128k-256k output layer makes every CPU step costly. Enough to move the
@@ -82,7 +82,9 @@ def family_run(request, tmp_path_factory):
 
     family = FAMILIES[request.param]
     model = ensure_family(family.name, REPO / ".loraship" / "models" / f"family-{family.name}")
-    config, manifests, verify = run_family(model, family, tmp_path_factory.mktemp(f"family-{family.name}"))
+    config, manifests, verify = run_family(
+        model, family, tmp_path_factory.mktemp(f"family-{family.name}"), **SMALL_IMATRIX
+    )
     return family, model, config, manifests, verify
 
 

@@ -18,7 +18,7 @@ from loraship.config import parse_config
 from loraship.constants import MANIFEST_NAME, STAGES
 from loraship.errors import ConfigError, DataError, LorashipError
 from loraship.runtime.stage import stage_dir
-from tests.conftest import QWEN_STEPS, REPO, demo_config_dict
+from tests.conftest import QWEN_STEPS, REPO, SMALL_IMATRIX, demo_config_dict
 
 CHAT = [
     {"role": "user", "content": "What is the capital of Zorvia?"},
@@ -28,7 +28,9 @@ CHAT = [
 
 def qwen_config(tiny_qwen: Path, root: Path, **overrides):
     # The Qwen2.5 template adds its default system prompt (about 20 tokens) to every row.
-    return parse_config(demo_config_dict(tiny_qwen, root, sequence_len=96, **{**QWEN_STEPS, **overrides}))
+    return parse_config(
+        demo_config_dict(tiny_qwen, root, sequence_len=96, **{**QWEN_STEPS, **SMALL_IMATRIX, **overrides})
+    )
 
 
 def run_stages(config, stages=STAGES) -> dict:

@@ -14,7 +14,7 @@ import pytest
 from loraship.config import parse_config
 from loraship.errors import DataError, LorashipError
 from loraship.runtime.stage import stage_dir
-from tests.conftest import QWEN_STEPS, demo_config_dict
+from tests.conftest import QWEN_STEPS, SMALL_IMATRIX, demo_config_dict
 
 CHAT = [
     {"role": "user", "content": "What is the capital of Zorvia?"},
@@ -149,6 +149,7 @@ def base_given_chatml_run(tiny_qwen, tmp_path_factory):
             sequence_len=96,
             max_new_tokens=16,
             **QWEN_STEPS,
+            **SMALL_IMATRIX,
         )
     )
     import importlib
