@@ -420,7 +420,9 @@ def _rope_type(config) -> str | None:
     return None if kind in (None, "default") else str(kind)
 
 
-def _derive(mc: dict) -> Shape:
+def _meta_model(mc: dict):
+    """transformers' causal-LM class for config.json (its language model's, for a multimodal wrapper), built on the
+    meta device: (config, model, class, the config's name in messages, the wrapper's name or None)."""
     import torch
 
     text, wrapper = _text_part(mc)
@@ -428,9 +430,7 @@ def _derive(mc: dict) -> Shape:
     config = _config(mc, "config.json")
     if wrapper:
         config = config.get_text_config() if hasattr(config, "get_text_config") else config.text_config
-    mt = config.model_type
-    archs = list(mc.get("architectures") or [])
-    lm_class = _causal_lm_class(config, archs, mt)
+    lm_class = _causal_lm_class(config, list(mc.get("architectures") or []), config.model_type)
     # Keys whose transformers defaults belong to some other model: a config.json without them would be planned as
     # that model, silently.
     aliases = getattr(type(config), "attribute_map", {})
@@ -453,17 +453,13 @@ def _derive(mc: dict) -> Shape:
             f"transformers' {lm_class.__name__} could not be built from {where} ({type(e).__name__}: {e})",
             "pass the base model's own config.json, or upgrade transformers",
         ) from e
-    L = int(config.num_hidden_layers)
-    layers = _decoder_layers(model, L)
-    if layers is None:
-        raise _refuse(
-            f"{lm_class.__name__} has no list of {L} decoder layers the planner can find",
-            "use a base model of a Llama-style architecture",
-        )
-    layer = layers[0]
-    h, heads = int(config.hidden_size), int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or h // heads)
+    return config, model, lm_class, wrapper
+
+
+def _layer_parts(layer, h: int, lm_class) -> tuple[list[Linear], int, bool]:
+    """A decoder layer's Linears (in canonical order, each with what it reads), its norms of width h, and whether it
+    norms q and k."""
+    import torch
 
     linears: list[Linear] = []
     norms = 0
@@ -491,6 +487,26 @@ def _derive(mc: dict) -> Shape:
         )
     order = {n: i for i, n in enumerate(CANONICAL_ORDER)}
     linears.sort(key=lambda m: order.get(m.name, len(order)))
+    return linears, norms, qk_norm
+
+
+def _derive(mc: dict) -> Shape:
+    config, model, lm_class, wrapper = _meta_model(mc)
+    mt = config.model_type
+    archs = list(mc.get("architectures") or [])
+    L = int(config.num_hidden_layers)
+    layers = _decoder_layers(model, L)
+    if layers is None:
+        raise _refuse(
+            f"{lm_class.__name__} has no list of {L} decoder layers the planner can find",
+            "use a base model of a Llama-style architecture",
+        )
+    layer = layers[0]
+    h, heads = int(config.hidden_size), int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or h // heads)
+
+    linears, norms, qk_norm = _layer_parts(layer, h, lm_class)
     names = {m.name for m in linears}
     fused = bool(names & set(FUSED_PARTS))
     by_name = {m.name: m for m in linears}
