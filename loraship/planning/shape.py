@@ -422,7 +422,7 @@ def _rope_type(config) -> str | None:
 
 def _meta_model(mc: dict):
     """transformers' causal-LM class for config.json (its language model's, for a multimodal wrapper), built on the
-    meta device: (config, model, class, the config's name in messages, the wrapper's name or None)."""
+    meta device: (the language model's config, the model, its class, the wrapper's name or None)."""
     import torch
 
     text, wrapper = _text_part(mc)
