@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import gc
 import json
 import os
 import resource
+import runpy
 import time
 from pathlib import Path
 
@@ -28,10 +28,11 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # vocabulary makes millions of objects: at Python's default thresholds (700, 10, 10) that set off a full collection
 # every 70k allocations: 20 of tests/test_turn_end.py's 99-108 s (bench/results/ci_time.json, session_36). Young
 # cycles are still collected every 50k allocations, the whole heap every 10M; train's release_memory collects at once.
-gc.set_threshold(50_000, 20, 10)
-# The same for the Python children of the run (the converter, verify's measuring child, `loraship run`, the ranks):
-# converting the tiny Gemma 3 took 12.8 s at the defaults, 10.0 s so, the same bytes (bench/results/ci_time.json).
+# tests/gc_site/sitecustomize.py holds the thresholds; run here for the workers, and put on PYTHONPATH for the Python
+# children of the run (the converter, verify's measuring child, `loraship run`, the ranks): converting the tiny
+# Gemma 3 took 12.8 s at the defaults, 10.0 s so, the same bytes (bench/results/ci_time.json).
 GC_SITE = str(REPO / "tests" / "gc_site")
+runpy.run_path(str(Path(GC_SITE) / "sitecustomize.py"))
 if GC_SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [GC_SITE, os.environ.get("PYTHONPATH")]))
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
