@@ -403,3 +403,56 @@ def test_wider_loss_chunks_give_liger_default_loss_and_gradient(rows, vocab, wid
     (loss_default, grad_default), (loss_wide, grad_wide) = results
     assert loss_wide == pytest.approx(loss_default, rel=1e-5)
     torch.testing.assert_close(grad_wide, grad_default, rtol=1e-2, atol=1e-5)
+
+
+def test_heads_first_norms_feed_rope_and_flex_attention_without_copies():
+    """Gemma-3-12B's q/k path at 4096 tokens (16 query heads, 8 KV heads, head_dim 256, a 1024-token window): the
+    projection's heads-first view -> per-head norm -> Liger's RoPE -> compiled flex attention -> the tokens-first
+    output transformers makes contiguous, then backward. loraship's norm keeps the projection's layout
+    (loraship/training/rms_norm_backward.py heads_first_view); against Liger's own norm, which copies to heads-first:
+    the same outputs and gradients, and fewer copy kernels (none left on the q/k path)."""
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.rope import LigerRopeFunction
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.profiler import ProfilerActivity, profile
+
+    from loraship.training.rms_norm_backward import FrozenWeightRMSNorm
+
+    T, HQ, HKV, D, WINDOW = 4096, 16, 8, 256, 1024
+    torch.manual_seed(0)
+    cuda = dict(device="cuda", dtype=torch.bfloat16)
+    xq, xk, xv = (torch.randn(1, T, h * D, **cuda) for h in (HQ, HKV, HKV))
+    wq, wk = (torch.randn(D, **cuda) * 0.1 for _ in range(2))
+    angles = torch.arange(T, device="cuda")[:, None] / 10000 ** (torch.arange(0, D, 2, device="cuda") / D)
+    angles = torch.cat([angles, angles], -1)[None]
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    g = torch.randn(1, T, HQ * D, **cuda)
+    mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < WINDOW), None, None, T, T, device="cuda")
+    attend = torch.compile(flex_attention)
+
+    def run(norm):
+        leaves = [x.clone().requires_grad_() for x in (xq, xk, xv)]
+        q, k, v = (x.view(1, T, -1, D).transpose(1, 2) for x in leaves)
+        q = norm.apply(q, wq, 1e-6, 1.0, "gemma", False, None)
+        k = norm.apply(k, wk, 1e-6, 1.0, "gemma", False, None)
+        q, k, _, _ = LigerRopeFunction.apply(q, k, cos, sin)
+        out = attend(q, k, v, block_mask=mask, enable_gqa=True)
+        out = out.transpose(1, 2).contiguous().view(1, T, -1)  # transformers' flex_attention_forward
+        out.backward(g)
+        return [out.detach()] + [x.grad for x in leaves]
+
+    def copy_kernels(norm):
+        run(norm)  # compiled for this layout first
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            results = run(norm)
+            torch.cuda.synchronize()
+        return results, sum(e.count for e in prof.key_averages() if "copy" in e.key.lower())
+
+    (theirs, liger_copies), (ours, our_copies) = copy_kernels(LigerRMSNormFunction), copy_kernels(FrozenWeightRMSNorm)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        assert (a.float() - b.float()).abs().mean() < 1e-2 * b.float().abs().mean()
+    assert liger_copies >= 4, liger_copies  # the norms' and RoPE's copies, at least, on Liger's path
+    assert our_copies < liger_copies, (our_copies, liger_copies)
+    print(f"copy kernels on the q/k path: Liger's norm {liger_copies}, loraship's {our_copies}")

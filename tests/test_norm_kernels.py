@@ -146,3 +146,48 @@ def test_the_spread_backward_matches_the_formula_on_wide_rows_and_bf16():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-3000:]
+
+
+def _stand_in_liger_forward(X, W, eps, offset, casting_mode, row_mode):
+    """What Liger's rms_norm_forward returns (its Triton kernel does not run on the CPU), computed by torch."""
+    import torch
+
+    x = X.view(-1, X.shape[-1]).float()  # view: Liger's own needs contiguous rows as well
+    rstd = torch.rsqrt(x.pow(2).mean(-1) + eps)
+    y = (x * rstd[:, None] * (W.float() + offset)).to(X.dtype)
+    return y.view(X.shape), X.view(-1, X.shape[-1]), rstd, 64, 4, casting_mode
+
+
+def test_a_heads_first_norm_keeps_the_projection_layout_without_copying(monkeypatch):
+    """Gemma 3 hands its q/k norms attention's [batch, heads, tokens, head_dim] view of the projection's output. The
+    norm runs on the projection's rows as they lie and gives back the same view, so RoPE and attention need no
+    copy either: no bf16 copy in the norm's forward, the output tokens-first in memory, the values unchanged."""
+    import liger_kernel.ops.rms_norm as liger_ops
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from loraship.training.rms_norm_backward import FrozenWeightRMSNorm, heads_first_view
+
+    monkeypatch.setattr(liger_ops, "rms_norm_forward", _stand_in_liger_forward)
+    copies = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
+
+    class SameDtypeCopies(TorchDispatchMode):
+        seen = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in copies and out.dtype == args[0].dtype:
+                SameDtypeCopies.seen += 1
+            return out
+
+    torch.manual_seed(0)
+    projection = torch.randn(2, 5, 3, 16, dtype=torch.bfloat16)  # [batch, tokens, heads, head_dim], contiguous
+    weight = torch.randn(16, dtype=torch.bfloat16) * 0.1
+    view = projection.transpose(1, 2)
+    assert heads_first_view(view) and not heads_first_view(projection) and not heads_first_view(view.contiguous())
+    with SameDtypeCopies():
+        out = FrozenWeightRMSNorm.apply(view, weight, 1e-6, 1.0, "gemma", False, None)
+    assert SameDtypeCopies.seen == 0
+    assert out.shape == view.shape and out.transpose(1, 2).is_contiguous()
+    expected = _stand_in_liger_forward(view.contiguous(), weight, 1e-6, 1.0, "gemma", None)[0]
+    assert torch.equal(out, expected)

@@ -9,6 +9,8 @@ as the forward: 17.3 ms of kernels over two Gemma-3-12B steps against Liger's 31
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -79,6 +81,17 @@ def input_grad(dY: torch.Tensor, X: torch.Tensor, W: torch.Tensor | None, RSTD: 
     return dX.view(shape)
 
 
+def heads_first_view(X: torch.Tensor) -> bool:
+    """Whether X is attention's [batch, heads, tokens, head_dim] view of a projection's contiguous [batch, tokens,
+    heads, head_dim] output, as Gemma 3 hands its q/k norms. The norm then runs on the projection's rows in place and
+    gives back the same view: Liger's own forward copied X to contiguous, RoPE copied it back to tokens-first, and
+    attention's output and gradients followed the copy's layout, which cost more copies after it.
+    LORASHIP_NORM_LAYOUT=copy keeps that copy (bench/train_bench.py's loraship-before rows)."""
+    if os.environ.get("LORASHIP_NORM_LAYOUT") == "copy":
+        return False
+    return X.dim() == 4 and not X.is_contiguous() and X.transpose(1, 2).is_contiguous()
+
+
 class FrozenWeightRMSNorm(torch.autograd.Function):
     """Liger's RMSNorm (same forward kernel, same saved tensors); the backward above unless the weight trains."""
 
@@ -86,25 +99,31 @@ class FrozenWeightRMSNorm(torch.autograd.Function):
     def forward(ctx, X, W, eps, offset, casting_mode, in_place, row_mode):
         from liger_kernel.ops.rms_norm import rms_norm_forward
 
+        heads_first = heads_first_view(X)
+        if heads_first:
+            X = X.transpose(1, 2)  # the projection's own rows, contiguous: no copy
         Y, X_saved, RSTD, block_size, num_warps, mode = rms_norm_forward(
             X.contiguous(), W, eps, offset, casting_mode, row_mode
         )
-        ctx.settings = (offset, mode, block_size, num_warps, in_place, row_mode)
+        ctx.settings = (offset, mode, block_size, num_warps, in_place, row_mode, heads_first)
         ctx.save_for_backward(X_saved, W, RSTD)  # W may be None: saved and given back as None
-        return Y
+        return Y.transpose(1, 2) if heads_first else Y
 
     @staticmethod
     def backward(ctx, dY):
-        offset, mode, block_size, num_warps, in_place, row_mode = ctx.settings
+        offset, mode, block_size, num_warps, in_place, row_mode, heads_first = ctx.settings
         X, W, RSTD = ctx.saved_tensors
+        if heads_first:
+            dY = dY.transpose(1, 2)  # rows in the order X_saved holds them (contiguous when attention kept the layout)
         if W is not None and ctx.needs_input_grad[1]:
             from liger_kernel.ops.rms_norm import rms_norm_backward
 
             dX, dW = rms_norm_backward(
                 dY.contiguous(), X, W, RSTD, offset, mode, block_size, num_warps, in_place, row_mode, needs_dw=True
             )
-            return dX, dW, None, None, None, None, None
-        return input_grad(dY, X, W, RSTD, offset, in_place), None, None, None, None, None, None
+        else:
+            dX, dW = input_grad(dY, X, W, RSTD, offset, in_place), None
+        return (dX.transpose(1, 2) if heads_first else dX), dW, None, None, None, None, None
 
 
 def forward(self, hidden_states):
