@@ -58,6 +58,7 @@ from loraship.training.out_of_memory import (
     starting_plan,
     train_until_it_fits,
 )
+from loraship.training.gc_pauses import setup_frozen
 from loraship.training.step_loop import StepLoop, make_optimizer, run_steps
 from loraship.training.throughput import flops_per_token, steady_rate, utilisation
 
@@ -138,11 +139,12 @@ def train_once(
     resumed_from, history = load_checkpoint(ctx.dir / CHECKPOINTS_DIR, wrapped, opt.optimizer, opt.scheduler)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    loop = StepLoop(resumed_from, history, started=time.perf_counter())
     per_token = flops_per_token(model_dir, config, batches.lengths)
     progress = Progress("train", opt.total_steps, log, key=artifact_key(config.run_name, STAGE, "progress"))
-    run_steps(config, ctx.dir / CHECKPOINTS_DIR, wrapped, ranks, batches, opt, loop, per_token, device, progress)
-    seconds = time.perf_counter() - loop.started
+    with setup_frozen() as gc_pauses:  # no full collection walking the model mid-step (loraship/training/gc_pauses.py)
+        loop = StepLoop(resumed_from, history, started=time.perf_counter())
+        run_steps(config, ctx.dir / CHECKPOINTS_DIR, wrapped, ranks, batches, opt, loop, per_token, device, progress)
+        seconds = time.perf_counter() - loop.started
     measured = distributed.worst_rank_memory(peak_memory(device), ranks.rank)  # the card that limits the plan
     eval_after = eval_loss(config, loaded, evaluation, batches, device, "train: eval after", ranks.rank)
     save_adapter(ctx.dir, wrapped, tokenizer, loop.history)
@@ -163,6 +165,7 @@ def train_once(
             "why": packing_why if packed else loaded.attention_why,
         },
         **attempt_metrics(loaded, loop, seconds, per_token, device),
+        "python_gc": gc_pauses.as_json(),
         "measured_memory": measured,
     }
 

@@ -124,6 +124,8 @@ def test_train_manifest_reports_steady_tokens_per_s_and_mfu_on_the_cpu(tiny_mode
     assert metrics["tokens_per_s_overall"] > 0
     assert metrics["flops_per_token"] > 0
     assert metrics["mfu"] is None and "no bf16 peak" in metrics["mfu_basis"]  # a CPU: no peak to divide by
+    # The step loop ran with setup frozen out of the collector's scans (loraship/training/gc_pauses.py), timed.
+    assert metrics["python_gc"]["setup_frozen"] is True and metrics["python_gc"]["seconds"] >= 0
 
 
 @pytest.mark.parametrize("name", ["qwen2-7b", "qwen2-14b", "llama-3-8b", "mistral-7b", "qwen3-8b", "gemma-3-12b"])
