@@ -41,6 +41,9 @@ the first losses agree:
   spread backward of frozen norms (loraship/training/rms_norm_backward.py) is worth. Named with --trainers.
 - loraship-chunks-liger: loraship-default with Liger's own fused-loss chunks (LORASHIP_LOSS_CHUNKS=liger): what chunks
   of 512 rows (loraship/training/loss_chunks.py) are worth (its plan counts the wider chunk).
+- loraship-before: loraship-default with the per-head norms copying to heads-first (LORASHIP_NORM_LAYOUT=copy) and
+  Python's collector left as it is (LORASHIP_GC_FREEZE=0): what loraship/training/rms_norm_backward.py's
+  heads_first_view and loraship/training/gc_pauses.py are worth together. Named with --trainers.
 - loraship-packed / loraship-padded (case `packing`): packing on / off on variable-length chat rows.
 
 Timing: a global optimizer step hook synchronises and stamps each step; tokens/s is non-pad tokens of the steps after
@@ -158,6 +161,7 @@ OWN_BASELINES = {
         "loraship-sdpa",
         "loraship-norms-liger",
         "loraship-chunks-liger",
+        "loraship-before",
     ],
     "loraship-lean": ["loraship-lean-full-recompute"],
 }
@@ -547,6 +551,7 @@ def run_loraship(case, trainer, model_dir, data, root, args, device) -> dict:
         "stage_mfu": metrics.get("mfu"),
         "host_copies": metrics.get("host_copies"),
         "down_proj_skipped_in_recompute": metrics.get("down_proj_skipped_in_recompute"),
+        "python_gc": metrics.get("python_gc"),
         "peer_version": {
             "loraship": source_stamp()["commit"],
             **versions("torch", "transformers", "peft", "liger-kernel", "bitsandbytes"),
@@ -861,6 +866,8 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
         os.environ["LORASHIP_LIGER_NORMS"] = trainer.rsplit("-", 1)[1]
     if trainer == "loraship-chunks-liger":  # Liger's own fused-loss chunks: what loss_chunks.py is worth
         os.environ["LORASHIP_LOSS_CHUNKS"] = "liger"
+    if trainer == "loraship-before":  # norms copying q/k to heads-first, the collector unfrozen: what both are worth
+        os.environ.update(LORASHIP_NORM_LAYOUT="copy", LORASHIP_GC_FREEZE="0")
     if trainer.startswith("loraship-compile-layers"):  # decoder layers compiled (+ "-flex": under flex attention)
         os.environ.update(LORASHIP_COMPILE_LAYERS="1", LORASHIP_RECOMPUTE_SKIP="0")
         if trainer.endswith("-flex"):
