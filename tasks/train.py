@@ -142,7 +142,7 @@ def train_once(
     per_token = flops_per_token(model_dir, config, batches.lengths)
     progress = Progress("train", opt.total_steps, log, key=artifact_key(config.run_name, STAGE, "progress"))
     with setup_frozen() as gc_pauses:  # no full collection walking the model mid-step (loraship/training/gc_pauses.py)
-        loop = StepLoop(resumed_from, history, started=time.perf_counter())
+        loop = StepLoop(resumed_from, history, started=time.perf_counter(), after_step=gc_pauses.step_done)
         run_steps(config, ctx.dir / CHECKPOINTS_DIR, wrapped, ranks, batches, opt, loop, per_token, device, progress)
         seconds = time.perf_counter() - loop.started
     measured = distributed.worst_rank_memory(peak_memory(device), ranks.rank)  # the card that limits the plan

@@ -18,9 +18,16 @@ def test_setup_is_frozen_in_the_loop_and_every_collection_is_timed(monkeypatch):
         Cycle()
         assert gc.collect() >= 1  # the loop's own garbage is still collected
         gc.collect(0)
+        frozen = gc.get_freeze_count()
+        compiled = [Cycle() for _ in range(100)]  # what the first step builds and keeps
+        pauses.step_done()  # after the first step: collected in full and frozen as well
+        assert gc.get_freeze_count() >= frozen + len(compiled)
+        after_first = gc.get_freeze_count()
+        pauses.step_done()  # not after later ones
+        assert gc.get_freeze_count() == after_first
     assert gc.get_freeze_count() == before  # handed back at exit
     record = pauses.as_json()
-    assert record["collections"] >= 2 and record["full_collections"] >= 1 and record["setup_frozen"] is True
+    assert record["collections"] >= 3 and record["full_collections"] >= 2 and record["setup_frozen"] is True
     assert 0 < record["longest_s"] <= record["seconds"]
 
 

@@ -5,7 +5,7 @@ if [ ! -f $S/started ]; then touch $S/started; setsid nohup bash .whl-train/chai
 end=$(( $(date +%s) + ${W:-560} ))
 collect() {  # also while waiting, so a call cut short by the device budget still brings what exists.
   # A call brings back only a few files: the results as they are, every log and row in one archive.
-  cp $S/train_bench.json /tmp/mstate/matrix/memory_matrix_stage_raw.json $OUT/ 2>/dev/null
+  cp $S/train_bench.json $S/train_bench_profile.json /tmp/mstate/matrix/memory_matrix_stage_raw.json $OUT/ 2>/dev/null
   tar czf $OUT/state.tgz.tmp -C /tmp --exclude='*.safetensors' tstate mstate tb/row-*.json 2>/dev/null; mv $OUT/state.tgz.tmp $OUT/state.tgz
 }
 while [ $(date +%s) -lt $end ] && [ ! -f $S/all.done ]; do sleep 5; [ $(( $(date +%s) % 30 )) -lt 5 ] && collect; done

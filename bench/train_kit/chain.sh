@@ -40,6 +40,12 @@ bench > $S/bench.log 2>&1
 echo "bench rc=$? $(date +%T)" >> $S/progress
 bench --resume > $S/bench_retry.log 2>&1
 echo "retry of failed rows rc=$? $(date +%T)" >> $S/progress
+# PROFILE_AFTER="case ...": then those cases again, profiled (PROFILE_TRAINERS: only those trainers), into their
+# own file; the rows above stay unprofiled.
+if [ -n "$PROFILE_AFTER" ]; then
+  TRAINERS="${PROFILE_TRAINERS:-$TRAINERS}" PROFILE_ARGS="--profile $PROFILE_AFTER" bench --cases $PROFILE_AFTER --out $S/train_bench_profile.json > $S/bench_profile.log 2>&1
+  echo "profiled rows rc=$? $(date +%T)" >> $S/progress
+fi
 [ "$GPU_TESTS" = last ] && gpu_tests
 # MATRIX=1: then the memory matrix through plan + train on the same machine (bench/train_kit/matrix_call.sh).
 # Its shapes' checkpoints are the bench's where they exist (same dims: bench/memory_matrix.py stage_dims), so the

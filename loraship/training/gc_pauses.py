@@ -7,7 +7,10 @@ By the loop, the process holds torch's, transformers', peft's and inductor's obj
 backward, long enough to reach the oldest generation, so a full collection comes due every so often and stalls the
 step it lands in: the lone 0.99 s step among 0.57-0.66 s ones in bench/results/train_bench_loss_chunks.json's Gemma 3
 2x2048 row is that size. Frozen (gc.freeze), those objects are never walked again: the same collection then takes
-microseconds. Nothing else changes: collections still run, over what the loop creates.
+microseconds. The first step compiles (flex attention's kernels under inductor) and adds tens of thousands of
+objects more, so after it the collector runs once in full and freezes again: the Gemma 3 rows of
+bench/results/train_bench_gemma3_copies.json had full collections of up to 63 ms without that second freeze. Nothing
+else changes: collections still run, over what the loop creates.
 
 LORASHIP_GC_FREEZE=0 leaves the collector as Python has it and still times its collections (bench/train_bench.py's
 loraship-before rows).
@@ -31,6 +34,14 @@ class Pauses:
     seconds: float = 0.0
     longest_s: float = 0.0
     frozen: bool = True
+    steps: int = 0
+
+    def step_done(self) -> None:
+        """After each optimizer step: after the first, what it compiled is collected once and frozen too."""
+        self.steps += 1
+        if self.frozen and self.steps == 1:
+            gc.collect()
+            gc.freeze()
 
     def add(self, generation: int, seconds: float) -> None:
         self.collections += 1

@@ -16,6 +16,8 @@ from loraship.training.device import compute, gpu_memory_text
 from loraship.training.throughput import steady_rate
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from loraship.runtime.progress import Progress
 
 
@@ -42,6 +44,7 @@ class StepLoop:
     tokens_seen: int = 0
     started: float = 0.0
     stamps: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens so far) after each step
+    after_step: Callable[[], None] | None = None  # called after each optimizer step (loraship/training/gc_pauses.py)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ def run_steps(
         step_loss = accumulate_step(wrapped, ranks, batches, steps[1][within], loop, device)
         optimizer_step(opt.trainable, opt.optimizer, opt.scheduler)
         loop.step += 1
+        if loop.after_step is not None:
+            loop.after_step()
         elapsed = time.perf_counter() - loop.started
         loop.stamps.append((elapsed, loop.tokens_seen))
         report_progress(progress, loop, opt.total_steps, step_loss, elapsed, per_token, peak, device)
