@@ -3,14 +3,13 @@ scans, and every collection during the loop is timed for the manifest.
 
 By the loop, the process holds torch's, transformers', peft's and inductor's objects and the model's modules: about
 500,000 tracked objects with a tiny model on this CPU, where one full (generation 2) collection walking them takes
-0.41-0.45 s (`gc.collect()` after the imports and a 48-layer model). The steps' autograd contexts live from forward to
-backward, long enough to reach the oldest generation, so a full collection comes due every so often and stalls the
-step it lands in: the lone 0.99 s step among 0.57-0.66 s ones in bench/results/train_bench_loss_chunks.json's Gemma 3
-2x2048 row is that size. Frozen (gc.freeze), those objects are never walked again: the same collection then takes
-microseconds. The first step compiles (flex attention's kernels under inductor) and adds tens of thousands of
-objects more, so after it the collector runs once in full and freezes again: the Gemma 3 rows of
-bench/results/train_bench_gemma3_copies.json had full collections of up to 63 ms without that second freeze. Nothing
-else changes: collections still run, over what the loop creates.
+0.41-0.45 s. The steps' autograd contexts live from forward to backward, long enough to reach the oldest generation,
+so a full collection comes due every so often and stalls the step it lands in: on Gemma-3-12B, 331 and 492 ms inside
+steps of 0.89 and 1.07 s among ones of 0.58-0.60 s (bench/results/train_bench_gemma3_copies.json, the loraship-before
+rows). Frozen (gc.freeze), those objects are never walked again. The first step compiles (flex attention's kernels
+under inductor) and adds tens of thousands of objects more, so after it the collector runs once in full and freezes
+again: without that second freeze, full collections of up to 63 ms were left. Collections still run, over what the
+loop creates.
 
 LORASHIP_GC_FREEZE=0 leaves the collector as Python has it and still times its collections (bench/train_bench.py's
 loraship-before rows).

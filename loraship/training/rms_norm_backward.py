@@ -8,7 +8,8 @@ as the forward: 17.3 ms of kernels over two Gemma-3-12B steps against Liger's 31
 
 A per-head norm handed attention's heads-first view of its projection (Gemma 3's q/k norms) runs on the projection's
 rows as they lie and hands back the same view, so RoPE and flex attention need no copies either: same-dtype copies
-over two Gemma-3-12B steps of 4,096 tokens fell from 1,192 launches to 96 (bench/results/train_bench_gemma3_copies.json).
+over two Gemma-3-12B steps of 4,096 tokens fell from 1,192 launches to 96
+(bench/results/train_bench_gemma3_copies.json).
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def input_grad(dY: torch.Tensor, X: torch.Tensor, W: torch.Tensor | None, RSTD: 
 
 def heads_first_view(X: torch.Tensor) -> bool:
     """Whether X is attention's [batch, heads, tokens, head_dim] view of a projection's contiguous [batch, tokens,
-    heads, head_dim] output, as Gemma 3 hands its q/k norms. The norm then runs on the projection's rows in place and
-    gives back the same view: Liger's own forward copied X to contiguous, RoPE copied it back to tokens-first, and
+    heads, head_dim] output, as Gemma 3 hands its q/k norms. The norm then runs on the projection's rows where they lie
+    and gives back the same view: Liger's own forward copied X to contiguous, RoPE copied it back to tokens-first, and
     attention's output and gradients followed the copy's layout, which cost more copies after it.
     LORASHIP_NORM_LAYOUT=copy keeps that copy (bench/train_bench.py's loraship-before rows)."""
     if os.environ.get("LORASHIP_NORM_LAYOUT") == "copy":
