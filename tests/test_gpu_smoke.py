@@ -457,3 +457,27 @@ def test_heads_first_norms_feed_rope_and_flex_attention_without_copies():
     assert liger_copies >= 4, liger_copies  # the norms' and RoPE's copies, at least, on Liger's path
     assert our_copies < liger_copies, (our_copies, liger_copies)
     print(f"copy kernels on the q/k path: Liger's norm {liger_copies}, loraship's {our_copies}")
+
+
+def test_a_heads_first_norm_with_a_trainable_weight_gives_liger_gradients():
+    """The heads-first layout on the path where the norm's weight trains (Liger's own backward, dW summed per SM):
+    the input's and the weight's gradients equal Liger's on a contiguous copy, at Gemma-3-12B's per-head width."""
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    from loraship.training.rms_norm_backward import FrozenWeightRMSNorm
+
+    torch.manual_seed(0)
+    projection = torch.randn(2, 2048, 16, 256, device="cuda", dtype=torch.bfloat16) * 3  # [batch, tokens, heads, dim]
+    weight = (torch.randn(256, device="cuda") * 0.1).to(torch.bfloat16)
+    dy = torch.randn(2, 2048, 16, 256, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    grads = []
+    for fn, layout in ((LigerRMSNormFunction, torch.Tensor.contiguous), (FrozenWeightRMSNorm, lambda t: t)):
+        x = projection.clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        y = fn.apply(layout(x.transpose(1, 2)), w, 1e-6, 1.0, "gemma", False, None)
+        y.backward(dy.clone())
+        grads.append((y.detach().contiguous(), x.grad, w.grad))
+    (y_liger, dx_liger, dw_liger), (y_ours, dx_ours, dw_ours) = grads
+    assert torch.equal(y_ours, y_liger)
+    torch.testing.assert_close(dx_ours.float(), dx_liger.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dw_ours.float(), dw_liger.float(), rtol=2e-2, atol=2e-1)
