@@ -141,7 +141,8 @@ def train_once(
         torch.cuda.reset_peak_memory_stats()
     per_token = flops_per_token(model_dir, config, batches.lengths)
     progress = Progress("train", opt.total_steps, log, key=artifact_key(config.run_name, STAGE, "progress"))
-    with setup_frozen() as gc_pauses:  # no full collection walking the model mid-step (loraship/training/gc_pauses.py)
+    # No full collection walking the model mid-step; release_memory above was the collection before the freeze.
+    with setup_frozen() as gc_pauses:
         loop = StepLoop(resumed_from, history, started=time.perf_counter(), after_step=gc_pauses.step_done)
         run_steps(config, ctx.dir / CHECKPOINTS_DIR, wrapped, ranks, batches, opt, loop, per_token, device, progress)
         seconds = time.perf_counter() - loop.started

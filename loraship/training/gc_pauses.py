@@ -60,7 +60,9 @@ class Pauses:
 
 @contextmanager
 def setup_frozen():
-    """Collect once, freeze what exists, time each collection until exit (yields the Pauses); unfreeze at exit."""
+    """Freeze what exists, time each collection until exit (yields the Pauses); unfreeze at exit. No collection first:
+    the train stage has just run one (loraship/training/device.py release_memory, after the eval before training), and
+    a second full walk of the same objects would cost as much again."""
     pauses = Pauses(frozen=os.environ.get("LORASHIP_GC_FREEZE", "1") != "0")
     began: list[float] = []
 
@@ -71,7 +73,6 @@ def setup_frozen():
             pauses.add(info["generation"], time.perf_counter() - began.pop())
 
     if pauses.frozen:
-        gc.collect()
         gc.freeze()
     gc.callbacks.append(timer)
     try:
