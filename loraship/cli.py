@@ -253,7 +253,8 @@ def _run(config_path: Path, set_: list[str], only: str | None, start: str | None
     from loraship.runtime.prefect_env import start_local_prefect
 
     guard.cover_console()  # Prefect's console handler, added on its import
-    start_local_prefect()
+    with _user_errors():
+        start_local_prefect()
     state = train_and_ship(config, stages=None if stages == list(STAGES) else stages, return_state=True)
     if not state.is_completed():
         err.print(f"error: run {config.run_name!r} failed: {state.message}", markup=False, highlight=False)

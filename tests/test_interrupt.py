@@ -286,3 +286,46 @@ def test_interrupted_runs_resume_and_ship(tiny_model, tmp_path):
     manifest = json.loads((train / MANIFEST_NAME).read_text())
     assert manifest["metrics"]["resumed_from_step"] >= 60, manifest["metrics"]  # three checkpoints, none lost
     assert "took over the lock of" in output  # kill -9 left the train locks behind; taken over, not waited on
+
+
+SERVER = """
+import sys
+from loraship.errors import LorashipError
+from loraship.runtime import prefect_env
+prefect_env.configure_local_prefect()
+try:
+    prefect_env.start_local_prefect()
+except LorashipError as e:
+    print("refused:", e)
+else:
+    from prefect.server.api.server import SubprocessASGIServer
+    import httpx
+    print("health", httpx.get(SubprocessASGIServer().api_url + "/health").status_code, flush=True)
+    prefect_env.stop_local_prefect()
+print("log", prefect_env.server_log_path(), flush=True)
+"""
+
+
+def _server(tmp_path: Path, **env) -> tuple[str, str, Path]:
+    run_env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), **env}
+    run_env.pop("PREFECT_API_URL", None)
+    done = subprocess.run([sys.executable, "-c", SERVER], cwd=REPO, env=run_env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    log = Path(done.stdout.splitlines()[-1].removeprefix("log "))
+    return done.stdout, done.stderr, log
+
+
+def test_the_temporary_server_logs_to_a_file_not_the_console(tmp_path):
+    # Its shutdown after a SIGTERM once logged a cancelled SQLite rollback's traceback under the run's last line.
+    stdout, stderr, log = _server(tmp_path)
+    assert "health 200" in stdout, stdout + stderr
+    assert log == tmp_path / "prefect" / "server.log"
+    assert log.read_text().startswith("--- temporary server on port ")
+    assert "Traceback" not in stderr and "uvicorn" not in stderr.lower(), stderr
+
+
+def test_a_server_that_does_not_start_is_refused_with_its_log(tmp_path):
+    stdout, stderr, log = _server(tmp_path, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="0")
+    assert "refused: the temporary Prefect server did not start (Timed out" in stdout, stdout + stderr
+    assert f"its log, {log}, ends with:" in stdout and "--- temporary server on port" in stdout
+    assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in stdout

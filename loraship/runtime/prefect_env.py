@@ -48,16 +48,30 @@ def stop_local_prefect(timeout_s: float = 30) -> None:
         prefect_logger.setLevel(level)
 
 
+# The temporary server's own log (uvicorn, its database) goes to a file, not the console: on its shutdown after a
+# SIGTERM it logged a cancelled SQLite rollback's traceback under the run's one "interrupted" line.
+SERVER_LOG = "server.log"
+_SERVER_LOG_MAX_BYTES = 8 << 20  # started afresh past this: a log of many runs, kept to a few MB
+
+
+def server_log_path() -> Path:
+    from prefect.settings import get_current_settings
+
+    return Path(get_current_settings().home) / SERVER_LOG
+
+
 def start_local_prefect() -> None:
     """Start the temporary API server now, where no server is configured, in its own session and killed with this
-    process. Prefect starts it in this process's group: a terminal's Ctrl-C reached it too, it stopped at once, and
-    the interrupted run could not report its end (httpx ConnectError tracebacks, over 120 s of retries); a kill -9
-    of this process alone left it running. Nothing where PREFECT_API_URL (or the profile) names a server."""
+    process, its log in PREFECT_HOME/server.log. Prefect starts it in this process's group: a terminal's Ctrl-C
+    reached it too, it stopped at once, and the interrupted run could not report its end (httpx ConnectError
+    tracebacks, over 120 s of retries); a kill -9 of this process alone left it running. Nothing where
+    PREFECT_API_URL (or the profile) names a server."""
     import subprocess
 
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import get_current_settings
 
+    from loraship.errors import LorashipError
     from loraship.runtime.proc import child_setup
 
     if get_current_settings().api.url:
@@ -65,6 +79,10 @@ def start_local_prefect() -> None:
     existing = SubprocessASGIServer._instances.get(None)
     if existing is not None and existing.running:
         return
+    log_path = server_log_path()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if log_path.exists() and log_path.stat().st_size > _SERVER_LOG_MAX_BYTES:
+        log_path.unlink()
 
     class OwnSessionServer(SubprocessASGIServer):
         # get_client() asks SubprocessASGIServer() for the server under the default (None) key: this one.
@@ -72,7 +90,19 @@ def start_local_prefect() -> None:
             popen = subprocess.Popen
 
             def own_session(*args, **kwargs):
-                return popen(*args, **{**kwargs, "start_new_session": True, "preexec_fn": child_setup})
+                with open(log_path, "ab") as log:  # the child keeps its own descriptor
+                    log.write(f"--- temporary server on port {self.port}, for pid {os.getpid()}\n".encode())
+                    log.flush()
+                    return popen(
+                        *args,
+                        **{
+                            **kwargs,
+                            "start_new_session": True,
+                            "preexec_fn": child_setup,
+                            "stdout": log,
+                            "stderr": subprocess.STDOUT,
+                        },
+                    )
 
             subprocess.Popen = own_session  # Prefect's own command line and environment, one call only
             try:
@@ -80,7 +110,21 @@ def start_local_prefect() -> None:
             finally:
                 subprocess.Popen = popen
 
-    OwnSessionServer().start()
+    try:
+        OwnSessionServer().start()
+    except RuntimeError as e:  # "Timed out while attempting to connect to ephemeral Prefect API server."
+        raise LorashipError(
+            f"the temporary Prefect server did not start ({e}); its log, {log_path}, ends with:\n"
+            f"{_tail(log_path)}\nRaise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS on a slow machine, or point "
+            "PREFECT_API_URL at a running server (`prefect server start`)"
+        ) from e
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) or "(empty)"
+    except OSError:
+        return "(unreadable)"
 
 
 def kill_local_prefect() -> None:
