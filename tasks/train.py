@@ -58,6 +58,7 @@ from loraship.training.out_of_memory import (
     starting_plan,
     train_until_it_fits,
 )
+from loraship.training.fused_lora import casts_kept_until_step
 from loraship.training.gc_pauses import setup_frozen
 from loraship.training.step_loop import StepLoop, make_optimizer, run_steps
 from loraship.training.throughput import flops_per_token, steady_rate, utilisation
@@ -142,7 +143,9 @@ def train_once(
     per_token = flops_per_token(model_dir, config, batches.lengths)
     progress = Progress("train", opt.total_steps, log, key=artifact_key(config.run_name, STAGE, "progress"))
     # No full collection walking the model mid-step; release_memory above was the collection before the freeze.
-    with setup_frozen() as gc_pauses:
+    # A's and B's bf16 casts made once per optimizer step, not at every forward and recompute (fused_lora.py).
+    kept_casts = casts_kept_until_step(opt.optimizer, enabled=ranks.engine.name != "fsdp2")
+    with setup_frozen() as gc_pauses, kept_casts:
         loop = StepLoop(resumed_from, history, started=time.perf_counter(), after_step=gc_pauses.step_done)
         run_steps(config, ctx.dir / CHECKPOINTS_DIR, wrapped, ranks, batches, opt, loop, per_token, device, progress)
         seconds = time.perf_counter() - loop.started

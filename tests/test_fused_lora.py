@@ -254,3 +254,79 @@ def test_swiglu_down_backward_lets_h_go_before_its_gradient_is_made(tiny_qwen, m
     with GateSizedMatmuls() as mode:
         loss.backward()
     assert rebuilt and mode.h_alive == [False]  # one gate-sized matmul (down's input gradient), h already gone
+
+
+def _lora_casts_counted(model):
+    """A dispatch mode counting fp32 -> bf16 copies of tensors shaped like a LoRA A or B of `model`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes = {tuple(p.shape) for n, p in model.named_parameters() if "lora_" in n}
+
+    class Count(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+                if args[0].dtype == torch.float32 and tuple(args[0].shape) in shapes:
+                    Count.casts += 1
+            return func(*args, **kwargs)
+
+    return Count
+
+
+def _train_steps(model, kept: bool, steps: int = 3, **adamw) -> tuple[list[float], int]:
+    """`steps` AdamW steps of two micro-batches each under CPU bf16 autocast (checkpointed: each layer recomputes);
+    the losses and how many A/B casts were made."""
+    import contextlib
+
+    from loraship.training.fused_lora import casts_kept_until_step
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, **adamw)
+    counted, losses = _lora_casts_counted(model), []
+    with casts_kept_until_step(optimizer) if kept else contextlib.nullcontext(), counted():
+        for _ in range(steps):
+            for ids in (IDS[:1], IDS[1:]):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return losses, counted.casts
+
+
+# The step hook drops the casts: fused AdamW leaves the masters' versions as they were (torch 2.13, CPU).
+@pytest.mark.parametrize("adamw", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+def test_lora_casts_are_made_once_per_optimizer_step_and_follow_its_updates(tiny_model, adamw):
+    from loraship.training.fused_lora import fuse_lora_linears
+
+    each, kept = _peft_model(tiny_model), _peft_model(tiny_model)
+    kept.load_state_dict(each.state_dict())
+    modules = fuse_lora_linears(each)["fused"]
+    assert fuse_lora_linears(kept)["fused"] == modules > 0
+    losses_each, casts_each = _train_steps(each, kept=False, **adamw)
+    losses_kept, casts_kept = _train_steps(kept, kept=True, **adamw)
+    # Identical losses at every micro-batch after the first step: no cast outlived the update it was made before.
+    assert losses_kept == losses_each and len(set(losses_kept)) == len(losses_kept)
+    steps, micro_batches = 3, 2
+    assert casts_kept == steps * 2 * modules  # A and B of every module, once per optimizer step
+    assert casts_each == steps * micro_batches * 2 * 2 * modules  # ... at each forward and each recompute
+
+
+def test_a_lora_master_changed_in_place_is_cast_again(tiny_model):
+    from loraship.training.fused_lora import casts_kept_until_step, fuse_lora_linears
+
+    model = _peft_model(tiny_model)
+    fuse_lora_linears(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    with casts_kept_until_step(optimizer), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = model(input_ids=IDS).logits
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(3.0)  # what loading a checkpoint into the masters does: in place, no optimizer step
+        during = model(input_ids=IDS).logits
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        after = model(input_ids=IDS).logits
+    assert not torch.equal(before, during)
+    assert torch.equal(during, after)

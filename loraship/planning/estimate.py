@@ -25,6 +25,9 @@ GIB = 2**30
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 # PEFT keeps LoRA weights in fp32 (autocast_adapter_dtype): weight 4 + grad 4 + AdamW m and v 8.
 LORA_BYTES_PER_PARAM = {"weight": 4, "grad": 4, "optimizer": 8}
+# The train stage keeps a bf16 cast of every LoRA weight through each optimizer step (fused_lora.py
+# casts_kept_until_step), where the harness cast them per layer and let them go with its activations.
+LORA_COMPUTE_COPY_BYTES = 2
 
 # Multipliers fitted on the GPU: `python bench/memory_matrix.py fit bench/results/memory_matrix_raw.json`
 # on the 12 even-numbered rows of the H200 matrix only (odd rows and rows 24+ are held out; see
@@ -276,11 +279,12 @@ def estimate(s: Shape, cfg: Config, strategy: Strategy | dict, program: str = "t
     lora_w = lora_params * LORA_BYTES_PER_PARAM["weight"]
     lora_g = lora_params * LORA_BYTES_PER_PARAM["grad"]
     opt = lora_params * LORA_BYTES_PER_PARAM["optimizer"]
+    lora_casts = lora_params * LORA_COMPUTE_COPY_BYTES if program == "train-stage" else 0
     a = _activations(s, cfg, strategy, targets, program, T, qlora)
     k = a.k
     loss = _loss_transient(s, strategy, program, T)
     at_peak, grads_at_peak, streamed_at_layer = _activations_at_peak(s, strategy, program, w, a, loss, lora_g)
-    allocated = w.resident + lora_w + opt + at_peak
+    allocated = w.resident + lora_w + lora_casts + opt + at_peak
     reserve, reclaimable = _allocator_reserve(strategy, program, loss, a)
     reserved = allocated + reserve
     ctx = CAL["cuda_context_gib"] * GIB
@@ -289,6 +293,7 @@ def estimate(s: Shape, cfg: Config, strategy: Strategy | dict, program: str = "t
         "lora_weights": lora_w,
         "lora_gradients": grads_at_peak,
         "optimizer_state": opt,
+        **({"lora_compute_copies": lora_casts} if lora_casts else {}),
         **_kept_activations(a, s.L),
         **({"streamed_layer_copies": w.streamed} if w.streamed_layers else {}),
         "one_layer_recompute_and_backward": a.layer_peak(s.L) + a.dequant,

@@ -19,11 +19,17 @@ What the fused node keeps for backward: the input (shared with whatever else rea
 product x A^T, bf16 casts of A and B (r x features, small), the dropout mask; the frozen weight is kept by
 reference (QLoRA: the packed 4-bit weight, dequantized again in backward, as bitsandbytes' MatMul4Bit does).
 loraship/planning/memory.py lora_saved_per_token counts exactly these.
+
+Inside the train stage's step loop (casts_kept_until_step) the bf16 casts of the fp32 A and B are made once per
+optimizer step and reused by every micro-batch's forward and every recompute, not made again each time: they were
+1,644 of the 1,834 casting copies in two profiled Gemma-3-12B steps (bench/results/train_bench_gemma3_copies.json).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 
 import torch
 
@@ -41,13 +47,60 @@ def _dequantized(weight, quant_state, dtype):
     return weight if weight.dtype == dtype else weight.to(dtype)
 
 
+# id(master) -> (master, its version and storage when cast, the cast); None outside casts_kept_until_step.
+_kept_casts: dict[int, tuple] | None = None
+
+
+def _compute_copy(master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A LoRA master weight as a matmul operand in `dtype`: the cast kept since the last optimizer step where it
+    still matches the master (same tensor, version and storage), else a new one."""
+    if master.dtype == dtype:
+        return master
+    kept = _kept_casts
+    if kept is None:
+        return master.to(dtype)
+    stamp = (master._version, master.data_ptr())
+    entry = kept.get(id(master))
+    if entry is not None and entry[0] is master and entry[1] == stamp and entry[2].dtype == dtype:
+        return entry[2]
+    cast = master.detach().to(dtype)
+    kept[id(master)] = (master, stamp, cast)
+    return cast
+
+
+def lora_casts_kept_wanted() -> bool:
+    """LORASHIP_LORA_CASTS=each casts A and B at every forward and recompute, as before the casts were kept: for
+    comparing the two (bench/train_bench.py's loraship-recast rows)."""
+    return os.environ.get("LORASHIP_LORA_CASTS", "kept") != "each"
+
+
+@contextlib.contextmanager
+def casts_kept_until_step(optimizer, enabled: bool = True):
+    """While the block runs, A's and B's compute-dtype casts are made once and dropped after each optimizer step
+    (its post hook); a master changed in place otherwise (a checkpoint loaded into it) is cast again, by its version.
+    Not under FSDP2 (enabled=False): its gathered parameters reuse storage from one gather to the next."""
+    global _kept_casts
+    if not enabled or not lora_casts_kept_wanted():
+        yield
+        return
+    kept: dict[int, tuple] = {}
+    handle = optimizer.register_step_post_hook(lambda *_: kept.clear())
+    _kept_casts = kept
+    try:
+        yield
+    finally:
+        _kept_casts = None
+        handle.remove()
+        kept.clear()
+
+
 def _lora_forward(
     x2, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p, compute_dtype, output_unused=False
 ):
     """x2 [tokens, in] in compute dtype -> (out, xa, a, b, mask): out = x2 W^T (+ bias) + s (drop(x2) A^T) B^T.
     output_unused (a recompute that never reads out: loraship/training/recompute.py): out is zeros, no GEMM; what
     backward keeps (xa, the mask: same random draws) is computed as ever."""
-    a, b = lora_a.to(compute_dtype), lora_b.to(compute_dtype)
+    a, b = _compute_copy(lora_a, compute_dtype), _compute_copy(lora_b, compute_dtype)
     if output_unused:
         out = x2.new_zeros(x2.shape[0], b.shape[0])
     else:
