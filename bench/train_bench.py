@@ -44,6 +44,9 @@ the first losses agree:
 - loraship-before: loraship-default with the per-head norms copying to heads-first (LORASHIP_NORM_LAYOUT=copy) and
   Python's collector left as it is (LORASHIP_GC_FREEZE=0): what loraship/training/rms_norm_backward.py's
   heads_first_view and loraship/training/gc_pauses.py are worth together. Named with --trainers.
+- loraship-recast: loraship-default casting LoRA A and B to bf16 at every forward and recompute
+  (LORASHIP_LORA_CASTS=each), not once per optimizer step: what loraship/training/fused_lora.py casts_kept_until_step
+  is worth. Named with --trainers.
 - loraship-packed / loraship-padded (case `packing`): packing on / off on variable-length chat rows.
 
 Timing: a global optimizer step hook synchronises and stamps each step; tokens/s is non-pad tokens of the steps after
@@ -162,6 +165,7 @@ OWN_BASELINES = {
         "loraship-norms-liger",
         "loraship-chunks-liger",
         "loraship-before",
+        "loraship-recast",
     ],
     "loraship-lean": ["loraship-lean-full-recompute"],
 }
@@ -868,6 +872,8 @@ def run_one(case: str, trainer: str, root: Path, args) -> dict:
         os.environ["LORASHIP_LOSS_CHUNKS"] = "liger"
     if trainer == "loraship-before":  # norms copying q/k to heads-first, the collector unfrozen: what both are worth
         os.environ.update(LORASHIP_NORM_LAYOUT="copy", LORASHIP_GC_FREEZE="0")
+    if trainer == "loraship-recast":  # A and B cast at every forward and recompute: what keeping the casts is worth
+        os.environ["LORASHIP_LORA_CASTS"] = "each"
     if trainer.startswith("loraship-compile-layers"):  # decoder layers compiled (+ "-flex": under flex attention)
         os.environ.update(LORASHIP_COMPILE_LAYERS="1", LORASHIP_RECOMPUTE_SKIP="0")
         if trainer.endswith("-flex"):
