@@ -523,6 +523,8 @@ def test_plan_shape_and_components():
         "allocator_reserve",
     ):
         assert k in comps
+    # The train stage keeps bf16 casts of the fp32 LoRA weights through each step (loraship/training/fused_lora.py).
+    assert 0 < comps["lora_compute_copies"] == pytest.approx(comps["lora_weights"] / 2, abs=1e-3)
     m = plan["memory"]
     assert m["predicted_total_gib"] == pytest.approx(m["predicted_reserved_gib"] + m["cuda_context_gib"], abs=0.02)
     assert m["weights_only_estimate_gib"] < m["predicted_total_gib"]
