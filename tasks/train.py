@@ -58,7 +58,6 @@ from loraship.training.out_of_memory import (
     starting_plan,
     train_until_it_fits,
 )
-from loraship.training.fused_lora import casts_kept_until_step
 from loraship.training.gc_pauses import setup_frozen
 from loraship.training.step_loop import StepLoop, make_optimizer, run_steps
 from loraship.training.throughput import flops_per_token, steady_rate, utilisation
@@ -117,6 +116,8 @@ def train_once(
     """One attempt at training `strategy` to the end (resuming its checkpoints), evals before and after; the
     adapter and the loss history written to the stage folder. Raises what the attempt raised (out of memory too)."""
     import torch
+
+    from loraship.training.fused_lora import casts_kept_until_step  # torch: not on a rerun with nothing to do
 
     strategy = Strategy.from_json(strategy)
     torch.manual_seed(config.seed)
