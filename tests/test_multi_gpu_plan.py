@@ -144,3 +144,25 @@ def test_train_preflight_checks_the_visible_devices(monkeypatch):
     monkeypatch.setenv("LORASHIP_CPU_RANKS", "two")
     with pytest.raises(LorashipError, match="LORASHIP_CPU_RANKS='two'"):
         check_training_gpus(cfg, record)
+
+
+def test_fsdp2_ranks_do_not_count_the_kept_lora_casts():
+    # The train stage keeps bf16 LoRA casts through a step except under FSDP2 (loraship/training/fused_lora.py):
+    # FSDP2's rank is predicted as if the single-GPU estimate had never counted them.
+    from loraship.planning.estimate import estimate
+    from loraship.planning.knobs import strategy_from_config
+    from loraship.planning.multi_gpu import fsdp2_per_gpu_gib
+    from loraship.planning.strategy_record import Strategy
+
+    s, cfg = shape("qwen2.5-32b"), parse_config(BASE)
+    strategy = Strategy.from_json(strategy_from_config(cfg, s.L))
+    est = estimate(s, cfg, strategy)
+    casts = est["components_gib"]["lora_compute_copies"]
+    assert casts > 0
+    without = {
+        **est,
+        "components_gib": {k: v for k, v in est["components_gib"].items() if k != "lora_compute_copies"},
+        "predicted_total_gib": est["predicted_total_gib"] - casts,
+    }
+    for n in (2, 4, 8):
+        assert fsdp2_per_gpu_gib(s, strategy, est, n) == pytest.approx(fsdp2_per_gpu_gib(s, strategy, without, n))

@@ -77,7 +77,9 @@ def fsdp2_per_gpu_gib(s: Shape, strategy: Strategy, est: dict, n: int) -> float:
     )
     lora_static = est["lora_params"] * (4 + 8)  # fp32 weights + AdamW m and v (estimate.LORA_BYTES_PER_PARAM)
     grads = est["components_gib"]["lora_gradients"] * GIB
-    saved = single_weights - fsdp_weights + (lora_static + grads) * (1 - 1 / n)
+    # The bf16 LoRA casts the single-GPU estimate keeps through a step are not kept under FSDP2 (fused_lora.py).
+    kept_casts = est["components_gib"].get("lora_compute_copies", 0.0) * GIB
+    saved = single_weights - fsdp_weights + (lora_static + grads) * (1 - 1 / n) + kept_casts
     return est["predicted_total_gib"] - saved / GIB + NCCL_BUFFERS_GIB
 
 
