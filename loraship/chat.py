@@ -7,9 +7,15 @@ for everyone else who uses the checkpoint. A template is code shipped with a che
 sandbox keeps it away from Python internals.
 
 Loss masks: where the template marks assistant text with `{% generation %}`, transformers'
-assistant-token mask is used; otherwise each assistant turn is located as the text between the
-conversation rendered up to it (with the generation prompt) and rendered through it, which works
-for any template whose renderings are prefixes of each other.
+assistant-token mask is used. Otherwise the conversation is rendered once, as a served model sees it
+later in the chat, and each assistant turn is located in that one rendering:
+- where the template renders conversations as prefixes of each other, the turn is the text between
+  the conversation rendered up to it (with the generation prompt) and rendered through it;
+- where it rewrites a turn once later ones follow (Qwen3 drops the think block of every turn before
+  the last user message), the turn's text is found by rendering the conversation again with that
+  message replaced by two different sentinels: the region that differs is the message as the template
+  rendered it there, and the turn-end marker after it ends the span. The last turn is what a served
+  model writes after the generation prompt, so the rendering must continue that prompt.
 """
 
 from __future__ import annotations
@@ -158,7 +164,9 @@ def has_generation_blocks(template: str | None) -> bool:
 
 
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of each assistant turn (content + end marker)."""
+    """The conversation rendered once and the character spans of each assistant turn in it (content + end
+    marker): the text between the renderings up to the turn (with the generation prompt) and through it where
+    those are prefixes of the whole, else the turn located in the whole rendering (located_span)."""
     full = render(tokenizer, messages)
     spans = []
     for i, message in enumerate(messages):
@@ -166,15 +174,97 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             continue
         prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
         through = render(tokenizer, messages[: i + 1])
-        if not full.startswith(through) or not through.startswith(prompt):
+        if full.startswith(through) and through.startswith(prompt):
+            spans.append((len(prompt), len(through)))
+        elif i == len(messages) - 1:
+            raise DataError(_last_turn_problem(tokenizer, message, full, prompt))
+        else:
+            spans.append(located_span(tokenizer, messages, i, full, prompt, through))
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        if start < end:
             raise DataError(
-                "the chat template does not render conversations as prefixes of each other (it rewrites earlier "
-                "turns), so assistant turns cannot be located for loss masking; mark assistant text with "
-                "{% generation %} ... {% endgeneration %} in the template, or set `chat_template:` to one without "
-                "history rewriting"
+                f"the chat template's rendering of this conversation cannot be split into its assistant turns (two "
+                f"overlap at characters {start}..{end}); {_TEMPLATE_FIX}"
             )
-        spans.append((len(prompt), len(through)))
     return full, spans
+
+
+_TEMPLATE_FIX = (
+    f"set `chat_template:` to a named template ({', '.join(sorted(NAMED_TEMPLATES))}), or mark assistant text with "
+    "{% generation %} ... {% endgeneration %} in the template"
+)
+# Two texts no template rewrites (no whitespace to trim, no markup), differing in their first and last characters:
+# whatever content starts or ends like one of them, the other marks the message's exact edges.
+_SENTINELS = ("LorashipTurnA", "lorashipturnb")
+
+
+def _common_prefix(a: str, b: str) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # bisection over slice comparisons: a row's renderings run to thousands of characters
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def located_span(tokenizer, messages: list[dict], i: int, full: str, prompt: str, through: str) -> tuple[int, int]:
+    """The span of assistant message i (not the last message) in `full`, the whole conversation rendered once.
+
+    Its text is the region that changes when the message is replaced by a sentinel: the message as the template
+    renders it there (an earlier Qwen3 turn without its reasoning). The span starts where `prompt` (the conversation
+    up to the turn with the generation prompt) stops matching `full`, if that is no earlier than the end of the
+    messages before it (so Mistral's space before the content is learned, as the prefix method learns it), and ends
+    after the turn-end marker and what `through` (the conversation through this turn) writes after it."""
+    start, end = len(full), 0
+    for sentinel in _SENTINELS:
+        other = render(tokenizer, [*messages[:i], {"role": "assistant", "content": sentinel}, *messages[i + 1 :]])
+        head = _common_prefix(full, other)
+        tail = _common_prefix(full[head:][::-1], other[head:][::-1])
+        if other.count(sentinel) != 1 or sentinel not in other[head : len(other) - tail]:
+            raise DataError(
+                f"the chat template does not render assistant message {i} (messages[{i}]) once as text of its own, so "
+                f"its tokens cannot be located for the loss (a sentinel in its place was rendered "
+                f"{other.count(sentinel)} times); {_TEMPLATE_FIX}"
+            )
+        start, end = min(start, head), max(end, len(full) - tail)
+    before = render(tokenizer, messages[:i])
+    if full.startswith(before):
+        start = max(min(start, _common_prefix(full, prompt)), len(before))
+    marker = tokenizer.convert_ids_to_tokens(turn_end_id(tokenizer))
+    found = re.compile(r"\s*" + re.escape(marker) + r"\s*").match(full, end)
+    if found is None:
+        raise DataError(
+            f"assistant message {i} (messages[{i}], {messages[i]['content'][:40]!r}) is not followed by the turn end "
+            f"{marker!r} where the chat template renders it in the whole conversation "
+            f"({full[end : end + 40]!r} follows), so the model would not learn to stop there; {_TEMPLATE_FIX}"
+        )
+    # The whitespace after the marker as far as this turn's own rendering writes it (ChatML's newline; none where
+    # the template writes it only between turns, as OLMo 2's), so located turns learn what the prefix method learns.
+    stop = found.end()
+    marker_end = full.index(marker, end) + len(marker)
+    while stop > marker_end and not through.endswith(full[end:stop]):
+        stop -= 1
+    return start, stop
+
+
+def _last_turn_problem(tokenizer, message: dict, full: str, prompt: str) -> str:
+    at = _common_prefix(full, prompt)
+    reasoning = "</think>" in message["content"] or bool(message.get("reasoning_content"))
+    if reasoning and template_kwargs_of(tokenizer).get("enable_thinking") is False:
+        return (
+            f"the last assistant turn ({message['content'][:40]!r}) carries reasoning (a <think> block or "
+            "reasoning_content), but with `thinking: false` a served prompt already ends with an empty think block, "
+            "so the model would never write it; set `thinking: true` to train the reasoning, or remove it from the "
+            "row's last assistant turn"
+        )
+    return (
+        f"the chat template renders this conversation otherwise than the prompt a served model answers with its last "
+        f"turn: at character {at} the conversation has {full[at : at + 40]!r} where that prompt has "
+        f"{prompt[at : at + 40]!r}, so the model would learn an answer to a prompt it is never served; "
+        f"{_TEMPLATE_FIX}"
+    )
 
 
 def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:

@@ -299,6 +299,82 @@ def test_turn_end_is_one_special_token(family_folders, name):
     assert turn_end(tok)["text"] == FAMILIES[name].turn_end
 
 
+# The named templates, each on a family vocabulary that holds its markers, and the demo's
+# (loraship/fixtures/tinymodel.py).
+NAMED_ON = {
+    "chatml": "qwen3",
+    "llama3": "llama3-base",
+    "mistral": "mistral-v03",
+    "gemma": "gemma2",
+    "phi3": "phi3",
+    "alpaca": "llama3-base",
+    "demo": "llama3-base",
+}
+# Where the prefix method cannot take a turn: Qwen3's template drops the think block of every turn before the last
+# user message (those turns are located), and Mistral's (v0.3, NeMo) write the system prompt into the last user turn
+# only, which a row ending with an answer does not have (such rows are refused at their last turn).
+REWRITTEN = {"qwen3": {"system", "no system"}, "mistral-v03": {"system"}, "mistral-nemo": {"system"}}
+
+
+@pytest.mark.parametrize(
+    "family, named",
+    [(name, None) for name in sorted(FAMILIES)]
+    + [pytest.param(family, named, id=f"named-{named}") for named, family in sorted(NAMED_ON.items())],
+)
+def test_located_turns_learn_what_the_prefix_method_learns(family_folders, family, named):
+    """The span found in the whole rendering (chat.located_span, what earlier turns learn where a template rewrites
+    them) equals the prefix method's, character for character, for every assistant turn of every template where the
+    prefix method holds: three exchanges, with a system prompt and without, thinking on and off."""
+    from transformers import AutoTokenizer
+
+    from loraship.chat import (
+        NAMED_TEMPLATES,
+        located_span,
+        render,
+        set_template_kwargs,
+        template_kwargs,
+        template_of,
+        use_configured_template,
+    )
+    from loraship.errors import DataError
+    from loraship.fixtures.tinymodel import CHAT_TEMPLATE
+
+    tok = use_configured_template(
+        AutoTokenizer.from_pretrained(family_folders[family]), FAMILIES[family].chat_template
+    )
+    if named:
+        tok.chat_template = CHAT_TEMPLATE if named == "demo" else NAMED_TEMPLATES[named]
+    exchanges = [
+        {"role": role, "content": text}
+        for question, answer in (("Capital of Zorvia?", "Answer: Kelmar."), ("And of Tesmonne?", "Answer: Mivo."))
+        + (("Name the capital of Teskates.", "Answer: Mika."),)
+        for role, text in (("user", question), ("assistant", answer))
+    ]
+    rewritten, compared = set(), 0
+    for thinking in (False, True):
+        set_template_kwargs(tok, template_kwargs(template_of(tok), thinking))
+        for label, messages in (
+            ("system", [{"role": "system", "content": "Be terse."}, *exchanges]),
+            ("no system", exchanges),
+        ):
+            try:
+                full = render(tok, messages)
+            except DataError as e:
+                assert (family, label) == ("gemma2", "system") and "System role not supported" in str(e)
+                continue
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                prompt = render(tok, messages[:i], add_generation_prompt=True)
+                through = render(tok, messages[: i + 1])
+                if not (full.startswith(through) and through.startswith(prompt)):
+                    rewritten.add(label)
+                    continue
+                assert located_span(tok, messages, i, full, prompt, through) == (len(prompt), len(through))
+                compared += 1
+    assert rewritten == (set() if named else REWRITTEN.get(family, set())) and compared > 0
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_planner_knows_every_family(family_folders, name):
     from loraship.planning.memory import parse_model_config
