@@ -232,7 +232,13 @@ def located_span(tokenizer, messages: list[dict], i: int, full: str, prompt: str
     before = render(tokenizer, messages[:i])
     if full.startswith(before):
         start = max(min(start, _common_prefix(full, prompt)), len(before))
-    marker = tokenizer.convert_ids_to_tokens(turn_end_id(tokenizer))
+    end_id = turn_end_id(tokenizer)
+    if end_id is None:
+        raise DataError(
+            f"assistant message {i} (messages[{i}]) is rewritten once later turns follow, and the tokenizer has no "
+            f"turn-end token to end its span with; {_TEMPLATE_FIX}"
+        )
+    marker = tokenizer.convert_ids_to_tokens(end_id)
     found = re.compile(r"\s*" + re.escape(marker) + r"\s*").match(full, end)
     if found is None:
         raise DataError(
