@@ -98,7 +98,12 @@ class Config(BaseModel):
     lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     lora_target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        description="Module names to adapt, or 'all-linear' (every Linear except lm_head).",
+        description="Module names to adapt, or 'all-linear' (every Linear except lm_head; on a mixture of experts "
+        "also every routed expert). 'experts' or 'experts.<tensor>' (gate_up_proj, down_proj) name a MoE's experts.",
+    )
+    train_router: bool = Field(
+        False,
+        description="On a mixture of experts, also train the router (mlp.gate) with LoRA; it stays frozen otherwise.",
     )
 
     sequence_len: int = Field(2048, ge=16, le=1_048_576, description="Tokens per example after truncation.")

@@ -42,6 +42,7 @@ from loraship.training.batches import Batches, use_packing
 from loraship.training.checkpoints import load_checkpoint, resume_words, save_adapter
 from loraship.training.device import configure_cuda_allocator, peak_memory, pick_device, release_memory
 from loraship.training.evaluation import evaluate, evaluate_base
+from loraship.training.experts import ExpertGradientCheck
 from loraship.training.gradient_checkpointing import decoder_layers
 from loraship.training.lora_targets import lora_target_note, lora_targets
 from loraship.training.model_loading import (
@@ -72,6 +73,7 @@ FIELDS = (
     "lora_alpha",
     "lora_dropout",
     "lora_target_modules",
+    "train_router",
     "sequence_len",
     "truncation",
     "micro_batch_size",
@@ -131,6 +133,8 @@ def train_once(
     packed, packing_why = use_packing(config, model, device)
     batches = Batches.of(config, strategy, train.examples, packed, tokenizer, ranks.world_size)
     opt = make_optimizer(config, model, batches.total_steps(config))
+    # A MoE's expert LoRA, checked after the first optimizer step (loraship/training/experts.py).
+    expert_check = ExpertGradientCheck(model, opt.optimizer, len(loaded.experts.tensors) if loaded.experts else 0)
     eval_before = eval_loss(
         config, loaded, evaluation, batches, device, "train: eval before (base model)", ranks.rank, base=True
     )
@@ -171,7 +175,22 @@ def train_once(
         },
         **attempt_metrics(loaded, loop, seconds, per_token, device),
         "python_gc": gc_pauses.as_json(),
+        "expert_lora": expert_record(loaded, expert_check),
         "measured_memory": measured,
+    }
+
+
+def expert_record(loaded: LoadedModel, check: ExpertGradientCheck) -> dict | None:
+    """What the manifest says of a MoE's experts (None for a dense model): the tensors adapted, the routers trained,
+    and which experts' LoRA the first optimizer step reached."""
+    plan = loaded.experts
+    if plan is None:
+        return None
+    return {
+        "tensors_adapted": len(plan.tensors),
+        "tensors_in_model": len(plan.all_experts),
+        "routers_trained": len(plan.router),
+        "first_step_gradients": check.as_json(),
     }
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from loraship.errors import LorashipError
+from loraship.planning.moe import Experts
 
 
 class UnsupportedModel(LorashipError, ValueError):
@@ -107,6 +108,7 @@ class Shape:
     # frozen, given no LoRA (the train stage excludes them by these names).
     untrained_modules: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())  # what the plan should say about the model (the vision tower untrained)
+    experts: Experts | None = None  # a mixture of experts' routed experts (loraship/planning/moe.py), None if dense
 
     @property
     def q(self) -> int:
@@ -491,6 +493,8 @@ def _layer_parts(layer, h: int, lm_class) -> tuple[list[Linear], int, bool]:
 
 
 def _derive(mc: dict) -> Shape:
+    from loraship.planning.moe import read_experts
+
     config, model, lm_class, wrapper = _meta_model(mc)
     mt = config.model_type
     archs = list(mc.get("architectures") or [])
@@ -534,6 +538,7 @@ def _derive(mc: dict) -> Shape:
     tied = out_emb is not None and out_emb.weight is in_emb.weight
     V = int(in_emb.weight.shape[0])
     counted = sum(p.numel() for p in model.parameters())
+    experts = read_experts(layers, config)
     total, untrained = _wrapper_parts(mc, archs, L) if wrapper else (0, ())
     other = total - counted if wrapper else 0
     notes = []
@@ -578,4 +583,5 @@ def _derive(mc: dict) -> Shape:
         other_params=max(other, 0),
         untrained_modules=untrained,
         notes=tuple(notes),
+        experts=experts,
     )

@@ -7,6 +7,7 @@ gate_up_proj); the memory estimate, the FLOP counts and the train stage all ask 
 from __future__ import annotations
 
 from loraship.config import Config
+from loraship.planning.moe import expert_targets, is_expert_name, looks_like_expert_name
 from loraship.planning.shape import Shape
 
 QVO = ("q_proj", "v_proj", "o_proj")
@@ -38,8 +39,21 @@ def lora_modules(s: Shape, requested: list[str] | str) -> tuple[str, ...]:
         m = n if n in names else s.fused_names.get(n)
         if m in names:
             chosen.add(m)
-        else:
+        elif not is_expert_name(s.experts, n, set(names)):  # a MoE's expert tensors: expert_lora_targets
             unknown.append(n)
+    experts_named = [n for n in unknown if looks_like_expert_name(n)]
+    if experts_named and s.experts is None:
+        raise ValueError(
+            f"lora_target_modules {experts_named} name routed experts, but {s.architecture or s.model_type} is no "
+            f"mixture of experts (its decoder Linears are {', '.join(names)}); fix: leave {experts_named} out"
+        )
+    if experts_named:
+        have = ", ".join(f"experts.{t.name}" for t in s.experts.tensors)
+        raise ValueError(
+            f"lora_target_modules {experts_named} name expert tensors that {s.architecture or s.model_type} does not "
+            f"have (its experts hold {have}); fix: name those, `experts` for all, or set lora_target_modules: "
+            "all-linear"
+        )
     if unknown:
         alias = " (q_proj, k_proj, v_proj name qkv_proj; gate_proj, up_proj name gate_up_proj)" if s.fused else ""
         raise ValueError(
@@ -47,6 +61,13 @@ def lora_modules(s: Shape, requested: list[str] | str) -> tuple[str, ...]:
             f"Linears are {', '.join(names)}{alias}; fix: name those, or set lora_target_modules: all-linear"
         )
     return tuple(n for n in names if n in chosen)
+
+
+def expert_lora_targets(s: Shape, requested: list[str] | str) -> tuple[str, ...]:
+    """The routed-expert tensors (names in the layer's experts module, e.g. gate_up_proj) that `lora_target_modules`
+    adapts in a mixture of experts; () for a dense model. all-linear is attention, shared experts and every routed
+    expert; the router is trained only with train_router."""
+    return expert_targets(s.experts, requested, set(s.linears()))
 
 
 def lora_target_note(s: Shape, requested: list[str] | str) -> str | None:

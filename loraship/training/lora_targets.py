@@ -48,15 +48,20 @@ def lora_target_note(model_config: dict, config) -> str | None:
         return None
 
 
-def lora_config(model_dir: Path, config):
+def lora_config(model_dir: Path, config, parameters: tuple[str, ...] | list[str] = ()):
+    """PEFT's LoraConfig: the Linears lora_targets names, and `parameters` (a MoE's stacked expert tensors, full
+    names: PEFT matches an already parametrized, 4-bit tensor by its full name only) through target_parameters, whose
+    ParamWrapper takes no dropout (the train stage puts the config's back on the Linears)."""
     from loraship.runtime.imports import import_peft
 
+    extra = {"target_parameters": list(parameters)} if parameters else {}
     return import_peft().LoraConfig(
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
+        lora_dropout=0.0 if parameters else config.lora_dropout,
         target_modules=lora_targets(model_dir, config),
         exclude_modules=lora_excluded(model_dir),
         bias="none",
         task_type="CAUSAL_LM",
+        **extra,
     )

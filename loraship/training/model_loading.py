@@ -65,6 +65,7 @@ class LoadedModel:
     recompute_skips: int  # checkpointed layers whose recompute leaves out down_proj's GEMM
     fused_loss: bool  # Liger's fused loss applied: evaluate() asks it to skip the logits
     attention_why: str  # why transformers runs the attention implementation it runs (attention_choice)
+    experts: Any | None = None  # loraship/training/experts.py ExpertPlan: a MoE's adapted expert tensors (None: dense)
 
 
 def load_model(
@@ -86,6 +87,7 @@ def load_model(
     attention, attention_why = attention_choice(model_dir, config.sequence_len, device)
     kwargs, offload = model_kwargs(model_dir, config, strategy, device, engine, attention)
     model = load_base(model_dir, config, strategy, kwargs, engine, rank)
+    experts = prepare_experts(model, model_dir, config, strategy)
     if strategy.adapter == "qlora" and device != "cuda":
         keep_nf4_trainable_on_cpu(model)
     # The decoder layers, and how many of the first ones recompute: the same modules after PEFT wraps the model
@@ -94,7 +96,9 @@ def load_model(
     k = strategy.checkpointed(len(layers))
     activation_offload = apply_checkpointing(model, strategy, layers, k)
     model.config.use_cache = False
-    model = get_peft_model(model, lora_config(model_dir, config))
+    model = get_peft_model(model, lora_config(model_dir, config, experts.parameters if experts else ()))
+    if experts:
+        experts_after_peft(model, experts, config, strategy)
     prefetcher = stream_frozen_weights(model, strategy, len(layers)) if offload else None
     fused_loss = device == "cuda" and strategy.fused_loss
     if fused_loss:
@@ -113,6 +117,7 @@ def load_model(
         recompute_skips=skips,
         fused_loss=fused_loss,
         attention_why=attention_why,
+        experts=experts,
     )
 
 
@@ -144,6 +149,53 @@ def load_base(
         build=empty,
         load=lambda: AutoModelForCausalLM.from_pretrained(model_dir, **kwargs),
     )
+
+
+def prepare_experts(model, model_dir: Path, config, strategy: Strategy):
+    """A mixture of experts' expert tensors to adapt (loraship/training/experts.py); None for a dense model.
+    Under QLoRA experts_after_peft stores them in NF4."""
+    from loraship.training import experts
+
+    plan = experts.plan_experts(model, model_dir, config)
+    if plan is None:
+        return None
+    experts.fix_peft_param_wrapper()
+    log.info(
+        "train: LoRA on %d stacked expert tensor(s)%s%s",
+        len(plan.tensors),
+        f" and {len(plan.router)} router(s)" if plan.router else ", routers frozen",
+        ", experts in NF4" if strategy.adapter == "qlora" else "",
+    )
+    return plan
+
+
+def experts_after_peft(model, plan, config, strategy: Strategy) -> None:
+    """On the PEFT model: under QLoRA every stacked expert tensor in NF4, checked so (after PEFT wrapped them, so
+    that its wrappers nest as when merge's probe loads the adapter on the bf16 base); the config's dropout on the
+    Linears."""
+    from loraship.training import experts
+
+    base = model.get_base_model()
+    on_meta = any(p.is_meta for p in base.parameters())  # an FSDP2 rank's empty model: rank 0 reads the weights
+    if strategy.adapter == "qlora" and not on_meta:
+        experts.quantize_experts(base, plan.all_experts)
+        experts.check_experts_4bit(base, plan.all_experts)
+    if plan.parameters:
+        linear_lora_dropout(model, config.lora_dropout)
+
+
+def linear_lora_dropout(model, p: float) -> None:
+    """The config's LoRA dropout on the Linear LoRA layers: PEFT's LoraConfig was built with none, which its
+    ParamWrapper (the expert tensors' LoRA) requires; a stacked weight's LoRA cannot drop out its input."""
+    import torch
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    if p <= 0:
+        return
+    for module in model.modules():
+        if isinstance(module, LoraLinear):
+            for name in list(module.lora_dropout.keys()):
+                module.lora_dropout[name] = torch.nn.Dropout(p=p)
 
 
 def keep_nf4_trainable_on_cpu(model) -> None:
