@@ -21,6 +21,7 @@ from loraship.chat import resolve_template
 from loraship.constants import ADAPTER_DIR, GENERATION_CONFIG_FILE, MERGED_DIR, PROBE_FILE
 from loraship.data import load_splits
 from loraship.errors import IntegrityError, LorashipError
+from loraship.expert_merge import expert_merges
 from loraship.runtime.manifest import atomic_path, atomic_write_json
 from loraship.models import (
     EMBED_TOKENS,
@@ -103,8 +104,10 @@ def merge_shards(
     # transformers' save_pretrained uses for tied weights: llama.cpp's converter maps tensors by name and
     # would otherwise write a GGUF without token_embd.weight, which llama.cpp cannot load.
     renamed = {LM_HEAD: EMBED_TOKENS} if ties_embeddings(cfg) and embedding_only_as_lm_head(base_dir) else {}
-    remaining = set(deltas)
     shards = weight_files(base_dir)
+    # A mixture of experts' expert LoRA, one pair per stacked tensor for all its experts (loraship/expert_merge.py).
+    stacked = expert_merges(deltas, cfg, base_weight_names(shards))
+    remaining = set(deltas) | set(stacked)
     sizes = [shard.stat().st_size for shard in shards]
     progress = Progress(STAGE, sum(sizes), log, key=progress_key)  # by bytes: shards differ in size
     for i, shard in enumerate(shards):
@@ -116,6 +119,9 @@ def merge_shards(
                     if name in deltas:
                         a, b = deltas[name]
                         w = w.float() + scale * (b.float() @ a.float())
+                        remaining.discard(name)
+                    elif name in stacked:
+                        w = stacked[name](w, scale)
                         remaining.discard(name)
                     merged[renamed.get(name, name)] = w.to(dtype) if w.is_floating_point() else w
         except Exception as e:  # safetensors raises its own error types for truncated files
@@ -136,7 +142,27 @@ def merge_shards(
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
     if (base_dir / "generation_config.json").exists():
         shutil.copy(base_dir / "generation_config.json", out_dir)
-    return {"merged_modules": len(deltas), "scale": scale, "shards": len(shards), "renamed_tensors": renamed}
+    return {
+        "merged_modules": len(deltas),
+        "merged_expert_tensors": len(stacked),  # as the base stores them: stacked, or one per expert and part
+        "scale": scale,
+        "shards": len(shards),
+        "renamed_tensors": renamed,
+    }
+
+
+def base_weight_names(shards: list[Path]) -> set[str]:
+    """Every tensor name of the base's safetensors shards, from their headers."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for shard in shards:
+        try:
+            with safe_open(shard, framework="pt") as f:
+                names.update(f.keys())
+        except Exception as e:  # safetensors raises its own error types for truncated files
+            raise IntegrityError(f"{shard}: cannot read base weights ({e}); the file is truncated or corrupt") from e
+    return names
 
 
 def copy_tokenizer(base_dir: Path, out_dir: Path, trust_remote_code: bool) -> None:
@@ -343,6 +369,7 @@ def nf4_view_kl(config, base_dir, adapter_dir, ids, mask, merged_logits, kl) -> 
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from loraship.runtime.imports import import_peft
+    from loraship.training import experts
 
     PeftModel = import_peft().PeftModel
 
@@ -353,7 +380,13 @@ def nf4_view_kl(config, base_dir, adapter_dir, ids, mask, merged_logits, kl) -> 
         bnb_4bit_compute_dtype=torch.float32,
     )
     base = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quant, dtype=torch.float32)
+    # A MoE's stacked experts, which bitsandbytes' loader leaves in 16 bits, in NF4 as the train stage had them.
+    shape = experts.shape_of(base_dir)
+    stacked = tuple(experts.stacked_expert_names(base, shape.experts.module)) if shape and shape.experts else ()
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    if stacked:
+        experts.fix_peft_param_wrapper()
+        experts.quantize_experts(model.get_base_model(), stacked)
     with torch.no_grad():
         nf4_logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float().cpu()
     return kl(nf4_logits, merged_logits)

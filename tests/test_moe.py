@@ -1,9 +1,10 @@
-"""Mixture of experts on the CPU: a tiny random Qwen3-MoE (8 experts, 2 routed per token, 2 layers; Qwen3's real
-tokenizer, loraship/fixtures/families.py) with LoRA on every routed expert, 4-bit experts under QLoRA, and the checks
-that stop a run whose experts would ship untrained or in 16 bits."""
+"""Mixture of experts end to end on the CPU: a tiny random Qwen3-MoE (8 experts, 2 routed per token, 2 layers; Qwen3's
+real tokenizer, loraship/fixtures/families.py) trained with QLoRA on every routed expert, merged, converted, quantized
+and verified; the checks that stop a run whose experts would ship untrained or in 16 bits."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 from loraship.config import parse_config
 from loraship.errors import LorashipError
 from loraship.fixtures.families import FAMILIES
-from tests.conftest import REPO, demo_config_dict
+from loraship.runtime.stage import stage_dir
+from tests.conftest import REPO, SMALL_IMATRIX, demo_config_dict
 
 MOE = "qwen3-moe"
 
@@ -24,6 +26,47 @@ def moe_model() -> Path:
 
     with cache_lock(REPO / ".loraship" / "models" / f"family-{MOE}") as folder:
         return ensure_family(MOE, folder)
+
+
+@pytest.fixture(scope="module")
+def moe_run(moe_model, tmp_path_factory):
+    """The whole pipeline under QLoRA with lora_target_modules: all-linear (the served check included)."""
+    from tests.test_families import run_family
+
+    root = tmp_path_factory.mktemp("moe-qlora")
+    return run_family(
+        moe_model,
+        FAMILIES[MOE],
+        root,
+        "moe-qlora",
+        adapter="qlora",
+        lora_target_modules="all-linear",
+        **SMALL_IMATRIX,
+    )
+
+
+def test_qlora_trains_every_routed_expert_and_ships_them(moe_run):
+    config, manifests, verify = moe_run
+    train = json.loads((stage_dir(config, "train") / "train_metrics.json").read_text())
+    assert train["strategy"]["adapter"] == "qlora"
+    experts = train["expert_lora"]
+    assert experts["tensors_adapted"] == experts["tensors_in_model"] == 4  # gate_up_proj, down_proj of 2 layers
+    assert experts["routers_trained"] == 0
+    grads = experts["first_step_gradients"]
+    # 2 layers x 2 stacked tensors x 8 experts; an expert no token reached in the first step is named, not failed.
+    assert grads["experts"] == 32 and grads["experts_reached"] > 0
+    assert grads["experts_reached"] + len(grads["never_routed_in_first_step"]) == 32
+    merge = manifests["merge"]["metrics"] if "metrics" in manifests["merge"] else manifests["merge"]
+    # The Hub layout the fixture is saved in: one tensor per expert and projection (gate, up, down), 2 layers.
+    assert merge["merged_expert_tensors"] == 2 * 8 * 3
+    assert merge["merge_matches_adapter"] and merge["merge_differs_from_base"]
+    from loraship.llamacpp.gguf_info import read_gguf
+
+    fields = read_gguf(Path(verify["gguf"]))["fields"]
+    assert fields["general.architecture"] == "qwen3moe"
+    assert fields["qwen3moe.expert_count"] == 8 and fields["qwen3moe.expert_used_count"] == 2
+    assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
+    assert "publish" in manifests
 
 
 # -- the checks that stop a run ------------------------------------------------------------------------------------
@@ -132,6 +175,57 @@ def test_qlora_refuses_an_expert_left_in_bf16(moe_model, tmp_path, monkeypatch):
         r"is not stored in 4 bits",
     ):
         train.load_model(moe_model, config, memory.strategy_from_config(config, 2), "cpu")
+
+
+# -- merge ------------------------------------------------------------------------------------------------------------
+def test_expert_merge_equals_peft_fold_stacked_and_per_expert(moe_model):
+    """merge's expert deltas (loraship/expert_merge.py), into stacked tensors and into a Hub checkpoint's per-expert
+    ones, equal what PEFT's ParamWrapper folds into the stacked tensors of the model it trains."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from loraship.expert_merge import expert_merges
+    from loraship.fixtures.families import model_config
+
+    cfg = model_config(FAMILIES[MOE])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    targets = [f"model.layers.{i}.mlp.experts.{t}" for i in range(2) for t in ("gate_up_proj", "down_proj")]
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_parameters=targets, target_modules=[]))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.normal_(std=0.05)
+    saved = get_peft_model_state_dict(peft_model)
+    deltas = {}
+    for key, value in saved.items():
+        module, _, ab = key.removeprefix("base_model.model.").rpartition(".lora_")
+        deltas.setdefault(module + ".weight", {})[ab[0]] = value
+    deltas = {k: (v["A"], v["B"]) for k, v in deltas.items()}
+    folded = peft_model.merge_and_unload().state_dict()
+    config = cfg.to_dict()
+
+    stacked = expert_merges(dict(deltas), config, set(base))
+    assert sorted(stacked) == sorted(targets)
+    for name in targets:
+        torch.testing.assert_close(stacked[name](base[name], 2.0), folded[name].float())
+
+    per_expert = {f"{t.rsplit('.', 1)[0]}.{e}.{p}.weight" for t in targets for e in range(8) for p in ("gate_proj",)}
+    per_expert |= {n.replace("gate_proj", part) for n in per_expert for part in ("up_proj", "down_proj")}
+    split = expert_merges(dict(deltas), config, per_expert)
+    assert len(split) == 2 * 8 * 3
+    n_ff = 256
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for e in range(8):
+            gate_up, down = base[f"{prefix}.gate_up_proj"][e], base[f"{prefix}.down_proj"][e]
+            gate = split[f"{prefix}.{e}.gate_proj.weight"](gate_up[:n_ff], 2.0)
+            up = split[f"{prefix}.{e}.up_proj.weight"](gate_up[n_ff:], 2.0)
+            torch.testing.assert_close(torch.cat([gate, up]), folded[f"{prefix}.gate_up_proj"][e].float())
+            torch.testing.assert_close(
+                split[f"{prefix}.{e}.down_proj.weight"](down, 2.0), folded[f"{prefix}.down_proj"][e].float()
+            )
 
 
 # -- plan ---------------------------------------------------------------------------------------------------------
