@@ -1,6 +1,7 @@
 """Mixture of experts end to end on the CPU: a tiny random Qwen3-MoE (8 experts, 2 routed per token, 2 layers; Qwen3's
 real tokenizer, loraship/fixtures/families.py) trained with QLoRA on every routed expert, merged, converted, quantized
-and verified; the checks that stop a run whose experts would ship untrained or in 16 bits."""
+and verified; the checks that stop a run whose experts would ship untrained or in 16 bits; the planner's count of
+expert weights and expert LoRA on Qwen3-30B-A3B's config (examples/models/qwen3-30b-a3b)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from loraship.runtime.stage import stage_dir
 from tests.conftest import REPO, SMALL_IMATRIX, demo_config_dict
 
 MOE = "qwen3-moe"
+QWEN3_30B_A3B = REPO / "examples" / "models" / "qwen3-30b-a3b"
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +286,69 @@ def test_lora_targets_on_a_mixture_of_experts(targets, linears, experts):
     s = memory.parse_model_config(_family_config(MOE))
     assert memory.lora_modules(s, targets) == linears
     assert expert_lora_targets(s, targets) == experts
+
+
+def _qwen3_30b_a3b_plan(tmp_path, **more):
+    from loraship.planning import memory
+
+    mc = json.loads((QWEN3_30B_A3B / "config.json").read_text())
+    config = parse_config(
+        demo_config_dict(
+            QWEN3_30B_A3B,
+            tmp_path,
+            **{
+                "adapter": "qlora",
+                "lora_r": 16,
+                "sequence_len": 2048,
+                "micro_batch_size": 1,
+                "lora_target_modules": "all-linear",
+                "gpu_memory_gib": 32,
+                "device": "cuda",
+                **more,
+            },
+        )
+    )
+    s = memory.parse_model_config(mc)
+    return mc, config, s
+
+
+def test_plan_counts_qwen3_30b_a3b_experts_in_4_bits_with_their_lora(tmp_path):
+    from loraship.planning import memory, moe
+    from loraship.planning.estimate import GIB, NF4_BYTES_PER_PARAM
+
+    mc, config, s = _qwen3_30b_a3b_plan(tmp_path)
+    assert s.experts.n == 128 and s.experts.top_k == 8 and s.experts.layers == 48
+    experts = moe.expert_params(s)
+    assert experts == 48 * 128 * (2048 * 1536 + 768 * 2048)
+    # r x experts x (in + out) per stacked tensor and layer: about 0.6 B at r16.
+    assert moe.expert_lora_params(s, config) == 48 * 16 * 128 * ((2048 + 1536) + (768 + 2048))
+    strategy = memory.strategy_from_config(config, s.L)
+    est = memory.estimate(mc, config, strategy)
+    attention = 48 * 16 * sum(i + o for i, o in s.linears().values())
+    assert est["lora_params"] == moe.expert_lora_params(s, config) + attention
+    # NF4 experts: the frozen weights are the 4-bit decoder plus the bf16 rest (was 57 GiB with bf16 experts).
+    frozen = est["components_gib"]["frozen_weights"]
+    rest = 2 * (s.n_params - 48 * s.layer_linear_params - experts) / GIB
+    assert frozen == pytest.approx((48 * s.layer_linear_params + experts) * NF4_BYTES_PER_PARAM / GIB + rest, rel=1e-3)
+    assert frozen < 17
+    # AdamW's fp32 state of the expert LoRA is a first-order term.
+    assert est["components_gib"]["optimizer_state"] > 0.6e9 * 8 / GIB
+    lora = config.model_copy(update={"adapter": "lora"})
+    bf16 = memory.estimate(mc, lora, memory.strategy_from_config(lora, s.L))["components_gib"]["frozen_weights"]
+    assert bf16 - frozen == pytest.approx(
+        (48 * s.layer_linear_params + experts) * (2 - NF4_BYTES_PER_PARAM) / GIB, rel=1e-3
+    )
+
+
+def test_fsdp2_plans_shard_the_experts(tmp_path):
+    from loraship.planning import memory, moe, multi_gpu
+    from loraship.planning.estimate import GIB, NF4_BYTES_PER_PARAM
+
+    _mc, config, s = _qwen3_30b_a3b_plan(tmp_path, gradient_checkpointing=True)
+    strategy = memory.strategy_from_config(config, s.L)
+    options = {(o["gpus"], o["engine"]): o for o in multi_gpu.options_for(s, config, strategy, [1, 8])}
+    single, sharded = options[(1, "single")]["per_gpu_gib"], options[(8, "fsdp2")]["per_gpu_gib"]
+    # Each rank holds an eighth of the 4-bit experts (and of the LoRA and its AdamW state).
+    assert single - sharded > 7 / 8 * moe.expert_params(s) * 0.5 / GIB
+    assert sharded < single - 7 / 8 * moe.expert_lora_params(s, config) * 16 / GIB
+    assert NF4_BYTES_PER_PARAM > 0.5

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from loraship.config import Config
 from loraship.fused_loss import liger_loss_chunk_rows, loss_chunk_mem_const
+from loraship.planning import moe
 from loraship.planning.shape import Shape
 from loraship.planning.strategy_record import Strategy
 from loraship.planning.targets import target_names
@@ -119,6 +120,11 @@ def layer_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progr
     norms, swiglu = (2 * s.norms * s.h, 4 * s.f) if liger else (4 * s.norms * s.h, 6 * s.f)
     if s.mlp == "plain":
         swiglu = 2 * s.f  # an ungated MLP (fc1, activation, fc2): the activation keeps its bf16 input only
+    if s.experts is not None:
+        # A mixture of experts: its MoE layers keep the router's and the routed experts' tensors (moe.py), the rest
+        # (mlp_only_layers, decoder_sparse_step) a dense MLP's; averaged over the layers.
+        share = s.experts.layers / s.L
+        swiglu = share * moe.moe_saved_per_token(s) + (1 - share) * swiglu
     attention = 4 * s.q + 4 * s.kv
     if s.fused:
         # Phi-3's v is a view of qkv_proj's output, so SDPA keeping v keeps all of it (q + 2kv, bf16).
@@ -167,10 +173,12 @@ class _Weights:
 
 
 def _frozen_weights(s: Shape, strategy: Strategy, qlora: bool) -> _Weights:
-    # Frozen weights: NF4 quantizes only decoder Linears; embeddings, lm_head, norms, biases stay bf16.
-    layer_lin_bytes = s.layer_linear_params * (NF4_BYTES_PER_PARAM if qlora else 2)
+    # Frozen weights: NF4 quantizes the decoder Linears and a MoE's stacked expert tensors (the train stage does,
+    # loraship/training/experts.py), averaged over the layers; embeddings, lm_head, norms, routers, biases stay bf16.
+    experts = moe.expert_params(s)
+    layer_lin_bytes = (s.layer_linear_params + experts / s.L) * (NF4_BYTES_PER_PARAM if qlora else 2)
     # A multimodal wrapper loads its vision tower too (other_params), frozen and untrained.
-    rest_bytes = 2 * (s.n_params - s.L * s.layer_linear_params + s.other_params)
+    rest_bytes = 2 * (s.n_params - s.L * s.layer_linear_params - experts + s.other_params)
     n_off = min(strategy.offload_layers, s.L)
     weights = (s.L - n_off) * layer_lin_bytes + rest_bytes
     # n layers stream back one at a time (loraship/training/offload.py; which ones: streamed_layers, the same memory
@@ -214,6 +222,14 @@ def _activations(
     layer_saved = CAL["layer"] * T * per_tok
     layer_bwd = CAL["layer_backward"] * layer_saved + scores_bwd
     dequant = max(i * o for i, o in lin.values()) * 2 if qlora else 0  # bnb dequantizes one matrix at a time
+    if s.experts is not None:
+        # A MoE layer's adapted expert stacks with their LoRA folded in, kept for backward, and their gradient in
+        # backward (moe.adapted_stack_bytes); under QLoRA one stack dequantized whole at a time.
+        stack = moe.adapted_stack_bytes(s, cfg) * s.experts.layers / s.L
+        layer_saved += stack
+        layer_bwd += stack
+        if qlora:
+            dequant = max(dequant, 2 * max(t.params for t in s.experts.tensors))
     # The first k layers are checkpointed (tasks/train.py): each keeps only its bf16 input; the other L - k
     # keep all their saved activations until their own backward. Backward runs from the last layer down,
     # so the non-checkpointed layers are done (their activations freed) before the first recompute starts.
@@ -275,11 +291,14 @@ def estimate(s: Shape, cfg: Config, strategy: Strategy | dict, program: str = "t
     lin = s.linears()
     qlora = strategy.adapter == "qlora"
     w = _frozen_weights(s, strategy, qlora)
-    lora_params = s.L * sum(cfg.lora_r * (lin[n][0] + lin[n][1]) for n in targets)
+    # A MoE's expert LoRA: r x experts x (in + out) per adapted stack and layer (moe.expert_lora_params).
+    linear_lora = s.L * sum(cfg.lora_r * (lin[n][0] + lin[n][1]) for n in targets)
+    lora_params = linear_lora + moe.expert_lora_params(s, cfg)
     lora_w = lora_params * LORA_BYTES_PER_PARAM["weight"]
     lora_g = lora_params * LORA_BYTES_PER_PARAM["grad"]
     opt = lora_params * LORA_BYTES_PER_PARAM["optimizer"]
-    lora_casts = lora_params * LORA_COMPUTE_COPY_BYTES if program == "train-stage" else 0
+    # Kept for the Linears' fused LoRA nodes only: PEFT casts an expert stack's factors inside each forward.
+    lora_casts = linear_lora * LORA_COMPUTE_COPY_BYTES if program == "train-stage" else 0
     a = _activations(s, cfg, strategy, targets, program, T, qlora)
     k = a.k
     loss = _loss_transient(s, strategy, program, T)

@@ -127,3 +127,46 @@ def looks_like_expert_name(name: str) -> bool:
     """`name` names routed experts (`experts`, `experts.<tensor>`): refused with its own words on a dense model."""
     return name == EXPERTS or name.startswith(EXPERTS + ".")
 
+
+# -- what the planner counts (estimate.py, multi_gpu.py) -----------------------------------------------------------
+def expert_params(s) -> int:
+    """Every routed expert weight of a Shape `s` (0 for a dense model)."""
+    return s.experts.layers * s.experts.layer_params if s.experts else 0
+
+
+def expert_lora_params(s, cfg) -> int:
+    """LoRA parameters on the routed experts: per adapted tensor r x experts x (in + out), in every MoE layer; and the
+    routers' (r x (hidden + experts)) with train_router."""
+    if s.experts is None:
+        return 0
+    from loraship.planning.targets import expert_lora_targets
+
+    names = set(expert_lora_targets(s, cfg.lora_target_modules))
+    per_layer = sum(cfg.lora_r * t.n * (t.in_features + t.out_features) for t in s.experts.tensors if t.name in names)
+    if getattr(cfg, "train_router", False) and s.experts.router:
+        per_layer += cfg.lora_r * (s.h + s.experts.n)
+    return s.experts.layers * per_layer
+
+
+def adapted_stack_bytes(s, cfg) -> float:
+    """Bytes of one MoE layer's adapted expert tensors with their LoRA folded in (bf16): PEFT's ParamWrapper computes
+    W + s B A for the whole stack each forward (and recompute), which the experts' matmuls keep for backward; backward
+    holds its gradient, as large, while that layer runs."""
+    if s.experts is None:
+        return 0.0
+    from loraship.planning.targets import expert_lora_targets
+
+    names = set(expert_lora_targets(s, cfg.lora_target_modules))
+    return 2.0 * sum(t.params for t in s.experts.tensors if t.name in names)
+
+
+def moe_saved_per_token(s) -> float:
+    """Bytes per token one MoE layer's routed experts keep for backward, in place of a dense MLP's: the router's bf16
+    logits and fp32 probabilities (6 x experts), the top-k indices and weights (12 x k), and per routed copy of the
+    token (k of them) its gathered bf16 input (2h), the gate/up output, the activation and up (3 x 2 x f_expert, as
+    SwiGLU keeps), and the expert's bf16 output kept for the routing weight's gradient (2h)."""
+    e = s.experts
+    by_name = {t.name: t for t in e.tensors}
+    down = by_name.get("down_proj")
+    f_expert = down.in_features if down else min(t.in_features for t in e.tensors)
+    return 6 * e.n + 12 * e.top_k + e.top_k * (4 * s.h + 6 * f_expert)

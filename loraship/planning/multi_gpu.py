@@ -21,7 +21,7 @@ import math
 
 from loraship.config import Config
 from loraship.errors import LorashipError
-from loraship.planning import flops
+from loraship.planning import flops, moe
 from loraship.planning.estimate import GIB, NF4_BYTES_PER_PARAM, estimate, safety_margin_gib
 from loraship.planning.shape import Shape
 from loraship.planning.step_time import PLAN_EXECUTED_TFLOPS, step_seconds
@@ -59,6 +59,11 @@ def _decoder_bytes_per_param(strategy: Strategy) -> tuple[float, float]:
     return 2.0, 0.0
 
 
+def _layer_params(s: Shape) -> float:
+    """One decoder layer's sharded weights: its Linears and, averaged over the layers, a MoE's expert stacks."""
+    return s.layer_linear_params + moe.expert_params(s) / s.L
+
+
 def ddp_per_gpu_gib(est: dict) -> float:
     """One rank of DDP: the single-GPU prediction plus DDP's gradient buckets (one fp32 copy of every LoRA gradient,
     allocated when DDP wraps the model and kept) and NCCL's buffers."""
@@ -70,10 +75,10 @@ def fsdp2_per_gpu_gib(s: Shape, strategy: Strategy, est: dict, n: int) -> float:
     weights, LoRA weights, gradients and AdamW states to 1/n), plus two gathered layers in flight and NCCL's buffers.
     The strategy streams no layers from CPU memory (FSDP2 is not combined with offload)."""
     sharded, whole = _decoder_bytes_per_param(strategy)
-    params = s.L * s.layer_linear_params
+    params = s.L * _layer_params(s)  # a MoE's expert stacks shard with the Linears
     single_weights = params * (sharded + whole)
     fsdp_weights = (
-        params * sharded / n + params * whole + min(FSDP2_LAYERS_IN_FLIGHT, s.L) * s.layer_linear_params * sharded
+        params * sharded / n + params * whole + min(FSDP2_LAYERS_IN_FLIGHT, s.L) * _layer_params(s) * sharded
     )
     lora_static = est["lora_params"] * (4 + 8)  # fp32 weights + AdamW m and v (estimate.LORA_BYTES_PER_PARAM)
     grads = est["components_gib"]["lora_gradients"] * GIB
@@ -108,7 +113,7 @@ def fsdp2_seconds(s: Shape, cfg: Config, strategy: Strategy, lora_params: int, n
     recompute = T * flops.recompute_flops_per_layer_token(s, cfg, cfg.sequence_len) / rate
     head = T * 4 * s.V * s.h / rate
     backward = (T * flops.train_flops_per_token(s, cfg, cfg.sequence_len) / rate - head - s.L * forward) / s.L
-    gather = _bus_seconds(s.layer_linear_params * _decoder_bytes_per_param(strategy)[0], n)
+    gather = _bus_seconds(_layer_params(s) * _decoder_bytes_per_param(strategy)[0], n)
     t = head + s.L * max(forward, gather)
     t += k * max(backward + recompute, gather) + (s.L - k) * max(backward, gather)
     return t + _bus_seconds(lora_params * 4, n)
@@ -194,7 +199,7 @@ def options_for(s: Shape, cfg: Config, strategy: Strategy | dict, counts: list[i
         t = fsdp2_seconds(s, cfg, strategy, lora, n)
         tps = n * T / t
         sharded, _whole = _decoder_bytes_per_param(strategy)
-        gather_s = _bus_seconds(s.layer_linear_params * sharded, n)
+        gather_s = _bus_seconds(_layer_params(s) * sharded, n)
         out.append(
             _option(
                 n,
