@@ -193,6 +193,12 @@ def run(
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     only: str = typer.Option(None, "--only", metavar="STAGE", help=f"Run this stage alone: {', '.join(STAGES)}"),
     start: str = typer.Option(None, "--from", metavar="STAGE", help="Run this stage and every stage after it"),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Publish into an artifact folder holding files loraship did not write, moving them aside first "
+        "(to <folder>.replaced-<UTC time>/; nothing is deleted)",
+    ),
 ) -> None:
     """Run train-and-ship (in-process Prefect, no server needed). Finished stages are skipped. Ctrl-C or SIGTERM
     stops it in one line (exit 130 or 143), keeping finished stages and checkpoints: run it again to resume."""
@@ -210,7 +216,7 @@ def run(
 
     with interrupt.interruptible(say, teardown=kill_local_prefect) as guard:
         try:
-            _run(config_path, set_, only, start, named, guard)
+            _run(config_path, [*set_, "replace_output=true"] if force else set_, only, start, named, guard)
         except BaseException as e:
             if not interrupt.is_interrupt(e):
                 raise

@@ -381,6 +381,13 @@ class Config(BaseModel):
         "hf://<namespace>/<repo>[@<branch>][/<folder>], which holds the artifact itself, no run_name folder (token: "
         "HF_TOKEN, e.g. through env_from_secrets).",
     )
+    replace_output: bool = Field(
+        False,
+        description="Publish into an artifact folder holding files loraship did not write by moving them aside "
+        "first, to <folder>.replaced-<UTC time>/ (nothing is deleted; on the Hub, files the artifact replaces stay "
+        "in the repository's history and the others stay where they are). Without it such a folder is refused. "
+        "`loraship run --force` sets it for one run.",
+    )
 
     @field_validator("lora_target_modules")
     @classmethod

@@ -6,20 +6,22 @@ plan.json, verify.json and a model card (huggingface_hub's ModelCard: YAML front
 run it with llama-server and Ollama, the strategy that really trained, memory and verify figures). Files are
 uploaded first and manifest.json last, so a destination with a manifest is complete; local destinations get
 each file under a temporary name, then renamed. Every file is read back from the destination (size and sha256);
-a rerun sends only what is missing or differs there, and removes what this artifact no longer ships. An
-`hf://<namespace>/<repo>` output is a Hugging Face Hub repository, published in one atomic commit
-(loraship/publishing/hub.py).
+a rerun sends only what is missing or differs there, and removes what an earlier publish there wrote that this
+artifact no longer ships: nothing loraship did not write is removed or overwritten (loraship/publishing/store.py,
+destination.py). An `hf://<namespace>/<repo>` output is a Hugging Face Hub repository, published in one atomic
+commit (loraship/publishing/hub.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 
 from loraship.publishing import hub
+from loraship.publishing.destination import destination_of, foreign_problems, overlap_problems
+from loraship.publishing.store import sync
 
 from loraship.llamacpp import ollama
 from loraship.constants import (
@@ -44,10 +46,8 @@ from loraship.constants import (
 from loraship.errors import OutputError
 from loraship.runtime.manifest import (
     DigestCache,
-    atomic_path,
     atomic_write_json,
     describe_files,
-    sha256_file,
     sha256_json,
 )
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir, stage_dir
@@ -499,113 +499,22 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _remote_sha256(fs, path: str) -> str:
-    """sha256 of a file as the store returns it (read back, not trusted from our side)."""
-    h = hashlib.sha256()
-    with fs.open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _remote_matches(fs, path: str, info: dict, cache: DigestCache | None) -> bool:
-    """Whether the destination holds exactly this file: size first (cheap), then its bytes. A
-    local destination's digest comes from the run's digest cache while the file is unchanged."""
-    try:
-        size = fs.size(path)
-    except FileNotFoundError:
-        return False
-    if size != info["size"]:
-        return False
-    if cache is not None:
-        return cache.sha256(Path(path)) == info["sha256"]
-    return _remote_sha256(fs, path) == info["sha256"]
-
-
-def sync(root: Path, files: dict, destination: str, cache: DigestCache | None = None) -> dict:
-    """Make `destination` hold exactly the artifact in `root`, manifest.json last.
-
-    The remote manifest is not trusted: every file is compared by size and sha256 read back from
-    the store, and one that is missing or differs is uploaded again (then read back) even when the
-    remote manifest lists it. Files this artifact no longer ships (another quantization's GGUF, a
-    file of an interrupted upload) are removed. Returns what was uploaded and removed.
-    """
-    import fsspec
-
-    from fsspec.implementations.local import LocalFileSystem
-
-    try:
-        fs, base = fsspec.core.url_to_fs(destination)
-        manifest = root / MANIFEST_NAME
-        wanted = {
-            **files,
-            MANIFEST_NAME: {
-                "size": manifest.stat().st_size,
-                "sha256": cache.sha256(manifest) if cache else sha256_file(manifest),
-            },
-        }
-        local = isinstance(fs, LocalFileSystem)
-        dest_cache = cache if local else None  # a remote store is always read back
-        fs.makedirs(base, exist_ok=True)
-        stale = [rel for rel, info in wanted.items() if not _remote_matches(fs, f"{base}/{rel}", info, dest_cache)]
-        present = {p[len(base) + 1 :] for p in fs.find(base) if p.startswith(base + "/")}
-        extra = sorted(rel for rel in present if rel not in wanted)
-        if not stale and not extra:
-            return {"uploaded": [], "removed": []}
-        # The old artifact stops being complete before anything in it changes.
-        if fs.exists(f"{base}/{MANIFEST_NAME}"):
-            fs.rm_file(f"{base}/{MANIFEST_NAME}")
-            stale = [*[r for r in stale if r != MANIFEST_NAME], MANIFEST_NAME]
-        for rel in extra:
-            fs.rm_file(f"{base}/{rel}")
-        for rel in sorted(stale, key=lambda r: r == MANIFEST_NAME):  # manifest last
-            _put(fs, root / rel, f"{base}/{rel}", local)
-            # Read back what the store now holds (not the local cache: these bytes are new).
-            dst = f"{base}/{rel}"
-            size, digest = fs.size(dst), _remote_sha256(fs, dst)
-            if (size, digest) != (wanted[rel]["size"], wanted[rel]["sha256"]):
-                raise OutputError(
-                    f"publish: {dst} reads back as {size} bytes, sha256 {digest[:16]}..., not the "
-                    f"{wanted[rel]['size']} bytes, sha256 {wanted[rel]['sha256'][:16]}... uploaded; the store "
-                    "altered or lost it. Check the destination and run again (only differing files are re-sent)"
-                )
-            if dest_cache is not None:
-                dest_cache.remember(Path(dst), digest, os.stat(dst))
-    except OutputError:
-        raise
-    except Exception as e:  # noqa: BLE001 - stores raise their own types (botocore, gcsfs, adlfs ...)
-        raise OutputError(
-            f"publish: cannot write to {destination} ({type(e).__name__}: {e}); check output, its credentials "
-            "and permissions, then run again: files already there and intact are not sent again"
-        ) from e
-    finally:
-        if cache is not None:
-            cache.save()
-    return {"uploaded": stale, "removed": extra}
-
-
-def _put(fs, src: Path, dst: str, local: bool) -> None:
-    fs.makedirs(dst.rsplit("/", 1)[0], exist_ok=True)
-    if local:  # a local file appears whole, under its name, only once written and synced
-        with atomic_path(Path(dst)) as tmp:
-            fs.put_file(str(src), str(tmp))
-    else:  # object stores make an object visible only once its upload completes
-        fs.put_file(str(src), dst)
-
-
-def destination_of(config) -> str:
-    """`output/<run_name>`; a Hub repository is the destination itself, so its top-level README.md is
-    the model card the Hub renders (loraship/publishing/hub.py)."""
-    if hub.is_hub_repo(config.output):
-        return config.output.rstrip("/")
-    return f"{config.output.rstrip('/')}/{config.run_name}"
-
-
-def send(root: Path, files: dict, destination: str, cache: DigestCache, run_name: str) -> dict:
+def send(root: Path, files: dict, destination: str, cache: DigestCache, config) -> dict:
     """Publish to a Hub repository or any fsspec destination."""
     if hub.is_hub_repo(destination):
-        return hub.sync(root, files, destination, run_name)
-    return sync(root, files, destination, cache)
+        return hub.sync(root, files, destination, config.run_name, force=config.replace_output)
+    return sync(root, files, destination, cache, force=config.replace_output)
+
+
+def check_destination(config, ctx) -> None:
+    """The plan's checks of the artifact folder again, before anything is staged: apart from the workdir and every
+    input (the base model's folder as the plan resolved it), and holding nothing loraship did not write. The folder
+    may have changed since the plan, and `--only publish` runs without it."""
+    plan = json.loads((ctx.upstream_dir("plan") / PLAN_FILE).read_text(encoding="utf-8"))
+    problems = overlap_problems(config, Path(plan["model_dir"]) if plan.get("model_dir") else None)
+    problems = problems or foreign_problems(config)
+    if problems:
+        raise OutputError("; ".join(problems))
 
 
 # Publish reads these upstream files; the merged weights and the F16 GGUF (tens of GB on a
@@ -639,13 +548,14 @@ def run(config) -> dict:
     if config.adapter_gguf:  # the adapter alone and the base it applies to, beside the merged GGUF
         consumes["convert"] += (ADAPTER_GGUF, base_gguf_name(config.primary_quantization))
     ctx = open_stage(stage_config, STAGE, UPSTREAM, FIELDS, consumes=consumes)
+    check_destination(config, ctx)
     destination = destination_of(config)
     cache = DigestCache.of_run(ctx.dir)
     if ctx.done and "artifact_files" in ctx.done["metrics"]:
         # The stage folder still holds the artifact it published; the destination may not (an
         # interrupted upload, a deleted or altered object): put back whatever differs.
         root = ctx.dir / "artifact"
-        send(root, ctx.done["metrics"]["artifact_files"], destination, cache, config.run_name)
+        send(root, ctx.done["metrics"]["artifact_files"], destination, cache, config)
         return ctx.done
     reset_dir(ctx)
     root = stage_artifact(config, ctx)
@@ -672,7 +582,7 @@ def run(config) -> dict:
         "files": files,
     }
     atomic_write_json(root / MANIFEST_NAME, published)
-    sent = send(root, files, destination, cache, config.run_name)
+    sent = send(root, files, destination, cache, config)
     return ctx.finish(
         {
             "destination": destination,
@@ -681,6 +591,8 @@ def run(config) -> dict:
             "artifact_files": files,
             "uploaded": len(sent["uploaded"]),
             "removed": sent["removed"],
+            # Where --force put what loraship did not write: a sibling folder, or on the Hub the commit before.
+            **{k: sent[k] for k in ("moved_aside", "replaced_from_commit") if k in sent},
             **({"hub_commit": sent["commit"]} if "commit" in sent else {}),
         }
     )

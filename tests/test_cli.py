@@ -540,7 +540,7 @@ def test_plan_and_init_say_where_the_artifact_lands(config_file, tiny_model, tmp
     from loraship.publishing import hub
 
     # The plan checks a Hub output with the Hub itself (tests/test_bad_inputs.py's hf:// cases); none here.
-    monkeypatch.setattr(hub, "output_problems", lambda url: [])
+    monkeypatch.setattr(hub, "output_problems", lambda url, force=False: [])
     mine = tmp_path / "artifacts" / "my-run"
     shown = invoke("plan", config_file, "--set", f"output={mine}")
     assert shown.exit_code == 0, shown.output

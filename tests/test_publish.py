@@ -1,8 +1,10 @@
-"""Publish to a store that can fail half-way, lose or alter files, or hold an earlier artifact:
-every file read back, only what differs sent again, nothing stale left, the manifest last."""
+"""Publish to a store that can fail half-way, lose or alter files, hold an earlier artifact or someone else's
+files: every file read back, only what differs sent again, nothing stale left, the manifest last, and nothing
+loraship did not write removed or overwritten."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from pathlib import Path
@@ -13,7 +15,8 @@ import pytest
 from loraship.constants import MANIFEST_NAME
 from loraship.errors import OutputError
 from loraship.runtime.manifest import atomic_write_json, describe_files
-from loraship.stages.publish import sync
+from loraship.publishing.destination import JOURNAL
+from loraship.publishing.store import sync
 
 
 def artifact(root: Path, gguf: str = "model-Q4_K_M.gguf") -> dict:
@@ -55,6 +58,7 @@ def test_interrupted_publish_resumes_sending_only_what_is_missing(tmp_path, monk
     with pytest.raises(OutputError, match="RuntimeError: simulated store error.*run again"):
         sync(tmp_path / "a", files, url)
     assert not fs.exists(f"{base}/{MANIFEST_NAME}")  # an interrupted publish is visibly incomplete
+    assert fs.exists(f"{base}/{JOURNAL}")  # and known as loraship's: the rerun may replace what it left
     done_before = list(flaky.calls)
 
     resumed = FlakyStore(fs, fail_after=None)
@@ -65,7 +69,7 @@ def test_interrupted_publish_resumes_sending_only_what_is_missing(tmp_path, monk
     assert len(resumed.calls) == len(files) + 1 - len(done_before)
     assert sent["removed"] == []
     published = json.loads(fs.cat_file(f"{base}/{MANIFEST_NAME}"))
-    assert published["files"] == files
+    assert published["files"] == files and not fs.exists(f"{base}/{JOURNAL}")
     assert sync(tmp_path / "a", files, url) == {"uploaded": [], "removed": []}  # nothing left to do
 
 
@@ -144,3 +148,58 @@ def test_the_artifact_ships_the_sampling_settings_verify_served_it_with(tmp_path
         "do_sample": False,
         "repetition_penalty": 1.0,
     }
+
+
+def remote_digests(fs, base: str) -> dict[str, str]:
+    return {p[len(base) + 1 :]: hashlib.sha256(fs.cat_file(p)).hexdigest() for p in sorted(fs.find(base))}
+
+
+def test_a_store_folder_of_someone_elses_files_is_refused_then_moved_aside_with_force(tmp_path):
+    files = artifact(tmp_path / "a")
+    fs, base, url = remote()
+    fs.pipe_file(f"{base}/notes.txt", b"mine")
+    fs.pipe_file(f"{base}/experiments/results.csv", b"run,loss\n")
+    before = remote_digests(fs, base)
+    with pytest.raises(OutputError, match=r"already holds 2 file\(s\) loraship did not write .* --force"):
+        sync(tmp_path / "a", files, url)
+    assert remote_digests(fs, base) == before
+    sent = sync(tmp_path / "a", files, url, force=True)
+    aside = sent["moved_aside"]
+    assert aside.startswith(f"{base}.replaced-") and remote_digests(fs, aside) == before
+    assert set(remote_digests(fs, base)) == {*files, MANIFEST_NAME}
+
+
+def test_a_rerun_removes_what_its_manifest_listed_and_keeps_the_rest(tmp_path):
+    fs, base, url = remote()
+    sync(tmp_path / "q4", artifact(tmp_path / "q4"), url)
+    fs.pipe_file(f"{base}/notes.txt", b"added by hand beside the artifact")
+    mine = remote_digests(fs, base)["notes.txt"]
+    files = artifact(tmp_path / "q8", "model-Q8_0.gguf")
+    sent = sync(tmp_path / "q8", files, url)
+    assert sent["removed"] == ["model-Q4_K_M.gguf"]
+    assert remote_digests(fs, base)["notes.txt"] == mine
+    assert set(remote_digests(fs, base)) == {*files, MANIFEST_NAME, "notes.txt"}
+
+
+def test_a_file_of_someone_elses_the_artifact_would_overwrite_is_refused_then_moved_aside(tmp_path):
+    dest = tmp_path / "out" / "run"
+    sync(tmp_path / "q4", artifact(tmp_path / "q4"), str(dest))
+    (dest / "model-Q8_0.gguf").write_bytes(b"the user's own GGUF, not listed by loraship's manifest")
+    theirs = hashlib.sha256((dest / "model-Q8_0.gguf").read_bytes()).hexdigest()
+    files = artifact(tmp_path / "q8", "model-Q8_0.gguf")
+    with pytest.raises(OutputError, match="holds model-Q8_0.gguf, which the artifact would overwrite"):
+        sync(tmp_path / "q8", files, str(dest))
+    assert (dest / "model-Q4_K_M.gguf").exists()  # refused before anything changed
+    sent = sync(tmp_path / "q8", files, str(dest), force=True)
+    moved = Path(sent["moved_aside"]) / "model-Q8_0.gguf"
+    assert hashlib.sha256(moved.read_bytes()).hexdigest() == theirs
+    assert sent["removed"] == ["model-Q4_K_M.gguf"]
+
+
+def test_a_foreign_manifest_json_does_not_make_a_folder_loraships(tmp_path):
+    dest = tmp_path / "out" / "run"
+    dest.mkdir(parents=True)
+    (dest / MANIFEST_NAME).write_text('{"name": "my web app"}')
+    with pytest.raises(OutputError, match="already holds 1 file"):
+        sync(tmp_path / "a", artifact(tmp_path / "a"), str(dest))
+    assert (dest / MANIFEST_NAME).read_text() == '{"name": "my web app"}'

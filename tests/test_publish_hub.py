@@ -124,6 +124,14 @@ class FakeHub:
             out.append(RepoFile(path=rel, size=len(data), oid=blob, lfs=lfs))
         return out
 
+    def hf_hub_download(self, repo_id, filename, *, repo_type=None, revision=None):
+        self.calls.append(("hf_hub_download", {"repo_id": repo_id, "filename": filename, "revision": revision}))
+        repo_type = repo_type or "model"
+        branch = next(
+            b for (t, r, b) in self.heads if (t, r) == (repo_type, repo_id) and self._sha(t, r, b) == revision
+        )
+        return str(self.folder(repo_id, branch, repo_type) / filename)
+
     def upload_folder(
         self,
         *,
@@ -282,13 +290,33 @@ def test_files_this_artifact_no_longer_ships_are_deleted_in_the_same_commit(tmp_
     assert set(held(fake_hub)) == {*files, MANIFEST_NAME, ".gitattributes"}  # the Hub's own file kept
 
 
-def test_a_file_added_on_the_hub_is_removed_and_nothing_sent(tmp_path, fake_hub):
+def test_a_file_added_on_the_hub_by_hand_is_left_alone(tmp_path, fake_hub):
     files = artifact(tmp_path / "a")
     hub.sync(tmp_path / "a", files, "hf://alice/tiny", "tiny")
     (fake_hub.folder("alice/tiny") / "adapter" / "optimizer.pt").write_bytes(b"left by hand")
     sent = hub.sync(tmp_path / "a", files, "hf://alice/tiny", "tiny")
-    assert sent == {"uploaded": [], "removed": ["adapter/optimizer.pt"], "commit": sent["commit"]}
-    assert fake_hub.committed == {"added": [], "deleted": ["adapter/optimizer.pt"]}
+    assert sent == {"uploaded": [], "removed": [], "commit": sent["commit"]}  # the manifest does not list it
+    assert len(fake_hub.commits()) == 1 and held(fake_hub)["adapter/optimizer.pt"] == b"left by hand"
+
+
+def test_a_repository_of_someone_elses_files_is_refused_then_committed_over_with_force(tmp_path, fake_hub):
+    files = artifact(tmp_path / "a")
+    fake_hub.create_repo("alice/tiny", exist_ok=True)
+    theirs = {"README.md": b"# my model\n", "model.safetensors": b"weights"}
+    for rel, data in theirs.items():
+        (fake_hub.folder("alice/tiny") / rel).write_bytes(data)
+    before = dict(held(fake_hub))
+    [problem] = hub.output_problems("hf://alice/tiny")  # at plan, before any training
+    assert "already holds 2 file(s) loraship did not write (README.md, model.safetensors)" in problem
+    assert hub.output_problems("hf://alice/tiny", force=True) == []
+    with pytest.raises(OutputError, match=r"already holds 2 file.*--force.*stay in the repository's history"):
+        hub.sync(tmp_path / "a", files, "hf://alice/tiny", "tiny")
+    assert held(fake_hub) == before and fake_hub.commits() == []
+    parent = fake_hub._sha("model", "alice/tiny", "main")
+    sent = hub.sync(tmp_path / "a", files, "hf://alice/tiny", "tiny", force=True)
+    assert sent["replaced_from_commit"] == parent and sent["removed"] == []
+    assert fake_hub.committed["deleted"] == []  # nothing deleted: the card replaced README.md in a new commit
+    assert held(fake_hub)["model.safetensors"] == theirs["model.safetensors"]
 
 
 def test_revision_and_folder_of_the_url_are_honoured(tmp_path, fake_hub):

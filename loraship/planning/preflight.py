@@ -12,17 +12,24 @@ from loraship.data import read_dataset, read_rows, url_scheme
 from loraship.errors import ConfigError, LorashipError
 
 
-def output_problems(config: Config) -> list[str]:
-    """Can we write where the artifact goes (local folder, fsspec URL or Hugging Face Hub repository)?"""
+def output_problems(config: Config, model_dir: Path | None = None) -> list[str]:
+    """Can we write where the artifact goes (local folder, fsspec URL or Hugging Face Hub repository), apart from
+    the run's own folders and inputs, and over nothing loraship did not write (loraship/publishing/destination.py)?"""
     import fsspec
 
-    from loraship.publishing import hub
+    from loraship.publishing import destination, hub
 
     if hub.is_hub_repo(config.output):
-        return hub.output_problems(config.output)
+        return hub.output_problems(config.output, config.replace_output)
+    overlaps = destination.overlap_problems(config, model_dir)
+    if overlaps:
+        return overlaps
     target = f"{config.output.rstrip('/')}/{config.run_name}"
     try:
         fs, path = fsspec.core.url_to_fs(target)
+        foreign = destination.foreign_problems(config)
+        if foreign:
+            return foreign
         fs.makedirs(path, exist_ok=True)
         probe = f"{path}/.loraship-write-test-{uuid.uuid4().hex}"
         fs.pipe_file(probe, b"ok")
@@ -188,7 +195,7 @@ def check_inputs(config: Config) -> Path:
             + target_gpu_problems(config, model_dir)
             + lora_target_problems(config, model_dir)
         )
-    problems += workdir_problems(config) + output_problems(config)
+    problems += workdir_problems(config) + output_problems(config, model_dir)
     if problems:
         raise ConfigError(f"run {config.run_name!r}", problems)
     return model_dir

@@ -10,6 +10,10 @@ README.md. Buckets (`hf://buckets/...`) are plain storage, published like any ot
 The token is huggingface_hub's (`get_token`): HF_TOKEN in the environment, which a stage fills from
 a Prefect Secret block through the config's `env_from_secrets`, else the `hf auth login` token.
 
+Publish replaces or deletes only files that the manifest.json it committed there lists; a repository folder
+holding other files and no loraship manifest is refused (at plan and at publish), and with `force` the artifact
+is committed over it: the files it replaces stay in the repository's history, the others where they are.
+
 One publish is one commit (`HfApi.upload_folder`). A Hub commit is atomic: a reader of the
 revision sees the tree before it or after it, never part of it, so manifest.json goes into the
 same commit as the files instead of after them, and an interrupted upload leaves the repository
@@ -22,12 +26,16 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraship.constants import MANIFEST_NAME
 from loraship.errors import OutputError
 from loraship.runtime.manifest import sha256_file
+
+log = logging.getLogger("loraship")
 
 PROTOCOL = "hf://"
 # The Hub writes .gitattributes (which files go to LFS) into every new repository; it is the
@@ -96,8 +104,9 @@ def _status(e: Exception) -> int | None:
     return getattr(response, "status_code", None)
 
 
-def output_problems(url: str) -> list[str]:
-    """Plan-time check of an `hf://` output: a token, valid, that can write to the repository.
+def output_problems(url: str, force: bool = False) -> list[str]:
+    """Plan-time check of an `hf://` output: a token, valid, that can write to the repository, and (unless
+    `force`) nothing there that loraship did not write.
 
     The repository is created here (private, `exist_ok`) as a folder output is created by the
     plan: then the Hub itself answers whether this token can write to it (`auth_check(write=True)`)
@@ -148,7 +157,51 @@ def output_problems(url: str) -> list[str]:
         return [
             f"output {url!r}: cannot check write access to {target.repo_id!r} ({type(e).__name__}: {e}); run again"
         ]
-    return []
+    return [] if force else foreign_problems(api, target)
+
+
+def foreign_problems(api, target: HubTarget) -> list[str]:
+    """Files at the target that loraship did not write, as publish would refuse them. Where they cannot be listed
+    now (a branch publish will create) nothing is said: publish checks again before its commit."""
+    from loraship.publishing import destination
+
+    try:
+        head = api.repo_info(target.repo_id, repo_type=target.repo_type, revision=target.revision).sha
+        holdings = _holdings(api, target, head, _remote_files(api, target, head), set())
+    except Exception:  # noqa: BLE001 - HTTP and Hub errors
+        return []
+    blocking = destination.in_the_way(holdings, set())
+    return [_refusal(target, holdings, blocking, f"output {target.url!r}", head)] if blocking else []
+
+
+def _holdings(api, target: HubTarget, revision: str, remote: dict, wanted: set[str]):
+    """What the target folder holds at one commit and which files loraship's manifest.json there lists."""
+    from loraship.publishing import destination
+
+    manifest = None
+    if MANIFEST_NAME in remote:
+        path = f"{target.path}/{MANIFEST_NAME}" if target.path else MANIFEST_NAME
+        local = api.hf_hub_download(target.repo_id, path, repo_type=target.repo_type, revision=revision)
+        try:
+            manifest = json.loads(Path(local).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            manifest = None
+    return destination.held(set(remote), manifest, None, wanted)
+
+
+def _refusal(target: HubTarget, holdings, blocking: list[str], where: str, head: str) -> str:
+    from loraship.publishing import destination
+
+    return destination.refusal(
+        target.url,
+        holdings,
+        blocking,
+        where,
+        aside=(
+            f"commit the artifact over them: the files it replaces stay in the repository's history (commit "
+            f"{head[:12]}), the others where they are"
+        ),
+    )
 
 
 def git_blob_sha1(path: Path) -> str:
@@ -202,14 +255,18 @@ def _head(api, target: HubTarget) -> str:
     return api.repo_info(target.repo_id, repo_type=target.repo_type, revision=target.revision).sha
 
 
-def sync(root: Path, files: dict, url: str, run_name: str = "") -> dict:
-    """Make the Hub location hold exactly the artifact in `root` (manifest.json included), in one commit.
+def sync(root: Path, files: dict, url: str, run_name: str = "", force: bool = False) -> dict:
+    """Make the Hub location hold the artifact in `root` (manifest.json included), in one commit.
 
     Every file is compared with what the Hub holds, by size and sha256 (the LFS pointer's) or the
-    git blob id, never with the remote manifest; what is missing or differs is uploaded, what this
-    artifact no longer ships is deleted in the same commit, and the commit is read back the same
-    way. Returns what was uploaded and removed, and the commit.
+    git blob id, never with the remote manifest; what is missing or differs is uploaded, what the
+    manifest committed there before lists and this artifact no longer ships is deleted in the same
+    commit, and the commit is read back the same way. Files loraship did not write are refused, or
+    with `force` left in place (those the artifact replaces stay in the history). Returns what was
+    uploaded and removed, and the commit.
     """
+    from loraship.publishing import destination
+
     target = parse(url)
     tok = token()
     if not tok:
@@ -221,8 +278,22 @@ def sync(root: Path, files: dict, url: str, run_name: str = "") -> dict:
         api.create_repo(target.repo_id, repo_type=target.repo_type, private=CREATE_PRIVATE, exist_ok=True)
         parent = _head(api, target)
         remote = _remote_files(api, target, parent)
+        holdings = _holdings(api, target, parent, remote, set(wanted))
         stale = sorted(rel for rel, info in wanted.items() if not _matches(remote.get(rel), info, root / rel))
-        extra = sorted(rel for rel in remote if rel not in wanted)
+        blocking = destination.in_the_way(holdings, set(wanted), set(wanted) - set(stale))
+        if blocking and not force:
+            raise OutputError(_refusal(target, holdings, blocking, "publish", parent))
+        extra = sorted(holdings.ours - set(wanted))
+        replaced = sorted(set(blocking) & set(stale))
+        if replaced:
+            log.warning(
+                "publish: %d file(s) loraship did not write at %s replaced by the artifact (%s); their earlier "
+                "versions stay in the repository's history at commit %s",
+                len(replaced),
+                url,
+                ", ".join(replaced[:4]),
+                parent,
+            )
         if not stale and not extra:
             return {"uploaded": [], "removed": [], "commit": parent}
         commit = api.upload_folder(
@@ -249,7 +320,7 @@ def sync(root: Path, files: dict, url: str, run_name: str = "") -> dict:
             "again"
         ) from e
     wrong = [rel for rel, info in wanted.items() if not _matches(held.get(rel), info, root / rel)]
-    left = sorted(rel for rel in held if rel not in wanted)
+    left = sorted(rel for rel in extra if rel in held)
     if wrong or left:
         shown = ", ".join(
             f"{rel} ({_describe(held.get(rel))}, sent {wanted[rel]['size']} bytes sha256 "
@@ -261,7 +332,8 @@ def sync(root: Path, files: dict, url: str, run_name: str = "") -> dict:
             f"{shown or 'no file differs'}{'; left over: ' + ', '.join(left) if left else ''}; check the repository "
             "and run again (only differing files are sent)"
         )
-    return {"uploaded": stale, "removed": extra, "commit": commit.oid}
+    kept = {"replaced_from_commit": parent} if replaced else {}
+    return {"uploaded": stale, "removed": extra, "commit": commit.oid, **kept}
 
 
 def _describe(remote) -> str:
