@@ -26,6 +26,7 @@ from prefect.states import Failed
 from loraship.config import Config
 from loraship.constants import STAGES
 from loraship.errors import LorashipError
+from loraship.runtime.failures import FAILURE, failure_of, keep_traceback
 from loraship.stage_table import gpu_stages, stage_module
 
 STAGE_DEPLOYMENTS_ENV = "LORASHIP_STAGE_DEPLOYMENTS"
@@ -97,9 +98,14 @@ def stage_task(stage: str, config: Config):
         with gpu_slot(stage, config):
             manifest = stage_module(stage).run(config)
     except LorashipError as e:
-        # A problem the user can fix: say it plainly, without a traceback.
-        logger.error("%s failed: %s", stage, e)
-        return Failed(message=f"{stage}: {e}")
+        # A problem the user can fix: said plainly, without a traceback. The failed state carries the error, so
+        # that `loraship run` prints it once with its exit code (loraship/runtime/failures.py).
+        logger.error("%s failed: %s", stage, e, extra=FAILURE)
+        return Failed(message=f"{stage}: {e}", data=e)
+    except Exception as e:  # noqa: BLE001 - a crash: its traceback goes to a file and the flow run's log
+        trace = keep_traceback(config, stage)
+        logger.error("%s failed (traceback in %s)", stage, trace, exc_info=True, extra=FAILURE)
+        return Failed(message=f"{stage}: {type(e).__name__}: {e} (traceback in {trace})", data=e)
     if manifest.get("_skipped"):
         logger.info("%s: skipped, outputs complete for the same inputs (%s)", stage, manifest["_dir"])
     else:
@@ -155,7 +161,7 @@ def train_and_ship(config: Config, stages: list[str] | None = None):
             state = stage_task(stage, config, return_state=True)
             outcome = state if state.is_failed() else state.result()
         if hasattr(outcome, "is_failed"):  # a Failed state: stop here, later stages need this one's outputs
-            return Failed(message=outcome.message)
+            return Failed(message=outcome.message, data=failure_of(outcome))
         results[stage] = outcome
     create_table_artifact(
         key=_artifact_key(config.run_name, "summary"),
@@ -175,5 +181,5 @@ def run_stage(stage: str, config: Config):
     state = stage_task(stage, config, return_state=True)
     if state.is_failed():
         # Its own message, so the parent (through run_deployment) reports the stage's real error.
-        return Failed(message=state.message)
+        return Failed(message=state.message, data=failure_of(state))
     return state.result()

@@ -258,14 +258,18 @@ def _run(config_path: Path, set_: list[str], only: str | None, start: str | None
     from loraship.flows.train_and_ship import train_and_ship  # Prefect: imported only to run
     from loraship.runtime.prefect_env import start_local_prefect
 
+    from loraship.errors import exit_code_of
+    from loraship.runtime.failures import failure_of, quiet_failures_on_console
+
     guard.cover_console()  # Prefect's console handler, added on its import
+    quiet_failures_on_console()  # the failure is said once, below
     with _user_errors():
         start_local_prefect()
     state = train_and_ship(config, stages=None if stages == list(STAGES) else stages, return_state=True)
     if not state.is_completed():
         err.print(f"error: run {config.run_name!r} failed: {state.message}", markup=False, highlight=False)
         err.print("Finished stages are kept; fix the problem and run the same command again to resume.")
-        raise typer.Exit(1)
+        raise typer.Exit(exit_code_of(failure_of(state)))
     _finished(config, stages)
 
 

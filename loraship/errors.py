@@ -1,4 +1,4 @@
-"""User-facing errors: the CLI prints these without a traceback and exits non-zero."""
+"""User-facing errors: the CLI prints these without a traceback and exits with their code (2: input to fix)."""
 
 
 class LorashipError(Exception):
@@ -24,3 +24,14 @@ class IntegrityError(LorashipError):
 
 class OutputError(LorashipError):
     pass
+
+
+class StageFailed(LorashipError):
+    """The inputs were accepted, but a stage's result failed its checks (verify's gates): not input to fix."""
+
+    exit_code = 1
+
+
+def exit_code_of(error: BaseException | None) -> int:
+    """2 for input the user must fix (the classes above), 1 for a stage that failed or crashed."""
+    return error.exit_code if isinstance(error, LorashipError) else 1

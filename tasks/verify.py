@@ -35,7 +35,7 @@ from loraship.constants import (
     base_gguf_name,
     quantized_gguf_name,
 )
-from loraship.errors import IntegrityError, LorashipError
+from loraship.errors import IntegrityError, StageFailed
 from loraship.llamacpp.gguf_info import read_gguf_apart
 from loraship.llamacpp.served import served_check
 from loraship.planning import inference_memory as im
@@ -131,7 +131,7 @@ def run(config) -> dict:
     atomic_write_json(ctx.dir / VERIFY_FILE, verdict)
     if not passed:
         failing = [q for q, section in sections.items() if not section["passed"]]
-        raise LorashipError(
+        raise StageFailed(
             f"verify failed for {', '.join(failing)}: {failed_gates(gates)}; details in {ctx.dir / VERIFY_FILE}"
         )
     shown = ("kl_mean", "same_top_rate", "scored_tokens")
@@ -371,17 +371,17 @@ def run_ladder(ctx, config, reference: dict, device: str) -> dict:
     )
 
 
-def no_rung_passed(ctx, config, ladder: list[dict], sections: dict[str, dict]) -> LorashipError:
+def no_rung_passed(ctx, config, ladder: list[dict], sections: dict[str, dict]) -> StageFailed:
     """quantization auto's error when no rung passed: none fits the target, or the largest that fits failed."""
     fitting = [r for r in ladder if r["fits"]]
     if not fitting:
-        return LorashipError(
+        return StageFailed(
             f"quantization auto: no rung of {', '.join(config.quantizations)} fits target_gpu_memory_gib "
             f"{config.target_gpu_memory_gib:g} at target_context {config.target_context}; raise either, or ship a "
             f"smaller base model; details in {ctx.dir / VERIFY_FILE}"
         )
     largest = fitting[-1]
-    return LorashipError(
+    return StageFailed(
         f"quantization auto: no rung passed every gate; the largest that fits the target, {largest['quant']}, "
         f"failed {failed_gates(sections[largest['quant']]['gates'])}. Train until the eval loss settles, loosen that "
         f"gate's limit in the config if the figure is acceptable, or raise target_gpu_memory_gib for a larger rung; "
