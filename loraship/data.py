@@ -31,6 +31,7 @@ from pathlib import Path
 from loraship.chat import render, require_template, template_kwargs_of, template_of, tokenize_conversation
 from loraship.config import DATASET_FIELDS, HUB_ID_PATTERN
 from loraship.errors import DataError
+from loraship.runtime.cache import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -481,10 +482,6 @@ def tokenize_rows(
     if kind != "completion" and rows:
         require_template(tokenizer, f"{kind} rows")
     return examples_from([encode_row(row, kind, tokenizer) for row in rows], sequence_len, truncation, train_on_inputs)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LORASHIP_CACHE", Path.home() / ".cache" / "loraship")).expanduser()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

