@@ -29,6 +29,7 @@ from loraship.constants import (
 from loraship.errors import DataError, IntegrityError
 from loraship.llamacpp.gguf_info import read_gguf, read_gguf_of_type
 from loraship.llamacpp.quantizing import TIMEOUT_S, check_loads, quantize
+from loraship.llamacpp.tools import ensure_tools
 from loraship.runtime.manifest import atomic_path, check_outputs, library_versions, read_manifest, sha256_file
 from loraship.runtime.proc import write_with_tool
 from loraship.runtime.progress import artifact_key
@@ -237,6 +238,17 @@ def merge_tokenizer_files(config) -> tuple[str, ...]:
     )
 
 
+def timed_imatrix(make) -> dict:
+    """make()'s record of the matrix with the seconds it took; a first use's build of llama.cpp's tools (minutes)
+    is done before the clock starts and reported apart, as tools_build_seconds (None: nothing was built)."""
+    built = ensure_tools()
+    if built is not None:
+        log.info("quantize: built llama.cpp's tools in %.0f s (once per llama.cpp version, into the cache)", built)
+    started = time.time()
+    record = make()
+    return record | {"seconds": round(time.time() - started, 1), "tools_build_seconds": built}
+
+
 def depends_on(config) -> dict[str, tuple[str, ...]]:
     """The upstream files this run's result depends on beyond convert's: with imatrix, the merged model's tokenizer
     files (what the calibration texts are rendered with), not its weights. `loraship status` asks the same."""
@@ -281,9 +293,7 @@ def run(config) -> dict:
     reset_dir(ctx, keep=tuple(quantized_gguf_name(q) for q in kept) + keep_imatrix)
     if use_imatrix and imatrix is None:
         check_free_disk(ctx.dir, src.stat().st_size * 0.1, "quantize (importance matrix)")
-        started = time.time()
-        imatrix = compute_imatrix(config, src, imatrix_path, texts, tokens) | drawn_from
-        imatrix["seconds"] = round(time.time() - started, 1)
+        imatrix = timed_imatrix(lambda: compute_imatrix(config, src, imatrix_path, texts, tokens) | drawn_from)
         log.info(
             "quantize: importance matrix from %d training tokens in %d of %d texts (%d chunks of %d) in %.0f s",
             tokens,

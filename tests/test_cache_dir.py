@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,50 @@ def test_checkout_root_is_this_repository_and_not_a_wheel(tmp_path, monkeypatch)
     fake.parent.mkdir(parents=True)
     monkeypatch.setattr(cache, "__file__", str(fake))
     assert cache.checkout_root() is None
+
+
+def test_a_tools_build_is_timed_apart_from_the_work_after_it(monkeypatch, tmp_path):
+    """ensure_tools builds once and says how long it took; with the tools there it builds nothing and says None,
+    so quantize's importance-matrix time never holds a build."""
+    from loraship.llamacpp import tools
+
+    monkeypatch.setenv("LORASHIP_CACHE", str(tmp_path))
+    monkeypatch.delenv("LORASHIP_LLAMA_CPP_TOOLS_DIR", raising=False)
+    clock = [1000.0]
+    monkeypatch.setattr(tools.time, "monotonic", lambda: clock[0])
+    builds = []
+
+    def fake_build():
+        builds.append(1)
+        clock[0] += 513.0  # the cold build the issue measured
+        folder = tools.tools_root() / "bin"
+        folder.mkdir(parents=True)
+        for name in tools.TOOLS:
+            (folder / name).write_text("#!/bin/sh\n")
+            (folder / name).chmod(0o755)
+        (tools.tools_root() / tools.BUILD_FILE).write_text("{}")
+        return folder
+
+    monkeypatch.setattr(tools, "build_tools", fake_build)
+    assert tools.ensure_tools() == 513.0
+    assert tools.ensure_tools() is None
+    assert builds == [1]
+
+
+def test_quantize_reports_the_tools_build_beside_the_matrix_time(monkeypatch, tmp_path):
+    """The stage's imatrix record: seconds of llama-imatrix alone, the build in tools_build_seconds (a build of
+    513 s on the clock here must not show in seconds)."""
+    import importlib
+
+    quantize = importlib.import_module("tasks.quantize")
+    real_time = time.time
+    shift = [0.0]
+    monkeypatch.setattr(quantize.time, "time", lambda: real_time() + shift[0])
+
+    def slow_build():
+        shift[0] += 513.0
+        return 513.0
+
+    monkeypatch.setattr(quantize, "ensure_tools", slow_build)
+    record = quantize.timed_imatrix(lambda: {"chunks": 1})
+    assert record["tools_build_seconds"] == 513.0 and record["seconds"] < 60

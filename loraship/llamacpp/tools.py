@@ -81,6 +81,19 @@ def tools_dir(build: bool = True) -> Path:
     return build_tools()
 
 
+def ensure_tools() -> float | None:
+    """Build the three tools unless they are there already; the seconds that build took, None where none was needed.
+    A stage times its own work after this, so a first use's build (minutes) is not counted as that work."""
+    if os.environ.get("LORASHIP_LLAMA_CPP_TOOLS_DIR"):
+        tools_dir()  # checks the given folder; nothing is built
+        return None
+    if _have_all(tools_root() / "bin") and (tools_root() / BUILD_FILE).is_file():
+        return None
+    started = time.monotonic()
+    build_tools()
+    return round(time.monotonic() - started, 1)
+
+
 def tool(name: str) -> Path:
     return tools_dir() / name
 
