@@ -6,11 +6,11 @@ Row types (DatasetSpec.type):
 - sharegpt: {"conversations": [{"from", "value"}, ...]}; `from` mapped onto chat roles (SHAREGPT_ROLES), then as chat.
 - completion: {"text"}; loss on every token.
 `train_on_inputs: true` puts the loss on prompt tokens too (Axolotl's meaning).
-Sources: local .jsonl/.json read here; .parquet/.csv and Hugging Face Hub datasets through the
-`datasets` library, imported only for them (JSONL needs nothing beyond the core). A URL (s3://,
-gs://, file://, ...) is read through fsspec; a scheme no installed fsspec implementation serves is
-refused, naming the package to install. `fields` maps
-the type's names onto the file's columns.
+Sources: local .jsonl/.json read here, compressed too (.jsonl.gz, .json.bz2, .jsonl.xz, .jsonl.zst:
+loraship/dataset_files.py); .parquet/.csv and Hugging Face Hub datasets through the `datasets` library,
+imported only for them (JSONL needs nothing beyond the core). A URL (s3://, gs://, file://, ...) is read
+through fsspec; a scheme no installed fsspec implementation serves is refused, naming the package to
+install. `fields` maps the type's names onto the file's columns.
 Tokenized rows are cached under LORASHIP_CACHE by a fingerprint of the data, the tokenizer and its
 chat template, the type and the field mapping, so train, merge and reference tokenize each row once.
 Truncation policy: an example longer than sequence_len keeps its first sequence_len tokens
@@ -30,6 +30,7 @@ from pathlib import Path
 
 from loraship.chat import render, require_template, template_kwargs_of, template_of, tokenize_conversation
 from loraship.config import DATASET_FIELDS, HUB_ID_PATTERN
+from loraship.dataset_files import compressed_name_problem, data_suffix, decompressed
 from loraship.errors import DataError
 from loraship.runtime.cache import cache_root
 
@@ -207,6 +208,9 @@ def _json_records(raw: bytes, where: str, suffix: str) -> list[tuple[int, object
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
+        compressed = compressed_name_problem(raw, where)
+        if compressed:
+            raise DataError(compressed) from e
         line = raw[: e.start].count(b"\n") + 1
         raise DataError(f"dataset {where} line {line}: not UTF-8 (byte {e.start}); re-encode the file as UTF-8") from e
     if suffix == ".json" and text.lstrip().startswith("["):
@@ -291,7 +295,7 @@ def _check_rows(records, where: str, kind: str, fields: dict[str, str], unit: st
 def read_rows(path: str | Path, kind: str, fields: dict[str, str] | None = None) -> list[dict]:
     """All rows of a JSONL (or JSON array) file, or a DataError listing every bad line (up to 20) with its number."""
     where = str(path) if url_scheme(path) else str(Path(path))
-    records = _json_records(_read_bytes(path), where, Path(where).suffix)
+    records = _json_records(decompressed(_read_bytes(path), where), where, data_suffix(where))
     fields = fields or {}
     if fields and kind in DATASET_FIELDS and records:  # a mapping naming no column is one mistake, not one per line
         _missing_columns(where, kind, fields, sorted({k for _n, r in records if isinstance(r, dict) for k in r}))
@@ -304,7 +308,7 @@ def hub_dataset_id(path: str) -> str | None:
         return path.removeprefix("hf://datasets/").strip("/")
     if url_scheme(path):
         return None  # another URL: a file read through fsspec
-    if Path(path).expanduser().exists() or Path(path).suffix.lower() in (*JSON_SUFFIXES, *TABULAR_SUFFIXES):
+    if Path(path).expanduser().exists() or data_suffix(path) in (*JSON_SUFFIXES, *TABULAR_SUFFIXES):
         return None
     return path if HUB_ID_PATTERN.match(path) and not path.startswith((".", "/", "~")) else None
 
@@ -333,7 +337,7 @@ def load_table(spec):
                 raise DataError(f"dataset {where}: {problem}")
             # datasets reads a URL through fsspec; the Arrow copy goes to loraship's cache as for local files.
             return datasets.load_dataset(
-                TABULAR_SUFFIXES[Path(spec.path).suffix.lower()],
+                TABULAR_SUFFIXES[data_suffix(spec.path)],
                 data_files=spec.path,
                 split="train",
                 cache_dir=str(cache_root() / "datasets"),
@@ -347,7 +351,7 @@ def load_table(spec):
                 )
             # Local files get their Arrow copy in loraship's cache, not the user's Hugging Face one.
             return datasets.load_dataset(
-                TABULAR_SUFFIXES[path.suffix.lower()],
+                TABULAR_SUFFIXES[data_suffix(path)],
                 data_files=str(path),
                 split="train",
                 cache_dir=str(cache_root() / "datasets"),
@@ -387,8 +391,7 @@ def _cell(value, name: str, kind: str):
 
 def read_dataset(spec) -> list[dict]:
     """The rows of one datasets[] entry under the type's own field names; every bad row named at once."""
-    suffix = Path(spec.path).suffix.lower()
-    if hub_dataset_id(spec.path) is None and suffix not in TABULAR_SUFFIXES:
+    if hub_dataset_id(spec.path) is None and data_suffix(spec.path) not in TABULAR_SUFFIXES:
         return read_rows(spec.path, spec.type, spec.fields)
     table = load_table(spec)
     _missing_columns(spec.path, spec.type, spec.fields, table.column_names)

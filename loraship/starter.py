@@ -28,11 +28,13 @@ def dataset_types() -> tuple[str, ...]:
 
 def detect_dataset_type(path: Path, sample: int = 200) -> str:
     """chat (messages), sharegpt (conversations/from/value), alpaca or completion, from the rows themselves."""
+    from loraship.dataset_files import compressed_name_problem, open_text
+
     if not path.is_file():
         raise LorashipError(f"dataset {path}: file not found; pass a JSONL file with one example per line")
     kinds: dict[str, int] = {}
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_text(path) as f:
             for number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
@@ -70,7 +72,10 @@ def detect_dataset_type(path: Path, sample: int = 200) -> str:
                 if number >= sample:
                     break
     except UnicodeDecodeError as e:
-        raise LorashipError(f"dataset {path}: not UTF-8 ({e.reason}); re-encode the file as UTF-8") from e
+        with open(path, "rb") as f:
+            compressed = compressed_name_problem(f.read(8), path)
+        plain = f"dataset {path}: not UTF-8 ({e.reason}); re-encode the file as UTF-8"
+        raise LorashipError(compressed or plain) from e
     if not kinds:
         raise LorashipError(f"dataset {path}: empty; add at least one example")
     return next(iter(kinds))
