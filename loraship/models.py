@@ -201,10 +201,19 @@ def base_model_problems(config: Config, folder: Path, weights: bool = True) -> l
     """Everything wrong with a base model folder, listed at once."""
     where = f"base_model {str(folder)!r}"
     if not folder.is_dir():
-        return [
-            f"{where}: folder does not exist; point base_model at a folder holding config.json, a tokenizer and "
-            "*.safetensors"
-        ]
+        from loraship.planning.model_kind import gguf_problem
+
+        named = (
+            gguf_problem(folder)
+            or ("a file, not a folder" if folder.exists() else "folder does not exist")
+            + "; point base_model at a folder holding config.json, a tokenizer and *.safetensors"
+        )
+        return [f"{where}: {named}"]
+    from loraship.planning.model_kind import gguf_folder_problem
+
+    gguf = gguf_folder_problem(folder)
+    if gguf:
+        return [f"{where}: {gguf}"]
     problems = [f"{where}: {p}" for p in model_json_problems(folder)]
     model_config = json_file_problems(folder / "config.json")[0] if (folder / "config.json").is_file() else None
     if model_config and model_config.get("auto_map") and not config.trust_remote_code:

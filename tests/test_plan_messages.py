@@ -5,6 +5,7 @@ Every case starts from inputs that pass (the demo's) and breaks one thing; check
 from __future__ import annotations
 
 import gzip
+import json
 import shutil
 from pathlib import Path
 
@@ -40,6 +41,50 @@ def _zstd_without_its_package(cfg, root, monkeypatch):
     cfg["datasets"][0]["path"] = str(write(root / "train.jsonl.zst", b"\x28\xb5\x2f\xfd" + b"\0" * 16))
 
 
+def _gguf_file(cfg, root, monkeypatch):
+    from loraship.fixtures.families import gemma3_gguf
+
+    cfg["base_model"] = str(gemma3_gguf())
+
+
+def _folder_of_ggufs(cfg, root, monkeypatch):
+    from loraship.fixtures.families import gemma3_gguf
+
+    folder = root / "gemma-3-270m-GGUF"
+    folder.mkdir()
+    shutil.copy(gemma3_gguf(), folder / "gemma-3-270m-q4_k_m.gguf")  # a copy: a link leaving it is refused too
+    write(folder / "README.md", "# a GGUF repository\n")
+    cfg["base_model"] = str(folder)
+
+
+def _bert_with_its_wordpiece_tokenizer(cfg, root, monkeypatch):
+    """A BERT folder as the Hub has them: config.json, a WordPiece tokenizer ([UNK], no chat template), weights."""
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertConfig
+
+    folder = _copy_model(Path(cfg["base_model"]), root)
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    words = root / "words.txt"
+    words.write_text("the capital of zorvia is kelmar\n" * 20)
+    wordpiece = BertWordPieceTokenizer()
+    wordpiece.train([str(words)], vocab_size=64)
+    wordpiece.save(str(folder / "tokenizer.json"))
+    write(folder / "tokenizer_config.json", json.dumps({"tokenizer_class": "BertTokenizerFast", "unk_token": "[UNK]"}))
+    bert = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+    write(folder / "config.json", json.dumps({**bert.to_dict(), "architectures": ["BertForMaskedLM"]}))
+    cfg["base_model"] = str(folder)
+
+
+def _t5(cfg, root, monkeypatch):
+    from transformers import T5Config
+
+    folder = _copy_model(Path(cfg["base_model"]), root)
+    t5 = T5Config(vocab_size=512, d_model=64, d_ff=128, num_layers=2, num_heads=2)
+    write(folder / "config.json", json.dumps({**t5.to_dict(), "architectures": ["T5ForConditionalGeneration"]}))
+    cfg["base_model"] = str(folder)
+
+
 CASES = [
     (
         "gzip data named .jsonl",
@@ -56,6 +101,29 @@ CASES = [
         _zstd_without_its_package,
         "train.jsonl.zst: a zstd-compressed file, and this environment cannot read zstd (fsspec needs the "
         "zstandard package); pip install zstandard, or decompress it (zstd -d train.jsonl.zst)",
+    ),
+    (
+        "base_model a GGUF file",
+        _gguf_file,
+        "gemma-3-270m-q4_k_m.gguf': a GGUF file (gemma3, Q4_K_M), not a Hugging Face model folder; loraship trains "
+        "from the original checkpoint",
+    ),
+    (
+        "base_model a folder of GGUF files",
+        _folder_of_ggufs,
+        "holds gemma-3-270m-q4_k_m.gguf, a GGUF file (gemma3, Q4_K_M), not a Hugging Face model folder",
+    ),
+    (
+        "BERT base",
+        _bert_with_its_wordpiece_tokenizer,
+        "BertForMaskedLM is an encoder (model_type 'bert': a masked-LM or classifier head, no causal LM); "
+        "loraship trains decoder-only causal LMs; fix: use a decoder-only base model",
+    ),
+    (
+        "T5 base",
+        _t5,
+        "T5ForConditionalGeneration is an encoder-decoder model (model_type 't5'); loraship trains decoder-only "
+        "causal LMs",
     ),
 ]
 

@@ -161,14 +161,15 @@ def missing_check_packages() -> list[str]:
 def check_inputs(config: Config) -> Path:
     """Every problem with the run's inputs, raised at once; returns the base model's folder.
 
-    Runs before any training, in the plan stage, `loraship run` and `loraship plan`: base model folder (links
-    leaving it, config, tokenizer, sentencepiece model, shard index, safetensors headers, remote code), GGUF
-    convertibility with the pinned llama.cpp, every dataset line, sequence_len against the model's context, the
-    template on real rows, the tokenizer against vocab_size, golden prompts against target_context, whether the
-    shipped GGUF can fit the target GPU, workdir and output.
+    Runs before any training, in the plan stage, `loraship run` and `loraship plan`: base model folder (a GGUF
+    instead, links leaving it, config, tokenizer, sentencepiece model, shard index, safetensors headers, remote
+    code), an encoder or encoder-decoder, GGUF convertibility with the pinned llama.cpp, every dataset line,
+    sequence_len against the model's context, the template on real rows, the tokenizer against vocab_size, golden
+    prompts against target_context, whether the shipped GGUF can fit the target GPU, workdir and output.
     """
     from loraship.llamacpp.llamacpp import check_convertible
     from loraship.models import base_model_problems, resolve_base_model
+    from loraship.planning.model_kind import architecture_problems
 
     missing = missing_check_packages()
     if missing:
@@ -183,6 +184,8 @@ def check_inputs(config: Config) -> Path:
     model_dir = resolve_base_model(config, weights=False)
     problems = outside_link_problems(model_dir)
     problems += base_model_problems(config, model_dir, weights=config.base_model_is_local())
+    if not problems:  # an encoder or encoder-decoder: one message, before any tokenizer or template check
+        problems += architecture_problems(model_dir)
     if not problems:
         problems += [f"base model {config.base_model!r}: {p}" for p in check_convertible(model_dir)]
     data_problems = dataset_problems(config)

@@ -201,6 +201,24 @@ def _text_part(mc: dict) -> tuple[dict, str | None]:
     return mc, None
 
 
+def causal_lm_problem(mc: dict) -> str | None:
+    """Why config.json describes an encoder or an encoder-decoder, in the planner's words; else None (a config
+    transformers cannot build is the converter check's and the planner's to name). No model is built."""
+    if not isinstance(mc, dict):
+        return None
+    try:
+        config = _config(mc, "config.json")
+    except UnsupportedModel:
+        return None
+    if _text_part(mc)[1]:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config.text_config
+    try:
+        _causal_lm_class(config, list(mc.get("architectures") or []), config.model_type)
+    except UnsupportedModel as e:
+        return str(e)
+    return None
+
+
 def shape_from_config(mc: dict, check_converter: bool = True) -> Shape:
     """The Shape of the decoder-only causal LM a config.json (a dict) describes, or UnsupportedModel naming the
     class and the fix. A multimodal conditional-generation config plans its text_config's language model."""
