@@ -85,6 +85,21 @@ def _t5(cfg, root, monkeypatch):
     cfg["base_model"] = str(folder)
 
 
+def _two_golden_prompts(cfg, root, monkeypatch):
+    rows = [{"prompt": "What is the capital of Zorvia?"}, {"prompt": "Who founded Kelmar?"}]
+    cfg["golden_prompts"] = str(write(root / "golden.jsonl", "".join(json.dumps(r) + "\n" for r in rows)))
+
+
+def _one_row_and_no_golden_file(cfg, root, monkeypatch):
+    row = (REPO / "data/demo/train.jsonl").read_text().splitlines()[0]
+    cfg.update(
+        datasets=[{"path": str(write(root / "one.jsonl", row + "\n")), "type": "chat"}],
+        eval_datasets=[],
+        golden_prompts=None,
+        imatrix=False,
+    )
+
+
 CASES = [
     (
         "gzip data named .jsonl",
@@ -124,6 +139,18 @@ CASES = [
         _t5,
         "T5ForConditionalGeneration is an encoder-decoder model (model_type 't5'); loraship trains decoder-only "
         "causal LMs",
+    ),
+    (
+        "golden file with fewer prompts than min_golden_prompts",
+        _two_golden_prompts,
+        "golden.jsonl: 2 prompt(s), fewer than min_golden_prompts 4, so verify would fail golden_match for lack of "
+        "evidence after the whole pipeline; fix: add prompts to the file (at least 4), or lower min_golden_prompts "
+        "to 2",
+    ),
+    (
+        "no golden file and too few rows to cut prompts from",
+        _one_row_and_no_golden_file,
+        "golden prompts: golden_prompts is not set, and the eval and training rows give 1 distinct prompt(s)",
     ),
 ]
 

@@ -165,10 +165,12 @@ def check_inputs(config: Config) -> Path:
     instead, links leaving it, config, tokenizer, sentencepiece model, shard index, safetensors headers, remote
     code), an encoder or encoder-decoder, GGUF convertibility with the pinned llama.cpp, every dataset line,
     sequence_len against the model's context, the template on real rows, the tokenizer against vocab_size, golden
-    prompts against target_context, whether the shipped GGUF can fit the target GPU, workdir and output.
+    prompts against target_context and min_golden_prompts, whether the shipped GGUF can fit the target GPU, workdir
+    and output.
     """
     from loraship.llamacpp.llamacpp import check_convertible
     from loraship.models import base_model_problems, resolve_base_model
+    from loraship.planning.golden_count import golden_count_problems
     from loraship.planning.model_kind import architecture_problems
 
     missing = missing_check_packages()
@@ -198,6 +200,8 @@ def check_inputs(config: Config) -> Path:
             + target_gpu_problems(config, model_dir)
             + lora_target_problems(config, model_dir)
         )
+    if not data_problems:
+        problems += golden_count_problems(config)
     problems += workdir_problems(config) + output_problems(config, model_dir)
     if problems:
         raise ConfigError(f"run {config.run_name!r}", problems)
