@@ -1,6 +1,7 @@
-"""Issue 45's messages that pointed the wrong way, each now ONE message at plan naming the thing and the fix.
-Every case starts from inputs that pass (the demo's) and breaks one thing; check_inputs is what `loraship plan`,
-`loraship run` and the plan stage run."""
+"""Issue 45's messages that pointed the wrong way, each now ONE message at plan naming the thing and the fix: a
+compressed dataset, a GGUF as base_model, an encoder base, too few golden prompts, a tokenizer the pinned converter
+cannot write. Every case starts from inputs that pass (the demo's, or the tiny Qwen with its real 151k BPE
+tokenizer) and breaks one thing; check_inputs is what `loraship plan`, `loraship run` and the plan stage run."""
 
 from __future__ import annotations
 
@@ -172,3 +173,75 @@ def test_one_message_at_plan(tiny_model, tmp_path, monkeypatch, name, breaker, e
     problems = caught.value.problems
     assert len(problems) == 1, problems
     assert expected in " ".join(problems[0].split()), problems[0]
+
+
+def _without_a_merge(folder: Path) -> None:
+    """Qwen2's own tokenizer.json less the merges that make 'apple' one token (as a retrained or pruned vocabulary
+    differs): HF tokenizes the converter's check text differently, so its hash is none that llama.cpp knows. (A
+    changed pre_tokenizer regex is no such test here: transformers 5's Qwen2Tokenizer builds its own.)"""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    merges = data["model"]["merges"]
+    data["model"]["merges"] = [m for m in merges if "".join(m) != "apple"]
+    assert len(data["model"]["merges"]) < len(merges)
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+
+
+def test_a_pre_tokenizer_the_converter_does_not_know_is_one_message_quoting_it(tiny_qwen, tmp_path):
+    """The converter's vocabulary step at plan: the real Qwen tokenizer passes; with a merge removed the refusal
+    quotes the converter's last line (its NotImplementedError), not 15 lines of stack at convert."""
+    from loraship.planning.preflight import check_inputs
+
+    cfg = demo_config_dict(_copy_model(tiny_qwen, tmp_path), tmp_path, imatrix=False)
+    check_inputs(parse_config(cfg))
+    _without_a_merge(Path(cfg["base_model"]))
+    with pytest.raises(ConfigError) as caught:
+        check_inputs(parse_config(cfg))
+    [problem] = caught.value.problems
+    assert "llama.cpp's converter (llama-cpp-python==0.3.36) cannot write its tokenizer into a GGUF" in problem
+    assert ": NotImplementedError: BPE pre-tokenizer was not recognized" in problem, problem
+    assert "(chkhsh " in problem and "Traceback" not in problem and "\n" not in problem
+
+
+def test_a_missing_vocabulary_is_quoted_from_the_converter(tiny_model, tmp_path):
+    """A sentencepiece model folder whose tokenizer.model is gone and whose tokenizer.json is not one the converter
+    reads: its own words, one line."""
+    from loraship.llamacpp.vocab_export import vocab_export_problems
+
+    folder = _copy_model(tiny_model, tmp_path)
+    assert vocab_export_problems("tiny", folder) == []
+    (folder / "tokenizer.model").unlink()
+    (folder / "tokenizer.json").unlink(missing_ok=True)
+    [problem] = vocab_export_problems("tiny", folder)
+    assert problem.startswith("base model 'tiny': llama.cpp's converter") and "\n" not in problem, problem
+
+
+def test_a_tokenizer_the_converter_wrote_once_is_not_converted_again(tiny_model, tmp_path, monkeypatch):
+    """`loraship run` checks the inputs, then its plan stage does: the vocabulary step runs once per content."""
+    from loraship.llamacpp import vocab_export
+
+    folder = _copy_model(tiny_model, tmp_path)
+    assert vocab_export.vocab_export_problems("tiny", folder) == []
+    monkeypatch.setattr(vocab_export, "export_vocab", lambda *a: pytest.fail("converted again"))
+    assert vocab_export.vocab_export_problems("tiny", folder) == []
+    (folder / "tokenizer_config.json").write_text((folder / "tokenizer_config.json").read_text() + " ")
+    with pytest.raises(pytest.fail.Exception, match="converted again"):
+        vocab_export.vocab_export_problems("tiny", folder)  # changed content: asked again
+
+
+def test_memory_only_runs_no_converter(tmp_path, monkeypatch):
+    """`loraship plan --memory-only` on a folder holding config.json alone: no input checks, so no vocabulary step."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from loraship.cli import app
+    from loraship.llamacpp import vocab_export
+
+    monkeypatch.setattr(vocab_export, "export_vocab", lambda *a: pytest.fail("the converter ran"))
+    folder = tmp_path / "shape-only"
+    folder.mkdir()
+    shutil.copy(REPO / "examples/models/qwen2-7b/config.json", folder / "config.json")
+    cfg = demo_config_dict(folder, tmp_path)
+    config_file = write(tmp_path / "config.yaml", yaml.safe_dump(cfg))
+    result = CliRunner().invoke(app, ["plan", str(config_file), "--memory-only"])
+    assert result.exit_code == 0, result.output

@@ -166,9 +166,10 @@ def check_inputs(config: Config) -> Path:
     code), an encoder or encoder-decoder, GGUF convertibility with the pinned llama.cpp, every dataset line,
     sequence_len against the model's context, the template on real rows, the tokenizer against vocab_size, golden
     prompts against target_context and min_golden_prompts, whether the shipped GGUF can fit the target GPU, workdir
-    and output.
+    and output; last, on inputs that pass all that, the converter's own vocabulary step.
     """
     from loraship.llamacpp.llamacpp import check_convertible
+    from loraship.llamacpp.vocab_export import vocab_export_problems
     from loraship.models import base_model_problems, resolve_base_model
     from loraship.planning.golden_count import golden_count_problems
     from loraship.planning.model_kind import architecture_problems
@@ -203,6 +204,8 @@ def check_inputs(config: Config) -> Path:
     if not data_problems:
         problems += golden_count_problems(config)
     problems += workdir_problems(config) + output_problems(config, model_dir)
+    if not problems:  # last, on inputs that pass everything else: it runs the converter (seconds)
+        problems += vocab_export_problems(config.base_model, model_dir)
     if problems:
         raise ConfigError(f"run {config.run_name!r}", problems)
     return model_dir
