@@ -536,7 +536,12 @@ def encoded_dataset(spec, tokenizer) -> list[dict]:
     rows = read_dataset(spec)
     if spec.type != "completion":
         require_template(tokenizer, f"{spec.type} rows")
-    records = [encode_row(row, spec.type, tokenizer) for row in rows]
+    records = []
+    for n, row in enumerate(rows, 1):
+        try:
+            records.append(encode_row(row, spec.type, tokenizer))
+        except DataError as e:
+            raise DataError(f"row {n}: {e}") from e
     cached.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(cached, records)
     return records

@@ -232,3 +232,33 @@ def test_a_qwen3_model_trains_on_multi_turn_rows(tmp_path):
     for _kind, record in train_items:
         learned = tok.decode([t for t, k in zip(record["input_ids"], record["learn"]) if k])
         assert learned.count("<|im_end|>") == 2 and "<think>" not in learned and SYSTEM["content"] not in learned
+
+
+def test_a_row_the_template_cannot_split_stops_the_plan_naming_it(tmp_path):
+    """Every row is tokenized at plan as train will (Qwen3's enable_thinking set from `thinking`): a fifth row whose
+    last turn carries reasoning under `thinking: false` stops `loraship plan`, naming the dataset and the row."""
+    from loraship.config import parse_config
+    from loraship.errors import ConfigError
+    from loraship.fixtures.families import ensure_family
+    from loraship.planning.preflight import check_inputs
+    from tests.conftest import REPO, demo_config_dict
+
+    model = ensure_family("qwen3", REPO / ".loraship" / "models" / "family-qwen3")
+    rows = multi_turn_rows(REPO / "data" / "demo" / "train.jsonl", 24)
+    rows[4]["messages"][-1] = with_reasoning(rows[4]["messages"][-1], "content")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = parse_config(
+        demo_config_dict(
+            model,
+            tmp_path,
+            run_name="qwen3-bad-row",
+            datasets=[{"path": str(tmp_path / "train.jsonl"), "type": "chat"}],
+        )
+    )
+    with pytest.raises(ConfigError) as caught:
+        check_inputs(config)
+    message = str(caught.value)
+    assert "datasets[0]" in message and "row 5:" in message and "set `thinking: true`" in message, message
+    rows[4]["messages"][-1] = A2
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    check_inputs(config)  # the same rows without the reasoning plan

@@ -230,8 +230,8 @@ def template_problems(config: Config, model_dir: Path) -> list[str]:
     verify will (transformers' apply_chat_template with the config's or the checkpoint's template), so
     a template that fails to render stops the run before any GPU hour is spent; then the tokenizer
     against vocab_size and the golden prompts against target_context."""
-    from loraship.chat import use_configured_template
-    from loraship.data import tokenize_rows
+    from loraship.chat import set_template_kwargs, template_kwargs, template_of, use_configured_template
+    from loraship.data import encoded_dataset
 
     try:
         from transformers import AutoTokenizer
@@ -243,13 +243,17 @@ def template_problems(config: Config, model_dir: Path) -> list[str]:
             "copy the checkpoint's original tokenizer files into the folder"
         ]
     use_configured_template(tokenizer, config.chat_template)
+    # The template's arguments as train sets them (Qwen3's enable_thinking changes what a row renders to).
+    set_template_kwargs(tokenizer, template_kwargs(template_of(tokenizer), config.thinking))
     problems = []
     for group in ("datasets", "eval_datasets"):
         for i, spec in enumerate(getattr(config, group)):
             try:
-                tokenize_rows(read_dataset(spec)[:1], spec.type, tokenizer, config.sequence_len, "truncate")
+                # Every row, as train will: a row the template cannot split into turns stops the plan, and the
+                # tokenized rows are cached under the same key for train, merge and reference.
+                encoded_dataset(spec, tokenizer)
             except LorashipError as e:
-                problems.append(f"{group}[{i}] ({spec.path}, first row): {e}")
+                problems.append(f"{group}[{i}] ({spec.path}): {e}")
                 return problems  # the same template fails every dataset alike: say it once
     chat_data = any(spec.type != "completion" for spec in (*config.datasets, *config.eval_datasets))
     if chat_data and not problems:
