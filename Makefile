@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PREFECT_HOME := $(CURDIR)/.prefect
 # No LORASHIP_CACHE here: loraship run from this checkout caches in its .loraship/cache by default
-# (loraship/runtime/cache.py), so `make demo` and `.venv/bin/loraship run` share one llama.cpp build.
+# (loraship/cache.py), so `make demo` and `.venv/bin/loraship run` share one llama.cpp build.
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 TINY_MODEL := .loraship/models/tiny-llama

@@ -32,7 +32,7 @@ from loraship.chat import render, require_template, template_kwargs_of, template
 from loraship.config import DATASET_FIELDS, HUB_ID_PATTERN
 from loraship.dataset_files import compressed_name_problem, data_suffix, decompressed
 from loraship.errors import DataError
-from loraship.runtime.cache import cache_root
+from loraship.cache import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """One cache for `make` and `.venv/bin/loraship`: llama.cpp's converter and tools are built once, whatever the
-command or the working folder (loraship/runtime/cache.py)."""
+command or the working folder (loraship/cache.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_loraship_run_from_anywhere_uses_the_checkouts_cache(tmp_path):
     """`.venv/bin/loraship run my.yaml` from another folder, without LORASHIP_CACHE: the checkout's .loraship/cache,
     where `make demo` built the converter and tools, for every user of the cache."""
     probe = (
-        "from loraship.runtime.cache import cache_root; from loraship.data import cache_root as data_cache; "
+        "from loraship.cache import cache_root; from loraship.data import cache_root as data_cache; "
         "from loraship.llamacpp.llamacpp import converter_dir; from loraship.llamacpp.tools import tools_root; "
         "from loraship.fixtures.families import packages_dir; "
         "print(cache_root(), data_cache(), tools_root().parent, packages_dir().parent, sep='\\n')"
@@ -57,7 +57,7 @@ def test_make_sets_no_other_cache():
 
 
 def test_loraship_cache_wins_and_an_installed_copy_uses_the_user_cache(monkeypatch, tmp_path):
-    from loraship.runtime import cache
+    from loraship import cache
 
     monkeypatch.setenv("LORASHIP_CACHE", str(tmp_path / "mine"))
     assert cache.cache_root() == tmp_path / "mine"
@@ -70,7 +70,7 @@ def test_loraship_cache_wins_and_an_installed_copy_uses_the_user_cache(monkeypat
 
 
 def test_checkout_root_is_this_repository_and_not_a_wheel(tmp_path, monkeypatch):
-    from loraship.runtime import cache
+    from loraship import cache
 
     assert cache.checkout_root() == REPO
     # A package directory with no project file above it (site-packages): no checkout.

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from loraship.constants import LLAMA_CPP_PYTHON_VERSION
 from loraship.errors import IntegrityError, LorashipError
-from loraship.runtime.cache import cache_root
+from loraship.cache import cache_root
 
 _VENDORED = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
 # Needed only with adapter_gguf, so not required of a folder fetched before it was unpacked too.

@@ -42,7 +42,7 @@ CMAKE_ARGS = (
 
 
 def tools_root() -> Path:
-    from loraship.runtime.cache import cache_root
+    from loraship.cache import cache_root
 
     return cache_root() / f"llama.cpp-tools-{LLAMA_CPP_PYTHON_VERSION}"
 
@@ -50,7 +50,7 @@ def tools_root() -> Path:
 def source_dir() -> Path:
     """The whole vendor/llama.cpp of the pinned sdist, unpacked once into the cache."""
     from loraship.llamacpp.llamacpp import fetch_source
-    from loraship.runtime.cache import cache_root
+    from loraship.cache import cache_root
 
     folder = cache_root() / f"llama.cpp-src-{LLAMA_CPP_PYTHON_VERSION}"
     if (folder / "CMakeLists.txt").is_file() and (folder / "tools" / "imatrix").is_dir():

@@ -37,7 +37,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".ggu
 
 
 def _passed_marker(model_dir: Path) -> Path:
-    from loraship.runtime.cache import cache_root
+    from loraship.cache import cache_root
 
     digest = hashlib.sha256(LLAMA_CPP_PYTHON_VERSION.encode())
     for path in sorted(model_dir.iterdir()):

@@ -20,7 +20,7 @@ CHECKOUT_CACHE = Path(".loraship") / "cache"
 def checkout_root() -> Path | None:
     """The source checkout this loraship package is imported from (its pyproject.toml names the project), or None
     for an installed copy (site-packages has no pyproject.toml beside the package)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     try:
         text = (root / "pyproject.toml").read_text(encoding="utf-8")
     except OSError:
