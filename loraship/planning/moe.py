@@ -139,9 +139,7 @@ def expert_lora_params(s, cfg) -> int:
     routers' (r x (hidden + experts)) with train_router."""
     if s.experts is None:
         return 0
-    from loraship.planning.targets import expert_lora_targets
-
-    names = set(expert_lora_targets(s, cfg.lora_target_modules))
+    names = set(expert_targets(s.experts, cfg.lora_target_modules, set(s.linears())))
     per_layer = sum(cfg.lora_r * t.n * (t.in_features + t.out_features) for t in s.experts.tensors if t.name in names)
     if getattr(cfg, "train_router", False) and s.experts.router:
         per_layer += cfg.lora_r * (s.h + s.experts.n)
@@ -154,9 +152,7 @@ def adapted_stack_bytes(s, cfg) -> float:
     holds its gradient, as large, while that layer runs."""
     if s.experts is None:
         return 0.0
-    from loraship.planning.targets import expert_lora_targets
-
-    names = set(expert_lora_targets(s, cfg.lora_target_modules))
+    names = set(expert_targets(s.experts, cfg.lora_target_modules, set(s.linears())))
     return 2.0 * sum(t.params for t in s.experts.tensors if t.name in names)
 
 
