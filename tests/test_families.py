@@ -313,7 +313,12 @@ NAMED_ON = {
 # Where the prefix method cannot take a turn: Qwen3's template drops the think block of every turn before the last
 # user message (those turns are located), and Mistral's (v0.3, NeMo) write the system prompt into the last user turn
 # only, which a row ending with an answer does not have (such rows are refused at their last turn).
-REWRITTEN = {"qwen3": {"system", "no system"}, "mistral-v03": {"system"}, "mistral-nemo": {"system"}}
+REWRITTEN = {
+    "qwen3": {"system", "no system"},
+    "qwen3-moe": {"system", "no system"},
+    "mistral-v03": {"system"},
+    "mistral-nemo": {"system"},
+}
 
 
 @pytest.mark.parametrize(

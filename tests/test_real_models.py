@@ -241,7 +241,7 @@ def _target_gpu_too_small(model: Path, root: Path, cfg: dict) -> None:
     [
         (_no_template, "need a chat template, but the base model's tokenizer has none; set `chat_template:`"),
         (_broken_template, "chat template failed to render"),
-        (_unrecognised_pretokenizer, "BPE pre-tokenizer is not recognised by llama.cpp's converter"),
+        (_unrecognised_pretokenizer, "is not one this converter knows"),
         (_target_gpu_too_small, "target_gpu_memory_gib 0.001: the Q4_K_M GGUF's weights alone take about"),
     ],
     ids=["no-template", "template-fails", "unrecognised-tokenizer", "target-gpu-too-small"],
