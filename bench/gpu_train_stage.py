@@ -154,6 +154,7 @@ def main() -> None:
                 "lora_target_modules": "all-linear",
                 "adapter": overrides["adapter"],
                 "device": device,
+                "min_golden_prompts": 1,  # plan + train only: no verify
             }
         )
         row = {"strategy": name}

@@ -785,6 +785,7 @@ def stage_config(spec: dict, model_dir: Path, data: Path, work: Path, steps: int
         "warmup_steps": 0,
         "save_steps": 10_000,
         "device": device,
+        "min_golden_prompts": 1,  # plan + train only: no verify to give golden prompts to
         "target_gpu_memory_gib": 16,  # a 14B's Q4_K_M alone is 8.3 GiB: above the default 8 GiB inference target
     }
 

@@ -469,6 +469,7 @@ def loraship_config(case: str, trainer: str, model_dir: Path, data: Path, root: 
         "logging_steps": 1,
         "gpu_memory_gib": CAP_GIB,
         "device": device,
+        "min_golden_prompts": 1,  # plan + train only: no verify to give golden prompts to
         "target_gpu_memory_gib": 16,  # the 14B's Q4_K_M alone is 8.3 GiB: above the default 8 GiB inference target
     }
     if trainer in ("loraship-lean", "loraship-lean-full-recompute"):
