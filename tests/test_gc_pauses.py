@@ -23,8 +23,10 @@ def test_setup_is_frozen_in_the_loop_and_every_collection_is_timed(monkeypatch):
         pauses.step_done()  # after the first step: collected in full and frozen as well
         assert gc.get_freeze_count() >= frozen + len(compiled)
         after_first = gc.get_freeze_count()
-        pauses.step_done()  # not after later ones
-        assert gc.get_freeze_count() == after_first
+        later = [Cycle() for _ in range(100)]
+        pauses.step_done()  # not after later ones: what they build stays out of the frozen generation
+        # (the count may still fall: a frozen object another thread of this worker lets go leaves it)
+        assert gc.get_freeze_count() < after_first + len(later)
     assert gc.get_freeze_count() == before  # handed back at exit
     record = pauses.as_json()
     assert record["collections"] >= 3 and record["full_collections"] >= 2 and record["setup_frozen"] is True
