@@ -60,6 +60,7 @@ from loraship.verification.gates import (
     special_tokens_gate,
 )
 from loraship.verification.measure_child import measure_apart
+from loraship.verification.way_out import way_out
 
 STAGE = "verify"
 UPSTREAM = ("train", "reference", "quantize")
@@ -132,7 +133,8 @@ def run(config) -> dict:
     if not passed:
         failing = [q for q, section in sections.items() if not section["passed"]]
         raise StageFailed(
-            f"verify failed for {', '.join(failing)}: {failed_gates(gates)}; details in {ctx.dir / VERIFY_FILE}"
+            f"verify failed for {', '.join(failing)}: {failed_gates(gates)}.\nWay out: {way_out(sections)}; "
+            f"details in {ctx.dir / VERIFY_FILE}"
         )
     shown = ("kl_mean", "same_top_rate", "scored_tokens")
     return ctx.finish(
