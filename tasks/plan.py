@@ -7,6 +7,8 @@ any GPU hour is spent (unknown architecture, unrecognised BPE pre-tokenizer).
 
 from __future__ import annotations
 
+import logging
+
 from loraship.planning import memory
 from loraship.planning.multi_gpu import plan_on_gpus
 from loraship.constants import PLAN_FILE, STRATEGY_FILE
@@ -17,6 +19,7 @@ from loraship.models import read_model_config
 from loraship.planning.preflight import check_inputs
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
+log = logging.getLogger("loraship.plan")
 STAGE = "plan"
 UPSTREAM: tuple[str, ...] = ()
 FIELDS = (
@@ -62,6 +65,17 @@ def input_files(config, model_dir) -> dict:
     return files
 
 
+def quantization_warnings(config, model_config: dict, model_dir) -> list[str]:
+    """Named quantizations whose K-quant rows fall back, or that would put a base model dequantized from a GGUF back
+    on its grid (loraship/planning/shipping.py)."""
+    from loraship.planning.base_grid import first_layer_on_grid
+    from loraship.planning.shipping import quantization_warnings as warnings
+
+    if config.auto_quantization:
+        return []
+    return warnings(memory.parse_model_config(model_config), config, first_layer_on_grid(model_dir))
+
+
 @exclusive
 def run(config) -> dict:
     model_dir = check_inputs(config)
@@ -77,6 +91,9 @@ def run(config) -> dict:
         footprint = memory.plan_disk_and_inference(model_config, config)
     except (ValueError, KeyError) as e:  # a config.json the planner cannot read
         raise ConfigError(f"base model {config.base_model!r}", [f"config.json: {e}"]) from e
+    quantization = quantization_warnings(config, model_config, model_dir)
+    for warning in quantization:
+        log.warning("plan: %s", warning)
     plan = {
         "base_model": config.base_model,
         "model_dir": str(model_dir),
@@ -84,6 +101,7 @@ def run(config) -> dict:
         **training,
         **footprint,
         "gguf_convertible": True,
+        "quantization_warnings": quantization,
         # In plan.json so that every later stage's fingerprint changes with the data or the base.
         "inputs": inputs,
     }

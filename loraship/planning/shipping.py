@@ -56,3 +56,45 @@ def plan_disk_and_inference(s: Shape, cfg: Config) -> dict:
             },
         },
     }
+
+
+def quantization_warnings(s: Shape, cfg: Config, on_grid: list) -> list[str]:
+    """What plan warns of for each named quantization: K-quant rows that fall back (rows not a multiple of 256:
+    Gemma 3 270M's 640, 1B's 1152), and a base model already on the grid a rung would quantize it to
+    (planning/base_grid.py: the fine-tune's changes would be rounded away). None under quantization: auto, whose
+    verify tries each rung and ships the smallest that keeps the fine-tune."""
+    from loraship.llamacpp.quant_mix import planned_tensors, summarize, tensor_types
+
+    if cfg.auto_quantization:
+        return []
+    tensors = planned_tensors(s.linears(), s.L, s.h, s.V, s.tied)
+    gqa = max(s.heads // max(s.kv_heads, 1), 1)
+    out = []
+    for q in cfg.quantizations:
+        types = tensor_types(tensors, q, s.L, gqa)
+        mix = summarize(types, q)
+        got = {t.name: t.got for t in types}
+        same = [g for g in on_grid if got.get(g.gguf_name) == g.ggml_type]
+        if same:
+            out.append(
+                f"{q}: the base model's weights were quantized before ({'; '.join(g.words() for g in same)}), "
+                f"and {q} quantizes them to that type again, which rounds the fine-tune's changes back to the base's "
+                f"(bench/results/quant_ladder_gemma3.json); set quantization: auto, or a rung that gives them "
+                f"another type ({', '.join(other_rungs(tensors, s, same))}), or train from the original weights"
+            )
+        elif mix.fell_back:
+            out.append(
+                f"{mix.words()}: the file is larger than {q}'s name says; quantization: auto verifies the smaller "
+                "rungs too and ships the smallest that passes"
+            )
+    return out
+
+
+def other_rungs(tensors, s: Shape, same: list) -> list[str]:
+    """The quantizations (AUTO_LADDER) that give none of the on-grid tensors their grid's type."""
+    from loraship.constants import AUTO_LADDER
+    from loraship.llamacpp.quant_mix import tensor_types
+
+    gqa = max(s.heads // max(s.kv_heads, 1), 1)
+    names = {g.gguf_name: g.ggml_type for g in same}
+    return [q for q in AUTO_LADDER if not any(names.get(t.name) == t.got for t in tensor_types(tensors, q, s.L, gqa))]
