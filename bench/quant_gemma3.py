@@ -77,6 +77,18 @@ def config_for(model: Path, root: Path, rungs: list[str], steps: int, imatrix: b
     return parse_config(data)
 
 
+def kl_text(root: Path) -> Path:
+    """The demo's chats (train, then eval) as plain "role: content" lines: about 3,000 Gemma tokens, 20-odd chunks
+    of PEER_CTX. verify's eval texts alone are under the two chunks llama-perplexity needs at least."""
+    lines = []
+    for name in ("train.jsonl", "eval.jsonl"):
+        for line in (REPO / "data" / "demo" / name).read_text().splitlines():
+            lines += [f"{m['role']}: {m['content']}" for m in json.loads(line)["messages"]]
+    path = root / "kl-text.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def run(cmd: list[str], what: str, timeout: int = 3600) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
@@ -143,15 +155,20 @@ def read_kld_tokens(path: Path) -> tuple[int, list[list[int]]]:
     return n_ctx, tokens.tolist()
 
 
+def gguf_bos(gguf: Path) -> int | None:
+    """The BOS id llama.cpp puts first, where the GGUF adds one."""
+    from loraship.llamacpp.gguf_info import read_gguf
+
+    fields = read_gguf(gguf)["fields"]
+    return fields.get("tokenizer.ggml.bos_token_id") if fields.get("tokenizer.ggml.add_bos_token") else None
+
+
 def own_chunks(gguf: Path, text: Path) -> list[list[int]]:
     """The text as llama-perplexity chunks it: tokenized whole (no special-token parsing), cut into PEER_CTX tokens,
     BOS over each chunk's first token where the GGUF adds one."""
     from llama_cpp import Llama
 
-    from loraship.llamacpp.gguf_info import read_gguf
-
-    fields = read_gguf(gguf)["fields"]
-    bos = fields.get("tokenizer.ggml.bos_token_id") if fields.get("tokenizer.ggml.add_bos_token") else None
+    bos = gguf_bos(gguf)
     llm = Llama(model_path=str(gguf), vocab_only=True, verbose=False)
     try:
         ids = llm.tokenize(text.read_text().encode(), add_bos=False, special=False)
@@ -398,21 +415,24 @@ def main() -> None:
         tools = tools_dir(build=False)
     except LorashipError:
         tools = None  # llama-perplexity and llama-quantize not built: our KL only
-    reference = json.loads((stage_dir(config, "reference") / "reference.json").read_text())
-    text = root / "peer-eval.txt"
-    text.write_text("\n".join(r["text"] for r in reference["eval"]) + "\n")
-    chunks = own_chunks(merged_f16, text)
-    lp = Logprobs(chunks)
-    started = time.time()
-    base_arrays, merged_arrays = tensor_arrays(base_f16), tensor_arrays(merged_f16)
-    fine_tune = lp.kl(merged_f16, base_f16)
-    print(f"fine-tune's own KL(merged F16 || base F16) {fine_tune['kl_mean']:.4f}", flush=True)
+    text = kl_text(root)
     merged_kld = base_kld = None
     if tools:
         perplexity = tools / "llama-perplexity"
         merged_kld = kld_base(perplexity, merged_f16, text, root / "merged-F16.kld")
         base_kld = kld_base(perplexity, base_f16, text, root / "base-F16.kld")
+    # Like for like with llama-perplexity where it ran: its own tokens (BOS over each chunk's first), else ours.
+    chunks = own_chunks(merged_f16, text)
+    if merged_kld is not None:
+        bos = gguf_bos(merged_f16)
+        chunks = [[bos, *c[1:]] if bos is not None else c for c in read_kld_tokens(merged_kld)[1]]
+    lp = Logprobs(chunks)
+    started = time.time()
+    base_arrays, merged_arrays = tensor_arrays(base_f16), tensor_arrays(merged_f16)
+    fine_tune = lp.kl(merged_f16, base_f16)
+    if tools:
         fine_tune["peer"] = peer_kl(perplexity, base_f16, merged_kld)
+    print(f"fine-tune's own KL(merged F16 || base F16) {fine_tune['kl_mean']:.4f}", flush=True)
 
     rows = []
     for rung in args.rungs:
@@ -496,7 +516,7 @@ def main() -> None:
         "machine": {"cpu": platform.machine(), "cores": os.cpu_count()},
         "imatrix": config.imatrix_in_use,
         "kl_note": f"ours_*: loraship/verification/scoring.py exact_kl between two GGUFs in llama-cpp-python over "
-        f"verify's eval texts joined and cut as llama-perplexity cuts them ({len(chunks)} chunks of {PEER_CTX}, the "
+        f"the demo's chats (kl_text) cut as llama-perplexity cuts them ({len(chunks)} chunks of {PEER_CTX}, the "
         "second half of each scored, BOS over each chunk's first token); peer_*: llama-perplexity --kl-divergence "
         f"{' '.join(PEER_ARGS)} on the same text" + ("" if tools else " (not run: the tools were not built)"),
         "fine_tune_kl": fine_tune,
