@@ -20,6 +20,8 @@ with the run's importance matrix and verified, as a user's run does (plan -> ver
     .venv/bin/python bench/quant_gemma3.py --workdir .loraship/bench-gemma3 \\
         --out bench/results/quant_ladder_gemma3.json
     .venv/bin/python bench/quant_gemma3.py --grid-only --out bench/results/quant_grid_gemma3.json
+    .venv/bin/python bench/quant_gemma3.py --base-only --rungs Q4_K_M IQ3_M --workdir DIR \\
+        --out bench/results/quant_base_gemma3.json
 """
 
 from __future__ import annotations
@@ -346,6 +348,35 @@ def grid_round_trip(packaged: Path, seed: int = 0) -> list[dict]:
     return rows
 
 
+def base_only(model: Path, root: Path, rungs: list[str], tools: Path) -> dict:
+    """The base model alone (no fine-tune): its F16 GGUF, each rung made from it by llama-quantize (no importance
+    matrix), llama-perplexity's KL and ours (on llama-perplexity's tokens) against the F16."""
+    from loraship.stages.convert import convert
+
+    f16 = root / "base-F16.gguf"
+    if not f16.is_file():
+        convert(model, f16)
+    text = kl_text(root)
+    kld = kld_base(tools / "llama-perplexity", f16, text, root / "base-F16.kld")
+    bos = gguf_bos(f16)
+    lp = Logprobs([[bos, *c[1:]] if bos is not None else c for c in read_kld_tokens(kld)[1]])
+    rows = []
+    for rung in rungs:
+        out = root / f"base-{rung}.gguf"
+        if not out.is_file():
+            run([str(tools / "llama-quantize"), str(f16), str(out), rung, str(os.cpu_count() or 2)], rung)
+        rows.append(
+            {
+                "quant": rung,
+                "bytes": out.stat().st_size,
+                "peer": peer_kl(tools / "llama-perplexity", out, kld),
+                "ours": lp.kl(f16, out),
+            }
+        )
+        print(f"base {rung}: {rows[-1]}", flush=True)
+    return {"what": base_only.__doc__, "command": " ".join([Path(sys.executable).name, *sys.argv]), "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "quant_ladder_gemma3.json")
@@ -353,6 +384,7 @@ def main() -> None:
     parser.add_argument("--rungs", nargs="+", default=RUNGS)
     parser.add_argument("--steps", type=int, default=16, help="LoRA steps of 4 rows")
     parser.add_argument("--no-imatrix", action="store_true", help="quantize with llama-cpp-python's binding")
+    parser.add_argument("--base-only", action="store_true", help="only the base model's ladder against its F16")
     parser.add_argument(
         "--grid-only", action="store_true", help="only the re-quantization of the packaged weights (seconds)"
     )
@@ -369,6 +401,14 @@ def main() -> None:
     from loraship.llamacpp.tools import build_info, tools_dir
     from loraship.runtime.stage import stage_dir
 
+    if args.base_only:
+        from loraship.fixtures.families import real_gemma3
+        from loraship.llamacpp.tools import tools_dir
+
+        result = base_only(real_gemma3(args.model_dir), args.workdir.resolve(), args.rungs, tools_dir(build=False))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        return
     if args.grid_only:
         from loraship.fixtures.families import gemma3_gguf
 
