@@ -22,7 +22,7 @@ def packaged():
 def test_predicted_types_are_llama_quantizes_on_the_real_gemma3(packaged):
     """Every tensor's type in llama.cpp's own Q4_K_M of Gemma 3 270M is the predicted one, and so is the file size:
     90 of its 127 quantized tensors fell back from Q4_K / Q6_K (rows of 640), to Q5_0 and Q8_0."""
-    from gguf import GGUFReader
+    from loraship.llamacpp.gguf_info import open_gguf
 
     from loraship.llamacpp.quant_mix import gguf_tensors, summarize, tensor_types
     from loraship.verification.way_out import estimated_bytes
@@ -30,7 +30,7 @@ def test_predicted_types_are_llama_quantizes_on_the_real_gemma3(packaged):
     tensors, n_layer, n_gqa = gguf_tensors(packaged)
     assert (n_layer, n_gqa) == (18, 4)
     predicted = tensor_types(tensors, "Q4_K_M", n_layer, n_gqa)
-    actual = {t.name: t.tensor_type.name for t in GGUFReader(packaged).tensors}
+    actual = {t.name: t.tensor_type.name for t in open_gguf(packaged).tensors}
     assert {t.name: t.got for t in predicted if t.got} == {n: ty for n, ty in actual.items() if ty != "F32"}
     mix = summarize(predicted, "Q4_K_M")
     assert (mix.quantized, mix.fell_back, mix.fallback_types, mix.rows) == (127, 90, ("Q5_0", "Q8_0"), (640,))
@@ -139,7 +139,7 @@ def _config(tmp_path, quantization):
 
 def test_plan_predicts_the_packaged_files_types_from_config_json(packaged):
     """plan has no GGUF: the tensors it derives from config.json get the types llama.cpp gave the real file."""
-    from gguf import GGUFReader
+    from loraship.llamacpp.gguf_info import open_gguf
 
     from loraship.llamacpp.quant_mix import planned_tensors, tensor_types
 
@@ -147,7 +147,7 @@ def test_plan_predicts_the_packaged_files_types_from_config_json(packaged):
     planned = {
         t.name: t.got for t in tensor_types(planned_tensors(s.linears(), s.L, s.h, s.V, s.tied), "Q4_K_M", 18, 4)
     }
-    actual = {t.name: t.tensor_type.name for t in GGUFReader(packaged).tensors if t.name in planned}
+    actual = {t.name: t.tensor_type.name for t in open_gguf(packaged).tensors if t.name in planned}
     assert planned == actual and len(planned) == 127
 
 
@@ -156,13 +156,13 @@ def _on_grid_checkpoint(folder: Path, packaged: Path) -> Path:
     weights never quantized in another layer: what a model read with gguf_file= and saved looks like."""
     import numpy as np
     import torch
-    from gguf import GGUFReader
+    from loraship.llamacpp.gguf_info import open_gguf
     from gguf.quants import dequantize
     from safetensors.torch import save_file
 
     names = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_output": "o_proj", "ffn_up": "up_proj"}
     weights = {}
-    for t in GGUFReader(packaged).tensors:
+    for t in open_gguf(packaged).tensors:
         role = t.name.split(".")[-2]
         if t.name.startswith("blk.0.") and role in names:
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
