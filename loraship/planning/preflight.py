@@ -406,19 +406,15 @@ def imatrix_text_problem(config: Config, tokens: int) -> str | None:
 
 
 def imatrix_problems(config: Config, tokenizer) -> list[str]:
-    """The training split's tokens, as quantize will count them, against imatrix_min_tokens; encoding stops once
-    there are enough, so a large dataset costs the plan only its first rows."""
+    """The training split's tokens, as quantize will count them, against imatrix_min_tokens; the rows are the ones
+    template_problems has just encoded (encoded_splits reads them from the tokenized cache)."""
     if not config.imatrix_in_use:
         return []
-    from loraship.data import encode_row, split_rows
+    from loraship.data import encoded_splits
 
-    train, _ = split_rows(config)
-    tokens = 0
-    for kind, row in train:
-        tokens += len(encode_row(row, kind, tokenizer)["input_ids"])
-        if tokens >= config.imatrix_min_tokens:
-            return []
-    return [imatrix_text_problem(config, tokens)]
+    train, _ = encoded_splits(config, tokenizer)
+    tokens = sum(len(record["input_ids"]) for _kind, record in train)
+    return [] if tokens >= config.imatrix_min_tokens else [imatrix_text_problem(config, tokens)]
 
 
 def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
