@@ -380,7 +380,7 @@ def artifact_words(config) -> str:
 # together, plus the larger of two transients: the loss, or one layer's backward with the streamed layer copies.
 _LAYER_TRANSIENT = ("one_layer_recompute_and_backward", "streamed_layer_copies")
 _LOSS_TRANSIENT = ("logits_and_cross_entropy",)
-_SUMMED_BELOW = ("allocator_reserve", "cuda_context")
+_SUMMED_BELOW = ("allocator_reserve", "cuda_context", "hand_model_margin")
 
 
 def memory_rows(plan: dict) -> list[tuple[str, float, bool]]:
@@ -399,7 +399,8 @@ def memory_rows(plan: dict) -> list[tuple[str, float, bool]]:
     allocated, reserved = mem["predicted_allocated_gib"], mem["predicted_reserved_gib"]
     context, total = mem["cuda_context_gib"], mem["predicted_total_gib"]
     # plan.json carries no reclaimable_cache_gib, but total = reserved - that cache + context (memory.estimate).
-    cache = round(reserved + context - total, 2)
+    hand = mem["components_gib"].get("hand_model_margin", 0.0)
+    cache = round(reserved + context + hand - total, 2)
     rows += [
         (f"allocated (peak, at {phase})", allocated, True),
         ("+ allocator reserve", round(reserved - allocated, 2), True),
@@ -407,8 +408,10 @@ def memory_rows(plan: dict) -> list[tuple[str, float, bool]]:
     ]
     if cache >= 0.01:
         rows.append(("- of reserved, cache the allocator hands back under pressure", cache, True))
+    rows.append(("+ CUDA context", context, True))
+    if hand:
+        rows.append(("+ margin: the hand model counted the activations (see the plan's activations line)", hand, True))
     rows += [
-        ("+ CUDA context", context, True),
         ("= card must hold", total, True),
         (
             f"spare of the {plan['budget_gib']:g} GiB budget (the plan keeps a safety margin of "
@@ -444,6 +447,8 @@ def render_plan(plan: dict, disk: dict):
         figure = f"{value:.2f}" if counted else f"({value:.2f})"
         t.add_row(f"[bold]{label}" if bold else label, f"[bold]{figure}" if bold else figure)
     t.add_row("weights-only estimate, for comparison (not added)", f"({mem['weights_only_estimate_gib']:.2f})")
+    if mem.get("activations_counted"):
+        t.caption = f"activations: {mem['activations_counted']}"
     if mem.get("activations_in_cpu_memory_gib"):
         t.add_row(
             "checkpointed activations in pinned CPU memory (not on the GPU, not added)",

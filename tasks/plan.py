@@ -91,6 +91,12 @@ def run(config) -> dict:
         footprint = memory.plan_disk_and_inference(model_config, config)
     except (ValueError, KeyError) as e:  # a config.json the planner cannot read
         raise ConfigError(f"base model {config.base_model!r}", [f"config.json: {e}"]) from e
+    counted = training["memory"].get("activations_counted", "")
+    hand_margin = training["memory"]["components_gib"].get("hand_model_margin")
+    if hand_margin:
+        log.warning("plan: activations counted by the %s; %.2f GiB of margin added for it", counted, hand_margin)
+    else:
+        log.info("plan: activations %s", counted)
     quantization = quantization_warnings(config, model_config, model_dir)
     for warning in quantization:
         log.warning("plan: %s", warning)

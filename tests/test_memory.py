@@ -709,7 +709,9 @@ def test_render_plan_names_the_checkpointed_layers():
     assert f"checkpointing {plan['strategy']['checkpointed_layers']} of 28 layers" in con.export_text()
 
 
-def test_the_train_stage_keeps_less_per_layer_than_the_harness_with_liger_kernels():
+def test_the_train_stage_keeps_less_per_layer_than_the_harness_with_liger_kernels(monkeypatch):
+    # The hand model's terms (a cross-check of loraship/planning/trace.py, tests/test_trace.py): the plan traces them.
+    monkeypatch.setenv("LORASHIP_PLAN_TRACE", "0")
     # With the fused loss tasks/train.py applies every Liger kernel: RMSNorm keeps bf16 input, SwiGLU no silu output.
     # Its LoRA runs in fused nodes under bf16 autocast: a bf16 input kept once for the modules sharing it (none
     # for o_proj's, which attention keeps), and a 1-byte dropout mask per module, against the harness's fp32

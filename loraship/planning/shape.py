@@ -11,6 +11,7 @@ every nn.Linear, the norms, the attention kind, the MLP, how the layer ends. The
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import json
 import textwrap
@@ -109,6 +110,8 @@ class Shape:
     untrained_modules: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())  # what the plan should say about the model (the vision tower untrained)
     experts: Experts | None = None  # a mixture of experts' routed experts (loraship/planning/moe.py), None if dense
+    # The config.json it was read from (sorted-key JSON), for loraship/planning/trace.py; "" for a hand-written Shape.
+    config_text: str = field(default="", compare=False, repr=False)
 
     @property
     def q(self) -> int:
@@ -230,7 +233,7 @@ def shape_from_config(mc: dict, check_converter: bool = True) -> Shape:
 @lru_cache(maxsize=64)
 def _shape_cached(text: str, check_converter: bool) -> Shape:
     mc = json.loads(text)
-    s = _derive(mc)
+    s = dataclasses.replace(_derive(mc), config_text=text)
     if check_converter:
         converter_problem = _converter_problem(mc, s)
         if converter_problem:

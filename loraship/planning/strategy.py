@@ -272,6 +272,7 @@ def _plan(s: Shape, cfg: Config, strategy: Strategy, est: dict, reason: str, alt
             "predicted_total_gib": round(est["predicted_total_gib"], 2),
             "weights_only_estimate_gib": round(est["weights_only_estimate_gib"], 2),
             "activations_in_cpu_memory_gib": est["activations_in_cpu_memory_gib"],
+            "activations_counted": est["activations_counted"],
         },
         "alternatives": alternatives,
     }

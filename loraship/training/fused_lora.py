@@ -190,9 +190,18 @@ class FusedLoraLinear(torch.autograd.Function):
         return grad_x, None, None, None, grad_a, grad_b, None, None, None, None
 
 
+# Set while loraship/planning/trace.py counts a layer on fake CPU tensors: the GPU branches below run (Liger's kernels,
+# whose bodies the trace swaps for torch code), so the count is the GPU step's.
+_GPU_BRANCH_ON_CPU = False
+
+
+def _gpu_branch(t: torch.Tensor) -> bool:
+    return t.is_cuda or _GPU_BRANCH_ON_CPU
+
+
 def _swiglu(gate, up):
     """silu(gate) * up: Liger's Triton kernel on the GPU (the one its SwiGLU MLP runs), torch's ops elsewhere."""
-    if gate.is_cuda:
+    if _gpu_branch(gate):
         from liger_kernel.ops.swiglu import swiglu_forward
 
         return swiglu_forward(gate, up)[2]
@@ -201,7 +210,7 @@ def _swiglu(gate, up):
 
 def _swiglu_backward(gate, up, grad_h):
     """(d gate, d up) of h = silu(gate) * up. On the GPU Liger's kernel writes them over gate and up."""
-    if gate.is_cuda:
+    if _gpu_branch(gate):
         from liger_kernel.ops.swiglu import swiglu_backward
 
         return swiglu_backward(gate, up, grad_h)

@@ -102,7 +102,7 @@ def load_model(
     prefetcher = stream_frozen_weights(model, strategy, len(layers)) if offload else None
     fused_loss = device == "cuda" and strategy.fused_loss
     if fused_loss:
-        apply_fused_loss(model)
+        apply_fused_loss(model, experts_adapted=bool(experts and experts.tensors))
     if device == "cuda":
         lora_matmuls_in_bf16(model)
     fused_lora, skips = fuse_lora(model, strategy, layers, k)
@@ -305,9 +305,20 @@ def stream_frozen_weights(model, strategy: Strategy, n_layers: int):
     return getattr(model.get_base_model().model, "_loraship_prefetcher", None)
 
 
-def apply_fused_loss(model) -> None:
+def liger_kwargs(experts_adapted: bool) -> dict:
+    """Liger's patch arguments for the train stage (and loraship/planning/trace.py, which counts the same layer)."""
+    kwargs = {"fused_linear_cross_entropy": True, "cross_entropy": False, **norm_kernels.liger_norm_kwargs()}
+    if experts_adapted:
+        # Liger's SwiGLU patch binds its fused-MoE forward onto the experts module, which PEFT has wrapped to add the
+        # expert LoRA: that forward reads the stacked weights alone, so the experts would train without their LoRA.
+        kwargs["swiglu"] = False
+    return kwargs
+
+
+def apply_fused_loss(model, experts_adapted: bool = False) -> None:
     """Liger's kernels, its fused linear cross-entropy among them, on a model already on the GPU: applied to a
-    CPU-resident model (the offload path) it left the HF loss in place (bench/results/gpu_train_stage.json)."""
+    CPU-resident model (the offload path) it left the HF loss in place (bench/results/gpu_train_stage.json).
+    `experts_adapted`: a MoE whose expert tensors carry LoRA (liger_kwargs)."""
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
@@ -322,12 +333,7 @@ def apply_fused_loss(model) -> None:
             f"the plan uses Liger's fused loss, but liger-kernel has no fused loss for model_type "
             f"{model_type!r}; set fused_loss: off and plan again"
         )
-    _apply_liger_kernel_to_instance(
-        model=model.get_base_model(),
-        fused_linear_cross_entropy=True,
-        cross_entropy=False,
-        **norm_kernels.liger_norm_kwargs(),
-    )
+    _apply_liger_kernel_to_instance(model=model.get_base_model(), **liger_kwargs(experts_adapted))
     loss_chunks.widen_loss_chunks()
     # The default keeps Liger's kernels everywhere: the fastest of the settings
     # (bench/results/train_bench_gemma3_kernels.json).
