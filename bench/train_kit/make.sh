@@ -21,6 +21,13 @@ $PY bench/slim_wheel.py $FULL/bitsandbytes-0.50.2-*.whl $K \
 rm -rf $FULL
 $PY -c "from loraship.fixtures.tinymodel import ensure_tiny_model; ensure_tiny_model('.loraship/models/tiny-llama')"
 tar czf $K/tiny-llama.tgz -C .loraship/models tiny-llama
+# The held-out families' own tokenizers (bench/planner_heldout.py): the weightless folders the family tests build.
+T=$(mktemp -d)
+for f in olmo2 phi3 phi4 granite3 gemma2 qwen3; do
+  $PY -c "import sys; from pathlib import Path; from loraship.fixtures.families import write_folder_without_weights as w; \
+w(sys.argv[1], Path(sys.argv[2]))" $f $T/$f
+done
+tar czf $K/family-tokenizers.tgz -C $T olmo2 phi3 phi4 granite3 gemma2 qwen3 && rm -rf $T
 # The llama.cpp converter the plan stage checks convertibility with (the machine has no PyPI to fetch it from):
 # chain.sh points LORASHIP_LLAMA_CPP_DIR here.
 rm -rf $K/llama.cpp-conv; cp -r "$($PY -c 'from loraship.llamacpp.llamacpp import converter_dir; print(converter_dir())')" $K/llama.cpp-conv
