@@ -63,13 +63,17 @@ def _cached(text, targets, lora_r, lora_dropout, micro_batch, sequence_len, lige
     mc = json.loads(text)
     try:
         full = _count(mc, targets, lora_r, lora_dropout, micro_batch, sequence_len, liger)
-        base = _count(mc, targets, lora_r, lora_dropout, 1, 1, liger)
+        one = _count(mc, targets, lora_r, lora_dropout, 1, 1, liger)
+        two = _count(mc, targets, lora_r, lora_dropout, 1, 2, liger)
     except NotTraceable:
         raise
     except Exception as e:  # whatever stopped the fake run: named, and the hand model takes over
         raise NotTraceable(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from e
+    # What does not grow with the tokens: twice the one-token count less the two-token count, which cancels the
+    # per-token part exactly (bf16 casts of the LoRA weights, fp32 casts of norm weights).
+    base = {k: tuple(2 * a - b for a, b in zip(one[1][k], two[1][k], strict=True)) for k in one[1]}
+    counts1 = base
     layer_class, counts, n_of_kind = full
-    _, counts1, _ = base
     kinds = []
     for kind, (saved, backward) in counts.items():
         saved1, backward1 = counts1.get(kind, (0.0, 0.0))
