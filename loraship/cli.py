@@ -3,24 +3,29 @@ see where a run stands, inspect, verify and chat with a GGUF, trigger GitOps run
 
 from __future__ import annotations
 
+# Each command's options and help are here (the docstring above is `loraship --help`); the work is in the library:
+# --set in loraship.config_overrides, --only/--from in loraship.stage_selection, what `plan` prints in
+# loraship.plan_report, `init` in loraship.starter.
+
 import contextlib
-import difflib
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, get_args, get_origin
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from loraship.config_overrides import SET_HELP, load_with_overrides
 from loraship.constants import GGUF_KEY_CHAT_TEMPLATE, STAGES
 from loraship.errors import LorashipError
 from loraship.llamacpp.gguf_tools import describe_gguf, gguf_file, human_size, verify_checks
-from loraship.starter import import_axolotl, model_config_of, starter_config, write_config
-from loraship.stage_table import stage_module
+from loraship.plan_report import artifact_place, artifact_words, render_plan
 from loraship.runtime.status import run_states, short
+from loraship.stage_selection import select_stages
+from loraship.stage_table import stage_module
+from loraship.starter import init_config, model_config_of
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, rich_markup_mode="rich")
 err = Console(stderr=True, soft_wrap=True)
@@ -45,142 +50,11 @@ def _example(*lines: str) -> str:
     return f"[bold]Example{'s' if len(lines) > 1 else ''}:[/]\n\n" + "\n\n".join(f"  $ {line}" for line in lines)
 
 
-# -- --set KEY=VALUE, with dotted keys into nested mappings and lists ------------------------
-def _model_of(annotation) -> type | None:
-    """The pydantic model a field holds (itself, or the element of a list of them); None otherwise."""
-    from pydantic import BaseModel
-
-    for candidate in (annotation, *get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
-
-
-def _set_path(data: dict, parts: list[str], value: Any, item: str) -> None:
-    """data[parts[0]][parts[1]]... = value, refusing a key or index the config does not have."""
-    from loraship.config import Config
-
-    node: Any = data
-    model: type | None = Config
-    for depth, part in enumerate(parts):
-        where = ".".join(parts[:depth]) or "the config"
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                have = f"indices 0..{len(node) - 1}" if node else "no entries"
-                raise LorashipError(
-                    f"--set {item}: {where} is a list with {have}; use an existing index, or set the "
-                    f"whole list, e.g. --set '{where}=[...]'"
-                )
-            key: Any = int(part)
-        elif isinstance(node, dict):
-            if model is not None and part not in model.model_fields:
-                close = difflib.get_close_matches(part, list(model.model_fields), n=1, cutoff=0.6)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                raise LorashipError(
-                    f"--set {item}: {where} has no key {part!r}{hint}; the keys are described in loraship/config.py"
-                )
-            if model is None and part not in node and depth < len(parts) - 1:
-                raise LorashipError(
-                    f"--set {item}: {where} has no key {part!r}; set it whole, e.g. --set '{where}.{part}=VALUE'"
-                )
-            key = part
-        else:
-            raise LorashipError(
-                f"--set {item}: {where} is {node!r}, not a mapping or a list; set it whole, e.g. --set {where}=VALUE"
-            )
-        if depth == len(parts) - 1:
-            node[key] = value
-            return
-        if isinstance(node, dict) and model is not None:
-            field = model.model_fields[part]
-            model = _model_of(field.annotation) if get_origin(field.annotation) is not dict else None
-        node = node[key]
-
-
-def _parse_sets(items: list[str]) -> list[tuple[list[str], Any, str]]:
-    import yaml
-
-    parsed = []
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise LorashipError(
-                f"--set {item!r}: expected KEY=VALUE, e.g. --set max_steps=10 or --set datasets.0.path=train.jsonl"
-            )
-        try:
-            parsed.append((key.strip().split("."), yaml.safe_load(value), item))
-        except yaml.YAMLError as e:
-            raise LorashipError(
-                f"--set {item}: the value is not valid YAML ({e}); quote it, e.g. --set 'key=\"...\"'"
-            ) from e
-    return parsed
-
-
-def _load(config_path: Path, overrides: list[str]):
-    """The config with --set overrides; dotted keys reach nested mappings and list entries."""
-    from loraship.config import load_config, parse_config
-
-    parsed = _parse_sets(overrides)
-    for parts, _value, item in parsed:  # a misspelt key is named before anything else is read
-        _set_path({}, parts[:1], None, item)
-    top = {parts[0]: value for parts, value, _item in parsed if len(parts) == 1}
-    config = load_config(config_path, top)
-    nested = [p for p in parsed if len(p[0]) > 1]
-    if not nested:
-        return config
-    data = config.model_dump(mode="json")  # defaults filled in, dataset paths already resolved
-    for parts, value, item in nested:
-        _set_path(data, parts, value, item)
-    return parse_config(data, source=f"{config_path} with --set")
-
-
-SET_HELP = (
-    "Override a config key, dotted for nested ones: --set max_steps=10, --set datasets.0.path=x.jsonl (repeatable)"
-)
+# The config with --set overrides (tests call it by this name too).
+_load = load_with_overrides
 
 
 # -- run, plan ---------------------------------------------------------------------------------
-def _ancestors(stage: str) -> set[str]:
-    found: set[str] = set()
-    for up in stage_module(stage).UPSTREAM:
-        found |= {up} | _ancestors(up)
-    return found
-
-
-def select_stages(config, config_path: Path, only: str | None, start: str | None) -> list[str]:
-    """Stages to run for --only/--from; refuses one whose upstream output is not there yet."""
-    from loraship.runtime.manifest import read_manifest
-    from loraship.runtime.stage import stage_dir
-
-    if only and start:
-        raise LorashipError(
-            "--only and --from together: use --only STAGE for one stage, or --from STAGE for it and "
-            "every stage after it"
-        )
-    for flag, value in (("--only", only), ("--from", start)):
-        if value is not None and value not in STAGES:
-            raise LorashipError(f"{flag} {value!r}: not a stage; use one of {', '.join(STAGES)}")
-    stages = [only] if only else list(STAGES[STAGES.index(start) :]) if start else list(STAGES)
-    first = stages[0]
-    missing = sorted(
-        (
-            s
-            for s in set().union(*(_ancestors(s) for s in stages)) - set(stages)
-            if read_manifest(stage_dir(config, s)) is None
-        ),
-        key=STAGES.index,
-    )
-    direct = [s for s in stage_module(first).UPSTREAM if s in missing] or missing
-    if missing:
-        flag = f"--only {only}" if only else f"--from {start}"
-        raise LorashipError(
-            f"{flag}: stage {first} reads the output of {direct[0]}, which has not run for run {config.run_name!r} "
-            f"(no manifest in {stage_dir(config, direct[0])}); run {missing[0]} first: "
-            f"loraship run {config_path} --from {missing[0]}"
-        )
-    return stages
-
-
 @app.command(
     epilog=_example(
         "loraship run configs/demo.yaml",
@@ -359,168 +233,6 @@ def plan(
     else:
         out.print(render_plan(training, footprint))
         out.print(f"[bold]Artifact[/]: {artifact_words(config)}", highlight=False)
-
-
-def artifact_place(config) -> str:
-    """Where publish will put the artifact: output/run_name, or a Hub repository itself."""
-    return stage_module("publish").destination_of(config)
-
-
-def artifact_words(config) -> str:
-    place = artifact_place(config)
-    if place == config.output.rstrip("/"):
-        return f"{place} (the Hub repository itself)"
-    return (
-        f"{place}/ (the folder named by run_name {config.run_name!r} inside output {config.output!r}; "
-        "output is the folder runs publish under)"
-    )
-
-
-# The components of the peak (loraship/planning/memory.py estimate): the static terms and the kept activations happen
-# together, plus the larger of two transients: the loss, or one layer's backward with the streamed layer copies.
-_LAYER_TRANSIENT = ("one_layer_recompute_and_backward", "streamed_layer_copies")
-_LOSS_TRANSIENT = ("logits_and_cross_entropy",)
-_SUMMED_BELOW = ("allocator_reserve", "cuda_context", "hand_model_margin")
-
-
-def memory_rows(plan: dict) -> list[tuple[str, float, bool]]:
-    """(label, GiB, added) rows of the plan's memory table, written so that every sum adds up as printed:
-    the components at the peak give allocated; + allocator reserve = reserved; - the cache the allocator
-    hands back under pressure + the CUDA context = what the card must hold; the budget less that is spare.
-    A transient that is not at the peak is listed but not added (added False)."""
-    mem = plan["memory"]
-    phase = mem.get("peak_phase", "cross-entropy")
-    idle = _LAYER_TRANSIENT if phase == "cross-entropy" else _LOSS_TRANSIENT
-    rows = []
-    for k, v in mem["components_gib"].items():
-        if k not in _SUMMED_BELOW:
-            label = k.replace("_", " ") + (f" (not at the peak: {phase} is larger)" if k in idle else "")
-            rows.append((label, v, k not in idle))
-    allocated, reserved = mem["predicted_allocated_gib"], mem["predicted_reserved_gib"]
-    context, total = mem["cuda_context_gib"], mem["predicted_total_gib"]
-    # plan.json carries no reclaimable_cache_gib, but total = reserved - that cache + context (memory.estimate).
-    hand = mem["components_gib"].get("hand_model_margin", 0.0)
-    cache = round(reserved + context + hand - total, 2)
-    rows += [
-        (f"allocated (peak, at {phase})", allocated, True),
-        ("+ allocator reserve", round(reserved - allocated, 2), True),
-        ("= reserved (peak)", reserved, True),
-    ]
-    if cache >= 0.01:
-        rows.append(("- of reserved, cache the allocator hands back under pressure", cache, True))
-    rows.append(("+ CUDA context", context, True))
-    if hand:
-        rows.append(("+ margin: the hand model counted the activations (see the plan's activations line)", hand, True))
-    rows += [
-        ("= card must hold", total, True),
-        (
-            f"spare of the {plan['budget_gib']:g} GiB budget (the plan keeps a safety margin of "
-            f"{plan['safety_margin_gib']:.2f})",
-            round(plan["budget_gib"] - total, 2),
-            True,
-        ),
-    ]
-    return rows
-
-
-def render_plan(plan: dict, disk: dict):
-    """A rich renderable for `loraship plan CONFIG`."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    from loraship.planning.strategy_record import Strategy
-
-    mem = plan["memory"]
-    verdict = "[green]fits[/]" if plan["fits"] else "[red]does not fit[/]"
-    words = Strategy.from_json(plan["strategy"]).describe(plan.get("decoder_layers"))
-    head = Text.from_markup(
-        f"[bold]Training plan[/]: {words}"
-        + f"\n{mem['predicted_total_gib']:.1f} GiB predicted of {plan['budget_gib']:g} GiB "
-        f"(safety margin {plan['safety_margin_gib']:.1f} GiB): {verdict}\n{plan['reason']}"
-    )
-    t = Table(title="Peak training memory (GiB)", show_footer=False)
-    t.add_column("component")
-    t.add_column("GiB", justify="right")
-    for label, value, counted in memory_rows(plan):
-        bold = label.startswith(("allocated", "= ", "spare"))
-        figure = f"{value:.2f}" if counted else f"({value:.2f})"
-        t.add_row(f"[bold]{label}" if bold else label, f"[bold]{figure}" if bold else figure)
-    t.add_row("weights-only estimate, for comparison (not added)", f"({mem['weights_only_estimate_gib']:.2f})")
-    if mem.get("activations_counted"):
-        t.caption = f"activations: {mem['activations_counted']}"
-    if mem.get("activations_in_cpu_memory_gib"):
-        t.add_row(
-            "checkpointed activations in pinned CPU memory (not on the GPU, not added)",
-            f"({mem['activations_in_cpu_memory_gib']:.2f})",
-        )
-    a = Table(title="Alternatives")
-    for c in ("adapter", "offload", "micro x GA", "fused", "ckpt layers", "GiB", "fits"):
-        a.add_column(c)
-    for r in plan["alternatives"]:
-        a.add_row(
-            r["adapter"],
-            str(r["offload_layers"]),
-            f"{r['micro_batch_size']} x {r['gradient_accumulation_steps']}",
-            str(r["fused_loss"]),
-            str(r.get("checkpointed_layers", r["gradient_checkpointing"]))
-            + (" (in CPU memory)" if r.get("offload_activations") else ""),
-            f"{r['predicted_total_gib']:.1f}",
-            "yes" if r["fits"] else "no",
-        )
-    inf = disk["inference"]
-    d = Table(title="Disk and inference (GiB)")
-    d.add_column("item")
-    d.add_column("GiB", justify="right")
-    for k, v in disk["disk_gib"].items():
-        d.add_row(f"disk: {k}", f"{v:.2f}")
-    for k in ("gguf_gib", "kv_cache_gib", "compute_buffer_gib", "cuda_context_gib", "total_gib"):
-        d.add_row(
-            f"inference ({inf['quantization']}, n_ctx {inf['target_context']}): {k.removesuffix('_gib')}",
-            f"{inf[k]:.2f}",
-        )
-    d.add_row(f"fits the {inf['target_gpu_memory_gib']:g} GiB target", "yes" if inf["fits_target"] else "no")
-    others = {q: f for q, f in (inf.get("by_quantization") or {}).items() if q != inf["quantization"]}
-    for q, f in others.items():  # the other quantizations of the list: same context, their own weights
-        d.add_row(
-            f"inference ({q}): total, fits the target: {'yes' if f['fits_target'] else 'no'}", f"{f['total_gib']:.2f}"
-        )
-    parts = [head, t, a]
-    if plan.get("distributed"):
-        parts.append(gpu_table(plan["distributed"]))
-    return Group(*parts, d)
-
-
-def gpu_table(distributed: dict):
-    """Per-GPU memory and expected tokens/s of each engine and GPU count (loraship/planning/multi_gpu.py)."""
-    from rich.table import Table
-
-    chosen = distributed.get("chosen")
-    how = (
-        f"gpus: {distributed['requested']} -> {chosen['engine']} on {chosen['gpus']}"
-        if chosen
-        else f"gpus: auto: train takes the fastest fitting option on the GPUs it sees (at least "
-        f"{distributed['min_gpus']})"
-    )
-    g = Table(title=f"GPUs ({how})")
-    for c in ("GPUs", "engine", "GiB per GPU", "tokens/s", "fits"):
-        g.add_column(c, justify="left" if c == "engine" else "right")
-    for o in distributed["options"]:
-        mark = " *" if chosen and (o["gpus"], o["engine"]) == (chosen["gpus"], chosen["engine"]) else ""
-        g.add_row(
-            f"{o['gpus']}{mark}",
-            o["engine"],
-            f"{o['per_gpu_gib']:.1f}",
-            "-" if o["tokens_per_s"] is None else f"{o['tokens_per_s']:,.0f}",
-            "yes" if o["fits"] else "no",
-        )
-    # Why it chose: the chosen option's reasoning, or under auto that of the fewest GPUs that fit.
-    shown = chosen or next(
-        (o for o in distributed["options"] if o["gpus"] == distributed["min_gpus"] and o["fits"]), None
-    )
-    if shown:
-        g.caption = shown["why"]
-    return g
 
 
 # -- status ------------------------------------------------------------------------------------
@@ -729,34 +441,7 @@ def init(
     """Write a starter config, inferring what it can: the data's row type, whether the base model has a chat
     template, LoRA defaults, the training GPU and a strategy that fits it."""
     with _user_errors():
-        if output.exists() and not force:
-            raise LorashipError(f"{output} exists; choose another file with -o, or pass --force to overwrite it")
-        if from_axolotl is not None:
-            if base_model or dataset:
-                raise LorashipError(
-                    "--from-axolotl takes the base model and data from the Axolotl file; pass either "
-                    "BASE_MODEL DATASET or --from-axolotl FILE"
-                )
-            data, notes, ignored = import_axolotl(from_axolotl, output, force)
-            if gpu_gib:
-                data["gpu_memory_gib"] = gpu_gib
-        elif base_model and dataset:
-            data, notes = starter_config(base_model, dataset, output, gpu_gib, force)
-            ignored = []
-        else:
-            raise LorashipError(
-                "init needs BASE_MODEL and DATASET (e.g. loraship init Qwen/Qwen2.5-0.5B-Instruct "
-                "train.jsonl), or --from-axolotl FILE"
-            )
-        from loraship.config import parse_config
-
-        # Checked before writing; run_name as load_config will default it, from the file's name.
-        config = parse_config(
-            {"run_name": output.stem, **data}, source=f"{from_axolotl} (Axolotl)" if from_axolotl else "starter config"
-        )
-        notes.append(f"artifact: {artifact_words(config)}")
-        output.parent.mkdir(parents=True, exist_ok=True)
-        write_config(output, data, notes, ignored, force)
+        notes, ignored = init_config(base_model, dataset, output, from_axolotl, gpu_gib, force)
     for note in notes:
         out.print(f"  {note}", markup=False, highlight=False)
     if ignored:

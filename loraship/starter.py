@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from loraship.errors import ConfigError, LorashipError
+from loraship.plan_report import artifact_words
 
 
 def model_config_of(config) -> dict:
@@ -432,3 +433,44 @@ def import_axolotl(source: Path, out_file: Path, force: bool) -> tuple[dict, lis
         data["lora_target_modules"] = "all-linear"
         notes.append("lora_target_modules: all-linear (the Axolotl file names none)")
     return data, notes, ignored
+
+
+def init_config(
+    base_model: str | None,
+    dataset: Path | None,
+    output: Path,
+    from_axolotl: Path | None,
+    gpu_gib: float | None,
+    force: bool,
+) -> tuple[list[str], list[str]]:
+    """`loraship init`: a starter config from BASE_MODEL and DATASET or from an Axolotl file, checked as a config
+    before it is written to `output`; returns the notes to print and the Axolotl keys ignored."""
+    if output.exists() and not force:
+        raise LorashipError(f"{output} exists; choose another file with -o, or pass --force to overwrite it")
+    if from_axolotl is not None:
+        if base_model or dataset:
+            raise LorashipError(
+                "--from-axolotl takes the base model and data from the Axolotl file; pass either "
+                "BASE_MODEL DATASET or --from-axolotl FILE"
+            )
+        data, notes, ignored = import_axolotl(from_axolotl, output, force)
+        if gpu_gib:
+            data["gpu_memory_gib"] = gpu_gib
+    elif base_model and dataset:
+        data, notes = starter_config(base_model, dataset, output, gpu_gib, force)
+        ignored = []
+    else:
+        raise LorashipError(
+            "init needs BASE_MODEL and DATASET (e.g. loraship init Qwen/Qwen2.5-0.5B-Instruct "
+            "train.jsonl), or --from-axolotl FILE"
+        )
+    from loraship.config import parse_config
+
+    # Checked before writing; run_name as load_config will default it, from the file's name.
+    config = parse_config(
+        {"run_name": output.stem, **data}, source=f"{from_axolotl} (Axolotl)" if from_axolotl else "starter config"
+    )
+    notes.append(f"artifact: {artifact_words(config)}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_config(output, data, notes, ignored, force)
+    return notes, ignored
