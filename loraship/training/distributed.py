@@ -1,17 +1,17 @@
 """Training on several devices with torch's own engines: torchrun, DistributedDataParallel, FSDP2.
 
 The train stage starts itself again under torchrun (torch.distributed.run) inside its own container, one
-process per device, and waits (`launch_ranks`); each rank sets up its process group (`init_rank`), wraps the
-model (`wrap`: DDP where the plan's single-GPU strategy fits one card, FSDP2 `fully_shard` per decoder layer
-then the root where it does not; under FSDP2 with LoRA rank 0 alone reads the weights and sends each rank its
-shards: `load_base`), trains its share of every global batch (`rank_share`: global batch =
-micro-batch x accumulation x ranks, the same examples in the same order as one process at that batch),
-syncs gradients on the last micro-step only (`accumulating`), and reports global figures (`all_sum`,
+process per device, and waits (`launch_ranks`, in loraship.training.rank_launch); each rank sets up its
+process group (`init_rank`), wraps the model (`wrap`: DDP where the plan's single-GPU strategy fits one card,
+FSDP2 `fully_shard` per decoder layer then the root where it does not; under FSDP2 with LoRA rank 0 alone reads
+the weights and sends each rank its shards: `load_base`), trains its share of every global batch (`rank_share`:
+global batch = micro-batch x accumulation x ranks, the same examples in the same order as one process at that
+batch), syncs gradients on the last micro-step only (`accumulating`), and reports global figures (`all_sum`,
 `worst_rank_memory`). Rank 0 alone writes the adapter and checkpoints from full state dicts gathered by
-torch.distributed.checkpoint.state_dict (`trainable_state`, `optimizer_state`); every rank loads them on
-resume. A rank that fails stops the others (torchrun's agent does) and the stage raises one LorashipError
-naming the rank (`RankFailed`), or, for an out-of-memory error in any rank, `RanksOutOfMemory`, which the
-stage's re-plan treats as its own out-of-memory error.
+torch.distributed.checkpoint.state_dict (`trainable_state`, `optimizer_state`, in loraship.training.sharded_state);
+every rank loads them on resume. A rank that fails stops the others (torchrun's agent does) and the stage raises
+one LorashipError naming the rank (`RankFailed`), or, for an out-of-memory error in any rank,
+`RanksOutOfMemory`, which the stage's re-plan treats as its own out-of-memory error.
 """
 
 from __future__ import annotations
@@ -20,20 +20,33 @@ import contextlib
 import json
 import math
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from loraship.errors import LorashipError
 
+# Re-exported: tasks/train.py, loraship/training and tests/ use them as distributed.NAME.
+from loraship.training.rank_launch import (  # noqa: F401
+    FAILURES_FILE,
+    PROGRESS_FILE,
+    REPORTS_ENV,
+    RankFailed,
+    RanksOutOfMemory,
+    failure_of,
+    launch_ranks,
+)
+from loraship.training.sharded_state import (  # noqa: F401
+    load_adapter_file,
+    load_optimizer_state,
+    optimizer_state,
+    save_adapter_dir,
+    trainable_state,
+)
+from loraship.training.sharded_state import state_options
+
 ENGINES = ("single", "ddp", "fsdp2")
 CPU_RANKS_ENV = "LORASHIP_CPU_RANKS"  # ranks on a CPU, which has no visible GPUs to count (tests, CI)
-REPORTS_ENV = "LORASHIP_RANK_REPORTS"  # the folder where ranks and the launcher leave what went wrong
-FAILURES_FILE = "failures.json"
-PROGRESS_FILE = "progress.jsonl"  # rank 0's progress figures, relayed to Prefect by the launcher
-RELAY_POLL_S = 2.0
 # A rank's exit code after it wrote its report: a LorashipError (the CLI's code for it) or out of memory.
 EXIT_USER_ERROR = 2
 EXIT_OUT_OF_MEMORY = 3
@@ -85,146 +98,6 @@ def cpu_ranks() -> int | None:
     if n < 1:
         raise LorashipError(f"{CPU_RANKS_ENV}={raw!r} is not a number of ranks; fix: an integer >= 1, or unset it")
     return n
-
-
-# --- the parent: launch the ranks under torchrun and say what went wrong ---------------------------------------
-class RankFailed(LorashipError):
-    """A rank died or failed; the message names it and how the run goes on."""
-
-
-class RanksOutOfMemory(RuntimeError):
-    """A rank ran out of device memory and every rank stopped. A RuntimeError whose message says "out of memory",
-    so the train stage's is_out_of_memory re-plans exactly as after its own torch.OutOfMemoryError."""
-
-    def __init__(self, rank: int, message: str, measured: dict | None):
-        super().__init__(
-            f"rank {rank}: {message}"
-            if "out of memory" in message.lower()
-            else f"rank {rank}: out of memory: {message}"
-        )
-        self.rank, self.measured = rank, measured or {}
-
-
-def torchrun_command(module: str, args: list[str], world_size: int) -> list[str]:
-    """torchrun's own command line for `python -m module args` on world_size local ranks, run through this module's
-    entry (below) so that a failure comes back as torch's ChildFailedError record rather than log text."""
-    return [
-        sys.executable,
-        "-m",
-        __name__,
-        "--standalone",
-        f"--nproc-per-node={world_size}",
-        "--max-restarts=0",
-        "-m",
-        module,
-        *args,
-    ]
-
-
-def launch_ranks(
-    module: str,
-    args: list[str],
-    world_size: int,
-    reports: Path,
-    *,
-    resume_hint: str | Callable[[], str],
-    env: dict[str, str] | None = None,
-) -> None:
-    """Run `module args` on world_size ranks under torchrun and wait; return when every rank succeeded.
-
-    Raises the first rank's LorashipError as it reported it, RanksOutOfMemory when a rank ran out of memory, and
-    RankFailed naming the rank, its exit code or signal, for anything else. resume_hint: what a rerun does (where it
-    resumes), or a function that says it once the ranks stopped. The ranks lead their own session, killed with this
-    process (interrupt or kill -9)."""
-    import logging
-
-    from loraship.runtime.progress import ProgressRelay
-    from loraship.runtime.proc import child_setup, kill_group
-
-    reports.mkdir(parents=True, exist_ok=True)
-    earlier_attempt = [*reports.glob("rank-*.json"), reports / FAILURES_FILE, reports / PROGRESS_FILE]
-    for old in earlier_attempt:
-        old.unlink(missing_ok=True)
-    # The ranks have no Prefect run: rank 0 relays its progress figures, mirrored here into the flow run's artifacts.
-    relay = ProgressRelay(reports / PROGRESS_FILE, logging.getLogger("loraship.train"))
-    # The ranks are this stage, in this container: they get its environment (the model is resolved already).
-    child = {**os.environ, **(env or {}), **relay.env(), REPORTS_ENV: str(reports)}
-    proc = subprocess.Popen(
-        torchrun_command(module, args, world_size), env=child, start_new_session=True, preexec_fn=child_setup
-    )
-    try:
-        while True:
-            try:
-                code = proc.wait(timeout=RELAY_POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                relay.poll()
-        relay.poll()
-    except BaseException:
-        kill_group(proc)
-        raise
-    kill_group(proc)  # nothing of the group may outlive it and write on
-    if code != 0:
-        raise failure_of(reports, world_size, code, resume_hint() if callable(resume_hint) else resume_hint)
-
-
-def failure_of(reports: Path, world_size: int, code: int, resume_hint: str) -> Exception:
-    """The error for a torchrun that exited with `code`: the ranks' own reports first (a LorashipError, an
-    out-of-memory), then torchrun's failure record (the first rank that died, its exit code or signal)."""
-    own = sorted(
-        (json.loads(p.read_text(encoding="utf-8")) for p in reports.glob("rank-*.json")),
-        key=lambda r: (r.get("kind") != "user_error", r["rank"]),
-    )
-    if own and own[0]["kind"] == "user_error":
-        return LorashipError(own[0]["message"])
-    if own and own[0]["kind"] == "out_of_memory":
-        return RanksOutOfMemory(own[0]["rank"], own[0]["message"], own[0].get("measured"))
-    record = reports / FAILURES_FILE
-    failures = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else []
-    # The root cause: torchrun stops the others by SIGTERM once one failed, and a rank killed by another signal
-    # (SIGKILL: the OOM killer, a scheduler) leaves its peers failing on a closed connection (exit code 1).
-    failures.sort(
-        key=lambda f: (f.get("signal") == "SIGTERM", f.get("signal") is None, f.get("timestamp", 0), f["rank"])
-    )
-    if not failures:
-        how = f"torchrun exited with code {code} before any rank reported"
-        return RankFailed(f"distributed training failed: {how}; {resume_hint}; fix: read the log above for the cause")
-    first = failures[0]
-    how = f"was killed by {first['signal']}" if first.get("signal") else f"exited with code {first['exitcode']}"
-    detail = (first.get("message") or "").strip().splitlines()
-    cause = f" ({detail[-1]})" if detail and not first.get("signal") else ""
-    return RankFailed(
-        f"training rank {first['rank']} of {world_size} {how}{cause}; torchrun stopped the other ranks. "
-        f"{resume_hint}; fix: find why rank {first['rank']} stopped (out of host memory? killed by the "
-        "scheduler?) and run the same command again"
-    )
-
-
-def _run_torchrun(argv: list[str]) -> int:
-    """torch.distributed.run's own parse and launch; its ChildFailedError recorded in REPORTS_ENV/failures.json."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    try:
-        run(parse_args(argv))
-    except ChildFailedError as e:
-        failures = [
-            {
-                "rank": rank,
-                "local_rank": f.local_rank,
-                "exitcode": f.exitcode,
-                "pid": f.pid,
-                "signal": f.signal_name() if f.exitcode < 0 else None,
-                "timestamp": f.timestamp,
-                "message": f.message if isinstance(f.message, str) else json.dumps(f.message),
-            }
-            for rank, f in e.failures.items()
-        ]
-        folder = os.environ.get(REPORTS_ENV)
-        if folder:
-            Path(folder, FAILURES_FILE).write_text(json.dumps(failures), encoding="utf-8")
-        return 1
-    return 0
 
 
 # --- a rank ---------------------------------------------------------------------------------------------------
@@ -535,7 +408,7 @@ def wrap(model, engine: Engine, rank: Rank | None, layers: list, *, from_rank0: 
     if from_rank0:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(model, full, options=_options(full_state_dict=True, broadcast_from_rank0=True))
+        set_model_state_dict(model, full, options=state_options(full_state_dict=True, broadcast_from_rank0=True))
         del full
         # Over meta shards set_model_state_dict assigns a new parameter per name, which unties tied weights (an
         # lm_head sharing the embedding): FSDP2 then gathers other tensors on those ranks than on rank 0 and the
@@ -656,104 +529,6 @@ def worst_rank_memory(measured: dict, rank: Rank | None) -> dict:
     return {**worst, "worst_rank": worst_rank, "per_rank": gathered}
 
 
-# --- state: gathered to rank 0, loaded by every rank ------------------------------------------------------------
-def _options(**kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(**kw)
-
-
-def trainable_state(wrapped: Wrapped) -> dict:
-    """The trainable (LoRA) weights, whole, on rank 0's CPU, keyed like the PEFT model's state_dict; {} on the
-    other ranks. Every rank must call it (FSDP2 gathers the shards). One format whatever the engine and the number
-    of ranks, so a checkpoint resumes on another number of devices."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(
-        wrapped.model, options=_options(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    )
-
-
-def _trainable(model) -> set[str]:
-    return {n for n, p in model.named_parameters() if p.requires_grad}
-
-
-def load_trainable_state(wrapped: Wrapped, state: dict) -> None:
-    """trainable_state's dict back into the model, on every rank (each keeps its shard)."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    missing = _trainable(wrapped.model) - set(state)
-    if missing:
-        raise LorashipError(
-            f"the checkpoint lacks {len(missing)} trainable weight(s), e.g. {sorted(missing)[0]}; "
-            "fix: delete the train stage's checkpoints folder to start from step 0"
-        )
-    set_model_state_dict(wrapped.model, state, options=_options(full_state_dict=True, strict=False))
-
-
-def optimizer_state(wrapped: Wrapped, optimizer) -> dict:
-    """The optimizer's state, whole and keyed by parameter name, on rank 0 ({} elsewhere); every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    return get_optimizer_state_dict(wrapped.model, optimizer, options=_options(full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(wrapped: Wrapped, optimizer, state: dict) -> None:
-    """optimizer_state's dict back, on every rank. A state keyed by parameter number (optimizer.state_dict(), as
-    one process saved it before) loads as it was saved, in one process only."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    numbered = all(isinstance(i, int) for g in state.get("param_groups", []) for i in g["params"])
-    if numbered and state.get("param_groups"):
-        if wrapped.engine.distributed:
-            raise LorashipError(
-                "the checkpoint's optimizer state is from an older loraship that numbered the "
-                "parameters, which several ranks cannot load; fix: resume it on one device, or delete "
-                "the train stage's checkpoints folder to start from step 0"
-            )
-        optimizer.load_state_dict(state)
-        return
-    set_optimizer_state_dict(wrapped.model, optimizer, state, options=_options(full_state_dict=True))
-
-
-def adapter_names(wrapped: Wrapped) -> dict[str, str]:
-    """Each trainable weight's name in an adapter file PEFT saved (adapter_model.safetensors: no adapter name) ->
-    its name in the model (trainable_state's keys), by PEFT's own renaming, so that a saved adapter loads through
-    load_trainable_state whatever the engine."""
-    import torch
-    from peft import get_peft_model_state_dict
-
-    names = sorted(_trainable(wrapped.model))
-    # Each name's saved form, by PEFT's own renaming: a tensor per name, told apart by its value.
-    saved = get_peft_model_state_dict(
-        wrapped.model, state_dict={n: torch.tensor([float(i)]) for i, n in enumerate(names)}
-    )
-    return {k: names[int(v.item())] for k, v in saved.items()}
-
-
-def load_adapter_file(wrapped: Wrapped, path: Path) -> None:
-    """An adapter_model.safetensors (a checkpoint's) into the model on every rank."""
-    from safetensors.torch import load_file
-
-    names = adapter_names(wrapped)
-    saved = load_file(path)
-    unknown = sorted(set(saved) - set(names))
-    if unknown:
-        raise LorashipError(
-            f"{path}: {len(unknown)} weight(s) this model has no trainable place for, e.g. "
-            f"{unknown[0]}; fix: delete the train stage's checkpoints folder to start from step 0"
-        )
-    load_trainable_state(wrapped, {names[k]: v for k, v in saved.items()})
-
-
-def save_adapter_dir(wrapped: Wrapped, folder: Path, main: bool, **kwargs) -> None:
-    """PEFT's save_pretrained of the whole trainable state into folder, by rank 0 alone; every rank must call it
-    (FSDP2 gathers the shards first)."""
-    state = trainable_state(wrapped)
-    if main:
-        wrapped.model.save_pretrained(folder, safe_serialization=True, state_dict=state, **kwargs)
-
-
 def visible_devices(device: str) -> int:
     """How many ranks this machine can train on: its CUDA devices (CUDA_VISIBLE_DEVICES applies), or on the CPU
     LORASHIP_CPU_RANKS (1 when unset)."""
@@ -770,8 +545,3 @@ def barrier(rank: Rank | None) -> None:
         import torch.distributed as dist
 
         dist.barrier()
-
-
-if __name__ == "__main__":
-    # The launcher's entry: torchrun (torch.distributed.run) exactly, with its failure record kept.
-    sys.exit(_run_torchrun(sys.argv[1:]))
