@@ -355,12 +355,13 @@ def _axolotl_dataset(
 def import_axolotl(source: Path, out_file: Path, force: bool) -> tuple[dict, list[str], list[str]]:
     """loraship config keys from an Axolotl YAML: (keys, notes, ignored Axolotl keys). Raises
     ConfigError listing every value that cannot be converted."""
-    from loraship.config import Config, _read_yaml
+    from loraship.config import Config
+    from loraship.config_yaml import read_yaml
 
     if not source.is_file():
         raise LorashipError(f"{source}: file not found; pass the Axolotl YAML config")
     try:
-        ax = _read_yaml(source.read_text(encoding="utf-8"), str(source))
+        ax = read_yaml(source.read_text(encoding="utf-8"), str(source))
     except UnicodeDecodeError as e:
         raise LorashipError(f"{source}: not UTF-8 text; save it as UTF-8") from e
     except Exception as e:  # yaml.YAMLError
