@@ -163,7 +163,7 @@ def test_a_large_split_is_sampled_down_to_imatrix_max_tokens(imatrix_run, tmp_pa
     assert again["metrics"]["imatrix"]["text_sha256"] == made["text_sha256"]
     other = quantize.run(copy_of_run(config, tmp_path / "c", imatrix_min_tokens=256, imatrix_max_tokens=512, seed=7))
     assert other["metrics"]["imatrix"]["text_sha256"] != made["text_sha256"]
-    from loraship.stages.publish import imatrix_line
+    from loraship.publishing.model_card import imatrix_line
 
     assert f"drawn by seed from the split's {full['texts']} texts" in imatrix_line(quantize.run(small)["metrics"])
 
@@ -248,6 +248,6 @@ def test_a_q8_0_only_run_skips_the_matrix_it_could_not_use(imatrix_run, tmp_path
         return {t.name: t.data.tobytes() for t in GGUFReader(path).tensors}
 
     assert tensors(stage_dir(q8, "quantize") / name) == tensors(stage_dir(both, "quantize") / name)
-    from loraship.stages.publish import imatrix_line
+    from loraship.publishing.model_card import imatrix_line
 
     assert "Q8_0 cannot use one" in imatrix_line(metrics)

@@ -125,7 +125,8 @@ def test_local_destination_gets_whole_files_and_no_temporaries(tmp_path):
 def test_the_artifact_ships_the_sampling_settings_verify_served_it_with(tmp_path):
     from loraship.config import parse_config
     from loraship.sampling import GREEDY, Sampling
-    from loraship.stages.publish import serve_commands, shipped_sampling, write_generation_config
+    from loraship.publishing.model_card import serve_commands, shipped_sampling
+    from loraship.stages.publish import write_generation_config
 
     config = parse_config(
         {"base_model": str(tmp_path), "run_name": "support-bot", "datasets": [{"path": "x", "type": "chat"}]}
