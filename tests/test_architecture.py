@@ -98,3 +98,16 @@ def test_planning_has_no_circles_even_through_lazy_imports():
     }
     assert len(planning) > 5
     assert not cycles(planning), cycles(planning)
+
+
+def test_training_has_no_circles_even_through_lazy_imports():
+    """The training modules layer strictly too: fused_lora and recompute share the frozen-weight helpers through
+    frozen_weights.py, not by importing each other inside functions."""
+    graph = import_graph(lazy=True)
+    training = {
+        m: {w for w in ws if w.startswith("loraship.training")}
+        for m, ws in graph.items()
+        if m.startswith("loraship.training")
+    }
+    assert {"loraship.training.fused_lora", "loraship.training.recompute"} <= set(training)
+    assert not cycles(training), cycles(training)

@@ -33,18 +33,10 @@ import os
 
 import torch
 
+from loraship.training.frozen_weights import base_weight, compute_dtype, dequantized
 from loraship.training.recompute import output_unused
 
 log = logging.getLogger("loraship.train")
-
-
-def _dequantized(weight, quant_state, dtype):
-    """The frozen weight as a matmul operand in `dtype` (a 4-bit weight dequantized first)."""
-    if quant_state is not None:
-        import bitsandbytes.functional as bnbf
-
-        weight = bnbf.dequantize_4bit(weight, quant_state)
-    return weight if weight.dtype == dtype else weight.to(dtype)
 
 
 # id(master) -> (master, its version and storage when cast, the cast); None outside casts_kept_until_step.
@@ -104,7 +96,7 @@ def _lora_forward(
     if output_unused:
         out = x2.new_zeros(x2.shape[0], b.shape[0])
     else:
-        w = _dequantized(weight, quant_state, compute_dtype)
+        w = dequantized(weight, quant_state, compute_dtype)
         if bias is not None:
             out = torch.addmm(bias.to(compute_dtype), x2, w.t())
         else:
@@ -135,7 +127,7 @@ def _lora_backward(ctx, g, x2, xa, a, b, weight, mask, needs_x: bool, needs_a: b
         grad_a = torch.mm(d_xa.t(), dropped).to(ctx.master_dtypes[0])
         del dropped  # an input-sized copy under dropout: gone before the input gradient below is made
     if needs_x:
-        w = _dequantized(weight, ctx.quant_state, g.dtype)
+        w = dequantized(weight, ctx.quant_state, g.dtype)
         grad_x = torch.mm(g, w)
         if mask is None:
             grad_x.addmm_(d_xa, a)  # dx's LoRA part added inside the GEMM too
@@ -289,26 +281,6 @@ class SwiGLUDownLora(torch.autograd.Function):
         )
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    # Under autocast the matmuls run in its dtype (bf16 on the GPU), as PEFT's would; otherwise in x's.
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
-def _base_weight(base):
-    """(weight, quant_state) of the frozen layer under a LoRA Linear; None where it is not one we fuse."""
-    stream = getattr(base, "_loraship_weight_on", None)
-    if stream is not None:  # streamed from CPU memory (loraship/training/offload.py): this pass's GPU copy
-        return stream
-    if type(base) is torch.nn.Linear:
-        return lambda device: (base.weight, None)
-    weight = getattr(base, "weight", None)
-    if weight is not None and type(weight).__name__ == "Params4bit":
-        return lambda device: (base.weight, base.weight.quant_state)
-    return None
-
-
 def fusable(module) -> str | None:
     """Why a PEFT LoRA Linear cannot take the fused path, or None when it can."""
     if getattr(module, "fan_in_fan_out", False):
@@ -317,7 +289,7 @@ def fusable(module) -> str | None:
         return "a LoRA variant (DoRA, ...)"
     if len(module.active_adapters) != 1:
         return "more than one active adapter"
-    if _base_weight(module.base_layer) is None:
+    if base_weight(module.base_layer) is None:
         return f"a {type(module.base_layer).__name__} base layer"
     return None
 
@@ -331,7 +303,7 @@ def _lora_args(module, x) -> tuple | None:
     dropout = module.lora_dropout[name]
     p = dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
     # Looked up per call: weights streamed from CPU memory may be set up after this (offload_frozen_layers).
-    weight, quant_state = _base_weight(module.base_layer)(x.device)
+    weight, quant_state = base_weight(module.base_layer)(x.device)
     return (
         weight,
         quant_state,
@@ -340,7 +312,7 @@ def _lora_args(module, x) -> tuple | None:
         module.lora_B[name].weight,
         module.scaling[name],
         p,
-        _compute_dtype(x),
+        compute_dtype(x),
     )
 
 

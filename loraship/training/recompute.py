@@ -25,6 +25,8 @@ from functools import partial
 
 import torch
 
+from loraship.training.frozen_weights import base_weight, compute_dtype, dequantized
+
 _state = threading.local()  # backward runs on autograd's own threads: each keeps its own depth
 
 # Decoder layers whose forward ends in `residual + mlp(x)` with the MLP ending in down_proj, so that nothing but that
@@ -82,26 +84,22 @@ class GradientOnlyLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from loraship.training.fused_lora import _dequantized
-
         (weight,) = ctx.saved_tensors
-        w = _dequantized(weight, ctx.quant_state, grad_out.dtype)
+        w = dequantized(weight, ctx.quant_state, grad_out.dtype)
         return torch.matmul(grad_out, w).to(ctx.x_dtype), None, None, None, None
 
 
 def _frozen_down_forward(module):
     """down_proj's forward: its own outside a recompute; in one, GradientOnlyLinear on the same weight (a streamed
     weight through the prefetcher, so its layer pass is counted as before)."""
-    from loraship.training.fused_lora import _base_weight, _compute_dtype
-
     own_forward = module.forward
-    weight_on = _base_weight(module)
+    weight_on = base_weight(module)
 
     def forward(x):
         if not output_unused(module):
             return own_forward(x)
         weight, quant_state = weight_on(x.device)
-        return GradientOnlyLinear.apply(x, weight, quant_state, module.out_features, _compute_dtype(x))
+        return GradientOnlyLinear.apply(x, weight, quant_state, module.out_features, compute_dtype(x))
 
     return forward
 
@@ -114,8 +112,6 @@ def skip_down_proj_in_recompute(layers: list, k: int, offloaded: bool) -> int:
     checkpoint under `recomputing()`, where only a fused LoRA down_proj needs the mark (early stop skips a frozen one).
     A down_proj PEFT runs itself (DoRA, several adapters, LORASHIP_FUSED_LORA=0) is left alone.
     """
-    from loraship.training.fused_lora import _base_weight
-
     n = 0
     for layer in layers[:k]:
         mlp = getattr(layer, "mlp", None)
@@ -126,7 +122,7 @@ def skip_down_proj_in_recompute(layers: list, k: int, offloaded: bool) -> int:
             layer._gradient_checkpointing_func = non_reentrant_checkpoint
         if getattr(down, "_loraship_fused", False):
             down._loraship_output_unused_in_recompute = True  # the fused nodes read it (fused_lora.py)
-        elif hasattr(down, "base_layer") or _base_weight(down) is None or not offloaded:
+        elif hasattr(down, "base_layer") or base_weight(down) is None or not offloaded:
             continue
         else:
             down.forward = _frozen_down_forward(down)
