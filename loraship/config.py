@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from loraship.errors import ConfigError
 from loraship.config_yaml import read_yaml, resolve_data_paths
-from loraship.constants import AUTO_LADDER, IMATRIX_UNUSED, QUANT_GATE_FIELDS, QUANT_GATES
+from loraship.constants import AUTO_LADDER, IMATRIX_UNUSED, QUANT_GATES
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -496,7 +496,7 @@ class Config(BaseModel):
     def gate_limits(self, quantization: str) -> dict[str, float]:
         """verify's quality limits for one quantization: what the config sets, else that quantization's
         calibrated default (loraship/constants.py QUANT_GATES)."""
-        defaults = dict(zip(QUANT_GATE_FIELDS, QUANT_GATES[quantization]))
+        defaults = {gate.name: gate.limit for gate in QUANT_GATES[quantization]}
         return {
             name: default if getattr(self, name) is None else getattr(self, name) for name, default in defaults.items()
         }

@@ -1,5 +1,7 @@
 """File names, manifest keys and the llama.cpp / GGUF facts the pipeline relies on."""
 
+from dataclasses import dataclass
+
 from gguf import Keys, LlamaFileType
 
 from loraship.stage_table import STAGE_NAMES
@@ -84,6 +86,41 @@ BITS_PER_WEIGHT = {
     "F16": 16.0,
 }
 
+
+@dataclass(frozen=True)
+class QuantGate:
+    """One of verify's default quality limits for a quantization: the config field that overrides it, the gate in
+    verify.json it limits, the limit, whether the measured figure must stay at or under it ("max") or at or over it
+    ("min"), and where the number comes from."""
+
+    name: str  # the config field (kl_mean_max); Config.gate_limits reads it
+    metric: str  # the gate verify.json reports (loraship/verification/gates.py)
+    limit: float
+    direction: str  # "max" or "min"
+    why: str
+
+    def passes(self, value: float) -> bool:
+        return value <= self.limit if self.direction == "max" else value >= self.limit
+
+
+def _quant_gates(kl_mean: float, kl_p99: float, same_top: float, ppl_ratio: float, flips: float) -> tuple:
+    return (
+        QuantGate("kl_mean_max", "kl_divergence_mean", kl_mean, "max", "about 3x llama.cpp's mean KLD for it"),
+        QuantGate("kl_p99_max", "kl_divergence_p99", kl_p99, "max", "the worst 1% of tokens, 8-10x the mean's limit"),
+        QuantGate("same_top_min", "same_top_token", same_top, "min", "5-7 points under llama.cpp's same-top rate"),
+        QuantGate(
+            "perplexity_ratio_max", "perplexity_ratio", ppl_ratio, "max", "llama.cpp's excess x 3-4, at least +2%"
+        ),
+        QuantGate(
+            "decisive_flips_max",
+            "golden_decisive_agreement",
+            flips,
+            "max",
+            "share of decisive golden tokens it may flip: none at 5 bits and up",
+        ),
+    )
+
+
 # verify's default quality gates per quantization (config fields left unset take these). Calibrated on
 # llama.cpp's own scoreboard, Llama-3-8B on wikitext, no imatrix (tools/perplexity/README.md in the pinned
 # sdist: mean KLD Q8_0 0.00136, Q6_K 0.00545, Q5_K_M 0.0108, Q5_K_S 0.0166, Q4_K_M 0.0313, Q4_K_S 0.0431,
@@ -94,20 +131,19 @@ BITS_PER_WEIGHT = {
 # Q4_K_M, IQ3_M near Q3_K_M. bench/results/quant_ladder.json measures the same figures on the real SmolLM2.
 # decisive_flips_max: the share of decisive golden-answer tokens (golden_margin) a 4-bit or coarser GGUF may
 # pick differently; 5 bits and up must pick them all (the real SmolLM2: 0/45 flips at every rung but Q3_K_M, 1/45).
-QUANT_GATES = {
-    #         kl_mean_max, kl_p99_max, same_top_min, perplexity_ratio_max, decisive_flips_max
-    "Q8_0": (0.005, 0.05, 0.95, 1.02, 0.0),
-    "Q6_K": (0.02, 0.2, 0.93, 1.03, 0.0),
-    "Q5_K_M": (0.035, 0.35, 0.9, 1.05, 0.0),
-    "Q5_K_S": (0.05, 0.5, 0.89, 1.06, 0.0),
-    "Q4_K_M": (0.1, 1.0, 0.85, 1.1, 0.025),
-    "Q4_K_S": (0.13, 1.2, 0.84, 1.12, 0.025),
-    "IQ4_XS": (0.12, 1.1, 0.84, 1.12, 0.025),
-    "Q3_K_L": (0.26, 2.0, 0.78, 1.25, 0.05),
-    "Q3_K_M": (0.3, 2.2, 0.77, 1.3, 0.05),
-    "IQ3_M": (0.3, 2.2, 0.77, 1.3, 0.05),
+QUANT_GATES: dict[str, tuple[QuantGate, ...]] = {
+    #                        kl_mean_max, kl_p99_max, same_top_min, perplexity_ratio_max, decisive_flips_max
+    "Q8_0": _quant_gates(0.005, 0.05, 0.95, 1.02, 0.0),
+    "Q6_K": _quant_gates(0.02, 0.2, 0.93, 1.03, 0.0),
+    "Q5_K_M": _quant_gates(0.035, 0.35, 0.9, 1.05, 0.0),
+    "Q5_K_S": _quant_gates(0.05, 0.5, 0.89, 1.06, 0.0),
+    "Q4_K_M": _quant_gates(0.1, 1.0, 0.85, 1.1, 0.025),
+    "Q4_K_S": _quant_gates(0.13, 1.2, 0.84, 1.12, 0.025),
+    "IQ4_XS": _quant_gates(0.12, 1.1, 0.84, 1.12, 0.025),
+    "Q3_K_L": _quant_gates(0.26, 2.0, 0.78, 1.25, 0.05),
+    "Q3_K_M": _quant_gates(0.3, 2.2, 0.77, 1.3, 0.05),
+    "IQ3_M": _quant_gates(0.3, 2.2, 0.77, 1.3, 0.05),
 }
-QUANT_GATE_FIELDS = ("kl_mean_max", "kl_p99_max", "same_top_min", "perplexity_ratio_max", "decisive_flips_max")
 
 # Quantizations whose GGUF an importance matrix cannot change: llama.cpp's quantize_q8_0 ignores its quant_weights
 # ("(void)quant_weights; // not used", ggml/src/ggml-quants.c of the pinned sdist) and F16 is not quantized, so a run

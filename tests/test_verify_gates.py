@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from loraship.config import Config
 from loraship.verification.gates import (
     eval_loss_gate,
@@ -283,13 +285,8 @@ def test_each_quantization_has_its_own_calibrated_limits_unless_the_config_sets_
     assert q8["kl_mean_max"] < q4["kl_mean_max"] < q3["kl_mean_max"]
     assert q8["same_top_min"] > q4["same_top_min"] > q3["same_top_min"]
     order = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M"]  # finest first (K-quants)
-    for name, column in (
-        ("kl_mean_max", 0),
-        ("kl_p99_max", 1),
-        ("perplexity_ratio_max", 3),
-        ("decisive_flips_max", 4),
-    ):
-        values = [QUANT_GATES[q][column] for q in order]
+    for name in ("kl_mean_max", "kl_p99_max", "perplexity_ratio_max", "decisive_flips_max"):
+        values = [next(g.limit for g in QUANT_GATES[q] if g.name == name) for q in order]
         assert values == sorted(values), name
     # llama.cpp's Llama-3-8B figures (loraship/constants.py) pass their own quantization's defaults.
     for q, kld, same_top, ppl_ratio in (
@@ -305,6 +302,39 @@ def test_each_quantization_has_its_own_calibrated_limits_unless_the_config_sets_
             and ppl_ratio <= limits["perplexity_ratio_max"]
         )
     assert _DEFAULTS.model_copy(update={"kl_mean_max": 0.5}).gate_limits("Q8_0")["kl_mean_max"] == 0.5
+
+
+def _judged(name: str, value: float, limits):
+    """The verify gate a QuantGate named `name` limits, judged on a figure of `value` with plenty of evidence."""
+    from loraship.verification import gates
+
+    agreement = {"scored_tokens": 10_000, "kl_tokens": 10_000, "kl_method": "exact"}
+    if name == "decisive_flips_max":  # the share of 1000 decisive tokens flipped
+        flipped = round(value * 1000)
+        return gates.golden_decisive_gate({"decisive": 1000, "agreed": 1000 - flipped}, limits)
+    metric, gate = {
+        "kl_mean_max": ("kl_mean", lambda a: gates.kl_mean_gate(a, limits, 40)),
+        "kl_p99_max": ("kl_p99", lambda a: gates.kl_p99_gate(a, limits, 40)),
+        "same_top_min": ("same_top_rate", lambda a: gates.same_top_gate(a, limits)),
+        "perplexity_ratio_max": ("perplexity_ratio", lambda a: gates.perplexity_ratio_gate(a, limits)),
+    }[name]
+    return gate({**agreement, metric: value})
+
+
+@pytest.mark.parametrize("quantization", ["Q8_0", "Q4_K_M", "IQ3_M"])
+def test_each_quant_gate_record_says_which_verify_gate_it_limits_and_which_way(quantization):
+    from loraship.constants import QUANT_GATES
+
+    records = QUANT_GATES[quantization]
+    limits = _DEFAULTS.model_copy(update=_DEFAULTS.gate_limits(quantization))
+    assert [g.name for g in records] == list(_DEFAULTS.gate_limits(quantization))
+    for g in records:
+        assert g.direction == g.name.rpartition("_")[2] and g.why, g
+        beyond = g.limit + 0.01 if g.direction == "max" else g.limit - 0.01
+        at, past = _judged(g.name, g.limit, limits), _judged(g.name, beyond, limits)
+        assert at.name == past.name == g.metric, g
+        # verify's own gate agrees with the record: the limit itself passes, a figure past it fails.
+        assert (at.passed, past.passed) == (g.passes(g.limit), g.passes(beyond)) == (True, False), g
 
 
 def test_a_gate_is_a_typed_record_whose_json_is_verify_jsons():
