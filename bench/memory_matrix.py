@@ -1,4 +1,4 @@
-"""Measure LoRA/QLoRA training memory on a real GPU and compare it with loraship.planning.memory's plan.
+"""Measure LoRA/QLoRA training memory on a real GPU and compare it with loraship.planning.estimate's plan.
 
 Modes:
   python3 bench/memory_matrix.py measure --out DIR      # on the GPU: every config in a fresh process
@@ -471,7 +471,7 @@ def _gpu_name() -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Analysis on CPU: predictions from loraship.planning.memory, fit/eval split, JSON + markdown table.
+# Analysis on CPU: predictions from loraship.planning.estimate, fit/eval split, JSON + markdown table.
 # ---------------------------------------------------------------------------------------------
 def _cfg_for(spec: dict):
     from loraship.config import Config
@@ -493,10 +493,12 @@ def _cfg_for(spec: dict):
 
 
 def predict(spec: dict, program: str = "harness") -> dict:
-    from loraship.planning import memory
+    from loraship.planning.estimate import estimate
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.strategy_record import Strategy
 
     mc = dict(SHAPES[spec["shape"]])
-    return memory.estimate(mc, _cfg_for(spec), memory.strategy_from_config(_cfg_for(spec)), program)
+    return estimate(shape_from_config(mc), _cfg_for(spec), Strategy.from_config(_cfg_for(spec)), program)
 
 
 def is_fit_row(index: int) -> bool:
@@ -563,8 +565,8 @@ def analyze(raw_path: Path, results: Path, md: Path) -> dict:
     out = {
         "gpu": raw.get("gpu"),
         "method": __doc__.strip().splitlines()[0],
-        "calibration": "constants in loraship/planning/memory.py were fitted on the rows with used_for_fit=true only "
-        "(even rows of the first GPU call); 'held_out' scores the first call's odd rows; 'validation' "
+        "calibration": "constants in loraship/planning/estimate.py were fitted on the rows with used_for_fit=true "
+        "only (even rows of the first GPU call); 'held_out' scores the first call's odd rows; 'validation' "
         "scores rows 24+, configurations measured in later GPU calls after the constants were "
         "fitted and committed ('near_threshold', rows 34+, is the part of it the planner puts just "
         "under the 32 GiB fit threshold, each also run under the cap)",
@@ -595,8 +597,8 @@ FIT_KEYS = (
 
 
 def fit(raw_path: Path) -> dict:
-    """Fit loraship.planning.memory.CAL on the fit rows only (coordinate descent on squared relative error)."""
-    from loraship.planning import memory
+    """Fit loraship.planning.estimate.CAL on the fit rows only (coordinate descent on squared relative error)."""
+    from loraship.planning.estimate import CAL
 
     raw = json.loads(raw_path.read_text())
     rows = [
@@ -606,7 +608,7 @@ def fit(raw_path: Path) -> dict:
     ]
     ctx = [r["context_gib"] for r in raw["rows"] if r.get("context_gib")]
     if ctx:
-        memory.CAL["cuda_context_gib"] = round(statistics.median(ctx), 2)
+        CAL["cuda_context_gib"] = round(statistics.median(ctx), 2)
 
     def loss() -> float:
         tot = 0.0
@@ -623,16 +625,16 @@ def fit(raw_path: Path) -> dict:
         improved = False
         for k in FIT_KEYS:
             for f in (1 + step, 1 / (1 + step)):
-                old = memory.CAL[k]
-                memory.CAL[k] = old * f
+                old = CAL[k]
+                CAL[k] = old * f
                 val = loss()
                 if val < best - 1e-9:
                     best, improved = val, True
                 else:
-                    memory.CAL[k] = old
+                    CAL[k] = old
         if not improved:
             step /= 2
-    cal = {k: round(v, 3) for k, v in memory.CAL.items()}
+    cal = {k: round(v, 3) for k, v in CAL.items()}
     print(f"fitted on {len(rows)} rows, objective {best:.4f}:", json.dumps(cal))
     return cal
 
@@ -641,7 +643,7 @@ NOTES = """## How it was measured, and what to know
 
 - Commands: `python3 bench/memory_matrix.py measure --out $OUT --deadline-s 420 --parallel 3 --gpu-gib 128`
   (rows 0-23, first GPU call, before calibration), then `fit` on the even rows, constants committed to
-  `loraship/planning/memory.py`, then `measure ... --only 24,...,33` (second GPU call: new shapes Mistral-7B and
+  `loraship/planning/estimate.py`, then `measure ... --only 24,...,33` (second GPU call: new shapes Mistral-7B and
   Qwen2-0.5B, new ranks/lengths/batches), then `measure ... --always-cap --only 34,35,36,37,40,41` (third
   call: near the threshold, each run both uncapped and under the cap; 41 did not start before the deadline),
   and `python bench/memory_matrix.py analyze bench/results/memory_matrix_raw.json`.
@@ -824,7 +826,7 @@ def run_stage_one(
     cuda = device == "cuda"
     if cuda and cap_gib:
         torch.cuda.set_per_process_memory_fraction(cap_gib * GIB / torch.cuda.get_device_properties(0).total_memory)
-    from loraship.planning import memory
+    from loraship.planning.strategy_record import Strategy
     from loraship.config import parse_config
     from loraship.errors import LorashipError
     from loraship.stages import plan as plan_stage
@@ -838,7 +840,7 @@ def run_stage_one(
     shutil.rmtree(work, ignore_errors=True)
     model_dir = models / spec["shape"]
     config = parse_config(stage_config(spec, model_dir, data, work, steps, device))
-    forced = memory.strategy_from_config(config, SHAPES[spec["shape"]]["num_hidden_layers"])
+    forced = Strategy.from_config(config, SHAPES[spec["shape"]]["num_hidden_layers"]).to_json()
     rec["forced_strategy"] = forced
     # Every peak the train stage reads, in order: in a successful attempt the eval before training's
     # (model load included) comes first, training's last. The manifest keeps only the eval's reserved.
@@ -1151,7 +1153,7 @@ def analyze_stage(raw_path: Path, results: Path) -> dict:
         "method": "loraship.stages.plan + loraship.stages.train as shipped, one fresh process per row; measured "
         "peak = max(eval before training (model load included), training); 'held_out' scores the "
         "prediction the plan made in the run, "
-        "'held_out_current_constants' the one loraship/planning/memory.py makes now (its HF-loss reserve fitted by "
+        "'held_out_current_constants' the one loraship/planning/estimate.py makes now (its HF-loss reserve fitted by "
         "fit-stage on the fit rows alone)",
         "held_out": summary(held),
         "held_out_current_constants": summary(held, "reserved_error_current_constants_pct"),

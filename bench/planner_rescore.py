@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import train_bench as tb  # noqa: E402
 
-from loraship.planning import memory  # noqa: E402
+from loraship.planning.estimate import estimate  # noqa: E402
+from loraship.planning.shape import shape_from_config  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "train_bench.json"
 CHANGED_PLAN_ROWS = [
@@ -62,7 +63,7 @@ def rescore(bench: dict) -> dict:
             continue
         cfg = tb.bench_config(r)
         strategy = tb.trained_strategy(r, cfg)
-        est = memory.estimate(tb.model_config(tb.CASES[r["case"]][0]), cfg, strategy)
+        est = estimate(shape_from_config(tb.model_config(tb.CASES[r["case"]][0])), cfg, strategy)
         rows.append(
             {
                 "case": r["case"],
@@ -82,7 +83,7 @@ def rescore(bench: dict) -> dict:
         )
     changed = [r for r in rows if r["changed_plan"]]
     return {
-        "what": "the planner now (loraship/planning/memory.py) at each loraship row's trained strategy, against the "
+        "what": "the planner now (loraship/planning/estimate.py) at each loraship row's trained strategy, against the "
         "row's measured peak; error = predicted / measured - 1 (reserved unless named). In-sample: these rows were "
         "seen before this planner was written, not a held-out measurement.",
         "source": {

@@ -33,7 +33,7 @@ the first losses agree:
 - loraship-lean-full-recompute: loraship-lean recomputing down_proj's GEMM too (LORASHIP_RECOMPUTE_SKIP=0): what
   leaving it out of the recompute (loraship/training/recompute.py) is worth, in the same run.
 - loraship-contiguous: loraship-default streaming the first n layers rather than spreading them over the checkpointed
-  ones (LORASHIP_OFFLOAD_SPREAD=0): what the spread layout (loraship/planning/memory.py streamed_layers) is worth where
+  ones (LORASHIP_OFFLOAD_SPREAD=0): what the spread layout (Strategy.streamed) is worth where
   a plan streams weights (qwen2-14b-lora); elsewhere it plans as the default. Named with --trainers only.
 - loraship-sdpa / loraship-flex: loraship-default under SDPA / under flex attention everywhere
   (LORASHIP_ATTENTION): what the default's flex attention on sliding-window models is worth. Named with --trainers.
@@ -234,7 +234,7 @@ def machine_stamp() -> dict:
 
 
 # Pinned host -> GPU copies of 1 GiB, as loraship/training/offload.py streams weights: the rate the planner assumes as
-# PLAN_HOST_TO_DEVICE_GBPS (loraship/planning/memory.py). In a child process, so this one starts no CUDA context.
+# PLAN_HOST_TO_DEVICE_GBPS (loraship/planning/step_time.py). In a child process, so this one starts no CUDA context.
 H2D_PROBE = """
 import json, time, torch
 src = torch.empty(2**29, dtype=torch.bfloat16).pin_memory()
@@ -616,9 +616,9 @@ def load_unsloth(model_dir, config, seq, adapter, dtype, smoke: bool):
 
 
 def target_modules(config) -> tuple[str, ...]:
-    from loraship.planning import memory
+    from loraship.planning.targets import target_names
 
-    return memory.target_names(config)
+    return target_names(config)
 
 
 def load_hf(model_dir, config, adapter, dtype, device, liger: bool):
@@ -1079,15 +1079,15 @@ def trained_strategy(row: dict, cfg) -> dict:
     """The strategy a loraship row trained with: its strategy_detail, or read back from the words of older rows."""
     import re
 
-    from loraship.planning import memory
+    from loraship.planning.knobs import ACTIVATIONS_IN_CPU
+    from loraship.planning.strategy_record import Strategy
 
     if row.get("strategy_detail"):
         return row["strategy_detail"]
     words = row["strategy"]
     k = int(re.search(r"checkpointing (\d+) of", words).group(1))
     off = re.search(r"(\d+) of \d+ decoder layers", words)
-    return dict(
-        memory.strategy_from_config(cfg),
+    strategy = Strategy.from_config(cfg).replace(
         adapter="qlora" if words.startswith("QLoRA") else "lora",
         checkpointed_layers=k,
         gradient_checkpointing=k > 0,
@@ -1095,16 +1095,18 @@ def trained_strategy(row: dict, cfg) -> dict:
         micro_batch_size=int(re.search(r"micro-batch (\d+)", words).group(1)),
         gradient_accumulation_steps=int(re.search(r"micro-batch \d+ x (\d+)", words).group(1)),
         fused_loss=words.find("fused loss") >= 0,
-        offload_activations=memory.ACTIVATIONS_IN_CPU in words,
+        offload_activations=ACTIVATIONS_IN_CPU in words,
     )
+    return strategy.to_json()
 
 
 def planner_scores(rows: list[dict]) -> dict:
-    """The current planner (loraship/planning/memory.py) against each loraship row's measured peak reserved, at the
+    """The current planner (loraship/planning/estimate.py) against each loraship row's measured peak reserved, at the
     strategy that row trained with: issue #10's item 5 on rows measured through the train stage itself."""
     import statistics
 
-    from loraship.planning import memory
+    from loraship.planning.estimate import estimate
+    from loraship.planning.shape import shape_from_config
 
     out = []
     for r in rows:
@@ -1113,7 +1115,7 @@ def planner_scores(rows: list[dict]) -> dict:
         shape_name = CASES[r["case"]][0]
         mc = model_config(shape_name)
         cfg = bench_config(r)
-        est = memory.estimate(mc, cfg, trained_strategy(r, cfg))
+        est = estimate(shape_from_config(mc), cfg, trained_strategy(r, cfg))
         pred = est["predicted_reserved_gib"]
         out.append(
             {

@@ -199,7 +199,8 @@ def plan(
     weights loaded)."""
     with _user_errors():
         config = _load(config_path, set_)
-        from loraship.planning import memory
+        from loraship.planning.shape import shape_from_config
+        from loraship.planning.shipping import plan_disk_and_inference
 
         if memory_only:
             model_config = model_config_of(config)
@@ -223,8 +224,9 @@ def plan(
         try:
             from loraship.planning.multi_gpu import plan_on_gpus
 
-            training = plan_on_gpus(memory.parse_model_config(model_config), config)
-            footprint = memory.plan_disk_and_inference(model_config, config)
+            shape = shape_from_config(model_config)
+            training = plan_on_gpus(shape, config)
+            footprint = plan_disk_and_inference(shape, config)
         except (ValueError, KeyError) as e:  # a config.json the planner cannot read
             raise LorashipError(f"{config.base_model}/config.json: {e}") from e
     artifact = artifact_place(config)

@@ -24,13 +24,13 @@ def expert_merges(deltas: dict, base_config: dict, base_names: set[str]) -> dict
     {base tensor name: merge(w, scale) -> the merged fp32 tensor}, for a base that stores the experts stacked or
     (a Hub checkpoint) one tensor per expert and projection. Pairs whose name is a base weight stay (Linears, a
     router's LoRA)."""
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
 
     pending = {k: v for k, v in deltas.items() if k not in base_names}
     if not pending:
         return {}
     try:
-        experts = memory.parse_model_config(base_config).experts
+        experts = shape_from_config(base_config).experts
     except ValueError:
         experts = None
     if experts is None:

@@ -163,7 +163,8 @@ def starter_config(
     base_model: str, dataset: Path, out_file: Path, gpu_gib: float | None, force: bool
 ) -> tuple[dict, list[str]]:
     """Config keys for a base model and a dataset, and what was inferred (for the header)."""
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.strategy import plan_training
     from loraship.config import Config, parse_config
     from loraship.planning.inference_memory import gpu_total_gib
     from loraship.models import resolve_base_model
@@ -206,8 +207,8 @@ def starter_config(
         + ")"
     )
     try:
-        planned = memory.plan_training(
-            model_config, parse_config({**data, "datasets": config.model_dump()["datasets"]})
+        planned = plan_training(
+            shape_from_config(model_config), parse_config({**data, "datasets": config.model_dump()["datasets"]})
         )
         if planned["strategy"]["adapter"] != data["adapter"]:
             data["adapter"] = planned["strategy"]["adapter"]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from loraship.planning import memory
+from loraship.planning.shape import shape_from_config
+from loraship.planning.shipping import plan_disk_and_inference
 from loraship.planning.multi_gpu import plan_on_gpus
 from loraship.constants import PLAN_FILE, STRATEGY_FILE
 from loraship.data import dataset_identity
@@ -73,7 +74,7 @@ def quantization_warnings(config, model_config: dict, model_dir) -> list[str]:
 
     if config.auto_quantization:
         return []
-    return warnings(memory.parse_model_config(model_config), config, first_layer_on_grid(model_dir))
+    return warnings(shape_from_config(model_config), config, first_layer_on_grid(model_dir))
 
 
 @exclusive
@@ -87,8 +88,9 @@ def run(config) -> dict:
 
     model_config = read_model_config(model_dir)
     try:
-        training = plan_on_gpus(memory.parse_model_config(model_config), config)
-        footprint = memory.plan_disk_and_inference(model_config, config)
+        shape = shape_from_config(model_config)
+        training = plan_on_gpus(shape, config)
+        footprint = plan_disk_and_inference(shape, config)
     except (ValueError, KeyError) as e:  # a config.json the planner cannot read
         raise ConfigError(f"base model {config.base_model!r}", [f"config.json: {e}"]) from e
     counted = training["memory"].get("activations_counted", "")

@@ -96,11 +96,9 @@ def test_fit_stage_uses_the_hf_loss_fit_rows_only(monkeypatch, tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     import memory_matrix as mm
 
-    from loraship.planning import memory
+    from loraship.planning.estimate import CAL
 
-    monkeypatch.setitem(
-        memory.CAL, "reserve_hf_loss_expandable", 0.9
-    )  # the fit leaves the term out, whatever its value
+    monkeypatch.setitem(CAL, "reserve_hf_loss_expandable", 0.9)  # the fit leaves the term out, whatever its value
     hf_fit = [i for i in range(mm.FIRST_VALIDATION_INDEX) if mm.is_fit_row(i) and not mm.MATRIX[i]["fused_loss"]][:3]
     fused_fit = next(i for i in range(mm.FIRST_VALIDATION_INDEX) if mm.is_fit_row(i) and mm.MATRIX[i]["fused_loss"])
     held_hf = next(
@@ -110,7 +108,7 @@ def test_fit_stage_uses_the_hf_loss_fit_rows_only(monkeypatch, tmp_path):
 
     def row(i, fraction, **kw):
         with monkeypatch.context() as m:
-            m.setitem(memory.CAL, "reserve_hf_loss_expandable", 0.0)
+            m.setitem(CAL, "reserve_hf_loss_expandable", 0.0)
             p = mm.predict(mm.MATRIX[i], "train-stage")
         extra = fraction * p["components_gib"]["logits_and_cross_entropy"]
         return {
@@ -138,7 +136,7 @@ def test_fit_stage_uses_the_hf_loss_fit_rows_only(monkeypatch, tmp_path):
     out = mm.fit_stage(path)
     assert out["reserve_hf_loss_expandable"] == pytest.approx(0.3, abs=0.002)
     assert sorted(r["index"] for r in out["rows"]) == sorted(hf_fit)
-    assert memory.CAL["reserve_hf_loss_expandable"] == 0.9  # left as it was
+    assert CAL["reserve_hf_loss_expandable"] == 0.9  # left as it was
 
 
 def test_train_bench_targets_are_met_missed_or_not_run():

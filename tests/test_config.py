@@ -105,7 +105,8 @@ def test_bad_quantization_lists_the_valid_ones(given, message):
 
 
 def test_plan_sizes_disk_for_every_quantization_and_the_gpu_for_each():
-    from loraship.planning.memory import plan_disk_and_inference
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.shipping import plan_disk_and_inference
 
     shape = {
         "architectures": ["LlamaForCausalLM"],
@@ -117,8 +118,10 @@ def test_plan_sizes_disk_for_every_quantization_and_the_gpu_for_each():
         "num_key_value_heads": 32,
         "vocab_size": 32000,
     }
-    one = plan_disk_and_inference(shape, parse_config(BASE))
-    both = plan_disk_and_inference(shape, parse_config({**BASE, "quantization": ["Q4_K_M", "Q8_0"]}))
+    one = plan_disk_and_inference(shape_from_config(shape), parse_config(BASE))
+    both = plan_disk_and_inference(
+        shape_from_config(shape), parse_config({**BASE, "quantization": ["Q4_K_M", "Q8_0"]})
+    )
     assert both["inference"]["total_gib"] == one["inference"]["total_gib"]  # the primary's, as before
     assert both["inference"]["quantization"] == "Q4_K_M"
     assert set(both["inference"]["by_quantization"]) == {"Q4_K_M", "Q8_0"}

@@ -382,9 +382,9 @@ def test_located_turns_learn_what_the_prefix_method_learns(family_folders, famil
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_planner_knows_every_family(family_folders, name):
-    from loraship.planning.memory import parse_model_config
+    from loraship.planning.shape import shape_from_config
 
-    parse_model_config(json.loads((family_folders[name] / "config.json").read_text()))
+    shape_from_config(json.loads((family_folders[name] / "config.json").read_text()))
 
 
 @pytest.mark.parametrize("name, fused", [("granite3", False), ("llama31", True)])

@@ -187,7 +187,8 @@ def test_nf4_qlora(gpu_model, tmp_path):
 def offload_budget(model_dir: Path, data: dict) -> tuple[float, dict]:
     """A gpu_memory_gib (0.05 GiB steps) at which the plan is bf16 LoRA with part of the decoder offloaded,
     as near half of it as the steps allow; found with the planner itself, so the test follows its calibration."""
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.strategy import plan_training, PlanRefused
 
     model_config = json.loads((model_dir / "config.json").read_text())
     n_layers = DIMS["num_hidden_layers"]
@@ -195,8 +196,8 @@ def offload_budget(model_dir: Path, data: dict) -> tuple[float, dict]:
     for i in range(400, 10, -1):
         budget = round(i * 0.05, 2)
         try:
-            plan = memory.plan_training(model_config, parse_config({**data, "gpu_memory_gib": budget}))
-        except memory.PlanRefused:
+            plan = plan_training(shape_from_config(model_config), parse_config({**data, "gpu_memory_gib": budget}))
+        except PlanRefused:
             break
         if plan["strategy"]["adapter"] == "lora" and 0 < plan["strategy"]["offload_layers"] < n_layers:
             found.append((budget, plan["strategy"]))

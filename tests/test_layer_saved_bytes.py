@@ -1,5 +1,5 @@
 """What one un-checkpointed decoder layer keeps for backward on the train stage's model path, counted, against the
-planner's per-layer term (loraship/planning/memory.py layer_saved_per_token).
+planner's per-layer term (loraship/planning/estimate.py layer_saved_per_token).
 
 The model is the train stage's: a bf16 Qwen2 (transformers' class, 7B's head ratio 7:1), PEFT LoRA, the fused LoRA
 nodes (loraship/training/fused_lora.py, SwiGLUDownLora included), Liger's RMSNorm / SwiGLU / RoPE applied as
@@ -19,7 +19,9 @@ import torch
 liger_rms = pytest.importorskip("liger_kernel.ops.rms_norm")
 
 from loraship.config import Config  # noqa: E402
-from loraship.planning import memory  # noqa: E402
+from loraship.planning.estimate import layer_saved_per_token  # noqa: E402
+from loraship.planning.shape import shape_from_config  # noqa: E402
+from loraship.planning.targets import target_names  # noqa: E402
 
 SHAPE = dict(
     hidden_size=448,
@@ -143,8 +145,8 @@ def test_one_layer_keeps_what_the_planner_counts(monkeypatch, targets):
         lora_dropout=0.0,
         fused_loss="on",
     )
-    s = memory.parse_model_config({"model_type": "qwen2", **SHAPE})
-    planned = memory.layer_saved_per_token(s, cfg, memory.target_names(cfg, s), "train-stage", liger=True)
+    s = shape_from_config({"model_type": "qwen2", **SHAPE})
+    planned = layer_saved_per_token(s, cfg, target_names(cfg, s), "train-stage", liger=True)
     # The planner leaves out two per-row fp32 statistics: RMSNorm's rstd (4 B, two norms) and SDPA's logsumexp
     # (4 B per head), 36 B here. Flash and cuDNN attention on CUDA keep the same five tensors (q, k, v, output,
     # logsumexp) as the CPU kernel. The bound, 64 B, is half the smallest tensor of the layer (k or v: 128 B per
@@ -229,7 +231,7 @@ def test_one_plain_layer_of_each_family_keeps_what_the_planner_counts(mt):
             lora_dropout=0.0,
             sequence_len=tokens,
         )
-        return tokens * memory.layer_saved_per_token(s, cfg, (), "train-stage", liger=False)
+        return tokens * layer_saved_per_token(s, cfg, (), "train-stage", liger=False)
 
     planned = planned_bytes(256) - planned_bytes(128)
     assert s.qk_norm == (mt in ("qwen3", "gemma3_text", "olmo2"))

@@ -1,5 +1,5 @@
-"""Invariants of the memory planner (loraship/planning: estimate, strategy, step_time, shipping, through the memory
-facade that takes a config.json dict); CPU only, no torch."""
+"""Invariants of the memory planner (loraship/planning: estimate, strategy, step_time, shipping), each fed the Shape
+of a config.json dict (shape_from_config); CPU only, no torch."""
 
 import json
 from pathlib import Path
@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 
 from loraship.config import Config
-from loraship.planning import knobs, memory, step_time, strategy
+from loraship.planning import knobs, step_time, strategy
+from loraship.planning.estimate import CAL, estimate, fused_loss_transient, lora_saved_per_token, safety_margin_gib
+from loraship.planning.knobs import checkpoint_every_layer, fused_loss_available
+from loraship.planning.shape import shape_from_config
+from loraship.planning.shipping import plan_disk_and_inference
+from loraship.planning.step_time import PLAN_EXECUTED_TFLOPS, step_seconds
+from loraship.planning.strategy import plan_training, PlanRefused, replan_after_oom
+from loraship.planning.strategy_record import Strategy
+from loraship.planning.targets import lora_modules, lora_target_note, target_names
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -125,7 +133,7 @@ def cfg(**kw) -> Config:
 
 def total(mc, **kw) -> float:
     c = cfg(**kw)
-    return memory.estimate(mc, c, memory.strategy_from_config(c))["predicted_total_gib"]
+    return estimate(shape_from_config(mc), c, Strategy.from_config(c))["predicted_total_gib"]
 
 
 @pytest.mark.parametrize(
@@ -143,7 +151,7 @@ def total(mc, **kw) -> float:
     ],
 )
 def test_configs_parse_to_known_parameter_counts(mc, params_b):
-    s = memory.parse_model_config(mc)
+    s = shape_from_config(mc)
     assert s.n_params / 1e9 == pytest.approx(params_b, rel=0.01)
 
 
@@ -169,13 +177,13 @@ def test_parameter_count_equals_the_transformers_model(name, mc):
     config = AutoConfig.for_model(**mc)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    assert memory.parse_model_config(mc).n_params == sum(p.numel() for p in model.parameters())
+    assert shape_from_config(mc).n_params == sum(p.numel() for p in model.parameters())
     linears = {
         n.rsplit(".", 1)[-1]: (m.in_features, m.out_features)
         for n, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and ".layers.0." in n
     }
-    assert memory.parse_model_config(mc).linears() == linears
+    assert shape_from_config(mc).linears() == linears
 
 
 @pytest.mark.parametrize("family", ["gemma2", "phi3"])
@@ -189,7 +197,7 @@ def test_parameter_count_equals_the_tiny_family_models(family):
     config = model_config(FAMILIES[family])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    assert memory.parse_model_config(config.to_dict()).n_params == sum(p.numel() for p in model.parameters())
+    assert shape_from_config(config.to_dict()).n_params == sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize(
@@ -203,21 +211,23 @@ def test_parameter_count_equals_the_tiny_family_models(family):
     ],
 )
 def test_phi3_llama_names_stand_for_its_fused_linears(targets, expected):
-    s = memory.parse_model_config(PHI3_MINI)
-    assert memory.lora_modules(s, targets) == expected
-    assert memory.target_names(cfg(lora_target_modules=targets), s) == expected
+    s = shape_from_config(PHI3_MINI)
+    assert lora_modules(s, targets) == expected
+    assert target_names(cfg(lora_target_modules=targets), s) == expected
     # LoRA parameters of the fused Linears: r x (in + out) with out = q + 2kv and 2f.
-    est = memory.estimate(PHI3_MINI, cfg(lora_target_modules=targets, lora_r=8), memory.strategy_from_config(cfg()))
+    est = estimate(
+        shape_from_config(PHI3_MINI), cfg(lora_target_modules=targets, lora_r=8), Strategy.from_config(cfg())
+    )
     lin = s.linears()
     assert est["lora_params"] == s.L * sum(8 * (lin[n][0] + lin[n][1]) for n in expected)
 
 
 def test_phi3_a_fused_linear_that_adapts_more_than_named_is_said():
-    s = memory.parse_model_config(PHI3_MINI)
-    note = memory.lora_target_note(s, ["q_proj", "v_proj", "o_proj"])
+    s = shape_from_config(PHI3_MINI)
+    note = lora_target_note(s, ["q_proj", "v_proj", "o_proj"])
     assert "q_proj, v_proj -> qkv_proj" in note and "k_proj" in note
-    assert memory.lora_target_note(s, ["q_proj", "k_proj", "v_proj", "o_proj"]) is None
-    assert memory.lora_target_note(memory.parse_model_config(LLAMA3_8B), ["q_proj", "v_proj"]) is None
+    assert lora_target_note(s, ["q_proj", "k_proj", "v_proj", "o_proj"]) is None
+    assert lora_target_note(shape_from_config(LLAMA3_8B), ["q_proj", "v_proj"]) is None
 
 
 @pytest.mark.parametrize(
@@ -229,11 +239,11 @@ def test_phi3_a_fused_linear_that_adapts_more_than_named_is_said():
     ],
 )
 def test_a_target_module_the_architecture_lacks_is_refused_naming_its_linears(mc, targets, bad):
-    s = memory.parse_model_config(mc)
+    s = shape_from_config(mc)
     with pytest.raises(
         ValueError, match=rf"\['{bad}'\] name no Linear of a {s.model_type} decoder layer.*o_proj.*all-linear"
     ):
-        memory.lora_modules(s, targets)
+        lora_modules(s, targets)
 
 
 def test_gemma2_eager_attention_keeps_every_heads_scores():
@@ -243,22 +253,26 @@ def test_gemma2_eager_attention_keeps_every_heads_scores():
         cfg(sequence_len=2048, micro_batch_size=1, fused_loss="on"),
         cfg(sequence_len=4096, micro_batch_size=1, fused_loss="on"),
     )
-    st = memory.with_checkpointing(memory.strategy_from_config(c1), 0)
-    s = memory.parse_model_config(GEMMA2_9B)
+    st = Strategy.from_config(c1).with_checkpointing(0)
+    s = shape_from_config(GEMMA2_9B)
     saved = [
-        memory.estimate(GEMMA2_9B, c, st)["components_gib"]["saved_activations_all_layers"] * 2**30 for c in (c1, c2)
+        estimate(shape_from_config(GEMMA2_9B), c, st)["components_gib"]["saved_activations_all_layers"] * 2**30
+        for c in (c1, c2)
     ]
     linear_part = [x - s.L * 4096 * 8 * s.heads * n * n / 4096 for x, n in zip(saved, (2048, 4096))]
     assert linear_part[1] == pytest.approx(2 * linear_part[0], rel=1e-3)  # what is left is linear in T
     no_cap = {**GEMMA2_9B, "attn_logit_softcapping": None, "final_logit_softcapping": None}
-    assert memory.estimate(no_cap, c2, st)["components_gib"]["saved_activations_all_layers"] < saved[1] / 2**30 / 4
+    assert (
+        estimate(shape_from_config(no_cap), c2, st)["components_gib"]["saved_activations_all_layers"]
+        < saved[1] / 2**30 / 4
+    )
 
 
 def test_gemma2_final_softcap_adds_to_the_hf_loss_only():
     hf, fused = cfg(fused_loss="off", sequence_len=1024), cfg(fused_loss="on", sequence_len=1024)
     no_cap = {**GEMMA2_2B, "final_logit_softcapping": None}
     T = hf.micro_batch_size * 1024
-    loss = lambda mc, c: memory.estimate(mc, c, memory.strategy_from_config(c))["components_gib"][
+    loss = lambda mc, c: estimate(shape_from_config(mc), c, Strategy.from_config(c))["components_gib"][
         "logits_and_cross_entropy"
     ]
     assert (loss(GEMMA2_2B, hf) - loss(no_cap, hf)) * 2**30 == pytest.approx(4 * T * 256000, rel=1e-3)
@@ -266,18 +280,18 @@ def test_gemma2_final_softcap_adds_to_the_hf_loss_only():
 
 
 def test_gemma2_sliding_layers_and_phi3_fused_shapes_are_read():
-    g = memory.parse_model_config(GEMMA2_2B)
+    g = shape_from_config(GEMMA2_2B)
     assert (g.q, g.kv, g.tied, g.norms, g.sliding_window, g.sliding_layers) == (8 * 256, 4 * 256, True, 4, 4096, 13)
-    assert memory.parse_model_config({**GEMMA2_2B, "layer_types": ["full_attention"] * 26}).sliding_layers == 0
-    p = memory.parse_model_config(PHI3_MEDIUM)
+    assert shape_from_config({**GEMMA2_2B, "layer_types": ["full_attention"] * 26}).sliding_layers == 0
+    p = shape_from_config(PHI3_MEDIUM)
     assert p.linears()["qkv_proj"] == (5120, 5120 + 2 * 10 * 128) and p.linears()["gate_up_proj"] == (5120, 2 * 17920)
     assert not p.tied and p.sliding_layers == 0
 
 
 def test_head_dim_and_gqa_are_read():
-    s = memory.parse_model_config({**MISTRAL_7B, "head_dim": 64})
+    s = shape_from_config({**MISTRAL_7B, "head_dim": 64})
     assert (s.q, s.kv) == (32 * 64, 8 * 64)
-    assert memory.parse_model_config(QWEN2_7B).kv == 4 * 128  # head_dim defaults to hidden / heads
+    assert shape_from_config(QWEN2_7B).kv == 4 * 128  # head_dim defaults to hidden / heads
 
 
 @pytest.mark.parametrize(
@@ -290,7 +304,7 @@ def test_head_dim_and_gqa_are_read():
 )
 def test_bad_model_config_says_why(mc, msg):
     with pytest.raises(ValueError, match=msg):
-        memory.parse_model_config(mc)
+        shape_from_config(mc)
 
 
 @pytest.mark.parametrize(
@@ -309,8 +323,8 @@ def test_monotonic(field, values, fused, ckpt):
 
 def test_qlora_weights_smaller_than_lora_and_nf4_keeps_embeddings_bf16():
     c = cfg()
-    lora = memory.estimate(QWEN2_7B, c, {**memory.strategy_from_config(c), "adapter": "lora"})
-    qlora = memory.estimate(QWEN2_7B, c, {**memory.strategy_from_config(c), "adapter": "qlora"})
+    lora = estimate(shape_from_config(QWEN2_7B), c, Strategy.from_config(c).replace(adapter="lora"))
+    qlora = estimate(shape_from_config(QWEN2_7B), c, Strategy.from_config(c).replace(adapter="qlora"))
     assert qlora["components_gib"]["frozen_weights"] < 0.4 * lora["components_gib"]["frozen_weights"]
     # Qwen2-7B NF4 double quant measured on a GPU: 5.30 GiB after load (2 x 1.02 GiB of it bf16 embeddings).
     assert qlora["components_gib"]["frozen_weights"] == pytest.approx(5.30, rel=0.05)
@@ -345,14 +359,14 @@ LORA_14B = dict(
 
 @pytest.mark.parametrize("fused", ["on", "off"])
 def test_14b_bf16_lora_on_32gib_offloads_by_default_and_keeps_bf16(fused):
-    plan = memory.plan_training(QWEN2_14B_EXAMPLE, cfg(**LORA_14B, fused_loss=fused))
+    plan = plan_training(shape_from_config(QWEN2_14B_EXAMPLE), cfg(**LORA_14B, fused_loss=fused))
     st = plan["strategy"]
     assert plan["fits"] and st["adapter"] == "lora" and 0 < st["offload_layers"] < 48
     assert st["micro_batch_size"] * st["gradient_accumulation_steps"] == 16
     assert plan["memory"]["predicted_total_gib"] <= 32 - plan["safety_margin_gib"]
     # The least offload that fits at that micro-batch: one layer fewer does not fit.
     fewer = {**st, "offload_layers": st["offload_layers"] - 1}
-    assert not memory.estimate(QWEN2_14B_EXAMPLE, cfg(**LORA_14B, fused_loss=fused), fewer)["fits"]
+    assert not estimate(shape_from_config(QWEN2_14B_EXAMPLE), cfg(**LORA_14B, fused_loss=fused), fewer)["fits"]
     # The plan says why: bf16 LoRA did not fit, not even at micro-batch 1; offload keeps bf16.
     assert "needs" in plan["reason"] and "micro-batch 1 x 16" in plan["reason"] and "keeps bf16" in plan["reason"]
     assert plan["fallback"] == ["offload", "qlora"]
@@ -363,78 +377,76 @@ def test_14b_bf16_lora_under_optimize_speed_streams_more_layers_to_checkpoint_fe
     more layers frees room for later layers' activations, whose recompute is saved, while the copies still hide
     behind the matmuls at the planning rates."""
     c = cfg(**{**LORA_14B, "gradient_checkpointing": None, "gradient_accumulation_steps": 1}, fused_loss="on")
-    plan = memory.plan_training(QWEN2_14B_EXAMPLE, c)
+    plan = plan_training(shape_from_config(QWEN2_14B_EXAMPLE), c)
     st, L = plan["strategy"], 48
     n, k = st["offload_layers"], st["checkpointed_layers"]
     assert plan["fits"] and st["adapter"] == "lora" and 0 < n <= k < L
     least = next(
         s
-        for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c)
-        if s.offload_layers and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"]
+        for s, _ in strategy.ladder(shape_from_config(QWEN2_14B_EXAMPLE), c)
+        if s.offload_layers and estimate(shape_from_config(QWEN2_14B_EXAMPLE), c, s)["fits"]
     )
     assert least.checkpointed_layers == L and least.offload_layers < n
-    chosen, rung = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (st, least.to_json()))
+    chosen, rung = (step_seconds(shape_from_config(QWEN2_14B_EXAMPLE), c, x) for x in (st, least.to_json()))
     assert chosen["step_s"] < 0.99 * rung["step_s"] and chosen["compute_s"] < rung["compute_s"]
     # The fewest checkpointed layers at that offload: one fewer does not fit.
-    assert not memory.estimate(QWEN2_14B_EXAMPLE, c, memory.with_checkpointing(st, k - 1))["fits"]
+    fewer = Strategy.from_json(st).with_checkpointing(k - 1)
+    assert not estimate(shape_from_config(QWEN2_14B_EXAMPLE), c, fewer)["fits"]
     assert f"streaming {n} layers instead of {least.offload_layers}" in plan["reason"]
     assert f"room for {L - k} layers' activations" in plan["reason"]
 
 
 def test_streaming_stops_where_the_copies_would_take_longer_than_the_matmuls(monkeypatch):
     c = cfg(**{**LORA_14B, "gradient_checkpointing": None, "gradient_accumulation_steps": 1}, fused_loss="on")
-    fast = memory.plan_training(QWEN2_14B_EXAMPLE, c)["strategy"]["offload_layers"]
+    fast = plan_training(shape_from_config(QWEN2_14B_EXAMPLE), c)["strategy"]["offload_layers"]
     monkeypatch.setattr(
         step_time, "PLAN_HOST_TO_DEVICE_GBPS", 2.5
     )  # a tenth of the bandwidth: streaming more never pays
-    slow = memory.plan_training(QWEN2_14B_EXAMPLE, c)["strategy"]
+    slow = plan_training(shape_from_config(QWEN2_14B_EXAMPLE), c)["strategy"]
     least = next(
         s
-        for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c)
-        if s.offload_layers and memory.estimate(QWEN2_14B_EXAMPLE, c, s)["fits"]
+        for s, _ in strategy.ladder(shape_from_config(QWEN2_14B_EXAMPLE), c)
+        if s.offload_layers and estimate(shape_from_config(QWEN2_14B_EXAMPLE), c, s)["fits"]
     )
     assert slow["offload_layers"] == least.offload_layers < fast
 
 
 def test_step_model_hides_copies_behind_compute_until_they_are_longer(monkeypatch):
     c = cfg(**{**LORA_14B, "gradient_accumulation_steps": 1}, fused_loss="on")
-    st = memory.with_checkpointing({**memory.strategy_from_config(c, 48), "offload_layers": 10}, 48)
+    st = Strategy.from_config(c, 48).replace(offload_layers=10).with_checkpointing(48)
     monkeypatch.setattr(step_time, "PLAN_HOST_TO_DEVICE_GBPS", 1e6)  # copies take no time: the matmuls alone
-    fast = memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)
+    fast = step_seconds(shape_from_config(QWEN2_14B_EXAMPLE), c, st)
     assert fast["step_s"] == pytest.approx(fast["compute_s"])
     # The same plan with every layer checkpointed costs one more forward per layer than with none.
     from loraship.planning import flops
 
-    none = memory.step_seconds(QWEN2_14B_EXAMPLE, c, memory.with_checkpointing({**st, "offload_layers": 0}, 0))
+    none = step_seconds(shape_from_config(QWEN2_14B_EXAMPLE), c, st.replace(offload_layers=0).with_checkpointing(0))
     forward = (
-        2
-        * 4096
-        * flops.recompute_flops_per_layer_token(QWEN2_14B_EXAMPLE, c, 4096)
-        / (memory.PLAN_EXECUTED_TFLOPS * 1e12)
+        2 * 4096 * flops.recompute_flops_per_layer_token(QWEN2_14B_EXAMPLE, c, 4096) / (PLAN_EXECUTED_TFLOPS * 1e12)
     )
     assert fast["compute_s"] - none["compute_s"] == pytest.approx(48 * forward)
     monkeypatch.setattr(step_time, "PLAN_HOST_TO_DEVICE_GBPS", 0.5)  # copies far slower: 10 layers, each copied twice
-    slow = memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)
-    layer_bytes = memory.parse_model_config(QWEN2_14B_EXAMPLE).layer_linear_params * 2
+    slow = step_seconds(shape_from_config(QWEN2_14B_EXAMPLE), c, st)
+    layer_bytes = shape_from_config(QWEN2_14B_EXAMPLE).layer_linear_params * 2
     assert slow["step_s"] > 2 * 10 * layer_bytes / 0.5e9 > fast["step_s"]
 
 
 def test_optimize_memory_and_explicit_checkpointing_keep_every_layer_checkpointed_under_offload():
     for extra in ({"optimize": "memory", "gradient_checkpointing": None}, {"gradient_checkpointing": True}):
         c = cfg(**{**LORA_14B, **extra, "gradient_accumulation_steps": 1}, fused_loss="on")
-        st = memory.plan_training(QWEN2_14B_EXAMPLE, c)["strategy"]
+        st = plan_training(shape_from_config(QWEN2_14B_EXAMPLE), c)["strategy"]
         assert st["adapter"] == "lora" and st["offload_layers"] and st["checkpointed_layers"] == 48, extra
 
 
 def test_14b_fallback_qlora_switches_to_qlora_without_offload():
-    plan = memory.plan_training(QWEN2_14B_EXAMPLE, cfg(**LORA_14B, fused_loss="on", fallback=["qlora"]))
+    plan = plan_training(shape_from_config(QWEN2_14B_EXAMPLE), cfg(**LORA_14B, fused_loss="on", fallback=["qlora"]))
     assert plan["fits"] and plan["strategy"]["adapter"] == "qlora" and plan["strategy"]["offload_layers"] == 0
     assert "rules out offload" in plan["reason"] and "precision change" in plan["reason"]
 
 
 def test_14b_empty_fallback_refuses_naming_shortfall_and_fix():
-    with pytest.raises(memory.PlanRefused) as e:
-        memory.plan_training(QWEN2_14B_EXAMPLE, cfg(**LORA_14B, fused_loss="on", fallback=[]))
+    with pytest.raises(PlanRefused) as e:
+        plan_training(shape_from_config(QWEN2_14B_EXAMPLE), cfg(**LORA_14B, fused_loss="on", fallback=[]))
     msg = str(e.value)
     assert "nothing fits gpu_memory_gib 32 GiB" in msg and "rules out offload and qlora" in msg
     assert "GiB too much" in msg and "fallback: [offload]" in msg and "fallback: [qlora]" in msg
@@ -442,10 +454,10 @@ def test_14b_empty_fallback_refuses_naming_shortfall_and_fix():
 
 @pytest.mark.parametrize("fused", ["on", "off"])
 def test_70b_on_8gib_is_refused_at_plan_time(fused):
-    with pytest.raises(memory.PlanRefused, match=r"nothing fits gpu_memory_gib 8 GiB.*Fix: .*at least \d+ GiB"):
-        memory.plan_training(LLAMA_70B, cfg(gpu_memory_gib=8, fused_loss=fused))
+    with pytest.raises(PlanRefused, match=r"nothing fits gpu_memory_gib 8 GiB.*Fix: .*at least \d+ GiB"):
+        plan_training(shape_from_config(LLAMA_70B), cfg(gpu_memory_gib=8, fused_loss=fused))
     # device: cpu trains without the GPU budget: the plan is returned, marked as not fitting.
-    plan = memory.plan_training(LLAMA_70B, cfg(gpu_memory_gib=8, fused_loss=fused, device="cpu"))
+    plan = plan_training(shape_from_config(LLAMA_70B), cfg(gpu_memory_gib=8, fused_loss=fused, device="cpu"))
     assert not plan["fits"] and plan["reason"].startswith("device: cpu")
 
 
@@ -453,7 +465,7 @@ def test_70b_on_8gib_is_refused_at_plan_time(fused):
 @pytest.mark.parametrize("adapter", ["lora", "qlora"])
 def test_qlora_is_never_combined_with_offload(mc, adapter):
     c = cfg(adapter=adapter, sequence_len=8192, micro_batch_size=4, gpu_memory_gib=16)
-    for strat, _why in strategy.ladder(memory.parse_model_config(mc), c):
+    for strat, _why in strategy.ladder(shape_from_config(mc), c):
         assert not (strat.adapter == "qlora" and strat.offload_layers), strat
 
 
@@ -461,8 +473,7 @@ def test_fallback_order_is_the_configured_order():
     def kinds(fallback):
         c = cfg(**LORA_14B, fallback=fallback)
         seen = [
-            ("offload" if s.offload_layers else s.adapter)
-            for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B), c)
+            ("offload" if s.offload_layers else s.adapter) for s, _ in strategy.ladder(shape_from_config(QWEN2_14B), c)
         ]
         return list(dict.fromkeys(k for k in seen if k != "lora"))
 
@@ -487,28 +498,28 @@ def test_fused_loss_auto_means_liger_importable_on_cuda(monkeypatch, setting, de
         knobs.importlib.util, "find_spec", lambda name: object() if importable and name == "liger_kernel" else None
     )
     c = cfg(fused_loss=setting)
-    assert memory.fused_loss_available(c, device) is expected
+    assert fused_loss_available(c, device) is expected
     if device == "cuda":  # the plan asks the same question for the GPU it plans
-        assert memory.strategy_from_config(c)["fused_loss"] is expected
+        assert Strategy.from_config(c).fused_loss is expected
 
 
 def test_small_model_fits_as_asked():
     c = cfg(sequence_len=2048, micro_batch_size=2, gradient_accumulation_steps=4)
-    plan = memory.plan_training(QWEN2_05B, c)
-    assert plan["fits"] and plan["strategy"] == memory.strategy_from_config(c, n_layers=24)
+    plan = plan_training(shape_from_config(QWEN2_05B), c)
+    assert plan["fits"] and plan["strategy"] == Strategy.from_config(c, n_layers=24).to_json()
     assert plan["reason"].startswith("as configured fits")
 
 
 def test_effective_batch_preserved_when_micro_batch_shrinks():
     c = cfg(sequence_len=4096, micro_batch_size=8, gradient_accumulation_steps=3, fused_loss="off")
-    plan = memory.plan_training(QWEN2_7B, c)
+    plan = plan_training(shape_from_config(QWEN2_7B), c)
     st = plan["strategy"]
     assert st["micro_batch_size"] < 8
     assert st["micro_batch_size"] * st["gradient_accumulation_steps"] == 24
 
 
 def test_plan_shape_and_components():
-    plan = memory.plan_training(LLAMA3_8B, cfg(adapter="qlora"))
+    plan = plan_training(shape_from_config(LLAMA3_8B), cfg(adapter="qlora"))
     assert set(plan) >= {"strategy", "fits", "budget_gib", "safety_margin_gib", "reason", "memory", "alternatives"}
     comps = plan["memory"]["components_gib"]
     for k in (
@@ -543,14 +554,14 @@ def test_plan_shape_and_components():
 @pytest.mark.parametrize("ckpt", [True, False])
 def test_replan_gets_strictly_smaller_or_none(mc, kw, ckpt):
     c = cfg(**kw, gradient_checkpointing=ckpt)
-    plan = memory.plan_training(mc, c)
+    plan = plan_training(shape_from_config(mc), c)
     seen = 0
     while plan is not None and seen < 400:
         measured = {
             "peak_reserved_gib": plan["memory"]["predicted_reserved_gib"] * 1.1,
             "peak_allocated_gib": plan["memory"]["predicted_allocated_gib"],
         }
-        nxt = memory.replan_after_oom(plan, mc, c, measured)
+        nxt = replan_after_oom(plan, shape_from_config(mc), c, measured)
         if nxt is None:
             break
         assert nxt["memory"]["predicted_total_gib"] < plan["memory"]["predicted_total_gib"]
@@ -565,7 +576,7 @@ def test_replan_gets_strictly_smaller_or_none(mc, kw, ckpt):
 
 
 def test_disk_and_inference():
-    d = memory.plan_disk_and_inference(LLAMA3_8B, cfg(target_context=4096, target_gpu_memory_gib=8))
+    d = plan_disk_and_inference(shape_from_config(LLAMA3_8B), cfg(target_context=4096, target_gpu_memory_gib=8))
     disk, inf = d["disk_gib"], d["inference"]
     assert disk["quantize"] < disk["convert"] and disk["total"] == pytest.approx(
         disk["merge"] + disk["convert"] + disk["quantize"], abs=0.02
@@ -573,7 +584,7 @@ def test_disk_and_inference():
     assert inf["kv_cache_gib"] == pytest.approx(2 * 32 * 4096 * 1024 * 2 / 2**30, abs=0.01)  # 0.5 GiB with GQA
     assert inf["total_gib"] > inf["gguf_gib"] + inf["kv_cache_gib"]
     assert inf["fits_target"] is True
-    longer = memory.plan_disk_and_inference(LLAMA3_8B, cfg(target_context=32768, target_gpu_memory_gib=8))
+    longer = plan_disk_and_inference(shape_from_config(LLAMA3_8B), cfg(target_context=32768, target_gpu_memory_gib=8))
     assert longer["inference"]["kv_cache_gib"] > inf["kv_cache_gib"] and not longer["inference"]["fits_target"]
 
 
@@ -584,7 +595,11 @@ def test_render_plan():
 
     c = cfg(sequence_len=4096)
     con = Console(record=True, width=140)
-    con.print(render_plan(memory.plan_training(QWEN2_14B, c), memory.plan_disk_and_inference(QWEN2_14B, c)))
+    con.print(
+        render_plan(
+            plan_training(shape_from_config(QWEN2_14B), c), plan_disk_and_inference(shape_from_config(QWEN2_14B), c)
+        )
+    )
     text = con.export_text()
     assert "frozen weights" in text and "safety margin" in text and "kv_cache" in text
 
@@ -619,7 +634,7 @@ def test_constants_still_match_the_gpu_measurements():
             gradient_checkpointing=sp["gradient_checkpointing"],
             fused_loss="on" if sp["fused_loss"] else "off",
         )
-        est = memory.estimate(shapes[sp["shape"]], c, memory.strategy_from_config(c), program="harness")
+        est = estimate(shape_from_config(shapes[sp["shape"]]), c, Strategy.from_config(c), program="harness")
         errs.append(abs(est["predicted_reserved_gib"] / row["measured_reserved_gib"] - 1))
         assert not (est["fits"] and row["oom_under_32gib_cap"]), row["config"]
     assert len(errs) >= 16
@@ -639,17 +654,18 @@ FAST_7B = dict(
 
 
 def test_fast_mode_checkpoints_the_fewest_layers_that_fit_and_more_as_the_budget_shrinks():
-    L = memory.parse_model_config(QWEN2_7B).L
+    L = shape_from_config(QWEN2_7B).L
     ks = []
     for budget in (200, 120, 80, 64, 48, 40, 36, 32):
         c = cfg(**FAST_7B, gpu_memory_gib=budget)
-        plan = memory.plan_training(QWEN2_7B, c)
+        plan = plan_training(shape_from_config(QWEN2_7B), c)
         st = plan["strategy"]
         k = st["checkpointed_layers"]
         assert plan["fits"] and (st["micro_batch_size"], st["adapter"], st["offload_layers"]) == (2, "lora", 0)
         assert st["gradient_checkpointing"] is (k > 0)  # the old key still means "any layer checkpointed"
         if k:  # one layer fewer does not fit: k is the smallest
-            assert not memory.estimate(QWEN2_7B, c, memory.with_checkpointing(st, k - 1))["fits"]
+            fewer = Strategy.from_json(st).with_checkpointing(k - 1)
+            assert not estimate(shape_from_config(QWEN2_7B), c, fewer)["fits"]
             assert f"checkpointing {k} of {L} layers to fit {budget} GiB" in plan["reason"]
         ks.append(k)
     assert ks == sorted(ks) and ks[0] == 0 and any(0 < k < L for k in ks) and len(set(ks)) > 3
@@ -657,10 +673,11 @@ def test_fast_mode_checkpoints_the_fewest_layers_that_fit_and_more_as_the_budget
 
 def test_checkpointing_more_layers_predicts_less_memory_and_the_ends_are_the_fitted_modes():
     c = cfg(**FAST_7B)
-    L = memory.parse_model_config(QWEN2_7B).L
-    user = memory.strategy_from_config(c, L)
+    L = shape_from_config(QWEN2_7B).L
+    user = Strategy.from_config(c, L)
     totals = [
-        memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, k))["predicted_total_gib"] for k in range(L + 1)
+        estimate(shape_from_config(QWEN2_7B), c, user.with_checkpointing(k))["predicted_total_gib"]
+        for k in range(L + 1)
     ]
     assert all(a > b for a, b in zip(totals[:-1], totals[1:-1]))
     # ...up to the last layer: its recompute would run right after the loss, beside all it would free, so
@@ -668,18 +685,22 @@ def test_checkpointing_more_layers_predicts_less_memory_and_the_ends_are_the_fit
     assert totals[L] > totals[L - 1]
     # k = 0 and k = L are the all-or-nothing modes the constants were fitted on, unchanged.
     for k, on in ((0, False), (L, True)):
-        legacy = {key: v for key, v in user.items() if key != "checkpointed_layers"} | {"gradient_checkpointing": on}
-        assert memory.estimate(QWEN2_7B, c, legacy) == memory.estimate(QWEN2_7B, c, memory.with_checkpointing(user, k))
+        legacy = {key: v for key, v in user.to_json().items() if key != "checkpointed_layers"} | {
+            "gradient_checkpointing": on
+        }
+        assert estimate(shape_from_config(QWEN2_7B), c, legacy) == estimate(
+            shape_from_config(QWEN2_7B), c, user.with_checkpointing(k)
+        )
 
 
 def test_lean_mode_checkpoints_every_layer_on_every_rung():
     c = cfg(**{**FAST_7B, "gradient_checkpointing": True}, gpu_memory_gib=80)
-    L = memory.parse_model_config(QWEN2_7B).L
-    plan = memory.plan_training(QWEN2_7B, c)
+    L = shape_from_config(QWEN2_7B).L
+    plan = plan_training(shape_from_config(QWEN2_7B), c)
     assert plan["strategy"]["checkpointed_layers"] == L and plan["reason"].startswith("as configured fits")
     assert all(
         st.checkpointed_layers == 48 and st.gradient_checkpointing
-        for st, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B), c)
+        for st, _ in strategy.ladder(shape_from_config(QWEN2_14B), c)
     )
     # The alternatives show what the fast mode would checkpoint instead.
     assert any(0 < a["checkpointed_layers"] < L and a["fits"] for a in plan["alternatives"])
@@ -687,12 +708,12 @@ def test_lean_mode_checkpoints_every_layer_on_every_rung():
 
 def test_fast_mode_falls_back_only_when_every_layer_checkpointed_does_not_fit():
     c = cfg(**LORA_14B, fused_loss="on", gradient_checkpointing=False)
-    plan = memory.plan_training(QWEN2_14B_EXAMPLE, c)
+    plan = plan_training(shape_from_config(QWEN2_14B_EXAMPLE), c)
     st = plan["strategy"]
     # As in the lean test above: bf16 LoRA does not fit, so offload, which keeps every layer checkpointed.
     assert 0 < st["offload_layers"] and st["checkpointed_layers"] == 48
     assert "checkpointing more layers" in plan["reason"] and "gradient checkpointing 48 of 48 layers" in plan["reason"]
-    for strat, _ in strategy.ladder(memory.parse_model_config(QWEN2_14B_EXAMPLE), c):
+    for strat, _ in strategy.ladder(shape_from_config(QWEN2_14B_EXAMPLE), c):
         if strat.offload_layers:
             assert strat.checkpointed_layers == 48
 
@@ -703,9 +724,9 @@ def test_render_plan_names_the_checkpointed_layers():
     from loraship.cli import render_plan
 
     c = cfg(**FAST_7B, gpu_memory_gib=32)
-    plan = memory.plan_training(QWEN2_7B, c)
+    plan = plan_training(shape_from_config(QWEN2_7B), c)
     con = Console(record=True, width=200)
-    con.print(render_plan(plan, memory.plan_disk_and_inference(QWEN2_7B, c)))
+    con.print(render_plan(plan, plan_disk_and_inference(shape_from_config(QWEN2_7B), c)))
     assert f"checkpointing {plan['strategy']['checkpointed_layers']} of 28 layers" in con.export_text()
 
 
@@ -717,16 +738,16 @@ def test_the_train_stage_keeps_less_per_layer_than_the_harness_with_liger_kernel
     # for o_proj's, which attention keeps), and a 1-byte dropout mask per module, against the harness's fp32
     # dropout output + mask per module.
     c = cfg(**FAST_7B, lora_dropout=0.05)
-    st = memory.with_checkpointing(memory.strategy_from_config(c), 0)
-    stage, harness = (memory.estimate(QWEN2_7B, c, st, program=p) for p in ("train-stage", "harness"))
-    s = memory.parse_model_config(QWEN2_7B)
+    st = Strategy.from_config(c).with_checkpointing(0)
+    stage, harness = (estimate(shape_from_config(QWEN2_7B), c, st, program=p) for p in ("train-stage", "harness"))
+    s = shape_from_config(QWEN2_7B)
     T = c.micro_batch_size * c.sequence_len
     lin = s.linears()
-    assert set(lin) == set(memory.target_names(c, s))  # all-linear
+    assert set(lin) == set(target_names(c, s))  # all-linear
     # attention input and MLP input; down_proj's is rebuilt from the SwiGLU's gate and up (SwiGLUDownLora)
     shared_inputs = 2 * (s.h + s.h)
     lora_saved = (
-        sum(memory.CAL["lora_input_dropout"] * i + 4 * c.lora_r for i, _ in lin.values())
+        sum(CAL["lora_input_dropout"] * i + 4 * c.lora_r for i, _ in lin.values())
         - shared_inputs
         - sum(i + 2 * c.lora_r for i, _ in lin.values())
     )
@@ -734,44 +755,37 @@ def test_the_train_stage_keeps_less_per_layer_than_the_harness_with_liger_kernel
         stage["components_gib"]["saved_activations_all_layers"],
         harness["components_gib"]["saved_activations_all_layers"],
     )
-    assert (
-        abs((saved[1] - saved[0]) * 2**30 - s.L * T * (4 * s.h + 2 * s.f + lora_saved) * memory.CAL["layer"]) < 2**20
-    )
-    assert stage["components_gib"]["allocator_reserve"] == memory.CAL["reserve_expandable_gib"]
+    assert abs((saved[1] - saved[0]) * 2**30 - s.L * T * (4 * s.h + 2 * s.f + lora_saved) * CAL["layer"]) < 2**20
+    assert stage["components_gib"]["allocator_reserve"] == CAL["reserve_expandable_gib"]
     hf = cfg(**{**FAST_7B, "fused_loss": "off", "lora_dropout": 0.05})  # no Liger: the LoRA difference only
-    st_hf = memory.with_checkpointing(memory.strategy_from_config(hf), 0)
+    st_hf = Strategy.from_config(hf).with_checkpointing(0)
     saved_hf = (
-        memory.estimate(QWEN2_7B, hf, st_hf, program=p)["components_gib"]["saved_activations_all_layers"]
+        estimate(shape_from_config(QWEN2_7B), hf, st_hf, program=p)["components_gib"]["saved_activations_all_layers"]
         for p in ("train-stage", "harness")
     )
     # without Liger's SwiGLU the stage keeps down_proj's input for its LoRA too
-    assert (
-        abs((-next(saved_hf) + next(saved_hf)) * 2**30 - s.L * T * (lora_saved - 2 * s.f) * memory.CAL["layer"])
-        < 2**20
-    )
+    assert abs((-next(saved_hf) + next(saved_hf)) * 2**30 - s.L * T * (lora_saved - 2 * s.f) * CAL["layer"]) < 2**20
 
 
 def test_the_train_stage_reserves_part_of_the_hf_loss_transient(monkeypatch):
     # HF cross-entropy's fp32 blocks stay mapped between steps under expandable segments; Liger's fused loss has none.
-    monkeypatch.setitem(memory.CAL, "reserve_hf_loss_expandable", 0.25)
+    monkeypatch.setitem(CAL, "reserve_hf_loss_expandable", 0.25)
     hf, fused = (cfg(**{**FAST_7B, "fused_loss": f}) for f in ("off", "on"))
     est_hf, est_fused = (
-        memory.estimate(QWEN2_7B, c, memory.strategy_from_config(c), program="train-stage") for c in (hf, fused)
+        estimate(shape_from_config(QWEN2_7B), c, Strategy.from_config(c), program="train-stage") for c in (hf, fused)
     )
     loss = est_hf["components_gib"]["logits_and_cross_entropy"]
     assert est_hf["components_gib"]["allocator_reserve"] == pytest.approx(
-        memory.CAL["reserve_expandable_gib"] + 0.25 * loss, abs=0.01
+        CAL["reserve_expandable_gib"] + 0.25 * loss, abs=0.01
     )
-    assert est_fused["components_gib"]["allocator_reserve"] == pytest.approx(
-        memory.CAL["reserve_expandable_gib"], abs=0.01
-    )
+    assert est_fused["components_gib"]["allocator_reserve"] == pytest.approx(CAL["reserve_expandable_gib"], abs=0.01)
     # ...but the allocator hands that cache back under pressure: it is not part of what the card must hold.
     assert (
         est_hf["reclaimable_cache_gib"] == pytest.approx(0.25 * loss, abs=0.01)
         and est_fused["reclaimable_cache_gib"] == 0
     )
-    monkeypatch.setitem(memory.CAL, "reserve_hf_loss_expandable", 0.0)
-    again = memory.estimate(QWEN2_7B, hf, memory.strategy_from_config(hf), program="train-stage")
+    monkeypatch.setitem(CAL, "reserve_hf_loss_expandable", 0.0)
+    again = estimate(shape_from_config(QWEN2_7B), hf, Strategy.from_config(hf), program="train-stage")
     assert est_hf["predicted_reserved_gib"] - again["predicted_reserved_gib"] == pytest.approx(0.25 * loss, abs=0.02)
     assert est_hf["predicted_total_gib"] == pytest.approx(again["predicted_total_gib"], abs=1e-6)
     assert est_hf["fits"] == again["fits"]
@@ -786,23 +800,23 @@ def test_the_train_stage_reserves_part_of_the_hf_loss_transient(monkeypatch):
 )
 def test_lora_modules_reading_one_tensor_keep_it_once_under_autocast(targets, expected):
     c = cfg(lora_target_modules=targets, lora_dropout=0.0, lora_r=64)
-    s = memory.parse_model_config(QWEN2_7B)
-    names = memory.target_names(c)
-    assert memory.lora_saved_per_token(s, c, names, "train-stage") == expected(s, 64)
+    s = shape_from_config(QWEN2_7B)
+    names = target_names(c)
+    assert lora_saved_per_token(s, c, names, "train-stage") == expected(s, 64)
     # Under Liger's SwiGLU, down_proj's input is rebuilt from gate and up in backward (fused_lora.SwiGLUDownLora).
     down = 2 * s.f if "down_proj" in names else 0
-    assert memory.lora_saved_per_token(s, c, names, "train-stage", liger=True) == expected(s, 64) - down
+    assert lora_saved_per_token(s, c, names, "train-stage", liger=True) == expected(s, 64) - down
     # The harness: an fp32 copy of the input per module, fp32 lora_A output.
-    assert memory.lora_saved_per_token(s, c, names, "harness") == sum(4 * s.linears()[n][0] + 4 * 64 for n in names)
+    assert lora_saved_per_token(s, c, names, "harness") == sum(4 * s.linears()[n][0] + 4 * 64 for n in names)
 
 
 def test_streamed_layer_copies_count_at_a_layer_peak_not_at_the_fused_loss():
     c = cfg(**LORA_14B, fused_loss="on")
-    st = {**memory.strategy_from_config(c), "offload_layers": 16}
-    est = memory.estimate(QWEN2_14B_EXAMPLE, c, st)
-    s = memory.parse_model_config(QWEN2_14B_EXAMPLE)
+    st = Strategy.from_config(c).replace(offload_layers=16)
+    est = estimate(shape_from_config(QWEN2_14B_EXAMPLE), c, st)
+    s = shape_from_config(QWEN2_14B_EXAMPLE)
     assert est["components_gib"]["streamed_layer_copies"] == round(2 * s.layer_linear_params * 2 / 2**30, 3)
-    resident = memory.estimate(QWEN2_14B_EXAMPLE, c, {**st, "offload_layers": 0})
+    resident = estimate(shape_from_config(QWEN2_14B_EXAMPLE), c, st.replace(offload_layers=0))
     drop = resident["components_gib"]["frozen_weights"] - est["components_gib"]["frozen_weights"]
     assert abs(drop - 16 * s.layer_linear_params * 2 / 2**30) < 1e-2
 
@@ -821,57 +835,63 @@ LEAN_7B = dict(
 
 
 def test_offloaded_activations_leave_two_layers_inputs_on_the_gpu():
-    s = memory.parse_model_config(QWEN2_7B)
+    s = shape_from_config(QWEN2_7B)
     T = 2 * 4096
     on, off = (
-        memory.estimate(
-            QWEN2_7B,
+        estimate(
+            shape_from_config(QWEN2_7B),
             cfg(**LEAN_7B, offload_activations=v),
-            memory.strategy_from_config(cfg(**LEAN_7B, offload_activations=v), s.L),
+            Strategy.from_config(cfg(**LEAN_7B, offload_activations=v), s.L),
         )
         for v in ("on", "off")
     )
-    assert on["components_gib"]["checkpointed_activations"] == round(memory.CAL["keep"] * T * 2 * s.h * 2 / 2**30, 3)
+    assert on["components_gib"]["checkpointed_activations"] == round(CAL["keep"] * T * 2 * s.h * 2 / 2**30, 3)
     assert on["activations_in_cpu_memory_gib"] == round(T * 2 * s.h * s.L / 2**30, 3)
     assert off["activations_in_cpu_memory_gib"] == 0
     saved = off["predicted_reserved_gib"] - on["predicted_reserved_gib"]
-    assert saved == pytest.approx(memory.CAL["keep"] * T * 2 * s.h * (s.L - 2) / 2**30, rel=1e-6)
+    assert saved == pytest.approx(CAL["keep"] * T * 2 * s.h * (s.L - 2) / 2**30, rel=1e-6)
 
 
 def test_auto_offloads_activations_before_shrinking_the_batch_and_off_never_does():
     assert cfg(**LEAN_7B).offload_activations == "auto"  # the default since its CUDA path ran on the H200
     c = cfg(**LEAN_7B, offload_activations="auto")
-    s = memory.parse_model_config(QWEN2_7B)
-    user = memory.strategy_from_config(c, s.L)
-    assert user["offload_activations"] is False  # auto: only when it is what makes the plan fit
-    with_acts = memory.estimate(QWEN2_7B, c, {**user, "offload_activations": True})["predicted_total_gib"]
+    s = shape_from_config(QWEN2_7B)
+    user = Strategy.from_config(c, s.L)
+    assert user.offload_activations is False  # auto: only when it is what makes the plan fit
+    with_acts = estimate(shape_from_config(QWEN2_7B), c, user.replace(offload_activations=True))["predicted_total_gib"]
     budget = strategy._card_needed_gib(with_acts) + 0.01  # fits with activations in CPU memory, not without
-    assert not memory.estimate(QWEN2_7B, cfg(**LEAN_7B, gpu_memory_gib=budget), user)["fits"]
-    plan = memory.plan_training(QWEN2_7B, cfg(**LEAN_7B, gpu_memory_gib=budget, offload_activations="auto"))
+    assert not estimate(shape_from_config(QWEN2_7B), cfg(**LEAN_7B, gpu_memory_gib=budget), user)["fits"]
+    plan = plan_training(
+        shape_from_config(QWEN2_7B), cfg(**LEAN_7B, gpu_memory_gib=budget, offload_activations="auto")
+    )
     st = plan["strategy"]
     assert st["offload_activations"] and st["micro_batch_size"] == 2 and st["offload_layers"] == 0
     assert "activations kept in CPU memory" in plan["reason"]
-    refused = memory.plan_training(QWEN2_7B, cfg(**LEAN_7B, gpu_memory_gib=budget, offload_activations="off"))
+    refused = plan_training(
+        shape_from_config(QWEN2_7B), cfg(**LEAN_7B, gpu_memory_gib=budget, offload_activations="off")
+    )
     assert not refused["strategy"].get("offload_activations") and refused["strategy"]["micro_batch_size"] == 1
 
 
 def test_a_refusal_with_activations_barred_names_offload_activations_as_the_fix():
     # micro-batch 1 x 1 and fallback []: nothing but checkpointed activations in CPU memory could make it fit.
     single = dict(LEAN_7B, micro_batch_size=1, gradient_accumulation_steps=1, fallback=[])
-    user = memory.strategy_from_config(cfg(**single), memory.parse_model_config(QWEN2_7B).L)
-    with_acts = memory.estimate(QWEN2_7B, cfg(**single), {**user, "offload_activations": True})["predicted_total_gib"]
+    user = Strategy.from_config(cfg(**single), shape_from_config(QWEN2_7B).L)
+    with_acts = estimate(shape_from_config(QWEN2_7B), cfg(**single), user.replace(offload_activations=True))[
+        "predicted_total_gib"
+    ]
     budget = strategy._card_needed_gib(with_acts) + 0.01
-    with pytest.raises(memory.PlanRefused, match="set offload_activations: auto"):
-        memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget, offload_activations="off"))
-    assert memory.plan_training(QWEN2_7B, cfg(**single, gpu_memory_gib=budget, offload_activations="auto"))[
-        "strategy"
-    ]["offload_activations"]
+    with pytest.raises(PlanRefused, match="set offload_activations: auto"):
+        plan_training(shape_from_config(QWEN2_7B), cfg(**single, gpu_memory_gib=budget, offload_activations="off"))
+    assert plan_training(
+        shape_from_config(QWEN2_7B), cfg(**single, gpu_memory_gib=budget, offload_activations="auto")
+    )["strategy"]["offload_activations"]
 
 
 def test_offload_activations_on_applies_to_every_rung_that_checkpoints():
     # fast mode (no checkpointing asked) with `on`: whatever the ladder checkpoints waits in CPU memory.
     c = cfg(**{**LEAN_7B, "gradient_checkpointing": False}, offload_activations="on")
-    for strat, _why in strategy.ladder(memory.parse_model_config(QWEN2_7B), c):
+    for strat, _why in strategy.ladder(shape_from_config(QWEN2_7B), c):
         assert strat.offload_activations == (strat.checkpointed(28) > 0), strat
 
 
@@ -884,20 +904,25 @@ def mode(**kw) -> Config:
 def test_optimize_speed_is_the_default_and_checkpoints_the_fewest_layers_that_fit():
     c = mode(**LEAN_7B, gpu_memory_gib=32)
     assert c.optimize == "speed" and c.gradient_checkpointing is None
-    plan = memory.plan_training(QWEN2_7B, c)
-    st, L = plan["strategy"], memory.parse_model_config(QWEN2_7B).L
+    plan = plan_training(shape_from_config(QWEN2_7B), c)
+    st, L = plan["strategy"], shape_from_config(QWEN2_7B).L
     k = st["checkpointed_layers"]
     assert 0 < k < L and not st["offload_activations"] and st["micro_batch_size"] == 2 and st["adapter"] == "lora"
-    assert plan["memory"]["predicted_total_gib"] <= 32 - memory.safety_margin_gib(32)
+    assert plan["memory"]["predicted_total_gib"] <= 32 - safety_margin_gib(32)
     # one layer fewer would not fit: the fastest strategy that fits the budget with its margin
-    assert not memory.estimate(QWEN2_7B, c, memory.with_checkpointing(st, k - 1))["fits"]
+    assert not estimate(shape_from_config(QWEN2_7B), c, Strategy.from_json(st).with_checkpointing(k - 1))["fits"]
     # a card with room checkpoints nothing
-    assert memory.plan_training(QWEN2_7B, mode(**LEAN_7B, gpu_memory_gib=80))["strategy"]["checkpointed_layers"] == 0
+    assert (
+        plan_training(shape_from_config(QWEN2_7B), mode(**LEAN_7B, gpu_memory_gib=80))["strategy"][
+            "checkpointed_layers"
+        ]
+        == 0
+    )
 
 
 def test_optimize_memory_gives_the_least_memory():
-    speed = memory.plan_training(QWEN2_7B, mode(**LEAN_7B, gpu_memory_gib=32))
-    lean = memory.plan_training(QWEN2_7B, mode(**LEAN_7B, gpu_memory_gib=32, optimize="memory"))
+    speed = plan_training(shape_from_config(QWEN2_7B), mode(**LEAN_7B, gpu_memory_gib=32))
+    lean = plan_training(shape_from_config(QWEN2_7B), mode(**LEAN_7B, gpu_memory_gib=32, optimize="memory"))
     st = lean["strategy"]
     # every layer checkpointed (the test below)
     assert st["checkpointed_layers"] == 28 and st["offload_activations"] is True and st["micro_batch_size"] == 2
@@ -905,8 +930,8 @@ def test_optimize_memory_gives_the_least_memory():
     # nothing on the ladder of the same adapter and batch predicts less
     c = mode(**LEAN_7B, gpu_memory_gib=32, optimize="memory")
     least = min(
-        memory.estimate(QWEN2_7B, c, s)["predicted_total_gib"]
-        for s, _ in strategy.ladder(memory.parse_model_config(QWEN2_7B), c)
+        estimate(shape_from_config(QWEN2_7B), c, s)["predicted_total_gib"]
+        for s, _ in strategy.ladder(shape_from_config(QWEN2_7B), c)
         if s.adapter == "lora" and not s.offload_layers and s.micro_batch_size == 2
     )
     assert lean["memory"]["predicted_total_gib"] == pytest.approx(least, abs=0.01)
@@ -924,13 +949,13 @@ def test_optimize_memory_gives_the_least_memory():
 )
 def test_optimize_is_overridden_by_the_knobs_that_are_set(kw, every, acts):
     c = mode(**LEAN_7B, **kw)
-    user = memory.strategy_from_config(c, 28)
-    assert memory.checkpoint_every_layer(c) is every and user["checkpointed_layers"] == (28 if every else 0)
-    assert user["offload_activations"] is acts
+    user = Strategy.from_config(c, 28)
+    assert checkpoint_every_layer(c) is every and user.checkpointed_layers == (28 if every else 0)
+    assert user.offload_activations is acts
 
 
 def test_optimize_speed_keeps_bf16_for_the_14b_on_32_gib():
-    plan = memory.plan_training(QWEN2_14B_EXAMPLE, mode(**LORA_14B, gpu_memory_gib=32, fused_loss="on"))
+    plan = plan_training(shape_from_config(QWEN2_14B_EXAMPLE), mode(**LORA_14B, gpu_memory_gib=32, fused_loss="on"))
     assert plan["strategy"]["adapter"] == "lora" and plan["fits"]
 
 
@@ -970,7 +995,7 @@ def test_optimize_memory_checkpoints_every_layer():
     """optimize: memory is the least memory: every layer checkpointed, inputs in CPU memory, even the last, whose
     activations the estimate once counted as free under the loss and which measured 0.06-0.16 GiB more on the GPU
     (README, "A recompute without down_proj's GEMM"). gradient_checkpointing: true means the same."""
-    L = memory.parse_model_config(QWEN2_7B).L
+    L = shape_from_config(QWEN2_7B).L
     for targets in (["q_proj", "v_proj", "o_proj"], "all-linear"):
         for adapter in ("lora", "qlora"):
             c = cfg(
@@ -979,11 +1004,11 @@ def test_optimize_memory_checkpoints_every_layer():
                 adapter=adapter,
                 gpu_memory_gib=32,
             )
-            plan = memory.plan_training(QWEN2_7B, c)
+            plan = plan_training(shape_from_config(QWEN2_7B), c)
             assert plan["strategy"]["checkpointed_layers"] == L, (targets, adapter)
             assert plan["strategy"]["offload_activations"]
-            explicit = memory.plan_training(
-                QWEN2_7B,
+            explicit = plan_training(
+                shape_from_config(QWEN2_7B),
                 cfg(**{**FAST_7B, "gradient_checkpointing": True, "lora_target_modules": targets}, adapter=adapter),
             )
             assert explicit["strategy"]["checkpointed_layers"] == L
@@ -993,13 +1018,15 @@ def test_lora_gradients_are_not_at_a_peak_that_comes_before_backward_writes_them
     # tasks/train.py sets gradients to None after each step: with k < L layers checkpointed and no accumulation the
     # peak (the loss, the last layer's backward) holds none; every layer checkpointed, or accumulating, it holds them.
     c = cfg(**{**FAST_7B, "gradient_accumulation_steps": 1})
-    L = memory.parse_model_config(QWEN2_7B).L
-    base = memory.strategy_from_config(c, L)
-    lora_g = memory.estimate(QWEN2_7B, c, base)["components_gib"]["lora_weights"]  # gradients: as many bytes (fp32)
+    L = shape_from_config(QWEN2_7B).L
+    base = Strategy.from_config(c, L)
+    lora_g = estimate(shape_from_config(QWEN2_7B), c, base)["components_gib"][
+        "lora_weights"
+    ]  # gradients: as many bytes (fp32)
 
     def gap(k, accumulation=1, program="train-stage"):
-        st = {**memory.with_checkpointing(base, k), "gradient_accumulation_steps": accumulation}
-        est = memory.estimate(QWEN2_7B, c, st, program=program)
+        st = base.with_checkpointing(k).replace(gradient_accumulation_steps=accumulation)
+        est = estimate(shape_from_config(QWEN2_7B), c, st, program=program)
         parts = est["components_gib"]
         return est["predicted_allocated_gib"] - sum(
             parts[n] for n in ("frozen_weights", "lora_weights", "optimizer_state", "lora_gradients")
@@ -1017,16 +1044,22 @@ def test_fused_loss_transient_is_bf16_logits_of_one_chunk_and_three_hidden_sized
     # Liger's fused linear cross-entropy at the chunk_mem_const train passes it, 2: 8192 rows / ceil(152064 / 7168)
     # = 372 -> one chunk of 512 rows of bf16 logits, whose gradient its kernel writes in place (no fp32 copy);
     # the final norm's input (kept for its backward) and output, and the input gradient: bf16, T x h each.
-    s = memory.parse_model_config(QWEN2_7B)
-    assert memory.fused_loss_transient(8192, s) == 512 * 152064 * 2 + 3 * 2 * 8192 * 3584
+    s = shape_from_config(QWEN2_7B)
+    assert fused_loss_transient(8192, s) == 512 * 152064 * 2 + 3 * 2 * 8192 * 3584
 
 
 def test_streamed_layers_are_the_first_n_or_spread_evenly_over_the_checkpointed_ones():
-    base = {"adapter": "lora", "micro_batch_size": 1, "gradient_accumulation_steps": 1, "fused_loss": True}
-    first = memory.with_checkpointing({**base, "offload_layers": 5}, 12)
-    assert memory.streamed_layers(first, 48) == [0, 1, 2, 3, 4]
-    assert memory.streamed_layers({**first, "offload_layers": 0, "offload_spread": True}, 48) == []
-    assert memory.streamed_layers(memory.with_checkpointing({**first, "offload_spread": True}, 5), 48) == [
+    base = {
+        "adapter": "lora",
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 1,
+        "fused_loss": True,
+        "gradient_checkpointing": True,
+    }
+    first = Strategy.from_json({**base, "offload_layers": 5}).with_checkpointing(12)
+    assert first.streamed(48) == [0, 1, 2, 3, 4]
+    assert first.replace(offload_layers=0, offload_spread=True).streamed(48) == []
+    assert first.replace(offload_spread=True).with_checkpointing(5).streamed(48) == [
         0,
         1,
         2,
@@ -1034,8 +1067,10 @@ def test_streamed_layers_are_the_first_n_or_spread_evenly_over_the_checkpointed_
         4,
     ]
     for n, k in [(5, 12), (17, 40), (21, 36), (47, 48), (1, 48)]:
-        spread = memory.streamed_layers(
-            memory.with_checkpointing({**base, "offload_layers": n, "offload_spread": True}, k), 48
+        spread = (
+            Strategy.from_json({**base, "offload_layers": n, "offload_spread": True})
+            .with_checkpointing(k)
+            .streamed(48)
         )
         gaps = [b - a for a, b in zip(spread, spread[1:])]
         assert len(spread) == n and spread[0] == 0 and spread[-1] + 1 < k  # the layer after the last one recomputes
@@ -1044,19 +1079,21 @@ def test_streamed_layers_are_the_first_n_or_spread_evenly_over_the_checkpointed_
 
 def test_spreading_the_streamed_layers_hides_copies_longer_than_one_layers_forward(monkeypatch):
     c = cfg(**{**LORA_14B, "gradient_checkpointing": None, "gradient_accumulation_steps": 1}, fused_loss="on")
-    first = memory.with_checkpointing({**memory.strategy_from_config(c, 48), "offload_layers": 21}, 36)
-    spread = {**first, "offload_spread": True}
-    a, b = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (first, spread))
+    first = Strategy.from_config(c, 48).replace(offload_layers=21).with_checkpointing(36)
+    spread = first.replace(offload_spread=True)
+    a, b = (step_seconds(shape_from_config(QWEN2_14B_EXAMPLE), c, x) for x in (first, spread))
     assert a["compute_s"] == b["compute_s"] and b["step_s"] < a["step_s"] - 0.02  # a 14B layer's copy > its forward
-    assert memory.estimate(QWEN2_14B_EXAMPLE, c, first) == memory.estimate(QWEN2_14B_EXAMPLE, c, spread)
+    assert estimate(shape_from_config(QWEN2_14B_EXAMPLE), c, first) == estimate(
+        shape_from_config(QWEN2_14B_EXAMPLE), c, spread
+    )
     monkeypatch.setattr(step_time, "PLAN_HOST_TO_DEVICE_GBPS", 1e6)  # free copies: the layout does not matter
-    a, b = (memory.step_seconds(QWEN2_14B_EXAMPLE, c, x) for x in (first, spread))
+    a, b = (step_seconds(shape_from_config(QWEN2_14B_EXAMPLE), c, x) for x in (first, spread))
     assert a["step_s"] == pytest.approx(b["step_s"]) == pytest.approx(a["compute_s"])
 
 
 def test_the_speed_plan_spreads_its_streamed_layers_unless_told_not_to(monkeypatch):
     c = cfg(**{**LORA_14B, "gradient_checkpointing": None, "gradient_accumulation_steps": 1}, fused_loss="on")
-    plan = memory.plan_training(QWEN2_14B_EXAMPLE, c)
+    plan = plan_training(shape_from_config(QWEN2_14B_EXAMPLE), c)
     st = plan["strategy"]
     assert st.get("offload_spread") is True and 0 < st["offload_layers"] < st["checkpointed_layers"] < 48
     assert f"spread over the first {st['checkpointed_layers']}" in plan["reason"]
@@ -1065,18 +1102,18 @@ def test_the_speed_plan_spreads_its_streamed_layers_unless_told_not_to(monkeypat
     from loraship.cli import render_plan
 
     con = Console(record=True, width=400)
-    con.print(render_plan(plan, memory.plan_disk_and_inference(QWEN2_14B_EXAMPLE, c)))
+    con.print(render_plan(plan, plan_disk_and_inference(shape_from_config(QWEN2_14B_EXAMPLE), c)))
     words = (
         f"{st['offload_layers']} of 48 decoder layers' frozen weights streamed from CPU memory (spread over the "
         f"first {st['checkpointed_layers']})"
     )
     assert words in con.export_text()
     monkeypatch.setenv("LORASHIP_OFFLOAD_SPREAD", "0")  # bench/train_bench.py's loraship-contiguous
-    contiguous = memory.plan_training(QWEN2_14B_EXAMPLE, c)
+    contiguous = plan_training(shape_from_config(QWEN2_14B_EXAMPLE), c)
     assert "offload_spread" not in contiguous["strategy"] and "spread" not in contiguous["reason"]
     assert (
-        memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)["step_s"]
-        < memory.step_seconds(QWEN2_14B_EXAMPLE, c, contiguous["strategy"])["step_s"]
+        step_seconds(shape_from_config(QWEN2_14B_EXAMPLE), c, st)["step_s"]
+        < step_seconds(shape_from_config(QWEN2_14B_EXAMPLE), c, contiguous["strategy"])["step_s"]
     )
 
 
@@ -1087,21 +1124,21 @@ def test_the_least_memory_plan_spreads_its_streamed_layers_at_no_memory_cost(mon
         **{**LORA_14B, "optimize": "memory", "gradient_checkpointing": None, "gradient_accumulation_steps": 1},
         fused_loss="on",
     )
-    plan = memory.plan_training(QWEN2_14B_EXAMPLE, c)
+    plan = plan_training(shape_from_config(QWEN2_14B_EXAMPLE), c)
     st = plan["strategy"]
     n = st["offload_layers"]
     assert st["offload_spread"] is True and st["checkpointed_layers"] == 48 and 0 < n < 48
-    assert memory.streamed_layers(st, 48) == [j * 48 // n for j in range(n)]
+    assert Strategy.from_json(st).streamed(48) == [j * 48 // n for j in range(n)]
     assert (
         f"its {n} streamed layers spread over the first 48" in plan["reason"] and "the same memory" in plan["reason"]
     )
     monkeypatch.setenv("LORASHIP_OFFLOAD_SPREAD", "0")
-    first = memory.plan_training(QWEN2_14B_EXAMPLE, c)
+    first = plan_training(shape_from_config(QWEN2_14B_EXAMPLE), c)
     assert first["strategy"] == {k: v for k, v in st.items() if k != "offload_spread"}
     assert first["memory"] == plan["memory"]
     assert (
-        memory.step_seconds(QWEN2_14B_EXAMPLE, c, st)["step_s"]
-        < memory.step_seconds(QWEN2_14B_EXAMPLE, c, first["strategy"])["step_s"]
+        step_seconds(shape_from_config(QWEN2_14B_EXAMPLE), c, st)["step_s"]
+        < step_seconds(shape_from_config(QWEN2_14B_EXAMPLE), c, first["strategy"])["step_s"]
     )
 
 
@@ -1123,6 +1160,8 @@ def test_a_refusal_offers_no_liger_install_for_a_model_type_liger_has_no_fused_l
         attention_multiplier=0.0078125,
     )
     (tmp_path / "config.json").write_text(json.dumps(granite))
-    with pytest.raises(memory.PlanRefused) as e:
-        memory.plan_training(granite, cfg(base_model=str(tmp_path), gpu_memory_gib=8, fused_loss="auto", fallback=[]))
+    with pytest.raises(PlanRefused) as e:
+        plan_training(
+            shape_from_config(granite), cfg(base_model=str(tmp_path), gpu_memory_gib=8, fused_loss="auto", fallback=[])
+        )
     assert "nothing fits gpu_memory_gib 8 GiB" in str(e.value) and "install liger-kernel" not in str(e.value)

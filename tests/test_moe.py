@@ -98,10 +98,10 @@ def _one_step(loaded, expected: int):
 
 def test_expert_gradient_check_records_every_expert(moe_model, tmp_path):
     import loraship.stages.train as train
-    from loraship.planning import memory
+    from loraship.planning.strategy_record import Strategy
 
     config = _config(moe_model, tmp_path)
-    loaded = train.load_model(moe_model, config, memory.strategy_from_config(config, 2), "cpu")
+    loaded = train.load_model(moe_model, config, Strategy.from_config(config, 2), "cpu")
     assert len(loaded.experts.tensors) == 4 and loaded.experts.router == ()
     router = [p for n, p in loaded.model.named_parameters() if ".mlp.gate." in n]
     assert router and not any(p.requires_grad for p in router)  # frozen without train_router
@@ -112,10 +112,10 @@ def test_expert_gradient_check_records_every_expert(moe_model, tmp_path):
 
 def test_train_router_adapts_the_router(moe_model, tmp_path):
     import loraship.stages.train as train
-    from loraship.planning import memory
+    from loraship.planning.strategy_record import Strategy
 
     config = _config(moe_model, tmp_path, train_router=True)
-    loaded = train.load_model(moe_model, config, memory.strategy_from_config(config, 2), "cpu")
+    loaded = train.load_model(moe_model, config, Strategy.from_config(config, 2), "cpu")
     assert loaded.experts.router == ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight")
     assert any(".mlp.gate.lora_A." in n for n, p in loaded.model.named_parameters() if p.requires_grad)
 
@@ -124,24 +124,24 @@ def test_expert_gradient_check_fails_when_experts_are_excluded(moe_model, tmp_pa
     """The plan adapts the experts, but the model trained has no expert LoRA (PEFT matched none): the first optimizer
     step fails the run instead of shipping untrained experts."""
     import loraship.stages.train as train
-    from loraship.planning import memory
+    from loraship.planning.strategy_record import Strategy
     from loraship.training import model_loading
 
     real = model_loading.lora_config
     monkeypatch.setattr(model_loading, "lora_config", lambda model_dir, config, parameters=(): real(model_dir, config))
     config = _config(moe_model, tmp_path)
-    loaded = train.load_model(moe_model, config, memory.strategy_from_config(config, 2), "cpu")
+    loaded = train.load_model(moe_model, config, Strategy.from_config(config, 2), "cpu")
     with pytest.raises(LorashipError, match=r"adapts 4 stacked expert tensor\(s\) with LoRA, but .* LoRA on none"):
         _one_step(loaded, len(loaded.experts.tensors))
 
 
 def test_expert_gradient_check_fails_when_no_expert_was_reached(moe_model, tmp_path, monkeypatch):
     import loraship.stages.train as train
-    from loraship.planning import memory
+    from loraship.planning.strategy_record import Strategy
     from loraship.training import experts
 
     config = _config(moe_model, tmp_path)
-    loaded = train.load_model(moe_model, config, memory.strategy_from_config(config, 2), "cpu")
+    loaded = train.load_model(moe_model, config, Strategy.from_config(config, 2), "cpu")
     monkeypatch.setattr(experts, "_reached", lambda module: [False] * module.num_experts)
     with pytest.raises(LorashipError, match=r"no expert's LoRA had a gradient \(4 expert tensors, 32 experts\)"):
         _one_step(loaded, 4)
@@ -149,11 +149,11 @@ def test_expert_gradient_check_fails_when_no_expert_was_reached(moe_model, tmp_p
 
 def test_qlora_stores_every_expert_in_4_bits(moe_model, tmp_path):
     import loraship.stages.train as train
-    from loraship.planning import memory
+    from loraship.planning.strategy_record import Strategy
     from loraship.training.experts import holder
 
     config = _config(moe_model, tmp_path, adapter="qlora")
-    loaded = train.load_model(moe_model, config, memory.strategy_from_config(config, 2), "cpu")
+    loaded = train.load_model(moe_model, config, Strategy.from_config(config, 2), "cpu")
     base = loaded.model.get_base_model()
     for name in loaded.experts.all_experts:
         module, tensor = holder(base, name)
@@ -165,7 +165,7 @@ def test_qlora_stores_every_expert_in_4_bits(moe_model, tmp_path):
 
 def test_qlora_refuses_an_expert_left_in_bf16(moe_model, tmp_path, monkeypatch):
     import loraship.stages.train as train
-    from loraship.planning import memory
+    from loraship.planning.strategy_record import Strategy
     from loraship.training import experts
 
     real = experts.quantize_experts
@@ -176,7 +176,7 @@ def test_qlora_refuses_an_expert_left_in_bf16(moe_model, tmp_path, monkeypatch):
         match=r"adapter: qlora, but expert tensor model\.layers\.1\.mlp\.experts\.down_proj \(torch\.float32\) "
         r"is not stored in 4 bits",
     ):
-        train.load_model(moe_model, config, memory.strategy_from_config(config, 2), "cpu")
+        train.load_model(moe_model, config, Strategy.from_config(config, 2), "cpu")
 
 
 # -- merge ------------------------------------------------------------------------------------------------------------
@@ -260,11 +260,12 @@ def _family_config(name: str) -> dict:
     ],
 )
 def test_plan_refuses_expert_names_the_model_lacks(family, targets, message, tmp_path):
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.strategy import plan_training
 
     config = parse_config(demo_config_dict(tmp_path, tmp_path, lora_target_modules=targets))
     with pytest.raises(ValueError, match=message):
-        memory.plan_training(_family_config(family), config)
+        plan_training(shape_from_config(_family_config(family)), config)
 
 
 @pytest.mark.parametrize(
@@ -280,16 +281,17 @@ def test_plan_refuses_expert_names_the_model_lacks(family, targets, message, tmp
     ],
 )
 def test_lora_targets_on_a_mixture_of_experts(targets, linears, experts):
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.targets import lora_modules
     from loraship.planning.targets import expert_lora_targets
 
-    s = memory.parse_model_config(_family_config(MOE))
-    assert memory.lora_modules(s, targets) == linears
+    s = shape_from_config(_family_config(MOE))
+    assert lora_modules(s, targets) == linears
     assert expert_lora_targets(s, targets) == experts
 
 
 def _qwen3_30b_a3b_plan(tmp_path, **more):
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
 
     mc = json.loads((QWEN3_30B_A3B / "config.json").read_text())
     config = parse_config(
@@ -308,12 +310,15 @@ def _qwen3_30b_a3b_plan(tmp_path, **more):
             },
         )
     )
-    s = memory.parse_model_config(mc)
+    s = shape_from_config(mc)
     return mc, config, s
 
 
 def test_plan_counts_qwen3_30b_a3b_experts_in_4_bits_with_their_lora(tmp_path):
-    from loraship.planning import memory, moe
+    from loraship.planning import moe
+    from loraship.planning.estimate import estimate
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.strategy_record import Strategy
     from loraship.planning.estimate import GIB, NF4_BYTES_PER_PARAM
 
     mc, config, s = _qwen3_30b_a3b_plan(tmp_path)
@@ -322,8 +327,8 @@ def test_plan_counts_qwen3_30b_a3b_experts_in_4_bits_with_their_lora(tmp_path):
     assert experts == 48 * 128 * (2048 * 1536 + 768 * 2048)
     # r x experts x (in + out) per stacked tensor and layer: about 0.6 B at r16.
     assert moe.expert_lora_params(s, config) == 48 * 16 * 128 * ((2048 + 1536) + (768 + 2048))
-    strategy = memory.strategy_from_config(config, s.L)
-    est = memory.estimate(mc, config, strategy)
+    strategy = Strategy.from_config(config, s.L)
+    est = estimate(shape_from_config(mc), config, strategy)
     attention = 48 * 16 * sum(i + o for i, o in s.linears().values())
     assert est["lora_params"] == moe.expert_lora_params(s, config) + attention
     # NF4 experts: the frozen weights are the 4-bit decoder plus the bf16 rest (was 57 GiB with bf16 experts).
@@ -334,18 +339,19 @@ def test_plan_counts_qwen3_30b_a3b_experts_in_4_bits_with_their_lora(tmp_path):
     # AdamW's fp32 state of the expert LoRA is a first-order term.
     assert est["components_gib"]["optimizer_state"] > 0.6e9 * 8 / GIB
     lora = config.model_copy(update={"adapter": "lora"})
-    bf16 = memory.estimate(mc, lora, memory.strategy_from_config(lora, s.L))["components_gib"]["frozen_weights"]
+    bf16 = estimate(shape_from_config(mc), lora, Strategy.from_config(lora, s.L))["components_gib"]["frozen_weights"]
     assert bf16 - frozen == pytest.approx(
         (48 * s.layer_linear_params + experts) * (2 - NF4_BYTES_PER_PARAM) / GIB, rel=1e-3
     )
 
 
 def test_fsdp2_plans_shard_the_experts(tmp_path):
-    from loraship.planning import memory, moe, multi_gpu
+    from loraship.planning import moe, multi_gpu
+    from loraship.planning.strategy_record import Strategy
     from loraship.planning.estimate import GIB, NF4_BYTES_PER_PARAM
 
     _mc, config, s = _qwen3_30b_a3b_plan(tmp_path, gradient_checkpointing=True)
-    strategy = memory.strategy_from_config(config, s.L)
+    strategy = Strategy.from_config(config, s.L)
     options = {(o["gpus"], o["engine"]): o for o in multi_gpu.options_for(s, config, strategy, [1, 8])}
     single, sharded = options[(1, "single")]["per_gpu_gib"], options[(8, "fsdp2")]["per_gpu_gib"]
     # Each rank holds an eighth of the 4-bit experts (and of the LoRA and its AdamW state).

@@ -150,12 +150,11 @@ def test_fsdp2_ranks_do_not_count_the_kept_lora_casts():
     # The train stage keeps bf16 LoRA casts through a step except under FSDP2 (loraship/training/fused_lora.py):
     # FSDP2's rank is predicted as if the single-GPU estimate had never counted them.
     from loraship.planning.estimate import estimate
-    from loraship.planning.knobs import strategy_from_config
     from loraship.planning.multi_gpu import fsdp2_per_gpu_gib
     from loraship.planning.strategy_record import Strategy
 
     s, cfg = shape("qwen2.5-32b"), parse_config(BASE)
-    strategy = Strategy.from_json(strategy_from_config(cfg, s.L))
+    strategy = Strategy.from_config(cfg, s.L)
     est = estimate(s, cfg, strategy)
     casts = est["components_gib"]["lora_compute_copies"]
     assert casts > 0

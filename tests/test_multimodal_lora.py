@@ -40,13 +40,13 @@ def test_lora_stays_off_the_vision_tower(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
     from loraship.training.lora_targets import lora_excluded
 
     folder = _tiny_gemma3_multimodal(tmp_path / "gemma3-mm")
     import json
 
-    shape = memory.parse_model_config(json.loads((folder / "config.json").read_text()))
+    shape = shape_from_config(json.loads((folder / "config.json").read_text()))
     assert shape.untrained_modules  # the plan names the vision tower
     model = AutoModelForCausalLM.from_pretrained(folder)
     lora = LoraConfig(

@@ -171,7 +171,7 @@ def _step_schedule(model, transfer, reference_grads, loss_ref):
         (3, 4, [0, 1, 2], [2, 1, 0]),
         # 2 streamed, 3 checkpointed: layer 3 keeps its activations (no recompute); layer 2's recompute copies layer 1.
         (2, 3, [0, 1], [1, 0]),
-        # Spread (memory.streamed_layers): layer 0 starting copies layer 2, which has layer 1's forward to hide behind;
+        # Spread (Strategy.streamed): layer 0 starting copies layer 2, which has layer 1's forward to hide behind;
         # layer 3's recompute copies layer 2, layer 2's copies layer 0 (with layer 1's recompute and backward between).
         ([0, 2], 4, [0, 2], [2, 0]),
         # Spread up to the last layer: copied again for its recompute as forward ends; its recompute copies layer 1.

@@ -189,7 +189,8 @@ def test_golden_prompts_longer_than_target_context_are_named(tiny_model, tmp_pat
 
 
 def test_auto_where_no_rung_fits_names_the_smallest_rungs_need_and_what_fits(tmp_path):
-    from loraship.planning.memory import plan_disk_and_inference
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.shipping import plan_disk_and_inference
     from loraship.planning.preflight import target_gpu_problems
 
     model = tmp_path / "qwen2-7b"
@@ -198,7 +199,7 @@ def test_auto_where_no_rung_fits_names_the_smallest_rungs_need_and_what_fits(tmp
     model_config = json.loads((model / "config.json").read_text())
     cfg = demo_config_dict(model, tmp_path, quantization="auto", target_gpu_memory_gib=4.5, target_context=32768)
     config = parse_config(cfg)
-    each = plan_disk_and_inference(model_config, config)["inference"]["by_quantization"]
+    each = plan_disk_and_inference(shape_from_config(model_config), config)["inference"]["by_quantization"]
     assert not any(f["fits_target"] for f in each.values())  # what plan.json recorded in the run
     [problem] = target_gpu_problems(config, model)
     need = each["IQ3_M"]["total_gib"]

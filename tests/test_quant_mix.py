@@ -125,9 +125,9 @@ GEMMA3_270M = {
 
 
 def _plan_shape():
-    from loraship.planning.memory import parse_model_config
+    from loraship.planning.shape import shape_from_config
 
-    return parse_model_config(GEMMA3_270M)
+    return shape_from_config(GEMMA3_270M)
 
 
 def _config(tmp_path, quantization):

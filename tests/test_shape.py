@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from loraship.config import Config
-from loraship.planning import memory
-from loraship.planning.shape import UnsupportedModel, shape_from_config
+from loraship.planning.shape import Shape, shape_from_config
+from loraship.planning.shipping import plan_disk_and_inference
+from loraship.planning.strategy import plan_training
+from loraship.planning.shape import UnsupportedModel
 from tests.test_memory import (
     GEMMA2_2B,
     GEMMA2_9B,
@@ -31,7 +33,7 @@ OLD_SUPPORTED = ("llama", "qwen2", "mistral", "gemma2", "phi3")
 
 
 def old_parse(mc: dict) -> dict:
-    """The hand-written parser the planner had before it read the model class (memory.parse_model_config as it was),
+    """The hand-written parser the planner had before it read the model class (shape_from_config as it was),
     kept as the oracle: its fields, for the families it knew."""
     if "text_config" in mc and "hidden_size" not in mc:
         mc = {**mc["text_config"], "model_type": mc["text_config"].get("model_type", mc.get("model_type"))}
@@ -109,7 +111,7 @@ def test_the_model_class_gives_the_hand_parsers_fields_for_the_families_it_knew(
         old = old_parse(mc)
         assert {k: getattr(s, k) for k in old} == old, name
         # linears() and n_params as the old Shape computed them from those fields
-        hand = memory.Shape(**old)
+        hand = Shape(**old)
         assert s.linears() == hand.linears(), name
         assert list(s.linears()) == list(hand.linears()), name
         assert s.n_params == hand.n_params, name
@@ -180,14 +182,14 @@ def _plans_sanely(mc: dict, s) -> dict:
         lora_target_modules="all-linear",
         fused_loss="on",
     )
-    plan = memory.plan_training(mc, cfg)
+    plan = plan_training(shape_from_config(mc), cfg)
     comps = plan["memory"]["components_gib"]
     # bf16 LoRA on 80 GiB: the frozen weights are the model's bf16 parameters (a vision tower's included)
     assert plan["strategy"]["adapter"] == "lora" and plan["fits"]
     assert comps["frozen_weights"] == pytest.approx(2 * (s.n_params + s.other_params) / 2**30, rel=1e-3)
     assert 0 < comps["lora_weights"] < 1 and 0 < comps["logits_and_cross_entropy"] < 2
     assert plan["model"]["class"] == s.architecture
-    disk = memory.plan_disk_and_inference(mc, cfg)
+    disk = plan_disk_and_inference(shape_from_config(mc), cfg)
     assert disk["inference"]["gguf_gib"] < disk["disk_gib"]["merge"]
     return plan
 
@@ -273,12 +275,12 @@ def test_what_is_no_supported_decoder_only_lm_is_refused_naming_the_class_and_th
 
     converter_dir()  # the pinned converter's registry, fetched like `make venv` does
     with pytest.raises(UnsupportedModel) as e:
-        memory.parse_model_config(mc)
+        shape_from_config(mc)
     for w in words:
         assert __import__("re").search(w, str(e.value)), (w, str(e.value))
     cfg = Config(base_model="org/model", datasets=[{"path": "d.jsonl", "type": "completion"}])
     with pytest.raises(ValueError):  # what `loraship plan` and the plan stage catch and name as a config.json error
-        memory.plan_training(mc, cfg)
+        plan_training(shape_from_config(mc), cfg)
 
 
 def test_the_converter_registry_lists_the_new_families():

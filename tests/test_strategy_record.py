@@ -4,10 +4,12 @@ import json
 
 import pytest
 
-from loraship.planning import memory
+from loraship.planning.shape import shape_from_config
+from loraship.planning.shipping import plan_disk_and_inference
+from loraship.planning.strategy import plan_training, PlanRefused
 from loraship.planning.strategy_record import ACTIVATIONS_IN_CPU, Strategy
 
-# The two key orders plans carry today: strategy_from_config's, and the ladder's rungs (offload_activations first).
+# The two key orders plans carry today: Strategy.from_config's, and the ladder's rungs (offload_activations first).
 AS_CONFIGURED = {
     "adapter": "lora",
     "offload_layers": 0,
@@ -100,12 +102,14 @@ def test_the_plan_output_and_the_refusal_use_the_same_words():
         "sequence_len": 2048,
         "fused_loss": "on",
     }
-    plan = memory.plan_training(mc, parse_config({**base, "gpu_memory_gib": 80}))
+    plan = plan_training(shape_from_config(mc), parse_config({**base, "gpu_memory_gib": 80}))
     con = Console(record=True, width=400)
-    con.print(render_plan(plan, memory.plan_disk_and_inference(mc, parse_config({**base, "gpu_memory_gib": 80}))))
+    con.print(
+        render_plan(plan, plan_disk_and_inference(shape_from_config(mc), parse_config({**base, "gpu_memory_gib": 80})))
+    )
     assert f"Training plan: {Strategy.from_json(plan['strategy']).describe(8)}" in con.export_text()
-    with pytest.raises(memory.PlanRefused) as refused:
-        memory.plan_training(mc, parse_config({**base, "gpu_memory_gib": 4, "fallback": []}))
+    with pytest.raises(PlanRefused) as refused:
+        plan_training(shape_from_config(mc), parse_config({**base, "gpu_memory_gib": 4, "fallback": []}))
     words = (
         "The smallest plan tried (bf16 LoRA, micro-batch 1 x 8 accumulation, fused loss, gradient checkpointing 8 of "
         f"8 layers, {ACTIVATIONS_IN_CPU}) needs"

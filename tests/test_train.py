@@ -228,7 +228,7 @@ def _family_model(name: str, folder):
 def test_phi3_lora_adapts_its_fused_linears_and_gemma2_trains_with_eager_attention_padded(tiny_model, tmp_path):
     import loraship.stages.train as train
     from loraship.errors import LorashipError
-    from loraship.planning import memory
+    from loraship.planning.strategy_record import Strategy
 
     # The Config default (the demo's config names all-linear).
     config = parse_config(
@@ -236,7 +236,7 @@ def test_phi3_lora_adapts_its_fused_linears_and_gemma2_trains_with_eager_attenti
             tiny_model, tmp_path, packing="auto", lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
         )
     )
-    strategy = memory.strategy_from_config(config, 2)
+    strategy = Strategy.from_config(config, 2)
     phi3 = train.load_model(_family_model("phi3", tmp_path / "phi3"), config, strategy, "cpu").model
     adapted = {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in phi3.named_parameters() if ".lora_A." in n}
     assert adapted == {"qkv_proj", "o_proj"}  # not o_proj alone, which PEFT would match of q, k, v, o
@@ -313,7 +313,10 @@ def _loss_and_lora_grads(model_dir, config, strategy, offload_layers=0, seen=Non
 
 @pytest.mark.parametrize("adapter", ["lora", "qlora"])
 def test_checkpointing_some_layers_trains_identically_and_as_planned(four_layers, tmp_path, adapter):
-    from loraship.planning import memory
+    from loraship.planning.estimate import SAFETY_MARGIN_MIN_GIB, estimate
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.strategy import plan_training
+    from loraship.planning.strategy_record import Strategy
 
     base = parse_config(
         demo_config_dict(
@@ -321,20 +324,18 @@ def test_checkpointing_some_layers_trains_identically_and_as_planned(four_layers
         )
     )
     mc = json.loads((four_layers / "config.json").read_text())
-    user = memory.strategy_from_config(base, 4)
+    user = Strategy.from_config(base, 4)
     # A budget that holds 2 checkpointed layers but not 1: the fast mode must plan exactly 2 of 4.
-    need = memory.estimate(mc, base, memory.with_checkpointing(user, 2))["predicted_total_gib"]
-    config = base.model_copy(update={"gpu_memory_gib": need + memory.SAFETY_MARGIN_MIN_GIB + 0.002})
-    plan = memory.plan_training(mc, config)
+    need = estimate(shape_from_config(mc), base, user.with_checkpointing(2))["predicted_total_gib"]
+    config = base.model_copy(update={"gpu_memory_gib": need + SAFETY_MARGIN_MIN_GIB + 0.002})
+    plan = plan_training(shape_from_config(mc), config)
     assert plan["strategy"]["checkpointed_layers"] == 2 and plan["strategy"]["gradient_checkpointing"]
 
     loss, grads, flags = _loss_and_lora_grads(four_layers, config, plan["strategy"])
     assert flags == [True, True, False, False]  # the first k layers, as the plan says
     assert len(grads) == 4 * 7 * 2 and all(g.abs().sum() > 0 for g in grads.values())
     for k, expected_flags in ((0, None), (4, [True] * 4)):
-        other_loss, other_grads, other_flags = _loss_and_lora_grads(
-            four_layers, config, memory.with_checkpointing(user, k)
-        )
+        other_loss, other_grads, other_flags = _loss_and_lora_grads(four_layers, config, user.with_checkpointing(k))
         if expected_flags:
             assert other_flags == expected_flags
         assert other_loss == pytest.approx(loss, rel=1e-6)
@@ -343,14 +344,12 @@ def test_checkpointing_some_layers_trains_identically_and_as_planned(four_layers
 
 
 def test_checkpointing_some_layers_with_offloaded_layers_trains_identically(four_layers, tmp_path):
-    from loraship.planning import memory
+    from loraship.planning.strategy_record import Strategy
 
     config = parse_config(demo_config_dict(four_layers, tmp_path, gradient_checkpointing=False, fused_loss="off"))
-    user = memory.strategy_from_config(config, 4)
-    loss, grads, flags = _loss_and_lora_grads(
-        four_layers, config, memory.with_checkpointing(user, 1), offload_layers=2
-    )
-    ref_loss, ref_grads, _ = _loss_and_lora_grads(four_layers, config, memory.with_checkpointing(user, 4))
+    user = Strategy.from_config(config, 4)
+    loss, grads, flags = _loss_and_lora_grads(four_layers, config, user.with_checkpointing(1), offload_layers=2)
+    ref_loss, ref_grads, _ = _loss_and_lora_grads(four_layers, config, user.with_checkpointing(4))
     assert flags == [True, False, False, False]
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for name, g in ref_grads.items():
@@ -358,15 +357,15 @@ def test_checkpointing_some_layers_with_offloaded_layers_trains_identically(four
 
 
 def test_streamed_layers_spread_over_the_checkpointed_ones_train_identically(four_layers, tmp_path):
-    """The plan's spread layout (memory.streamed_layers) through load_model's fused LoRA nodes and recompute marks:
+    """The plan's spread layout (Strategy.streamed) through load_model's fused LoRA nodes and recompute marks:
     layers 0 and 2 streamed, all four checkpointed, the same loss and LoRA gradients as nothing streamed."""
-    from loraship.planning import memory
+    from loraship.planning.strategy_record import Strategy
 
     config = parse_config(demo_config_dict(four_layers, tmp_path, gradient_checkpointing=False, fused_loss="off"))
-    strategy = memory.with_checkpointing(
-        {**memory.strategy_from_config(config, 4), "offload_layers": 2, "offload_spread": True}, 4
-    )
-    assert memory.streamed_layers(strategy, 4) == [0, 2]
+    strategy = Strategy.from_json(
+        Strategy.from_config(config, 4).replace(offload_layers=2, offload_spread=True)
+    ).with_checkpointing(4)
+    assert strategy.streamed(4) == [0, 2]
     loss, grads, flags = _loss_and_lora_grads(four_layers, config, strategy, offload_layers=[0, 2])
     ref_loss, ref_grads, _ = _loss_and_lora_grads(four_layers, config, strategy)
     assert flags == [True] * 4
@@ -382,7 +381,7 @@ def test_checkpointed_activations_in_cpu_memory_train_identically(
     # loraship/training/activation_offload.py recomputes each layer in its own backward, under its forward's RNG state:
     # with dropout the same loss and LoRA gradients as torch's checkpointing, alone or with streamed weights.
     from loraship.training import activation_offload
-    from loraship.planning import memory
+    from loraship.planning.strategy_record import Strategy
 
     loaded = []
     real_load = activation_offload.ActivationOffload.load
@@ -395,12 +394,12 @@ def test_checkpointed_activations_in_cpu_memory_train_identically(
             four_layers, tmp_path, adapter=adapter, lora_dropout=0.1, fused_loss="off", offload_activations="on"
         )
     )
-    user = memory.strategy_from_config(config, 4)
-    assert user["offload_activations"] is True and user["checkpointed_layers"] == 4
+    user = Strategy.from_config(config, 4)
+    assert user.offload_activations is True and user.checkpointed_layers == 4
     seen = []
     loss, grads, flags = _loss_and_lora_grads(four_layers, config, user, offload_layers=offload_layers, seen=seen)
     ref_loss, ref_grads, _ = _loss_and_lora_grads(
-        four_layers, config, {**user, "offload_activations": False}, offload_layers=offload_layers, seen=seen
+        four_layers, config, user.replace(offload_activations=False), offload_layers=offload_layers, seen=seen
     )
     assert flags == [True] * 4
     assert loaded == [3, 2, 1, 0]  # each layer's input came back once, last layer first; none in the reference run
@@ -657,10 +656,10 @@ def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_t
     """Out of memory after the bf16 run checkpointed step 2. A re-plan to NF4 (QLoRA) must not resume the adapter
     and AdamW state fitted against the bf16 weights: it trains from step 0, with the old checkpoints moved aside
     and the restart in the manifest. A re-plan that keeps bf16 (a smaller micro-batch) resumes at step 2."""
-    from loraship.planning import memory
+    from loraship.planning import strategy as planner
     from loraship.training import checkpoints
 
-    # Accumulating: without it the configured plan holds no LoRA gradients at its peak (memory.estimate), and every
+    # Accumulating: without it the configured plan holds no LoRA gradients at its peak (estimate), and every
     # smaller micro-batch of this tiny model, accumulating and so holding them, comes within the same 0.01 GiB, which
     # replan_after_oom does not take as smaller.
     config = parse_config(
@@ -675,7 +674,7 @@ def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_t
             warmup_steps=0,
         )
     )
-    real_save, real_replan = checkpoints.save_checkpoint, memory.replan_after_oom
+    real_save, real_replan = checkpoints.save_checkpoint, planner.replan_after_oom
     attempts = []
 
     def save_then_run_out_of_memory(folder, model, optimizer, scheduler, step, history):
@@ -684,16 +683,16 @@ def test_an_oom_replan_to_another_precision_of_the_base_starts_again_and_keeps_t
             attempts.append(step)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    def replan(plan, model_config, config_, measured):
+    def replan(plan, shape, config_, measured):
         if next_adapter == "lora":
-            return real_replan(plan, model_config, config_, measured)  # a smaller micro-batch, still bf16
+            return real_replan(plan, shape, config_, measured)  # a smaller micro-batch, still bf16
         return {
-            **memory.plan_training(model_config, config_.model_copy(update={"adapter": "qlora"})),
+            **planner.plan_training(shape, config_.model_copy(update={"adapter": "qlora"})),
             "oom_component": "activations",
         }
 
     monkeypatch.setattr(checkpoints, "save_checkpoint", save_then_run_out_of_memory)
-    monkeypatch.setattr(memory, "replan_after_oom", replan)
+    monkeypatch.setattr(planner, "replan_after_oom", replan)
     metrics = run_stages(config, ["plan", "train"])["train"]["metrics"]
     checkpoints = stage_dir(config, "train") / "checkpoints"
     assert attempts == [2] and len(metrics["oom_retries"]) == 1

@@ -1,8 +1,6 @@
-"""The strategy record: the knobs a training plan turns, as the config sets them and as a plan is read back.
-
-A strategy is a dict (adapter, offload_layers, micro_batch_size, gradient_accumulation_steps, fused_loss,
-gradient_checkpointing, checkpointed_layers, offload_activations, offload_spread); these helpers build it from the
-config, keep its checkpointing keys consistent and say which layers it checkpoints and streams.
+"""The knobs a training plan turns, as the config sets them: the fused loss where liger-kernel has one, which layers
+optimize/gradient_checkpointing checkpoint, where checkpointed activations live. The strategy record built from them
+is strategy_record.Strategy (Strategy.from_config).
 """
 
 from __future__ import annotations
@@ -86,53 +84,3 @@ def activations_setting(cfg: Config) -> str:
     if cfg.offload_activations == "auto" and cfg.optimize == "memory" and checkpoint_every_layer(cfg):
         return "on"
     return cfg.offload_activations
-
-
-def strategy_from_config(cfg: Config, n_layers: int | None = None) -> dict:
-    """The configuration as written. `checkpointed_layers` needs the layer count: without it the key is
-    left out and checkpointed_layers() reads `gradient_checkpointing` as all layers or none."""
-    out = {
-        "adapter": cfg.adapter,
-        "offload_layers": 0,
-        "micro_batch_size": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "fused_loss": fused_loss_available(cfg, "cpu" if cfg.device == "cpu" else "cuda"),
-        "gradient_checkpointing": checkpoint_every_layer(cfg),
-        "offload_activations": activations_setting(cfg) == "on" and checkpoint_every_layer(cfg),
-    }
-    if n_layers is not None:
-        out["checkpointed_layers"] = n_layers if checkpoint_every_layer(cfg) else 0
-    return out
-
-
-def checkpointed_layers(strategy: dict, n_layers: int) -> int:
-    """How many decoder layers (the first ones) recompute their activations in backward.
-
-    `gradient_checkpointing` stays in the strategy as "any layer checkpointed"; a strategy without
-    `checkpointed_layers` (plans written before it existed) means all layers or none.
-    """
-    k = strategy.get("checkpointed_layers")
-    if k is None:
-        return n_layers if strategy["gradient_checkpointing"] else 0
-    return max(0, min(int(k), n_layers))
-
-
-def with_checkpointing(strategy: dict, k: int) -> dict:
-    """`strategy` with the first k decoder layers checkpointed (both keys kept consistent)."""
-    return {**strategy, "gradient_checkpointing": k > 0, "checkpointed_layers": k}
-
-
-def streamed_layers(strategy: dict, n_layers: int) -> list[int]:
-    """Which decoder layers stream their frozen weights from CPU memory (loraship/training/offload.py), ascending.
-
-    The first n; or, where the plan spreads them (`offload_spread`), n spaced evenly over the first k checkpointed
-    layers, so each prefetch has the forward of the layers between two streamed ones to hide behind, not one layer's.
-    Either way every streamed layer is checkpointed (autograd would otherwise keep its copy until backward).
-    """
-    n = min(strategy.get("offload_layers", 0), n_layers)
-    k = checkpointed_layers(strategy, n_layers)
-    if n <= 0:
-        return []
-    if not strategy.get("offload_spread") or k <= n:
-        return list(range(n))
-    return [j * k // n for j in range(n)]  # distinct, first 0, last below k - 1: the layer after it is recomputed

@@ -421,11 +421,12 @@ def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
     """The shipped GGUF's weights alone must fit the inference GPU; no context size can fix that."""
     import json
 
-    from loraship.planning.memory import plan_disk_and_inference
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.shipping import plan_disk_and_inference
 
     try:
         model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        inference = plan_disk_and_inference(model_config, config)["inference"]
+        inference = plan_disk_and_inference(shape_from_config(model_config), config)["inference"]
     except (ValueError, KeyError, TypeError):
         return []  # the plan stage reports a config.json it cannot read, with its own message
     each = inference["by_quantization"]
@@ -448,7 +449,8 @@ def auto_ladder_problems(config: Config, model_config: dict, inference: dict) ->
     the target that fits and the context at which the smallest rung does."""
     import math
 
-    from loraship.planning.memory import plan_disk_and_inference
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.shipping import plan_disk_and_inference
 
     each = inference["by_quantization"]
     if any(figures["fits_target"] for figures in each.values()):
@@ -459,7 +461,9 @@ def auto_ladder_problems(config: Config, model_config: dict, inference: dict) ->
 
     def at(context: int) -> dict:
         shorter = config.model_copy(update={"target_context": context})
-        return plan_disk_and_inference(model_config, shorter)["inference"]["by_quantization"][smallest]
+        return plan_disk_and_inference(shape_from_config(model_config), shorter)["inference"]["by_quantization"][
+            smallest
+        ]
 
     def fits_at(context: int) -> bool:
         return at(context)["fits_target"]

@@ -9,8 +9,8 @@ import os
 
 from loraship.config import Config
 from loraship.planning import flops
-from loraship.planning.knobs import checkpointed_layers, streamed_layers
 from loraship.planning.shape import Shape
+from loraship.planning.strategy_record import Strategy
 
 # Speed, for one choice only: how many layers to stream when offload must (plan_training's _stream_for_speed; the
 # model: step_seconds). Rates of the fastest cards loraship plans for, where copies hide least: executed bf16 FLOP/s
@@ -22,16 +22,17 @@ PLAN_EXECUTED_TFLOPS = 550.0
 PLAN_HOST_TO_DEVICE_GBPS = 50.0
 
 
-def step_seconds(s: Shape, cfg: Config, strategy: dict) -> dict:
+def step_seconds(s: Shape, cfg: Config, strategy: Strategy | dict) -> dict:
     """Predicted seconds of one micro-batch at PLAN_EXECUTED_TFLOPS and PLAN_HOST_TO_DEVICE_GBPS, simulated layer by
     layer as loraship/training/offload.py schedules the copies: one at a time on a side stream, each starting when the
     streamed layer before it (in that pass's direction) starts, or when the stack starts for the first; a streamed
     layer waits for its copy. Backward walks down: a checkpointed layer's recompute + backward (its offloaded input
     coming back beside it); the last streamed layer's copy starts with the recompute of the layer after it where that
     one is checkpointed, as soon as its own forward is done where it is the model's last, else when it is reached."""
-    T = strategy["micro_batch_size"] * cfg.sequence_len
-    k = checkpointed_layers(strategy, s.L)
-    streamed = streamed_layers(strategy, s.L)
+    strategy = Strategy.from_json(strategy)  # a plan file's JSON object, or the record itself
+    T = strategy.micro_batch_size * cfg.sequence_len
+    k = strategy.checkpointed(s.L)
+    streamed = strategy.streamed(s.L)
     rate, bw = PLAN_EXECUTED_TFLOPS * 1e12, PLAN_HOST_TO_DEVICE_GBPS * 1e9
     forward = T * flops.forward_flops_per_layer_token(s, cfg, cfg.sequence_len) / rate
     recompute = T * flops.recompute_flops_per_layer_token(s, cfg, cfg.sequence_len) / rate
@@ -39,7 +40,7 @@ def step_seconds(s: Shape, cfg: Config, strategy: dict) -> dict:
     backward = T * flops.train_flops_per_token(s, cfg, cfg.sequence_len) / rate - head - s.L * forward
     backward /= s.L
     weights = s.layer_linear_params * 2 / bw  # bf16 (offload is bf16 LoRA only)
-    checkpoint = T * 2 * s.h / bw if strategy.get("offload_activations") else 0.0
+    checkpoint = T * 2 * s.h / bw if strategy.offload_activations else 0.0
     is_streamed = set(streamed)
     last = streamed[-1] if streamed else None
     t = side = announced = 0.0  # now; when the side stream is free; when the next streamed layer's copy may start
@@ -69,23 +70,21 @@ def step_seconds(s: Shape, cfg: Config, strategy: dict) -> dict:
     return {"compute_s": compute, "step_s": t, "copy_bound_s": t - compute}
 
 
-def layouts(strategy: dict, n_layers: int) -> list[dict]:
+def layouts(strategy: Strategy, n_layers: int) -> list[Strategy]:
     """The ways to place a plan's streamed layers: the first n, and (unless LORASHIP_OFFLOAD_SPREAD=0, what the
     spread is worth in bench/train_bench.py) spread over the checkpointed ones."""
-    out = [{k: v for k, v in strategy.items() if k != "offload_spread"}]
-    n = min(strategy.get("offload_layers", 0), n_layers)
-    if os.environ.get("LORASHIP_OFFLOAD_SPREAD", "1") != "0" and 0 < n < checkpointed_layers(strategy, n_layers):
-        out.append({**out[0], "offload_spread": True})
-    return out
+    first = strategy.without_spread()
+    n = min(strategy.offload_layers, n_layers)
+    spread = os.environ.get("LORASHIP_OFFLOAD_SPREAD", "1") != "0" and 0 < n < strategy.checkpointed(n_layers)
+    return [first, first.replace(offload_spread=True)] if spread else [first]
 
 
-def layout_times(s: Shape, cfg: Config, strat: dict) -> list[tuple[float, dict]]:
+def layout_times(s: Shape, cfg: Config, strat: Strategy) -> list[tuple[float, Strategy]]:
     """(predicted seconds of a micro-batch, strategy) for each placement of its streamed layers, the first n first;
     the memory is the same for all."""
-    n_layers = s.L
-    return [(step_seconds(s, cfg, c)["step_s"], c) for c in layouts(strat, n_layers)]
+    return [(step_seconds(s, cfg, c)["step_s"], c) for c in layouts(strat, s.L)]
 
 
-def faster_layout(s: Shape, cfg: Config, strat: dict) -> tuple[float, dict]:
+def faster_layout(s: Shape, cfg: Config, strat: Strategy) -> tuple[float, Strategy]:
     """The faster placement of a plan's streamed layers (the first n on a tie), with its predicted seconds."""
     return min(layout_times(s, cfg, strat), key=lambda o: o[0])

@@ -16,7 +16,6 @@ from loraship.planning.knobs import (
     LIGER_NO_FUSED_LOSS,
     activations_setting,
     checkpoint_every_layer,
-    strategy_from_config,
 )
 from loraship.planning.shape import Shape
 from loraship.planning.step_time import faster_layout, layout_times, step_seconds
@@ -43,7 +42,7 @@ def _divisors_desc(n: int, at_most: int) -> list[int]:
 
 def _user(cfg: Config, n_layers: int) -> Strategy:
     """The configuration as written, as a record."""
-    return Strategy.from_json(strategy_from_config(cfg, n_layers))
+    return Strategy.from_config(cfg, n_layers)
 
 
 def ladder(s: Shape, cfg: Config, fallback: list[str] | None = None) -> list[tuple[Strategy, str]]:
@@ -308,17 +307,12 @@ def plan_training(s: Shape, cfg: Config) -> dict:
     return _plan(s, cfg, strat, est, why, _alternatives(s, cfg, strat))
 
 
-def _layout_times(s: Shape, cfg: Config, strat: Strategy) -> list[tuple[float, Strategy]]:
-    """step_time.layout_times for a record: each placement of its streamed layers, with its predicted seconds."""
-    return [(t, Strategy.from_json(c)) for t, c in layout_times(s, cfg, strat.to_json())]
-
-
 def _spread_if_faster(s: Shape, cfg: Config, strat: Strategy, why: str) -> tuple[Strategy, str]:
     """Any plan that streams fewer layers than it checkpoints (optimize: memory's least offload among them) spreads
     them where the step model says that is faster: no more memory, the same copies, more compute to hide them."""
     if not strat.offload_layers or strat.offload_spread:
         return strat, why
-    options = _layout_times(s, cfg, strat)
+    options = layout_times(s, cfg, strat)
     t, chosen = min(options, key=lambda o: o[0])
     if not chosen.offload_spread:
         return strat, why
@@ -339,15 +333,14 @@ def _stream_for_speed(s: Shape, cfg: Config, strat: Strategy, est: dict, why: st
     n = strat.offload_layers
     if not n or checkpoint_every_layer(cfg) or cfg.gradient_checkpointing is not None:
         return strat, est, why
-    first = step_seconds(s, cfg, strat.to_json())["step_s"]
+    first = step_seconds(s, cfg, strat)["step_s"]
     options = [(first, strat, est)]
     for more in range(n, s.L + 1):
         for k in range(more, s.L + 1):  # streamed layers are among the checkpointed (offload.py)
             cand = strat.replace(offload_layers=more).with_checkpointing(k)
             cand_est = estimate(s, cfg, cand)
             if cand_est["fits"]:
-                t, faster = faster_layout(s, cfg, cand.to_json())
-                cand = Strategy.from_json(faster)
+                t, cand = faster_layout(s, cfg, cand)
                 options.append((t, cand, cand_est))
                 break  # more checkpointed layers would only be slower
     fastest = min(t for t, _, _ in options)

@@ -10,9 +10,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from loraship.planning.knobs import ACTIVATIONS_IN_CPU
+from loraship.config import Config
+from loraship.planning.knobs import (
+    ACTIVATIONS_IN_CPU,
+    activations_setting,
+    checkpoint_every_layer,
+    fused_loss_available,
+)
 
-# Every key a strategy carries, in the order strategy_from_config writes them (offload_spread only when set).
+# Every key a strategy carries, in the order from_config writes them (offload_spread only when set).
 KEYS = (
     "adapter",
     "offload_layers",
@@ -69,6 +75,24 @@ class Strategy:
             keys += () if "checkpointed_layers" in keys else ("checkpointed_layers",)
         return cls(**values, keys=keys)
 
+    @classmethod
+    def from_config(cls, cfg: Config, n_layers: int | None = None) -> Strategy:
+        """The configuration as written. `checkpointed_layers` needs the layer count: without it the key is left
+        out and checkpointed() reads `gradient_checkpointing` as all layers or none."""
+        every = checkpoint_every_layer(cfg)
+        out = {
+            "adapter": cfg.adapter,
+            "offload_layers": 0,
+            "micro_batch_size": cfg.micro_batch_size,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "fused_loss": fused_loss_available(cfg, "cpu" if cfg.device == "cpu" else "cuda"),
+            "gradient_checkpointing": every,
+            "offload_activations": activations_setting(cfg) == "on" and every,
+        }
+        if n_layers is not None:
+            out["checkpointed_layers"] = n_layers if every else 0
+        return cls.from_json(out)
+
     def to_json(self) -> dict:
         """The JSON object, key for key and in the order it was read or built."""
         return {k: getattr(self, k) for k in self.keys}
@@ -87,6 +111,27 @@ class Strategy:
         if self.checkpointed_layers is None:
             return n_layers if self.gradient_checkpointing else 0
         return max(0, min(int(self.checkpointed_layers), n_layers))
+
+    def streamed(self, n_layers: int) -> list[int]:
+        """Which decoder layers stream their frozen weights from CPU memory (loraship/training/offload.py), ascending.
+
+        The first n; or, where the plan spreads them (`offload_spread`), n spaced evenly over the first k checkpointed
+        layers, so each prefetch has the forward of the layers between two streamed ones to hide behind, not one
+        layer's. Either way every streamed layer is checkpointed (autograd would otherwise keep its copy until
+        backward)."""
+        n = min(self.offload_layers, n_layers)
+        k = self.checkpointed(n_layers)
+        if n <= 0:
+            return []
+        if not self.offload_spread or k <= n:
+            return list(range(n))
+        return [j * k // n for j in range(n)]  # distinct, first 0, last below k - 1: the layer after it is recomputed
+
+    def without_spread(self) -> Strategy:
+        """The first-n placement of its streamed layers, the offload_spread key dropped (as a plan without it)."""
+        return dataclasses.replace(
+            self, offload_spread=False, keys=tuple(k for k in self.keys if k != "offload_spread")
+        )
 
     @property
     def base_precision(self) -> str:

@@ -88,7 +88,7 @@ def memory_plan(
     device: str = "cuda",
     title: str = "",
 ) -> Path:
-    """The plan's predicted peak, component by component (loraship/planning/memory.py's components_gib), next to
+    """The plan's predicted peak, component by component (loraship/planning/estimate.py's components_gib), next to
     the peak torch measured (reserved and allocated, train_metrics.json's measured_memory).
 
     torch's reserved figure leaves out the CUDA context, so the context is drawn apart, hatched, after the

@@ -16,7 +16,7 @@ called as fn(partial(forward, **kwargs), hidden_states)):
   layer i is done. A layer whose input did not arrive early is copied synchronously.
 
 At most two layers' inputs are on the GPU at once (the one computing and the one prefetched), which is
-what loraship/planning/memory.py budgets. The pinned buffers are kept from step to step (one per layer).
+what loraship/planning/estimate.py budgets. The pinned buffers are kept from step to step (one per layer).
 """
 
 from __future__ import annotations

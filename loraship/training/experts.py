@@ -36,10 +36,10 @@ class ExpertPlan:
 def shape_of(model_dir: Path):
     import json
 
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
 
     try:
-        return memory.parse_model_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+        return shape_from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError):
         return None
 

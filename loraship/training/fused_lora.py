@@ -18,7 +18,7 @@ separate nodes kept h as well.
 What the fused node keeps for backward: the input (shared with whatever else reads it), the rank-r
 product x A^T, bf16 casts of A and B (r x features, small), the dropout mask; the frozen weight is kept by
 reference (QLoRA: the packed 4-bit weight, dequantized again in backward, as bitsandbytes' MatMul4Bit does).
-loraship/planning/memory.py lora_saved_per_token counts exactly these.
+loraship/planning/estimate.py lora_saved_per_token counts exactly these.
 
 Inside the train stage's step loop (casts_kept_until_step) the bf16 casts of the fp32 A and B are made once per
 optimizer step and reused by every micro-batch's forward and every recompute, not made again each time: they were

@@ -27,7 +27,7 @@ def checkpoint_first_layers(model, k: int | None) -> None:
 
     Why the first: their activations would live longest (from the start of the forward to the end of the
     backward), and backward reaches them last, after the later, un-checkpointed layers freed theirs, so a
-    recompute never adds to those. loraship/planning/memory.py's estimate assumes exactly this order. k None
+    recompute never adds to those. loraship/planning/estimate.py's estimate assumes exactly this order. k None
     (a plan from before `checkpointed_layers`) means every layer, as before.
     """
     layers = decoder_layers(model)

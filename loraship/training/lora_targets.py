@@ -11,16 +11,17 @@ from loraship.errors import LorashipError
 
 
 def lora_targets(model_dir: Path, config) -> list[str] | str:
-    """lora_target_modules as this architecture names its Linears (memory.lora_modules: Phi-3's fused qkv_proj
+    """lora_target_modules as this architecture names its Linears (targets.lora_modules: Phi-3's fused qkv_proj
     and gate_up_proj); as written for an architecture the planner cannot read."""
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.targets import lora_modules
 
     try:
-        shape = memory.parse_model_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+        shape = shape_from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError):
         return config.lora_target_modules
     try:
-        return list(memory.lora_modules(shape, config.lora_target_modules))
+        return list(lora_modules(shape, config.lora_target_modules))
     except ValueError as e:  # the plan's preflight refuses it first; a train run on its own says it too
         raise LorashipError(str(e)) from e
 
@@ -28,10 +29,10 @@ def lora_targets(model_dir: Path, config) -> list[str] | str:
 def lora_excluded(model_dir: Path) -> str | None:
     """A regex (PEFT's exclude_modules) for the modules the plan leaves untrained: a multimodal model's vision tower
     and projector (Gemma 3), whose Linears share the language model's names (q_proj, ...)."""
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
 
     try:
-        shape = memory.parse_model_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+        shape = shape_from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError):
         return None
     if not shape.untrained_modules:
@@ -40,10 +41,11 @@ def lora_excluded(model_dir: Path) -> str | None:
 
 
 def lora_target_note(model_config: dict, config) -> str | None:
-    from loraship.planning import memory
+    from loraship.planning import targets
+    from loraship.planning.shape import shape_from_config
 
     try:
-        return memory.lora_target_note(memory.parse_model_config(model_config), config.lora_target_modules)
+        return targets.lora_target_note(shape_from_config(model_config), config.lora_target_modules)
     except ValueError:
         return None
 

@@ -292,10 +292,9 @@ def model_kwargs(
 def stream_frozen_weights(model, strategy: Strategy, n_layers: int):
     """Keep the streamed layers' frozen weights in CPU memory, the rest of the model on the GPU; the prefetcher
     that streams them back (loraship/training/offload.py keeps it on the decoder stack)."""
-    from loraship.planning import memory
     from loraship.training.offload import offload_frozen_layers
 
-    streamed = memory.streamed_layers(strategy.to_json(), n_layers)
+    streamed = strategy.streamed(n_layers)
     log.info(
         "train: %.2f GiB of frozen weights kept in CPU memory (decoder layers %s)",
         offload_frozen_layers(model, streamed) / 2**30,

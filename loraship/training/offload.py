@@ -8,8 +8,8 @@ embeddings and every other layer stay on the GPU.
 Which layers: the train stage checkpoints the first k layers (loraship/training/gradient_checkpointing.py), and a
 streamed layer must be one of them (otherwise autograd keeps its copy from forward to backward). Streaming n of the
 first k lets a plan checkpoint only k of L: the memory streaming frees pays for the later layers' saved activations,
-whose recompute is then saved (loraship/planning/memory.py trades the two). The plan streams the first n, or spreads
-them evenly over the first k (memory.streamed_layers): then a copy has the forward of the layers between two streamed
+whose recompute is then saved (loraship/planning/strategy.py trades the two). The plan streams the first n, or spreads
+them evenly over the first k (Strategy.streamed): then a copy has the forward of the layers between two streamed
 ones to hide behind, where one layer's forward can be shorter than its copy (a 14B layer on a PCIe 5.0 H100).
 
 Overlap: the copies are prefetched. When a streamed layer starts, its weights were already
@@ -19,7 +19,7 @@ order; non-reentrant gradient checkpointing recomputes them in descending order 
 so the prefetch follows that direction there. The last streamed layer's recompute is copied ahead
 when backward starts recomputing the layer after it (or, where it is the model's last layer, as soon as
 forward is done with it, whose recompute is backward's first work). At most two layers'
-copies are waiting at once, the current one and the next: loraship/planning/memory.py budgets exactly two
+copies are waiting at once, the current one and the next: loraship/planning/estimate.py budgets exactly two
 layers on the GPU. A prefetch is only a head start: a layer that was not prefetched is copied when
 it starts, and waited for, so a wrong guess costs time, never correctness.
 
@@ -178,8 +178,8 @@ def _streaming_forward(module, prefetcher, i):
 def offload_frozen_layers(model, layers: int | list[int], transfer: Transfer | None = None) -> int:
     """Move the frozen Linear weights of some decoder layers to pinned CPU memory.
 
-    `layers`: their indices (loraship/planning/memory.py streamed_layers), or n for the first n. Call on the PEFT model
-    while it is still on the CPU, before `model.to("cuda")`. Those layers must be among the checkpointed ones (the
+    `layers`: their indices (the plan's Strategy.streamed), or n for the first n. Call on the PEFT model while it is
+    still on the CPU, before `model.to("cuda")`. Those layers must be among the checkpointed ones (the
     first k). Returns the number of bytes kept off the GPU. `transfer` replaces the copy mechanism (tests).
     """
     import torch

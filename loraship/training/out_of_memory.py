@@ -1,7 +1,8 @@
 """Out of GPU memory: recognising the error whatever its type, and the re-plan loop around the train stage's
 attempts. After each out-of-memory error the failed attempt is released, the plan's own ladder gives the next
-smaller plan (memory.replan_after_oom), persisted in the checkpoints folder so a rerun starts from it, and the next
-attempt trains it; the checkpoints are set aside where the new plan trains another precision of the base."""
+smaller plan (loraship/planning/strategy.py replan_after_oom), persisted in the checkpoints folder so a rerun starts
+from it, and the next attempt trains it; the checkpoints are set aside where the new plan trains another precision of
+the base."""
 
 from __future__ import annotations
 
@@ -41,10 +42,10 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def for_device(strategy: dict, config, device: str, n_layers: int | None) -> Strategy:
     """The plan's strategy as this machine can run it (a plan from before a key upgraded here, once)."""
-    from loraship.planning import memory
+    from loraship.planning.knobs import fused_loss_available
     from loraship.planning.strategy_record import Strategy
 
-    out = Strategy.from_json(strategy, n_layers).replace(fused_loss=memory.fused_loss_available(config, device))
+    out = Strategy.from_json(strategy, n_layers).replace(fused_loss=fused_loss_available(config, device))
     return out.replace(offload_layers=0) if device == "cpu" else out  # no GPU to offload from
 
 
@@ -65,10 +66,10 @@ class Attempts:
 
 def layer_count(model_config: dict) -> int | None:
     """The decoder layers the planner reads in config.json; None for an architecture it cannot read."""
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
 
     try:
-        return memory.parse_model_config(model_config).L
+        return shape_from_config(model_config).L
     except (ValueError, KeyError):
         return None
 
@@ -76,7 +77,8 @@ def layer_count(model_config: dict) -> int | None:
 def starting_plan(ctx, config, model_config: dict, n_layers: int | None, device: str) -> Attempts:
     """The plan the first attempt trains: the plan stage's, re-planned where this machine lacks the fused loss it
     assumed, or the one an earlier run of these exact inputs re-planned to after running out of memory."""
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.strategy import plan_training
 
     plan = json.loads((ctx.upstream_dir("plan") / STRATEGY_FILE).read_text(encoding="utf-8"))
     plan_file = ctx.upstream_dir("plan") / PLAN_FILE
@@ -85,7 +87,7 @@ def starting_plan(ctx, config, model_config: dict, n_layers: int | None, device:
     if device == "cuda" and plan["strategy"]["fused_loss"] and not start.strategy.fused_loss:
         # The plan was made where liger-kernel is importable and this machine lacks it: the HF loss
         # needs more memory than planned, so plan again here, with the same ladder and fallback.
-        plan = memory.plan_training(model_config, config)
+        plan = plan_training(shape_from_config(model_config), config)
         start = Attempts(
             plan,
             for_device(plan["strategy"], config, device, n_layers),
@@ -155,11 +157,12 @@ def after_out_of_memory(
 ) -> Attempts:
     """The attempts after `now` ran out of memory: the next smaller plan, persisted so that a rerun starts from it,
     the old checkpoints set aside where it changes the base's precision."""
-    from loraship.planning import memory
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.strategy import replan_after_oom
     from loraship.runtime.manifest import atomic_write_json
 
     measured = peak_memory(device) if measured is None else measured
-    nxt = memory.replan_after_oom(now.plan, model_config, config, measured)
+    nxt = replan_after_oom(now.plan, shape_from_config(model_config), config, measured)
     failed = (
         *now.failed,
         {
