@@ -21,7 +21,7 @@ def artifact_words(config) -> str:
     )
 
 
-# The components of the peak (loraship/planning/memory.py estimate): the static terms and the kept activations happen
+# The components of the peak (loraship/planning/estimate.py estimate): the static terms and the kept activations happen
 # together, plus the larger of two transients: the loss, or one layer's backward with the streamed layer copies.
 _LAYER_TRANSIENT = ("one_layer_recompute_and_backward", "streamed_layer_copies")
 _LOSS_TRANSIENT = ("logits_and_cross_entropy",)

@@ -5,7 +5,7 @@ encoder-decoder, encoder-only, an architecture the pinned llama.cpp converter la
 instantiates the causal-LM class on the meta device (no weights, no memory) and reads the first decoder layer off it:
 every nn.Linear, the norms, the attention kind, the MLP, how the layer ends. The memory and FLOP estimates
 (estimate.py, flops.py) read only the `Shape` it returns. torch and transformers are imported inside the function, so
-`import loraship.planning.memory` stays light; a config is built once per process (cached on its JSON text).
+`import loraship.planning.estimate` stays light; a config is built once per process (cached on its JSON text).
 """
 
 from __future__ import annotations
