@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from loraship.planning.shape import shape_from_config
-from loraship.planning.shipping import plan_disk_and_inference
 from loraship.planning.multi_gpu import plan_on_gpus
+from loraship.planning.plan_record import Plan
+from loraship.planning.shape import Shape, shape_from_config
+from loraship.planning.shipping import plan_disk_and_inference
 from loraship.constants import PLAN_FILE, STRATEGY_FILE
 from loraship.data import dataset_identity
 from loraship.errors import ConfigError
@@ -66,7 +67,7 @@ def input_files(config, model_dir) -> dict:
     return files
 
 
-def quantization_warnings(config, model_config: dict, model_dir) -> list[str]:
+def quantization_warnings(config, shape: Shape, model_dir) -> list[str]:
     """Named quantizations whose K-quant rows fall back, or that would put a base model dequantized from a GGUF back
     on its grid (loraship/planning/shipping.py)."""
     from loraship.planning.base_grid import first_layer_on_grid
@@ -74,7 +75,7 @@ def quantization_warnings(config, model_config: dict, model_dir) -> list[str]:
 
     if config.auto_quantization:
         return []
-    return warnings(shape_from_config(model_config), config, first_layer_on_grid(model_dir))
+    return warnings(shape, config, first_layer_on_grid(model_dir))
 
 
 @exclusive
@@ -86,7 +87,7 @@ def run(config) -> dict:
         return ctx.done
     reset_dir(ctx)
 
-    model_config = read_model_config(model_dir)
+    model_config = read_model_config(model_dir)  # parsed once: the planners and the record read this Shape
     try:
         shape = shape_from_config(model_config)
         training = plan_on_gpus(shape, config)
@@ -99,37 +100,31 @@ def run(config) -> dict:
         log.warning("plan: activations counted by the %s; %.2f GiB of margin added for it", counted, hand_margin)
     else:
         log.info("plan: activations %s", counted)
-    quantization = quantization_warnings(config, model_config, model_dir)
+    quantization = quantization_warnings(config, shape, model_dir)
     for warning in quantization:
         log.warning("plan: %s", warning)
-    plan = {
-        "base_model": config.base_model,
-        "model_dir": str(model_dir),
-        "architecture": (model_config.get("architectures") or ["?"])[0],
-        **training,
+    plan = Plan.build(
+        training,
+        shape,
+        config,
+        base_model=config.base_model,
+        model_dir=str(model_dir),
+        architecture=(model_config.get("architectures") or ["?"])[0],
         **footprint,
-        "gguf_convertible": True,
-        "quantization_warnings": quantization,
+        gguf_convertible=True,
+        quantization_warnings=quantization,
         # In plan.json so that every later stage's fingerprint changes with the data or the base.
-        "inputs": inputs,
-    }
-    atomic_write_json(ctx.dir / PLAN_FILE, plan)
-    atomic_write_json(
-        ctx.dir / STRATEGY_FILE,
-        {
-            "strategy": training["strategy"],
-            "memory": training["memory"],
-            "model_dir": str(model_dir),
-            "inputs": inputs,
-            # The engine and GPU count per visible devices (multi_gpu.choose_engine reads it at train time).
-            "distributed": training["distributed"],
-        },
+        inputs=inputs,
     )
+    # Sorted keys: the record is read back by name, and its bytes (hashed into later stages' fingerprints) then
+    # depend on what it says only. strategy.json: the plan less its shipping estimates, all that training reads.
+    atomic_write_json(ctx.dir / PLAN_FILE, plan.to_json(), sort_keys=True)
+    atomic_write_json(ctx.dir / STRATEGY_FILE, plan.training_json(), sort_keys=True)
     return ctx.finish(
         {
-            "strategy": training["strategy"],
-            "fits": training["fits"],
-            "predicted_total_gib": training["memory"]["predicted_total_gib"],
+            "strategy": plan.strategy.to_json(),
+            "fits": plan.fits,
+            "predicted_total_gib": plan.memory.predicted_total_gib,
         }
     )
 

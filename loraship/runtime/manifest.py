@@ -158,8 +158,10 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+def atomic_write_json(path: Path, data: Any, sort_keys: bool = False) -> None:
+    """`data` as indented JSON, replacing `path` at once; `sort_keys` for a record read back by name (plan.json),
+    whose bytes then depend on its content only, not on the order it was built in."""
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=sort_keys, default=str) + "\n")
 
 
 def temp_suffix() -> str:

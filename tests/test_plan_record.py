@@ -1,0 +1,96 @@
+"""The plan as one typed, frozen record (loraship/planning/plan_record.py): built from what the planner returns, its
+decisions made once, written and read back unchanged; a plan from before the decisions upgraded or refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from loraship.planning.plan_record import SHIPPING_KEYS, MemoryEstimate, Plan, PlanError
+from loraship.planning.shape import shape_from_config
+from loraship.planning.strategy import plan_training
+from loraship.planning.strategy_record import Strategy
+from tests.test_memory import LORA_14B, PHI3_MINI, QWEN2_05B, QWEN2_14B_EXAMPLE, cfg
+
+
+def _plan(mc: dict, **kw) -> tuple[Plan, dict]:
+    c = cfg(**kw)
+    s = shape_from_config(mc)
+    planned = plan_training(s, c)
+    return Plan.build(planned, s, c, model_dir="/models/m", inputs={"dataset:d.jsonl": "abc"}), planned
+
+
+def test_a_plan_is_written_and_read_back_unchanged_and_frozen():
+    plan, planned = _plan(QWEN2_05B, sequence_len=2048, micro_batch_size=2, gradient_accumulation_steps=4)
+    text = json.dumps(plan.to_json(), sort_keys=True)
+    again = Plan.from_json(json.loads(text))
+    assert again == plan and json.dumps(again.to_json(), sort_keys=True) == text
+    # What the planner wrote is all still there, key for key, beside the decisions.
+    assert {k: v for k, v in plan.to_json().items() if k in planned} == {**planned, "model": plan.model.to_json()}
+    assert (
+        plan.to_json()["model_dir"] == "/models/m"
+        and plan.memory.predicted_total_gib == planned["memory"]["predicted_total_gib"]
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.reason = "edited"
+    with pytest.raises(TypeError):
+        plan.memory.components_gib["frozen_weights"] = 0.0  # the named terms are read-only too
+
+
+def test_the_decisions_are_the_ones_train_would_have_asked_the_planner_for():
+    plan, _ = _plan(PHI3_MINI, lora_target_modules=["q_proj", "v_proj", "o_proj"])
+    # Phi-3's fused Linears, resolved for this model; the note says a fused one adapts more than was named.
+    assert plan.lora_modules == ("qkv_proj", "o_proj") and "qkv_proj" in plan.lora_modules_note
+    assert plan.checkpointed_layers == tuple(range(plan.strategy.checkpointed(32)))
+    assert plan.model.decoder_layers == 32 and plan.model.model_type == "phi3" and plan.lora_excluded is None
+    # A 14B streamed over a 32 GiB card: the layers streamed are the strategy's, each one checkpointed.
+    big, _ = _plan(QWEN2_14B_EXAMPLE, **LORA_14B, fused_loss="on")
+    assert big.streamed_layers == tuple(big.strategy.streamed(48)) and big.streamed_layers
+    assert set(big.streamed_layers) <= set(big.checkpointed_layers) and big.liger_kernels is big.fused_loss is True
+    # On the CPU nothing streams and no Liger kernel runs.
+    cpu = big.on_device("cpu", fused_loss=False)
+    assert (cpu.streamed_layers, cpu.liger_kernels, cpu.strategy.offload_layers) == ((), False, 0)
+    assert cpu.memory == big.memory and cpu.checkpointed_layers == big.checkpointed_layers
+
+
+def test_strategy_json_leaves_out_what_training_does_not_depend_on():
+    plan, _ = _plan(QWEN2_05B)
+    shipped = Plan.from_json({**plan.to_json(), "disk_gib": {"total": 3.0}, "quantization_warnings": []})
+    training = shipped.training_json()
+    assert not set(training) & set(SHIPPING_KEYS) and training == plan.training_json()
+    assert Plan.from_json(training) == plan
+
+
+def test_a_plan_from_before_the_decisions_upgrades_once_or_is_refused_naming_the_re_plan():
+    plan, planned = _plan(QWEN2_05B)
+    old = {**planned, "model_dir": "/models/m", "inputs": {"dataset:d.jsonl": "abc"}}  # as plan stages wrote it
+    with pytest.raises(PlanError, match=r"older loraship .* fix: re-plan \(loraship run CONFIG --from plan --force\)"):
+        Plan.from_json(old)
+    assert Plan.from_json(old, shape_from_config(QWEN2_05B), cfg()) == plan
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.pop("memory"), r"lacks \['memory'\]"),
+        (lambda d: d.pop("reason"), r"lacks \['reason'\]"),
+        (lambda d: d["memory"].pop("predicted_reserved_gib"), r"memory estimate lacks \['predicted_reserved_gib'\]"),
+    ],
+)
+def test_a_damaged_plan_is_refused_naming_what_it_lacks_and_the_re_plan(change, message):
+    plan, _ = _plan(QWEN2_05B)
+    d = json.loads(json.dumps(plan.to_json()))
+    change(d)
+    with pytest.raises(PlanError, match=message + r".*re-plan"):
+        Plan.from_json(d)
+
+
+def test_a_plan_re_made_for_another_strategy_makes_its_layer_decisions_again():
+    plan, _ = _plan(QWEN2_14B_EXAMPLE, **LORA_14B, fused_loss="on")
+    none = plan.with_strategy(plan.strategy.replace(offload_layers=0).with_checkpointing(0), "smaller")
+    assert (none.streamed_layers, none.checkpointed_layers, none.reason) == ((), (), "smaller")
+    assert isinstance(none.strategy, Strategy) and none.lora_modules == plan.lora_modules
+    assert MemoryEstimate.from_json(plan.memory.to_json()) == plan.memory
+
