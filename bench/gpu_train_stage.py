@@ -85,6 +85,8 @@ def main() -> None:
 
     from loraship.config import parse_config
     from loraship.data import load_splits
+    from loraship.planning.plan_record import Plan
+    from loraship.planning.strategy_record import Strategy
     from loraship.runtime.stage import open_stage, reset_dir
     from loraship.stages import plan as plan_stage
     from loraship.stages import train as train_stage
@@ -170,7 +172,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            result = train_stage.train_once(config, ctx, model_dir, strategy, device, tok, train, evaluation)
+            forced = Plan.from_json(plan).with_strategy(Strategy.from_json(strategy))
+            result = train_stage.train_once(config, ctx, model_dir, forced, device, tok, train, evaluation)
             row.update(
                 ok=True,
                 wall_seconds=round(time.perf_counter() - t0, 1),

@@ -32,7 +32,7 @@ from loraship.constants import (
 )
 from loraship.data import load_splits
 from loraship.models import check_base_model, hf_offline_if_local, resolve_base_model
-from loraship.planning.strategy_record import Strategy
+from loraship.planning.plan_record import Plan
 from loraship.publishing import plots
 from loraship.runtime.manifest import atomic_write_json, atomic_write_text, sha256_json
 from loraship.runtime.progress import Progress, artifact_key
@@ -44,21 +44,15 @@ from loraship.training.device import configure_cuda_allocator, peak_memory, pick
 from loraship.training.evaluation import evaluate, evaluate_base
 from loraship.training.experts import ExpertGradientCheck
 from loraship.training.gradient_checkpointing import decoder_layers
-from loraship.training.lora_targets import lora_target_note, lora_targets
 from loraship.training.model_loading import (
     LoadedModel,
     host_copy_stats,
     import_training_stack,
     load_model,
     load_tokenizer,
+    read_model_config,
 )
-from loraship.training.out_of_memory import (
-    Attempts,
-    is_out_of_memory,
-    layer_count,
-    starting_plan,
-    train_until_it_fits,
-)
+from loraship.training.out_of_memory import Attempts, is_out_of_memory, starting_plan, train_until_it_fits
 from loraship.training.gc_pauses import setup_frozen
 from loraship.training.step_loop import StepLoop, make_optimizer, run_steps
 from loraship.training.throughput import flops_per_token, steady_rate, utilisation
@@ -108,22 +102,25 @@ def train_once(
     config,
     ctx,
     model_dir: Path,
-    strategy: Strategy | dict,
+    plan: Plan,
     device: str,
     tokenizer,
     train,
     evaluation,
     ranks: distributed.Ranks = distributed.ONE_PROCESS,
+    model_config: dict | None = None,
 ) -> dict:
-    """One attempt at training `strategy` to the end (resuming its checkpoints), evals before and after; the
-    adapter and the loss history written to the stage folder. Raises what the attempt raised (out of memory too)."""
+    """One attempt at training `plan` to the end (resuming its checkpoints), evals before and after; the adapter and
+    the loss history written to the stage folder. Raises what the attempt raised (out of memory too).
+    `model_config`: the base's config.json as the stage parsed it (read here when not given)."""
     import torch
 
     from loraship.training.fused_lora import casts_kept_until_step  # torch: not on a rerun with nothing to do
 
-    strategy = Strategy.from_json(strategy)
+    strategy = plan.strategy
+    model_config = read_model_config(model_dir) if model_config is None else model_config
     torch.manual_seed(config.seed)
-    loaded = load_model(model_dir, config, strategy, device, ranks.engine, ranks.rank)
+    loaded = load_model(model_dir, config, plan, device, ranks.engine, ranks.rank, model_config)
     model = loaded.model
     # DDP around it, or FSDP2's shards in place (its parameters replaced: the optimizer is made after), filled from
     # rank 0's weights where only rank 0 read them.
@@ -145,7 +142,7 @@ def train_once(
     resumed_from, history = load_checkpoint(ctx.dir / CHECKPOINTS_DIR, wrapped, opt.optimizer, opt.scheduler)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    per_token = flops_per_token(model_dir, config, batches.lengths)
+    per_token = flops_per_token(model_config, config, batches.lengths)
     progress = Progress("train", opt.total_steps, log, key=artifact_key(config.run_name, STAGE, "progress"))
     # No full collection walking the model mid-step; release_memory above was the collection before the freeze.
     # A's and B's bf16 casts made once per optimizer step, not at every forward and recompute (fused_lora.py).
@@ -235,20 +232,23 @@ def train_attempt(
     config,
     ctx,
     model_dir: Path,
-    strategy: Strategy,
+    plan: Plan,
     device: str,
     tokenizer,
     train,
     evaluation,
     engine: distributed.Engine,
+    model_config: dict | None = None,
 ) -> dict:
     """train_once in this process, or on the engine's ranks, each running train_once on its share of every step."""
     if not engine.distributed:
-        return train_once(config, ctx, model_dir, strategy, device, tokenizer, train, evaluation)
-    return train_on_ranks(config, ctx, model_dir, strategy, device, engine)
+        return train_once(
+            config, ctx, model_dir, plan, device, tokenizer, train, evaluation, model_config=model_config
+        )
+    return train_on_ranks(config, ctx, model_dir, plan, device, engine)
 
 
-def train_on_ranks(config, ctx, model_dir: Path, strategy: Strategy, device: str, engine: distributed.Engine) -> dict:
+def train_on_ranks(config, ctx, model_dir: Path, plan: Plan, device: str, engine: distributed.Engine) -> dict:
     """One attempt on engine.world_size ranks: this stage again under torchrun in this container (serve_rank_job);
     rank 0's result. Raises what a rank raised: its LorashipError, RanksOutOfMemory (which the re-plan takes for its
     own out-of-memory error), or RankFailed naming a rank that died and where a rerun resumes."""
@@ -257,7 +257,7 @@ def train_on_ranks(config, ctx, model_dir: Path, strategy: Strategy, device: str
         config=config.model_dump(mode="json"),
         stage_dir=str(ctx.dir),
         model_dir=str(model_dir),
-        strategy=strategy.to_json(),
+        strategy=plan.to_json(),  # the whole plan record: each rank takes its decisions from it too
         engine=engine.name,
         world_size=engine.world_size,
         device=device,
@@ -307,14 +307,14 @@ def serve_rank_job(job_file: Path) -> int:
                 "eval data": sha256_json([e["input_ids"] for e in evaluation.examples]),
             },
         )
-        strategy = Strategy.from_json(job.strategy)
-        import_training_stack(strategy, job.device)
+        plan = Plan.from_json(job.strategy)
+        import_training_stack(plan.strategy, job.device)
         ranks = distributed.Ranks(distributed.Engine(job.engine, job.world_size), rank)
         return train_once(
             config,
             RankStage(Path(job.stage_dir)),
             model_dir,
-            strategy,
+            plan,
             job.device,
             tokenizer,
             train,
@@ -331,13 +331,13 @@ def serve_rank_job(job_file: Path) -> int:
     )
 
 
-def training_engine(ctx, config, device: str) -> tuple[distributed.Engine, dict]:
+def training_engine(staged: Plan, config, device: str) -> tuple[distributed.Engine, dict]:
     """The engine and number of ranks for the devices visible here, from the plan stage's multi-GPU record
     (preflight.check_training_gpus, whose errors name the fix before any weight loads); the option, for the
     manifest. On a CPU the ranks are LORASHIP_CPU_RANKS (1 when unset)."""
     from loraship.planning.preflight import check_training_gpus
 
-    record = json.loads((ctx.upstream_dir("plan") / STRATEGY_FILE).read_text(encoding="utf-8")).get("distributed")
+    record = dict(staged.distributed) if staged.distributed is not None else None
     option = check_training_gpus(config, record, distributed.visible_devices(device))
     return distributed.engine_of(option), option
 
@@ -384,52 +384,54 @@ def run(config) -> dict:
     device = pick_device(config)
     tokenizer = load_tokenizer(model_dir, config)
     train, evaluation = load_splits(config, tokenizer)
+    # Read once: the plan record carries what train reads of the model; the planner sees it again only to re-plan.
     model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    n_layers = layer_count(model_config)
-    start = starting_plan(ctx, config, model_config, n_layers, device)
-    engine, option = training_engine(ctx, config, device)
+    start, staged = starting_plan(ctx, config, model_config, device)
+    engine, option = training_engine(staged, config, device)
     import_training_stack(start.strategy, device)
     result, final = train_until_it_fits(
         config,
         ctx,
         model_config,
-        n_layers,
         start,
         device,
-        lambda strategy: train_attempt(config, ctx, model_dir, strategy, device, tokenizer, train, evaluation, engine),
+        lambda plan: train_attempt(
+            config, ctx, model_dir, plan, device, tokenizer, train, evaluation, engine, model_config
+        ),
     )
     metrics = {
         **result,
         "device": device,
         # The engine and ranks it trained on (one process: single on 1), and why the plan chose them.
         "distributed": {"engine": engine.name, "ranks": engine.world_size, "why": option.get("why")},
-        **trained_with(config, model_dir, model_config, final, n_layers),
+        **trained_with(final),
         "cuda_allocator": allocator if device == "cuda" else None,
         "oom_retries": list(final.failed),
         # Re-plans that changed the base's precision and so trained again from step 0 (set_checkpoints_aside).
         "restarted_from_step_0": list(final.restarts),
         **data_metrics(config, train, evaluation),
-        "predicted_reserved_gib": final.plan["memory"].get("predicted_reserved_gib"),
-        "predicted_allocated_gib": final.plan["memory"].get("predicted_allocated_gib"),
+        "predicted_reserved_gib": final.plan.memory.predicted_reserved_gib,
+        "predicted_allocated_gib": final.plan.memory.predicted_allocated_gib,
         "data_fingerprint": sha256_json([e["input_ids"] for e in train.examples]),
         "figures": draw_figures(
-            config, ctx.dir, result, final.plan["memory"], device, f"{final.strategy.adapter} on {device}"
+            config, ctx.dir, result, final.plan.memory.to_json(), device, f"{final.strategy.adapter} on {device}"
         ),
     }
     atomic_write_json(ctx.dir / "train_metrics.json", metrics)
     return ctx.finish(metrics, outputs=None)
 
 
-def trained_with(config, model_dir: Path, model_config: dict, final: Attempts, n_layers: int | None) -> dict:
+def trained_with(final: Attempts) -> dict:
     """What trained, for the manifest: the strategy, in words, the Linears adapted, and why this plan."""
+    plan = final.plan
     return {
-        "strategy": final.strategy.to_json(),
-        "trained_as": final.strategy.describe(n_layers),
+        "strategy": plan.strategy.to_json(),
+        "trained_as": plan.strategy.describe(plan.model.decoder_layers),
         # The Linears adapted, as the architecture names them (Phi-3: qkv_proj, gate_up_proj), and why when a fused
         # one adapts more projections than the config named.
-        "lora_modules": lora_targets(model_dir, config),
-        "lora_modules_note": lora_target_note(model_config, config),
-        "strategy_reason": final.reason,
+        "lora_modules": list(plan.lora_modules),
+        "lora_modules_note": plan.lora_modules_note,
+        "strategy_reason": plan.reason,
     }
 
 

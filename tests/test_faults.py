@@ -206,11 +206,11 @@ def test_out_of_memory_replans_and_records_why(merged_run, monkeypatch):
     real = train.train_once
     calls = []
 
-    def flaky(config_, ctx, model_dir, strategy, *args):
-        calls.append(strategy.to_json())
+    def flaky(config_, ctx, model_dir, plan, *args, **kwargs):
+        calls.append(plan.strategy.to_json())
         if len(calls) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(config_, ctx, model_dir, strategy, *args)
+        return real(config_, ctx, model_dir, plan, *args, **kwargs)
 
     monkeypatch.setattr(train, "train_once", flaky)
     manifest = run_stages(config, ["plan", "train"])["train"]

@@ -128,7 +128,9 @@ def test_expert_gradient_check_fails_when_experts_are_excluded(moe_model, tmp_pa
     from loraship.training import model_loading
 
     real = model_loading.lora_config
-    monkeypatch.setattr(model_loading, "lora_config", lambda model_dir, config, parameters=(): real(model_dir, config))
+    monkeypatch.setattr(
+        model_loading, "lora_config", lambda model_dir, config, parameters=(), **kw: real(model_dir, config, **kw)
+    )
     config = _config(moe_model, tmp_path)
     loaded = train.load_model(moe_model, config, Strategy.from_config(config, 2), "cpu")
     with pytest.raises(LorashipError, match=r"adapts 4 stacked expert tensor\(s\) with LoRA, but .* LoRA on none"):

@@ -94,3 +94,36 @@ def test_a_plan_re_made_for_another_strategy_makes_its_layer_decisions_again():
     assert isinstance(none.strategy, Strategy) and none.lora_modules == plan.lora_modules
     assert MemoryEstimate.from_json(plan.memory.to_json()) == plan.memory
 
+
+def test_train_reads_the_plan_once_and_asks_the_planner_nothing_it_decided(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import loraship.stages.train as train
+    from loraship.planning import shape, strategy, targets
+    from loraship.runtime.manifest import atomic_write_json
+    from loraship.training.out_of_memory import starting_plan
+
+    plan, _ = _plan(PHI3_MINI, lora_target_modules=["q_proj", "v_proj", "o_proj"])
+    (tmp_path / "plan").mkdir()
+    atomic_write_json(tmp_path / "plan" / "strategy.json", plan.training_json(), sort_keys=True)
+    ctx = SimpleNamespace(upstream_dir=lambda stage: tmp_path / stage, dir=tmp_path / "train")
+
+    def asked(*args, **kwargs):
+        raise AssertionError("the train stage asked the planner for what its plan decided")
+
+    for module, name in ((shape, "shape_from_config"), (targets, "lora_modules"), (strategy, "plan_training")):
+        monkeypatch.setattr(module, name, asked)
+    c = cfg(lora_target_modules=["q_proj", "v_proj", "o_proj"])
+    start, staged = starting_plan(ctx, c, PHI3_MINI, "cpu")
+    assert staged == plan and start.plan == plan.on_device("cpu", fused_loss=False)
+    record = train.trained_with(start)
+    assert record["lora_modules"] == ["qkv_proj", "o_proj"] and record["lora_modules_note"] == plan.lora_modules_note
+    assert record["strategy_reason"] == plan.reason and "of 32 layers" in record["trained_as"]
+    # A plan stage from before the decisions wrote the reason and the model to plan.json only, and strategy.json as
+    # below: upgraded once, with the planner, to the same record.
+    monkeypatch.undo()
+    written = plan.to_json()
+    old = {k: written[k] for k in ("strategy", "memory", "model_dir", "inputs")}
+    atomic_write_json(tmp_path / "plan" / "strategy.json", {**old, "distributed": None})
+    atomic_write_json(tmp_path / "plan" / "plan.json", {k: v for k, v in written.items() if k != "decisions"})
+    assert starting_plan(ctx, c, PHI3_MINI, "cpu")[1] == plan

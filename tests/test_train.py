@@ -229,6 +229,7 @@ def test_phi3_lora_adapts_its_fused_linears_and_gemma2_trains_with_eager_attenti
     import loraship.stages.train as train
     from loraship.errors import LorashipError
     from loraship.planning.strategy_record import Strategy
+    from loraship.training.lora_targets import lora_targets
 
     # The Config default (the demo's config names all-linear).
     config = parse_config(
@@ -241,9 +242,9 @@ def test_phi3_lora_adapts_its_fused_linears_and_gemma2_trains_with_eager_attenti
     adapted = {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in phi3.named_parameters() if ".lora_A." in n}
     assert adapted == {"qkv_proj", "o_proj"}  # not o_proj alone, which PEFT would match of q, k, v, o
     every = config.model_copy(update={"lora_target_modules": "all-linear"})
-    assert train.lora_targets(tmp_path / "phi3", every) == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    assert lora_targets(tmp_path / "phi3", every) == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     with pytest.raises(LorashipError, match=r"\['c_attn'\] name no Linear of a phi3 decoder layer"):
-        train.lora_targets(tmp_path / "phi3", config.model_copy(update={"lora_target_modules": ["c_attn"]}))
+        lora_targets(tmp_path / "phi3", config.model_copy(update={"lora_target_modules": ["c_attn"]}))
 
     gemma2 = train.load_model(_family_model("gemma2", tmp_path / "gemma2"), config, strategy, "cpu").model
     assert gemma2.config._attn_implementation == "eager"  # the one that applies attn_logit_softcapping
@@ -564,13 +565,13 @@ def test_oom_attempt_is_released_before_the_retry_and_the_replan_persists(tiny_m
     real_load = train.load_model
     loaded, strategies = [], []
 
-    def load_and_fail_first(model_dir, config_, strategy, device, *engine):
+    def load_and_fail_first(model_dir, config_, plan, device, *engine):
         # The first attempt's model must be garbage by the time the retry loads its own.
         assert all(ref() is None for ref in loaded), "the failed attempt's model is still alive at the retry"
-        result = real_load(model_dir, config_, strategy, device, *engine)
+        result = real_load(model_dir, config_, plan, device, *engine)
         model = result.model
         loaded.append(weakref.ref(model))
-        strategies.append(strategy.to_json())
+        strategies.append(plan.strategy.to_json())
         if len(strategies) == 1:
 
             def fail(module, args):
@@ -728,8 +729,7 @@ def test_sliding_window_models_train_under_flex_attention_on_cuda(tmp_path, monk
     monkeypatch.delenv("LORASHIP_ATTENTION", raising=False)
 
     def choice(sequence_len, device="cuda", **config):
-        (tmp_path / "config.json").write_text(json.dumps(config))
-        return attention_choice(tmp_path, sequence_len, device)
+        return attention_choice(config, sequence_len, device)
 
     gemma3 = {"sliding_window": 1024, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
     implementation, why = choice(4096, **gemma3)

@@ -36,11 +36,19 @@ class ExpertPlan:
 def shape_of(model_dir: Path):
     import json
 
+    try:
+        return shape_of_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return None
+
+
+def shape_of_config(model_config: dict | None):
+    """The planner's Shape of a parsed config.json; None where there is none or the planner cannot read it."""
     from loraship.planning.shape import shape_from_config
 
     try:
-        return shape_from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError):
+        return shape_from_config(model_config) if model_config is not None else None
+    except (ValueError, KeyError):
         return None
 
 
@@ -61,12 +69,12 @@ def stacked_expert_names(model, experts_module: str) -> list[str]:
     return out
 
 
-def plan_experts(model, model_dir: Path, config) -> ExpertPlan | None:
+def plan_experts(model, model_config: dict | None, config) -> ExpertPlan | None:
     """The expert tensors (and router) that lora_target_modules and train_router adapt in the loaded `model`; None for
     a dense model."""
     from loraship.planning.targets import expert_lora_targets
 
-    s = shape_of(model_dir)
+    s = shape_of_config(model_config)
     if s is None or s.experts is None:
         return None
     wanted = set(expert_lora_targets(s, config.lora_target_modules))

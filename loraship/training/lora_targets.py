@@ -1,5 +1,6 @@
 """Which Linears the LoRA adapter trains: lora_target_modules as the architecture names them, the modules the plan
-leaves untrained, and PEFT's LoraConfig built from both."""
+leaves untrained, and PEFT's LoraConfig built from both. The train stage takes both from its plan record
+(loraship/planning/plan_record.py); lora_targets and lora_excluded ask the planner, for a model loaded without one."""
 
 from __future__ import annotations
 
@@ -40,29 +41,25 @@ def lora_excluded(model_dir: Path) -> str | None:
     return "(?:" + "|".join(re.escape(m) for m in shape.untrained_modules) + r")(?:\..*)?"
 
 
-def lora_target_note(model_config: dict, config) -> str | None:
-    from loraship.planning import targets
-    from loraship.planning.shape import shape_from_config
-
-    try:
-        return targets.lora_target_note(shape_from_config(model_config), config.lora_target_modules)
-    except ValueError:
-        return None
-
-
-def lora_config(model_dir: Path, config, parameters: tuple[str, ...] | list[str] = ()):
-    """PEFT's LoraConfig: the Linears lora_targets names, and `parameters` (a MoE's stacked expert tensors, full
-    names: PEFT matches an already parametrized, 4-bit tensor by its full name only) through target_parameters, whose
-    ParamWrapper takes no dropout (the train stage puts the config's back on the Linears)."""
+def lora_config(model_dir: Path, config, parameters: tuple[str, ...] | list[str] = (), plan=None):
+    """PEFT's LoraConfig: the Linears the plan resolved (lora_targets without a plan), and `parameters` (a MoE's
+    stacked expert tensors, full names: PEFT matches an already parametrized, 4-bit tensor by its full name only)
+    through target_parameters, whose ParamWrapper takes no dropout (the train stage puts the config's back on the
+    Linears)."""
     from loraship.runtime.imports import import_peft
+
+    if plan is not None:
+        targets, excluded = list(plan.lora_modules), plan.lora_excluded
+    else:
+        targets, excluded = lora_targets(model_dir, config), lora_excluded(model_dir)
 
     extra = {"target_parameters": list(parameters)} if parameters else {}
     return import_peft().LoraConfig(
         r=config.lora_r,
         lora_alpha=config.lora_alpha,
         lora_dropout=0.0 if parameters else config.lora_dropout,
-        target_modules=lora_targets(model_dir, config),
-        exclude_modules=lora_excluded(model_dir),
+        target_modules=targets,
+        exclude_modules=excluded,
         bias="none",
         task_type="CAUSAL_LM",
         **extra,

@@ -18,16 +18,23 @@ from loraship.training.gradient_checkpointing import apply_checkpointing, decode
 from loraship.training.lora_targets import lora_config
 
 if TYPE_CHECKING:
+    from loraship.planning.plan_record import Plan
     from loraship.planning.strategy_record import Strategy
 
 log = logging.getLogger("loraship.train")
 
 
-def attention_choice(model_dir: Path, sequence_len: int, device: str) -> tuple[str | None, str]:
-    """transformers' attention implementation for training (None: its default, SDPA) and why, in words."""
+def read_model_config(model_dir: Path) -> dict | None:
+    """The base's config.json as a dict, None where it cannot be read here (transformers then says why)."""
     try:
-        model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        return json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        return None
+
+
+def attention_choice(model_config: dict | None, sequence_len: int, device: str) -> tuple[str | None, str]:
+    """transformers' attention implementation for training (None: its default, SDPA) and why, in words."""
+    if model_config is None:
         return None, "transformers' default (config.json unreadable here)"
     model_config = model_config.get("text_config") or model_config
     if model_config.get("attn_logit_softcapping") is not None:
@@ -71,23 +78,30 @@ class LoadedModel:
 def load_model(
     model_dir: Path,
     config,
-    strategy: Strategy | dict,
+    strategy: Plan | Strategy | dict,
     device: str,
     engine: distributed.Engine = distributed.ONE_PROCESS.engine,
     rank: distributed.Rank | None = None,
+    model_config: dict | None = None,
 ) -> LoadedModel:
     """The base with its LoRA adapter as `strategy` trains it: precision, streamed weights, checkpointed layers,
-    Liger's kernels, fused LoRA nodes; in train mode. Under FSDP2 (LoRA) only rank 0 reads the weights; the other
-    ranks' parameters stay on the meta device until distributed.wrap sends them their shards."""
+    Liger's kernels, fused LoRA nodes; in train mode. Given the train stage's Plan, its decisions (LoRA modules,
+    layers streamed) are taken from it; given a bare strategy (tests, bench), the planner is asked for them. Under
+    FSDP2 (LoRA) only rank 0 reads the weights; the other ranks' parameters stay on the meta device until
+    distributed.wrap sends them their shards. `model_config`: the base's config.json as the stage parsed it (read
+    here when not given)."""
     from peft import get_peft_model
 
+    from loraship.planning.plan_record import Plan
     from loraship.planning.strategy_record import Strategy
 
-    strategy = Strategy.from_json(strategy)
-    attention, attention_why = attention_choice(model_dir, config.sequence_len, device)
+    plan = strategy if isinstance(strategy, Plan) else None
+    strategy = plan.strategy if plan else Strategy.from_json(strategy)
+    model_config = read_model_config(model_dir) if model_config is None else model_config
+    attention, attention_why = attention_choice(model_config, config.sequence_len, device)
     kwargs, offload = model_kwargs(model_dir, config, strategy, device, engine, attention)
     model = load_base(model_dir, config, strategy, kwargs, engine, rank)
-    experts = prepare_experts(model, model_dir, config, strategy)
+    experts = prepare_experts(model, model_config, config, strategy)
     if strategy.adapter == "qlora" and device != "cuda":
         keep_nf4_trainable_on_cpu(model)
     # The decoder layers, and how many of the first ones recompute: the same modules after PEFT wraps the model
@@ -96,11 +110,12 @@ def load_model(
     k = strategy.checkpointed(len(layers))
     activation_offload = apply_checkpointing(model, strategy, layers, k)
     model.config.use_cache = False
-    model = get_peft_model(model, lora_config(model_dir, config, experts.parameters if experts else ()))
+    model = get_peft_model(model, lora_config(model_dir, config, experts.parameters if experts else (), plan=plan))
     if experts:
         experts_after_peft(model, experts, config, strategy)
-    prefetcher = stream_frozen_weights(model, strategy, len(layers)) if offload else None
-    fused_loss = device == "cuda" and strategy.fused_loss
+    streamed = list(plan.streamed_layers) if plan else strategy.streamed(len(layers))
+    prefetcher = stream_frozen_weights(model, streamed) if offload else None
+    fused_loss = device == "cuda" and (plan.liger_kernels if plan else strategy.fused_loss)
     if fused_loss:
         apply_fused_loss(model, experts_adapted=bool(experts and experts.tensors))
     if device == "cuda":
@@ -151,12 +166,12 @@ def load_base(
     )
 
 
-def prepare_experts(model, model_dir: Path, config, strategy: Strategy):
+def prepare_experts(model, model_config: dict | None, config, strategy: Strategy):
     """A mixture of experts' expert tensors to adapt (loraship/training/experts.py); None for a dense model.
     Under QLoRA experts_after_peft stores them in NF4."""
     from loraship.training import experts
 
-    plan = experts.plan_experts(model, model_dir, config)
+    plan = experts.plan_experts(model, model_config, config)
     if plan is None:
         return None
     experts.fix_peft_param_wrapper()
@@ -289,12 +304,11 @@ def model_kwargs(
     return kwargs, offload
 
 
-def stream_frozen_weights(model, strategy: Strategy, n_layers: int):
-    """Keep the streamed layers' frozen weights in CPU memory, the rest of the model on the GPU; the prefetcher
-    that streams them back (loraship/training/offload.py keeps it on the decoder stack)."""
+def stream_frozen_weights(model, streamed: list[int]):
+    """Keep the `streamed` decoder layers' frozen weights in CPU memory, the rest of the model on the GPU; the
+    prefetcher that streams them back (loraship/training/offload.py keeps it on the decoder stack)."""
     from loraship.training.offload import offload_frozen_layers
 
-    streamed = strategy.streamed(n_layers)
     log.info(
         "train: %.2f GiB of frozen weights kept in CPU memory (decoder layers %s)",
         offload_frozen_layers(model, streamed) / 2**30,

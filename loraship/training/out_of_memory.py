@@ -6,6 +6,7 @@ the base."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from loraship.training.checkpoints import set_checkpoints_aside
 from loraship.training.device import peak_memory, release_memory
 
 if TYPE_CHECKING:
+    from loraship.planning.plan_record import Plan
     from loraship.planning.strategy_record import Strategy
 
 REPLANNED_FILE = "replanned.json"  # in the checkpoints folder: kept, like the checkpoints, for a rerun
@@ -40,67 +42,93 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in OOM_MESSAGES)
 
 
-def for_device(strategy: dict, config, device: str, n_layers: int | None) -> Strategy:
-    """The plan's strategy as this machine can run it (a plan from before a key upgraded here, once)."""
-    from loraship.planning.knobs import fused_loss_available
-    from loraship.planning.strategy_record import Strategy
+def ask_planner(config, model_config: dict, plan: Plan | None = None, measured: dict | None = None) -> Plan | None:
+    """The one place the train stage asks the planner again: a plan made here (plan=None: plan_training, where this
+    machine lacks the fused loss the plan stage assumed), or the next smaller one after `plan` ran out of memory
+    with `measured` (replan_after_oom; None when none is left). Either way a Plan record, its decisions made."""
+    from loraship.planning.plan_record import Plan
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.strategy import plan_training, replan_after_oom
 
-    out = Strategy.from_json(strategy, n_layers).replace(fused_loss=fused_loss_available(config, device))
-    return out.replace(offload_layers=0) if device == "cpu" else out  # no GPU to offload from
+    shape = shape_from_config(model_config)
+    if plan is None:
+        planned = plan_training(shape, config)
+    else:
+        planned = replan_after_oom(plan.to_json(), shape, config, measured)
+    return None if planned is None else Plan.build(planned, shape, config, **_kept(plan))
+
+
+def _kept(plan: Plan | None) -> dict:
+    """What a re-plan keeps of the plan it replaces: where the model is and the inputs it was made for."""
+    return {k: plan.other[k] for k in ("model_dir", "inputs") if plan is not None and k in plan.other}
+
+
+def read_plan(d: dict, config, model_config: dict) -> Plan:
+    """A plan file's object as a record; one from before the decisions were recorded is upgraded here, once."""
+    from loraship.planning.plan_record import DECISIONS, Plan
+    from loraship.planning.shape import shape_from_config
+
+    return Plan.from_json(d) if DECISIONS in d else Plan.from_json(d, shape_from_config(model_config), config)
+
+
+def for_device(plan: Plan, config, device: str) -> Plan:
+    """The plan as this machine can run it: the fused loss where liger-kernel is importable on CUDA (for the model
+    type the plan read), no streamed weights without a GPU."""
+    from loraship.planning.knobs import fused_loss_available
+
+    return plan.on_device(device, fused_loss_available(config, device, model_type=plan.model.model_type))
 
 
 @dataclass(frozen=True)
 class Attempts:
-    """Where the out-of-memory retries stand: the plan tried next, its strategy as this machine runs it, why it was
-    chosen; the attempts that ran out of memory, and the re-plans that trained again from step 0."""
+    """Where the out-of-memory retries stand: the plan tried next, as this machine runs it; the attempts that ran out
+    of memory, and the re-plans that trained again from step 0."""
 
-    plan: dict
-    strategy: Strategy
-    reason: str | None
+    plan: Plan
     failed: tuple[dict, ...] = ()
     restarts: tuple[dict, ...] = ()
 
+    @property
+    def strategy(self) -> Strategy:
+        return self.plan.strategy
+
+    @property
+    def reason(self) -> str:
+        return self.plan.reason
+
     def to_json(self) -> dict:
-        return {"plan": self.plan, "attempts": list(self.failed), "restarts": list(self.restarts)}
+        return {"plan": self.plan.to_json(), "attempts": list(self.failed), "restarts": list(self.restarts)}
 
 
-def layer_count(model_config: dict) -> int | None:
-    """The decoder layers the planner reads in config.json; None for an architecture it cannot read."""
-    from loraship.planning.shape import shape_from_config
+def starting_plan(ctx, config, model_config: dict, device: str) -> tuple[Attempts, Plan]:
+    """The plan the first attempt trains: the plan stage's (read once, here), re-planned where this machine lacks the
+    fused loss it assumed, or the one an earlier run of these exact inputs re-planned to after running out of
+    memory; and the plan stage's own record (its multi-GPU choice is the train stage's)."""
+    from loraship.planning.plan_record import DECISIONS
 
-    try:
-        return shape_from_config(model_config).L
-    except (ValueError, KeyError):
-        return None
-
-
-def starting_plan(ctx, config, model_config: dict, n_layers: int | None, device: str) -> Attempts:
-    """The plan the first attempt trains: the plan stage's, re-planned where this machine lacks the fused loss it
-    assumed, or the one an earlier run of these exact inputs re-planned to after running out of memory."""
-    from loraship.planning.shape import shape_from_config
-    from loraship.planning.strategy import plan_training
-
-    plan = json.loads((ctx.upstream_dir("plan") / STRATEGY_FILE).read_text(encoding="utf-8"))
-    plan_file = ctx.upstream_dir("plan") / PLAN_FILE
-    reason = json.loads(plan_file.read_text(encoding="utf-8")).get("reason") if plan_file.is_file() else None
-    start = Attempts(plan, for_device(plan["strategy"], config, device, n_layers), reason)
-    if device == "cuda" and plan["strategy"]["fused_loss"] and not start.strategy.fused_loss:
+    folder = ctx.upstream_dir("plan")
+    d = json.loads((folder / STRATEGY_FILE).read_text(encoding="utf-8"))
+    if DECISIONS not in d and (folder / PLAN_FILE).is_file():
+        # An older plan stage wrote the reason, the model and the ladder to plan.json only: upgraded from both.
+        d = {**json.loads((folder / PLAN_FILE).read_text(encoding="utf-8")), **d}
+    staged = read_plan(d, config, model_config)
+    start = Attempts(for_device(staged, config, device))
+    if device == "cuda" and staged.fused_loss and not start.plan.fused_loss:
         # The plan was made where liger-kernel is importable and this machine lacks it: the HF loss
         # needs more memory than planned, so plan again here, with the same ladder and fallback.
-        plan = plan_training(shape_from_config(model_config), config)
-        start = Attempts(
-            plan,
-            for_device(plan["strategy"], config, device, n_layers),
-            f"re-planned in the train environment, where liger-kernel is not importable: {plan['reason']}",
+        again = ask_planner(config, model_config)
+        again = dataclasses.replace(
+            again,
+            reason=f"re-planned in the train environment, where liger-kernel is not importable: {again.reason}",
+            other={**again.other, **_kept(staged)},
         )
+        start = Attempts(for_device(again, config, device))
     replanned = ctx.dir / CHECKPOINTS_DIR / REPLANNED_FILE
     if replanned.is_file():
         # An earlier run of these exact inputs ran out of memory and re-planned: start where it ended.
         saved = json.loads(replanned.read_text(encoding="utf-8"))
         start = Attempts(
-            saved["plan"],
-            for_device(saved["plan"]["strategy"], config, device, n_layers),
-            start.reason,
+            for_device(read_plan(saved["plan"], config, model_config), config, device),
             tuple(saved["attempts"]),
             tuple(saved.get("restarts", [])),
         )
@@ -109,19 +137,18 @@ def starting_plan(ctx, config, model_config: dict, n_layers: int | None, device:
             len(start.failed),
             start.strategy.to_json(),
         )
-    return start
+    return start, staged
 
 
 def train_until_it_fits(
     config,
     ctx,
     model_config: dict,
-    n_layers: int | None,
     start: Attempts,
     device: str,
-    attempt: Callable[[Strategy], dict],
+    attempt: Callable[[Plan], dict],
 ) -> tuple[dict, Attempts]:
-    """attempt(strategy) (the train stage's train_attempt: one attempt at training it to the end), and after each
+    """attempt(plan) (the train stage's train_attempt: one attempt at training it to the end), and after each
     out-of-memory error the next smaller plan (replan_after_oom) until one trains to the end; the result and how the
     attempts went. Raises naming the fix when no smaller plan is left."""
     import torch
@@ -130,7 +157,7 @@ def train_until_it_fits(
     while True:
         failure = None
         try:
-            return attempt(now.strategy), now
+            return attempt(now.plan), now
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
@@ -140,7 +167,7 @@ def train_until_it_fits(
         # Here, outside the except clause, the exception is gone, and with it the traceback whose frames
         # held the failed attempt's model, optimizer and activations; free them before the retry loads anew.
         release_memory(device)
-        now = after_out_of_memory(config, ctx, model_config, n_layers, now, failure, device, measured)
+        now = after_out_of_memory(config, ctx, model_config, now, failure, device, measured)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
 
@@ -149,7 +176,6 @@ def after_out_of_memory(
     config,
     ctx,
     model_config: dict,
-    n_layers: int | None,
     now: Attempts,
     failure: str,
     device: str,
@@ -157,19 +183,17 @@ def after_out_of_memory(
 ) -> Attempts:
     """The attempts after `now` ran out of memory: the next smaller plan, persisted so that a rerun starts from it,
     the old checkpoints set aside where it changes the base's precision."""
-    from loraship.planning.shape import shape_from_config
-    from loraship.planning.strategy import replan_after_oom
     from loraship.runtime.manifest import atomic_write_json
 
     measured = peak_memory(device) if measured is None else measured
-    nxt = replan_after_oom(now.plan, shape_from_config(model_config), config, measured)
+    nxt = ask_planner(config, model_config, now.plan, measured)
     failed = (
         *now.failed,
         {
             "strategy": now.strategy.to_json(),
             "error": failure,
             "measured": measured,
-            "under_predicted": (nxt or {}).get("oom_component"),
+            "under_predicted": nxt.oom_component if nxt else None,
         },
     )
     if nxt is None:
@@ -179,9 +203,10 @@ def after_out_of_memory(
             f"micro_batch_size, allow more in fallback (now {list(config.fallback)}), or use a larger GPU."
         ) from RuntimeError(failure)
     log.warning(
-        "train: out of memory (%s under-predicted); retrying with %s", nxt.get("oom_component"), nxt["strategy"]
+        "train: out of memory (%s under-predicted); retrying with %s", nxt.oom_component, nxt.strategy.to_json()
     )
-    strategy = for_device(nxt["strategy"], config, device, n_layers)
+    nxt = for_device(nxt, config, device)
+    strategy = nxt.strategy
     restarts = now.restarts
     # A strategy on the same precision of the base resumes the checkpoints (the same LoRA parameters, trained
     # against the same weights); one on another precision starts from step 0. Moved before the re-plan is
@@ -189,6 +214,6 @@ def after_out_of_memory(
     if now.strategy.base_precision != strategy.base_precision:
         moved = set_checkpoints_aside(ctx.dir / CHECKPOINTS_DIR, now.strategy, strategy, len(failed))
         restarts = (*restarts, moved) if moved else restarts
-    out = Attempts(nxt, strategy, nxt["reason"], failed, restarts)
+    out = Attempts(nxt, failed, restarts)
     atomic_write_json(ctx.dir / CHECKPOINTS_DIR / REPLANNED_FILE, out.to_json())
     return out

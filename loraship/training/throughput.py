@@ -3,9 +3,6 @@ token (loraship/planning/flops.py) and the MFU they make on the card."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 
 # Optimizer steps left out of the steady-state rate: the first allocates AdamW's state and runs every kernel's first
 # launch (autotuning, cuBLAS heuristics, lazy CUDA module loads); the second still settles the allocator's segments.
@@ -25,13 +22,14 @@ def steady_rate(stamps: list[tuple[float, int]], warmup: int = WARMUP_STEPS) -> 
     )
 
 
-def flops_per_token(model_dir: Path, config, lengths: list[int]) -> float | None:
-    """Model FLOPs of one trained token (loraship/planning/flops.py), None for an architecture the planner cannot
-    read."""
+def flops_per_token(model_config: dict | None, config, lengths: list[int]) -> float | None:
+    """Model FLOPs of one trained token (loraship/planning/flops.py) of the parsed config.json, None for an
+    architecture the planner cannot read."""
     from loraship.planning import flops
 
+    if model_config is None:
+        return None
     try:
-        model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         return flops.train_flops_per_token(model_config, config, flops.attention_length(lengths))
     except (ValueError, KeyError):
         return None
