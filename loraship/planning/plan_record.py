@@ -46,6 +46,8 @@ class MemoryEstimate:
     peak_phase: str
     components_gib: Mapping[str, float]
     activations_in_cpu_memory_gib: float | None = None
+    # How one layer's activations were counted: traced from its class, or the hand model and why (estimate.py).
+    activations_counted: str | None = None
     # Keys a plan file carried that this record does not name, kept so that writing it back loses nothing.
     other: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
@@ -58,11 +60,12 @@ class MemoryEstimate:
         "peak_phase",
         "components_gib",
         "activations_in_cpu_memory_gib",
+        "activations_counted",
     )
 
     @classmethod
     def from_json(cls, d: Mapping) -> MemoryEstimate:
-        missing = [k for k in cls.NAMED[:-1] if k not in d]
+        missing = [k for k in cls.NAMED[:-2] if k not in d]
         if missing:
             raise PlanError(f"the plan's memory estimate lacks {missing}; fix: re-plan ({_REPLAN})")
         named = {k: d.get(k) for k in cls.NAMED}
@@ -71,6 +74,8 @@ class MemoryEstimate:
 
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in self.NAMED}
+        if self.activations_counted is None:  # a plan from before the key: written back as it was read
+            del out["activations_counted"]
         out["components_gib"] = dict(self.components_gib)
         return {**self.other, **out}
 
