@@ -60,7 +60,7 @@ from loraship.verification.gates import (
     special_tokens_gate,
 )
 from loraship.verification.measure_child import measure_apart
-from loraship.verification.way_out import way_out
+from loraship.verification.way_out import failure_message
 
 STAGE = "verify"
 UPSTREAM = ("train", "reference", "quantize")
@@ -131,11 +131,7 @@ def run(config) -> dict:
     }
     atomic_write_json(ctx.dir / VERIFY_FILE, verdict)
     if not passed:
-        failing = [q for q, section in sections.items() if not section["passed"]]
-        raise StageFailed(
-            f"verify failed for {', '.join(failing)}: {failed_gates(gates)}.\nWay out: {way_out(sections)}; "
-            f"details in {ctx.dir / VERIFY_FILE}"
-        )
+        raise StageFailed(failure_message(sections, gates, ctx.dir / VERIFY_FILE))
     shown = ("kl_mean", "same_top_rate", "scored_tokens")
     return ctx.finish(
         {

@@ -236,6 +236,45 @@ def test_real_pretrained_model_passes_every_gate(real_run):
     assert "publish" in manifests
 
 
+def test_a_failed_quantization_names_its_way_out(real_run):
+    """verify's gates and failure message on this real run's own figures and Q4_K_M GGUF, whose K-quant rows of 576
+    fall back: judged under a KL limit below the KL it measured, Q4_K_M fails, and the message names the way out
+    (quantization: auto, the larger rungs with sizes from this GGUF's tensors) and the fallback. The same failure
+    through the whole pipeline on the real Gemma 3 270M: test_real_models.py (slow)."""
+    from loraship.constants import REFERENCE_FILE, VERIFY_FILE
+    from loraship.stages.verify import all_gates
+    from loraship.verification.gates import agreement_gates
+    from loraship.verification.way_out import estimated_bytes, failure_message
+
+    config, _, verify = real_run
+    section = verify["quantizations"]["Q4_K_M"]
+    gguf, agreement = Path(section["gguf"]), section["eval_agreement"]
+    top_k = json.loads((stage_dir(config, "reference") / REFERENCE_FILE).read_text())["top_k"]
+    strict = config.model_copy(update={**section["gate_limits"], "kl_mean_max": agreement["kl_mean"] / 2})
+    judged = {
+        g.name: g.to_json() for g in agreement_gates(section["tokenizer_parity"], agreement, config, strict, top_k)
+    }
+    assert not judged["kl_divergence_mean"]["passed"] and judged["kl_divergence_p99"]["passed"]
+    gates = {**section["gates"], **judged}
+    sections = {"Q4_K_M": {**section, "gates": gates, "passed": all(g["passed"] for g in gates.values())}}
+    details = stage_dir(config, "verify") / VERIFY_FILE
+    text = failure_message(sections, all_gates(sections), details)
+
+    sizes = estimated_bytes(gguf, ["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0"])
+    assert sizes["Q4_K_M"] == gguf.stat().st_size  # the types llama.cpp gave this file, predicted to the byte
+    assert text.startswith(f"verify failed for Q4_K_M: kl_divergence_mean (value {round(agreement['kl_mean'], 5)},")
+    for part in (
+        "\nWay out: set quantization: auto (verify tries IQ3_M, Q3_K_M, IQ4_XS, Q4_K_M, Q5_K_M, Q6_K, Q8_0",
+        "or name a larger rung: "
+        + ", ".join(f"{q} (about {sizes[q] / 1e6:,.0f} MB)" for q in ("Q5_K_M", "Q6_K", "Q8_0")),
+        "Q4_K_M: ",
+        "quantized tensors fall back to",
+        "(rows of 576 are not a multiple of 256)",
+        f"details in {details}",
+    ):
+        assert part in text, (part, text)
+
+
 # -- plan-time facts of every family, without weights -------------------------------------------------
 def _built_version(marker: Path) -> int | None:
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from loraship.constants import AUTO_LADDER, BITS_PER_WEIGHT
 from loraship.llamacpp.quant_mix import gguf_layout, gguf_tensors, summarize, tensor_types
+from loraship.verification.figures import failed_gates
 
 
 def _mb(n: float) -> str:
@@ -36,6 +37,16 @@ def fallback_words(gguf: Path, quantization: str) -> str | None:
     tensors, n_layer, n_gqa = gguf_tensors(gguf)
     mix = summarize(tensor_types(tensors, quantization, n_layer, n_gqa), quantization)
     return mix.words() if mix.fell_back else None
+
+
+def failure_message(sections: dict[str, dict], gates: dict[str, dict], details: Path) -> str:
+    """verify's error when a quantization failed: which rungs, each failing gate with its value and limit, then the
+    way out. gates: verify.json's top-level gates (every rung's); details: verify.json's path."""
+    failing = [q for q, s in sections.items() if not s["passed"]]
+    return (
+        f"verify failed for {', '.join(failing)}: {failed_gates(gates)}.\nWay out: {way_out(sections)}; "
+        f"details in {details}"
+    )
 
 
 def way_out(sections: dict[str, dict]) -> str:
