@@ -19,6 +19,10 @@ with the run's importance matrix and verified, as a user's run does (plan -> ver
 
     .venv/bin/python bench/quant_gemma3.py --workdir .loraship/bench-gemma3 \\
         --out bench/results/quant_ladder_gemma3.json
+    .venv/bin/python bench/quant_gemma3.py --workdir DIR --steps 40 --rungs Q4_K_M IQ3_M Q5_K_M Q8_0 --verify-only \\
+        --out bench/results/quant_ladder_gemma3_imatrix.json      # verify's figures alone, no analysis phase
+    .venv/bin/python bench/quant_gemma3.py --workdir DIR --steps 40 --rungs Q4_K_M IQ3_M --imatrix-effect \\
+        --out bench/results/quant_imatrix_effect_gemma3.json      # after a run in DIR: with and without its matrix
     .venv/bin/python bench/quant_gemma3.py --grid-only --out bench/results/quant_grid_gemma3.json
     .venv/bin/python bench/quant_gemma3.py --base-only --rungs Q4_K_M IQ3_M --workdir DIR \\
         --out bench/results/quant_base_gemma3.json
@@ -377,6 +381,108 @@ def base_only(model: Path, root: Path, rungs: list[str], tools: Path) -> dict:
     return {"what": base_only.__doc__, "command": " ".join([Path(sys.executable).name, *sys.argv]), "rows": rows}
 
 
+def imatrix_effect(root: Path, model: Path, rungs: list[str], tools: Path, imatrix: Path, merged_f16: Path) -> dict:
+    """What the importance matrix changes, on one run's F16 GGUFs: each rung made by llama-quantize by hand with and
+    without the run's matrix, from the base model's F16 (no fine-tune: does the base still come back as the packaged
+    values?) and from the merged model's (does the fine-tune survive?). Per ggml type: delta_kept (merged only),
+    rel_l2_error against its own F16, and the share of weights equal to the base's values; llama-perplexity's KL
+    against its own F16."""
+    import numpy as np
+
+    from loraship.stages.convert import convert
+
+    base_f16 = root / "base-F16.gguf"
+    if not base_f16.is_file():
+        convert(model, base_f16)
+    text = kl_text(root)
+    perplexity = tools / "llama-perplexity"
+    klds = {"base": kld_base(perplexity, base_f16, text, root / "base-F16.kld")}
+    klds["merged"] = kld_base(perplexity, merged_f16, text, root / "merged-F16.kld")
+    f16 = {"base": base_f16, "merged": merged_f16}
+    base_arrays, merged_arrays = tensor_arrays(base_f16), tensor_arrays(merged_f16)
+    rows = []
+    for rung in rungs:
+        for source in ("base", "merged"):
+            for with_matrix in (False, True):
+                out = root / f"effect-{source}-{rung}-{'imatrix' if with_matrix else 'plain'}.gguf"
+                if not out.is_file():
+                    matrix = ["--imatrix", str(imatrix)] if with_matrix else []
+                    cmd = [str(tools / "llama-quantize"), *matrix, str(f16[source]), str(out), rung]
+                    run([*cmd, str(os.cpu_count() or 2)], f"llama-quantize {out.name}")
+                quant = tensor_arrays(out)
+                by_type: dict[str, list[float]] = {}
+                for name, (qtype, q) in quant.items():
+                    b = base_arrays[name][1].astype(np.float64)
+                    ref = (merged_arrays if source == "merged" else base_arrays)[name][1].astype(np.float64)
+                    a = by_type.setdefault(qtype, [0.0, 0.0, 0.0, 0])
+                    a[0] += float(np.sum((q - ref) ** 2))
+                    a[1] += float(np.dot(ref, ref))
+                    a[2] += float(np.sum(q == b))
+                    a[3] += q.size
+                types = {
+                    t: {"rel_l2_error": round((a[0] / a[1]) ** 0.5, 5), "equal_to_base": round(a[2] / a[3], 4)}
+                    for t, a in sorted(by_type.items())
+                }
+                if source == "merged":
+                    for t, d in delta_kept(base_arrays, merged_arrays, quant).items():
+                        types[t]["delta_kept"] = d["delta_kept"]
+                row = {
+                    "quant": rung,
+                    "source": source,
+                    "imatrix": with_matrix,
+                    "bytes": out.stat().st_size,
+                    "types": types,
+                    "peer_vs_own_f16": peer_kl(perplexity, out, klds[source]),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return {"what": imatrix_effect.__doc__, "imatrix": str(imatrix), "rows": rows}
+
+
+def verify_figures(section: dict) -> dict:
+    """One rung's figures from verify.json: its gates' verdict and what they judged."""
+    a = section.get("eval_agreement") or {}
+    gates = section["gates"]
+    return {
+        "passed": section["passed"],
+        "kl_mean": a.get("kl_mean"),
+        "kl_p99": a.get("kl_p99"),
+        "same_top": a.get("same_top_rate"),
+        "ppl_ratio": a.get("perplexity_ratio"),
+        "finetune_kl_ratio": a.get("finetune_kl_ratio"),
+        "kl_tokens": a.get("scored_tokens"),
+        "golden_match": section.get("golden_match"),
+        "finetune_kept_answers": (gates.get("finetune_kept_answers") or {}).get("value"),
+        "failed_gates": [k for k, g in gates.items() if not g["passed"]],
+    }
+
+
+def verify_result(config, verify: dict, qdir: Path, rungs: list[str], steps: int, seconds: dict, failure) -> dict:
+    """--verify-only's record: each rung's verify figures, the stages' seconds and verify's failure message."""
+    rows = [
+        {"quant": q, "bytes": (qdir / f"model-{q}.gguf").stat().st_size, **verify_figures(verify["quantizations"][q])}
+        for q in rungs
+    ]
+    matrix = json.loads((qdir / "manifest.json").read_text())["metrics"].get("imatrix") or {}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    return {
+        "what": f"verify's figures: real google/gemma-3-270m, {steps} LoRA steps of 4 rows on the demo's chat data, "
+        f"each rung quantized {'with' if config.imatrix_in_use else 'without'} the run's importance matrix and "
+        "verified on the CPU against the merged model",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": commit.strip(),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {"cpu": platform.machine(), "cores": os.cpu_count()},
+        "imatrix": config.imatrix_in_use,
+        "imatrix_tokens": matrix.get("text_tokens"),
+        "stage_seconds": seconds,
+        "eval_loss": next(iter(verify["quantizations"].values()))["gates"]["eval_loss_improved"]["value"],
+        "verify_ladder_kl_order": [r["quant"] for r in sorted(rows, key=lambda r: r["kl_mean"])],
+        "verify_failure": failure,
+        "rows": rows,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "quant_ladder_gemma3.json")
@@ -384,7 +490,16 @@ def main() -> None:
     parser.add_argument("--rungs", nargs="+", default=RUNGS)
     parser.add_argument("--steps", type=int, default=16, help="LoRA steps of 4 rows")
     parser.add_argument("--no-imatrix", action="store_true", help="quantize with llama-cpp-python's binding")
+    parser.add_argument(
+        "--verify-only", action="store_true", help="stop after verify: its figures per rung, no analysis phase"
+    )
     parser.add_argument("--base-only", action="store_true", help="only the base model's ladder against its F16")
+    parser.add_argument(
+        "--imatrix-effect",
+        action="store_true",
+        help="only each rung by hand with and without the run's importance matrix, from the base and the merged F16 "
+        "(after a pipeline run in --workdir)",
+    )
     parser.add_argument(
         "--grid-only", action="store_true", help="only the re-quantization of the packaged weights (seconds)"
     )
@@ -406,6 +521,18 @@ def main() -> None:
         from loraship.llamacpp.tools import tools_dir
 
         result = base_only(real_gemma3(args.model_dir), args.workdir.resolve(), args.rungs, tools_dir(build=False))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        return
+    if args.imatrix_effect:
+        root = args.workdir.resolve()
+        config = config_for(real_gemma3(args.model_dir), root, args.rungs, args.steps)
+        merged_f16 = stage_dir(config, "convert") / "model-F16.gguf"
+        imatrix = stage_dir(config, "quantize") / "imatrix.gguf"
+        result = imatrix_effect(
+            root, real_gemma3(args.model_dir), args.rungs, tools_dir(build=False), imatrix, merged_f16
+        )
+        result["command"] = " ".join([Path(sys.executable).name, *sys.argv])
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         return
@@ -442,6 +569,11 @@ def main() -> None:
         print(f"{stage}: {seconds[stage]} s", flush=True)
     verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
     qdir = stage_dir(config, "quantize")
+    if args.verify_only:
+        result = verify_result(config, verify, qdir, args.rungs, args.steps, seconds, failure)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        return
     merged_f16 = stage_dir(config, "convert") / "model-F16.gguf"
 
     # The base model's F16 GGUF (no fine-tune), converted by the same pinned converter.
@@ -478,20 +610,10 @@ def main() -> None:
     for rung in args.rungs:
         gguf = qdir / f"model-{rung}.gguf"
         section = verify["quantizations"][rung]
-        a = section.get("eval_agreement") or {}
         row = {
             "quant": rung,
             "bytes": gguf.stat().st_size,
-            "verify": {
-                "passed": section["passed"],
-                "kl_mean": a.get("kl_mean"),
-                "kl_p99": a.get("kl_p99"),
-                "same_top": a.get("same_top_rate"),
-                "ppl_ratio": a.get("perplexity_ratio"),
-                "finetune_kl_ratio": a.get("finetune_kl_ratio"),
-                "golden_match": section.get("golden_match"),
-                "failed_gates": [k for k, g in section["gates"].items() if not g["passed"]],
-            },
+            "verify": verify_figures(section),
             **check_types(gguf, rung),
             "ours_vs_merged_f16": lp.kl(merged_f16, gguf),
             "ours_vs_base_f16": lp.kl(base_f16, gguf),
