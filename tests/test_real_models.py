@@ -342,3 +342,51 @@ def test_real_gemma3_passes_every_gate(tmp_path):
     )
     assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
     assert "publish" in manifests
+
+
+@pytest.mark.slow
+def test_real_gemma3_q4_k_m_failure_names_its_way_out(tmp_path):
+    """The failure of a real run whose K-quant rows fall back: google/gemma-3-270m's real weights (rows of 640),
+    dequantized from llama.cpp's Q4_K_M, fine-tuned 6 steps and quantized to Q4_K_M (the default) with no importance
+    matrix. Most of its tensors go back on the base's Q5_0 grid, which takes a small fine-tune back: measured, it
+    failed perplexity ratio and same top token after 6 steps (bench/results/quant_ladder_gemma3.json) and passed every
+    gate after 16. verify's error names the way out: quantization: auto, or a larger rung with its size estimated from
+    the run's GGUF (Q8_0's matches the 291,545,760-byte file of bench/results/quant_ladder_gemma3_imatrix.json to the
+    MB); and the fallback. The message's code on a real default-suite run: test_families.py
+    test_a_failed_quantization_names_its_way_out."""
+    from loraship.errors import StageFailed
+    from loraship.fixtures.families import FAMILIES, real_gemma3
+    from tests.conftest import demo_config_dict
+    from tests.test_families import FAMILY_OVERRIDES
+
+    model = real_gemma3(REPO / ".loraship" / "models" / "real-gemma-3-270m")
+    golden = tmp_path / "golden.jsonl"
+    rows = [json.loads(line) for line in (REPO / "data/demo/golden.jsonl").read_text().splitlines()]
+    golden.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
+    overrides = dict(
+        FAMILY_OVERRIDES,
+        run_name="real-gemma3-q4",
+        sequence_len=64,
+        golden_prompts=str(golden),
+        quantization="Q4_K_M",
+        imatrix=False,
+        max_steps=6,
+        save_steps=6,
+        warmup_steps=1,
+        micro_batch_size=4,
+        chat_template=FAMILIES["gemma3"].chat_template,
+    )
+    config = parse_config(demo_config_dict(model, tmp_path, **overrides))
+    run_stages(config, STAGES[: STAGES.index("verify")])
+    with pytest.raises(StageFailed) as failed:
+        run_stages(config, ("verify",))
+    verify = json.loads((stage_dir(config, "verify") / "verify.json").read_text())
+    assert not verify["passed"]
+    text = str(failed.value)
+    for part in (
+        "verify failed for Q4_K_M: ",
+        "\nWay out: set quantization: auto (verify tries IQ3_M, Q3_K_M, IQ4_XS, Q4_K_M, Q5_K_M, Q6_K, Q8_0",
+        "or name a larger rung: Q5_K_M (about 260 MB), Q6_K (about 283 MB), Q8_0 (about 292 MB)",
+        "Q4_K_M: 90 of 127 quantized tensors fall back to Q5_0/Q8_0 (rows of 640 are not a multiple of 256)",
+    ):
+        assert part in text, (part, text)
