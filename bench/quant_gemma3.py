@@ -103,7 +103,9 @@ def run(cmd: list[str], what: str, timeout: int = 3600) -> str:
 
 
 def kld_base(perplexity: Path, gguf: Path, text: Path, out: Path) -> Path:
+    # Written beside and renamed: a run stopped mid-write must not leave a short file that is reused as whole.
     if not out.is_file():
+        part = out.with_name(out.name + ".part")
         run(
             [
                 str(perplexity),
@@ -112,13 +114,14 @@ def kld_base(perplexity: Path, gguf: Path, text: Path, out: Path) -> Path:
                 "-f",
                 str(text),
                 "--kl-divergence-base",
-                str(out),
+                str(part),
                 *PEER_ARGS,
                 "-t",
                 str(os.cpu_count() or 2),
             ],
             f"llama-perplexity --kl-divergence-base on {gguf.name}",
         )
+        part.replace(out)
     return out
 
 
@@ -405,10 +408,12 @@ def imatrix_effect(root: Path, model: Path, rungs: list[str], tools: Path, imatr
         for source in ("base", "merged"):
             for with_matrix in (False, True):
                 out = root / f"effect-{source}-{rung}-{'imatrix' if with_matrix else 'plain'}.gguf"
-                if not out.is_file():
+                if not out.is_file():  # written beside and renamed, as kld_base
+                    part = out.with_name(out.name + ".part")
                     matrix = ["--imatrix", str(imatrix)] if with_matrix else []
-                    cmd = [str(tools / "llama-quantize"), *matrix, str(f16[source]), str(out), rung]
+                    cmd = [str(tools / "llama-quantize"), *matrix, str(f16[source]), str(part), rung]
                     run([*cmd, str(os.cpu_count() or 2)], f"llama-quantize {out.name}")
+                    part.replace(out)
                 quant = tensor_arrays(out)
                 by_type: dict[str, list[float]] = {}
                 for name, (qtype, q) in quant.items():
