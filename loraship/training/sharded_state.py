@@ -6,12 +6,13 @@ the engine and the number of ranks, so a checkpoint resumes on another number of
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from loraship.errors import LorashipError
 
-if TYPE_CHECKING:
-    from loraship.training.distributed import Wrapped
+# loraship.training.distributed's Wrapped (the model as the engine wrapped it, and its engine), named here without
+# importing it: distributed re-exports this module's functions, and the two must not import each other.
+Wrapped = Any
 
 
 def state_options(**kw):
