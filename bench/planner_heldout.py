@@ -8,6 +8,7 @@ train measured, and what the hand model alone (LORASHIP_PLAN_TRACE=0) predicts f
   python bench/planner_heldout.py measure --out DIR --models DIR [--only name,...]   # on the GPU (chain)
   python bench/planner_heldout.py one ROW_NAME --models DIR --root DIR               # one row, fresh process
   python bench/planner_heldout.py analyze DIR/planner_heldout_raw.json                # here: error table
+  python bench/planner_heldout.py predict                                             # here: plans only, no GPU
 
 Results: bench/results/train_bench_planner_heldout.json.
 """
@@ -336,6 +337,55 @@ def analyze(raw: Path) -> dict:
     return {"rows": table, "traced": summary(errs), "hand": summary(hand)}
 
 
+def predict() -> dict:
+    """Each row planned here (no weights, no GPU): the strategy the default plan picks under 32 GiB with the traced
+    activations, and what the hand model (LORASHIP_PLAN_TRACE=0) predicts for that same strategy."""
+    from loraship.config import Config
+    from loraship.planning import estimate, shape, strategy
+
+    import tempfile
+
+    out = []
+    folder = Path(tempfile.mkdtemp())
+    for name, (family, adapter, r, targets, micro, seq, overrides) in ROWS.items():
+        s = shape.shape_from_config(FAMILIES[family], check_converter=False)
+        # A local folder with the family's config.json, as the GPU run has: plan reads its model_type (Granite's
+        # logits scaling rules the fused loss out).
+        (folder / family).mkdir(exist_ok=True)
+        (folder / family / "config.json").write_text(json.dumps(FAMILIES[family]))
+        cfg = Config(
+            base_model=str(folder / family),
+            datasets=[{"path": "d.jsonl", "type": "completion"}],
+            adapter=adapter,
+            lora_r=r,
+            lora_alpha=2 * r,
+            lora_target_modules=targets,
+            sequence_len=seq,
+            micro_batch_size=micro,
+            gpu_memory_gib=CAP_GIB,
+            packing="off",
+            **overrides,
+        )
+        t0 = time.time()
+        plan = strategy.plan_training(s, cfg)
+        seconds = round(time.time() - t0, 1)
+        os.environ["LORASHIP_PLAN_TRACE"] = "0"
+        hand = estimate.estimate(s, cfg, plan["strategy"])
+        os.environ.pop("LORASHIP_PLAN_TRACE")
+        out.append(
+            {
+                "row": name,
+                "strategy": plan["strategy"],
+                "traced_reserved_gib": plan["memory"]["predicted_reserved_gib"],
+                "hand_reserved_gib": round(hand["predicted_reserved_gib"], 2),
+                "activations_counted": plan["memory"].get("activations_counted"),
+                "plan_s": seconds,
+            }
+        )
+        print(json.dumps(out[-1]), flush=True)
+    return {"what": "plans only, on the CPU (no measurement): traced vs hand-model predicted reserved", "rows": out}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -356,12 +406,15 @@ def main() -> None:
     o.add_argument("--steps", type=int, default=3)
     a = sub.add_parser("analyze")
     a.add_argument("raw", type=Path)
+    sub.add_parser("predict")
     args = p.parse_args()
     if args.cmd == "measure":
         only = [x for x in args.only.split(",") if x]
         measure(args.out, args.models, args.root, args.tokenizer, args.tokenizers, args.steps, only, args.row_timeout)
     elif args.cmd == "one":
         print(json.dumps(run_one(args.name, args.models, args.root, args.tokenizer, args.steps)), flush=True)
+    elif args.cmd == "predict":
+        predict()
     else:
         print(json.dumps(analyze(args.raw), indent=1))
 
