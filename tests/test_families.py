@@ -432,23 +432,25 @@ def test_plan_leaves_the_fused_loss_off_where_liger_kernel_has_none(
 ):
     """On CUDA with liger-kernel installed, fused_loss: auto plans Liger's fused loss, except for a model type liger
     has none for (Granite scales its logits): plan leaves it off there, and fused_loss: on is refused at plan."""
-    from loraship.planning import knobs, memory
+    from loraship.planning import knobs
+    from loraship.planning.shape import shape_from_config
+    from loraship.planning.strategy import plan_training
 
-    monkeypatch.setattr(knobs.importlib.util, "find_spec", lambda n: object() if n == "liger_kernel" else None)
     folder = family_folders[name]
-    model_config = json.loads((folder / "config.json").read_text())
+    s = shape_from_config(json.loads((folder / "config.json").read_text()))  # before find_spec is faked: it imports
+    monkeypatch.setattr(knobs.importlib.util, "find_spec", lambda n: object() if n == "liger_kernel" else None)
     config = parse_config(demo_config_dict(folder, tmp_path, device="cuda"))
-    assert memory.plan_training(model_config, config)["strategy"]["fused_loss"] is fused
+    assert plan_training(s, config)["strategy"]["fused_loss"] is fused
     on = config.model_copy(update={"fused_loss": "on"})
     if fused:
-        assert memory.plan_training(model_config, on)["strategy"]["fused_loss"] is True
+        assert plan_training(s, on)["strategy"]["fused_loss"] is True
     else:
         with pytest.raises(
             LorashipError,
             match="fused_loss: on, but liger-kernel has no fused loss for model_type "
             "'granite'.*fix: set fused_loss: auto or off",
         ):
-            memory.plan_training(model_config, on)
+            plan_training(s, on)
 
 
 @pytest.mark.parametrize("thinking, family", [(False, "chatml-no-think"), (True, "chatml")])

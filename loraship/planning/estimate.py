@@ -230,7 +230,12 @@ def layer_terms(s: Shape, cfg: Config, strategy: Strategy, targets, program: str
             # Everything a layer keeps and frees is per sequence: traced for one, times the micro-batch.
             t = trace.trace_layers(s.config_text, targets, cfg.lora_r, cfg.lora_dropout, 1, cfg.sequence_len, liger)
             B = strategy.micro_batch_size
-            return LayerTerms(B * t.saved, B * t.backward, True, f"traced from {t.layer_class} (FakeTensorMode)")
+            # Eager attention's backward on CUDA also holds the scores' fp32 gradient into and out of softmax (8 bytes
+            # per score), which the CPU trace does not see: Gemma 2 9B QLoRA 2 x 2048 reserved 29.37 GiB on an H100
+            # where the trace alone predicted 27.92 (bench/results/train_bench_planner_heldout.json).
+            scores_bwd = T * 8 * s.heads * cfg.sequence_len if s.attn_softcap else 0.0
+            how = f"traced from {t.layer_class} (FakeTensorMode)"
+            return LayerTerms(B * t.saved, B * t.backward + scores_bwd, True, how)
         except trace.NotTraceable as e:
             why_not = f"{s.layer_class or 'the layer'} could not be traced: {e}"
     elif program == "train-stage" and not trace_wanted():
