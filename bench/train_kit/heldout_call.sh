@@ -5,8 +5,13 @@
 # $OUT; every later call (the machine still warm) only waits and collects. planner_heldout_raw.json is rewritten
 # after every row. Knobs (env, first call only): ONLY (row names, comma-separated), STEPS (3), ROW_TIMEOUT (420 s).
 # Then, here: python bench/planner_heldout.py analyze planner_heldout_raw.json
-S=/tmp/hstate; mkdir -p $S
+S=/tmp/hstate
+if [ -n "$RESTART" ] && [ -f $S/chain.pid ]; then  # RESTART=1: stop a running chain, start over (built models kept)
+  kill -- -"$(cat $S/chain.pid)" 2>/dev/null; sleep 2; rm -rf $S /tmp/hm/data
+fi
+mkdir -p $S
 if [ "$1" = chain ]; then
+  echo $$ > $S/chain.pid
   set -x
   { df -h / /tmp /dev/shm; nproc; free -g; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } > $S/machine.log 2>&1
   echo "install start $(date +%T)" >> $S/progress
