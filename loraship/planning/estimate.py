@@ -212,36 +212,42 @@ class LayerTerms:
     backward: float
     traced: bool
     how: str
+    fallback: bool = False  # the trace was wanted and could not run: the plan adds HAND_MODEL_MARGIN
 
 
 def layer_terms(s: Shape, cfg: Config, strategy: Strategy, targets, program: str, T: int) -> LayerTerms:
     """Traced from the model's own layer class under the train stage's wrappers (loraship/planning/trace.py) for the
-    train stage; the hand model (layer_saved_per_token, CAL) for the bench harness, a hand-written Shape, or a layer
-    the trace cannot run, which the returned `how` names."""
+    train stage; the hand model (layer_saved_per_token, CAL) for the bench harness, a hand-written Shape,
+    LORASHIP_PLAN_TRACE=0, or a layer the trace cannot run (`fallback`), which the returned `how` names."""
     liger = strategy.fused_loss and program == "train-stage"
+    # Eager attention's backward on CUDA holds the scores' fp32 gradient into and out of softmax (8 bytes per score),
+    # which the CPU trace does not see either: Gemma 2 9B QLoRA 2 x 2048 reserved 29.37 GiB on an H100 where the
+    # trace alone predicted 27.92 (bench/results/train_bench_planner_heldout.json).
+    scores_bwd = T * 8 * s.heads * cfg.sequence_len if s.attn_softcap else 0.0
     why_not = "the bench harness's own loop" if program != "train-stage" else "a Shape written by hand"
-    expert_lora = s.experts is not None and bool(moe.expert_lora_params(s, cfg))
-    if expert_lora:
-        why_not = f"{s.layer_class} could not be traced: its expert LoRA (PEFT target_parameters) is not traced yet"
-    elif program == "train-stage" and s.config_text and trace_wanted():
-        from loraship.planning import trace
+    fallback = False
+    if program == "train-stage" and s.config_text and trace_wanted():
+        fallback = True
+        if s.experts is not None and moe.expert_lora_params(s, cfg):
+            why_not = (
+                f"{s.layer_class} could not be traced: its expert LoRA (PEFT target_parameters) is not traced yet"
+            )
+        else:
+            from loraship.planning import trace
 
-        try:
-            # Everything a layer keeps and frees is per sequence: traced for one, times the micro-batch.
-            t = trace.trace_layers(s.config_text, targets, cfg.lora_r, cfg.lora_dropout, 1, cfg.sequence_len, liger)
-            B = strategy.micro_batch_size
-            # Eager attention's backward on CUDA also holds the scores' fp32 gradient into and out of softmax (8 bytes
-            # per score), which the CPU trace does not see: Gemma 2 9B QLoRA 2 x 2048 reserved 29.37 GiB on an H100
-            # where the trace alone predicted 27.92 (bench/results/train_bench_planner_heldout.json).
-            scores_bwd = T * 8 * s.heads * cfg.sequence_len if s.attn_softcap else 0.0
-            how = f"traced from {t.layer_class} (FakeTensorMode)"
-            return LayerTerms(B * t.saved, B * t.backward + scores_bwd, True, how)
-        except trace.NotTraceable as e:
-            why_not = f"{s.layer_class or 'the layer'} could not be traced: {e}"
+            try:
+                # Everything a layer keeps and frees is per sequence: traced for one, times the micro-batch.
+                t = trace.trace_layers(
+                    s.config_text, targets, cfg.lora_r, cfg.lora_dropout, 1, cfg.sequence_len, liger
+                )
+                B = strategy.micro_batch_size
+                how = f"traced from {t.layer_class} (FakeTensorMode)"
+                return LayerTerms(B * t.saved, B * t.backward + scores_bwd, True, how)
+            except trace.NotTraceable as e:
+                why_not = f"{s.layer_class or 'the layer'} could not be traced: {e}"
     elif program == "train-stage" and not trace_wanted():
         why_not = "LORASHIP_PLAN_TRACE=0"
     per_tok = layer_saved_per_token(s, cfg, targets, program, liger)
-    scores_bwd = T * 8 * s.heads * cfg.sequence_len if s.attn_softcap else 0.0
     saved = CAL["layer"] * T * per_tok
     backward = CAL["layer_backward"] * saved + scores_bwd
     if s.experts is not None:
@@ -250,7 +256,7 @@ def layer_terms(s: Shape, cfg: Config, strategy: Strategy, targets, program: str
         stack = moe.adapted_stack_bytes(s, cfg) * s.experts.layers / s.L
         saved += stack
         backward += stack
-    return LayerTerms(saved, backward, False, f"hand model ({why_not})")
+    return LayerTerms(saved, backward, False, f"hand model ({why_not})", fallback)
 
 
 @dataclass(frozen=True)
@@ -379,7 +385,7 @@ def estimate(s: Shape, cfg: Config, strategy: Strategy | dict, program: str = "t
     budget = cfg.gpu_memory_gib
     margin = safety_margin_gib(budget)
     total = reserved - reclaimable + ctx
-    hand_margin = _hand_model_margin(s, a)
+    hand_margin = _hand_model_margin(a)
     if hand_margin:
         comps["hand_model_margin"] = hand_margin
         total += hand_margin
@@ -406,11 +412,11 @@ def estimate(s: Shape, cfg: Config, strategy: Strategy | dict, program: str = "t
     }
 
 
-def _hand_model_margin(s: Shape, a: _Activations) -> float:
+def _hand_model_margin(a: _Activations) -> float:
     """Bytes added where a real model's layer could not be traced and the hand model counted it (HAND_MODEL_MARGIN of
     the activations at the peak); none for a traced layer, the bench harness, a hand-written Shape or
     LORASHIP_PLAN_TRACE=0."""
-    if a.terms.traced or not s.config_text or not trace_wanted() or "could not be traced" not in a.terms.how:
+    if not a.terms.fallback:
         return 0.0
     return HAND_MODEL_MARGIN * (a.kept_full + a.layer_saved + a.layer_backward)
 

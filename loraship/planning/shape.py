@@ -362,11 +362,10 @@ def _rope_type(config) -> str | None:
     return None if kind in (None, "default") else str(kind)
 
 
-def _meta_model(mc: dict):
-    """transformers' causal-LM class for config.json (its language model's, for a multimodal wrapper), built on the
-    meta device: (the language model's config, the model, its class, the wrapper's name or None)."""
-    import torch
-
+def language_model_config(mc: dict):
+    """transformers' config and causal-LM class for config.json (its language model's, for a multimodal wrapper), as
+    the planner builds the model from them (here and in trace.py): (config, class, the wrapper's name or None, where
+    in config.json it was read). Refuses a config without the keys a model's shape needs."""
     text, wrapper = _text_part(mc)
     where = "config.json" + (" text_config" if wrapper else "")
     config = _config(mc, "config.json")
@@ -383,10 +382,19 @@ def _meta_model(mc: dict):
     ]
     if missing:
         raise _refuse(f"{where} lacks {', '.join(missing)}", "pass the base model's own config.json")
-    config._attn_implementation = "eager"  # nothing runs: the kind of attention is read from the config below
     pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
     if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
         config.pad_token_id = None  # a class default past a small vocabulary (Phi-3's 32000): no shape depends on it
+    return config, lm_class, wrapper, where
+
+
+def _meta_model(mc: dict):
+    """transformers' causal-LM class for config.json (its language model's, for a multimodal wrapper), built on the
+    meta device: (the language model's config, the model, its class, the wrapper's name or None)."""
+    import torch
+
+    config, lm_class, wrapper, where = language_model_config(mc)
+    config._attn_implementation = "eager"  # nothing runs: the kind of attention is read from the config below
     try:
         with torch.device("meta"):
             model = lm_class(config)

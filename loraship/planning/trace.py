@@ -117,13 +117,9 @@ def _reduced_config(config, kinds: list[str]):
 def _count(mc, targets, lora_r, lora_dropout, micro_batch, sequence_len, liger):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from loraship.planning.shape import _causal_lm_class, _config, _text_part
+    from loraship.planning.shape import language_model_config
 
-    _text, wrapper = _text_part(mc)
-    config = _config(mc, "config.json")
-    if wrapper:
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config.text_config
-    lm_class = _causal_lm_class(config, list(mc.get("architectures") or []), config.model_type)
+    config, lm_class, _wrapper, _where = language_model_config(mc)
     L = config.num_hidden_layers
     kinds = _layer_kinds(config, L)
     reduced, built = _reduced_config(config, kinds)
@@ -132,9 +128,6 @@ def _count(mc, targets, lora_r, lora_dropout, micro_batch, sequence_len, liger):
     # soft-caps its attention logits, SDPA otherwise. (Flex attention for sliding windows on CUDA is not traced.)
     reduced._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
     reduced.use_cache = False
-    pad, vocab = getattr(reduced, "pad_token_id", None), getattr(reduced, "vocab_size", None)
-    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
-        reduced.pad_token_id = None
     from loraship.training.fused_lora import fuse_lora_linears, fused_lora_wanted
 
     with _restored_modeling_module(lm_class), _liger_fake_bodies(liger), _masks_as_in_a_real_run():
@@ -278,12 +271,12 @@ def _apply_liger(model, experts_adapted: bool) -> None:
 
 
 def _decoder_layers(model, n: int):
-    import torch
+    from loraship.planning.shape import _decoder_layers as layer_list
 
-    found = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
-    if not found:
+    found = layer_list(model, n)
+    if found is None:
         raise NotTraceable(f"no list of {n} decoder layers in {type(model).__name__}")
-    return list(found[0])
+    return list(found)
 
 
 def _decoder_stack(model):
