@@ -187,6 +187,21 @@ def row_config(name: str, model_dir: Path, data: Path, work: Path, steps: int) -
     }
 
 
+def hand_estimate(s, cfg, strategy) -> dict:
+    """The hand model alone (LORASHIP_PLAN_TRACE=0) for `strategy`: what plan predicted before the trace."""
+    from loraship.planning import estimate
+
+    before = os.environ.get("LORASHIP_PLAN_TRACE")
+    os.environ["LORASHIP_PLAN_TRACE"] = "0"
+    try:
+        return estimate.estimate(s, cfg, strategy)
+    finally:
+        if before is None:
+            os.environ.pop("LORASHIP_PLAN_TRACE")
+        else:
+            os.environ["LORASHIP_PLAN_TRACE"] = before
+
+
 def run_one(name: str, models: Path, root: Path, tokenizer: Path, steps: int) -> dict:
     """One row through plan + train under the 32 GiB cap, in this (fresh) process."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -196,7 +211,7 @@ def run_one(name: str, models: Path, root: Path, tokenizer: Path, steps: int) ->
 
     from loraship.config import parse_config
     from loraship.errors import LorashipError
-    from loraship.planning import estimate, shape
+    from loraship.planning import shape
     from loraship.stages import plan as plan_stage
     from loraship.stages import train as train_stage
 
@@ -226,11 +241,8 @@ def run_one(name: str, models: Path, root: Path, tokenizer: Path, steps: int) ->
         components_gib=pm["components_gib"],
         plan_fits=plan.get("fits"),
     )
-    # The hand model alone for the same strategy (what plan predicted before the trace).
-    os.environ["LORASHIP_PLAN_TRACE"] = "0"
     s = shape.shape_from_config(json.loads((models / family / "config.json").read_text()), check_converter=False)
-    hand = estimate.estimate(s, config, plan["strategy"])
-    os.environ.pop("LORASHIP_PLAN_TRACE")
+    hand = hand_estimate(s, config, plan["strategy"])
     rec.update(hand_predicted_reserved_gib=round(hand["predicted_reserved_gib"], 3))
     try:
         metrics = train_stage.run(config)["metrics"]
@@ -344,7 +356,7 @@ def predict() -> dict:
     """Each row planned here (no weights, no GPU): the strategy the default plan picks under 32 GiB with the traced
     activations, and what the hand model (LORASHIP_PLAN_TRACE=0) predicts for that same strategy."""
     from loraship.config import Config
-    from loraship.planning import estimate, shape, strategy
+    from loraship.planning import shape, strategy
 
     import tempfile
 
@@ -372,9 +384,7 @@ def predict() -> dict:
         t0 = time.time()
         plan = strategy.plan_training(s, cfg)
         seconds = round(time.time() - t0, 1)
-        os.environ["LORASHIP_PLAN_TRACE"] = "0"
-        hand = estimate.estimate(s, cfg, plan["strategy"])
-        os.environ.pop("LORASHIP_PLAN_TRACE")
+        hand = hand_estimate(s, cfg, plan["strategy"])
         out.append(
             {
                 "row": name,
