@@ -120,6 +120,12 @@ class Config(BaseModel):
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup, in optimizer steps.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    optimizer: Literal["adamw", "adamw_8bit"] = Field(
+        "adamw",
+        description="'adamw': torch AdamW, fp32 moments (8 bytes per LoRA parameter). 'adamw_8bit': bitsandbytes' "
+        "AdamW8bit, blockwise 8-bit moments (about 2 bytes per LoRA parameter), what Unsloth's notebooks train with; "
+        "it matters where the adapter is large (a mixture of experts' expert LoRA). Single GPU or DDP only.",
+    )
     num_epochs: float = Field(
         1.0, gt=0.0, le=1000, description="Passes over the training split (ignored when max_steps is set)."
     )

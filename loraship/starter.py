@@ -270,6 +270,8 @@ AXOLOTL_SAME = (
 AXOLOTL_TEMPLATES = {"chatml": "chatml", "llama3": "llama3", "alpaca": "alpaca"}
 # Optimizers that are loraship's own (torch AdamW).
 ADAMW = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"}
+# bitsandbytes' 8-bit AdamW under Axolotl's (transformers' optim) names; loraship's optimizer: adamw_8bit.
+ADAMW_8BIT = {"adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit"}
 AXOLOTL_DATASET_KEYS = {
     "path",
     "type",
@@ -418,7 +420,9 @@ def import_axolotl(source: Path, out_file: Path, force: bool) -> tuple[dict, lis
             ]
             data[target] = [e for e in entries if e]
         elif key == "optimizer" and value in ADAMW:
-            pass  # loraship's optimizer is torch AdamW
+            pass  # loraship's default optimizer is torch AdamW
+        elif key == "optimizer" and value in ADAMW_8BIT:
+            data["optimizer"] = "adamw_8bit"
         elif key == "chat_template_jinja" or (key == "base_model_config" and value == ax.get("base_model")):
             pass  # read with chat_template / the same as base_model
         elif key in Config.model_fields and key not in ("datasets", "eval_datasets"):

@@ -418,6 +418,17 @@ def test_init_from_axolotl_maps_keys_and_names_the_ignored(tiny_model, tmp_path)
     for key in ("model_type", "bf16", "wandb_project", "flash_attention", "output_dir"):
         assert key in result.output
     assert "adamw_torch" not in result.output  # loraship's own optimizer: mapped, not ignored
+    assert config.optimizer == "adamw"
+
+
+def test_init_from_axolotl_maps_the_8bit_optimizer(tiny_model, tmp_path):
+    (tmp_path / "train.jsonl").write_text(json.dumps(ROWS["chat"]) + "\n")
+    source = tmp_path / "axolotl.yml"
+    source.write_text(yaml.safe_dump({**AXOLOTL, "base_model": str(tiny_model), "optimizer": "adamw_bnb_8bit"}))
+    out = tmp_path / "imported.yaml"
+    result = invoke("init", "--from-axolotl", source, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert load_config(out).optimizer == "adamw_8bit"
 
 
 def test_axolotl_values_that_cannot_be_converted_are_errors(tiny_model, tmp_path):

@@ -26,6 +26,25 @@ GIB = 2**30
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 # PEFT keeps LoRA weights in fp32 (autocast_adapter_dtype): weight 4 + grad 4 + AdamW m and v 8.
 LORA_BYTES_PER_PARAM = {"weight": 4, "grad": 4, "optimizer": 8}
+# bitsandbytes' AdamW8bit: two uint8 moments + one fp32 absmax per 256-value block each (blockwise 8-bit
+# optimizers, bitsandbytes functional.optimizer_update_8bit_blockwise). Tensors under 4096 values keep fp32
+# moments (its min_8bit_size).
+ADAMW_8BIT_BYTES_PER_PARAM = 2 + 2 * 4 / 256
+
+
+BNB_MIN_8BIT_SIZE = 4096
+
+
+def optimizer_bytes(cfg: Config, factors: list[int], expert_params: int) -> float:
+    """The optimizer's moments for the Linears' LoRA factors (`factors`: each one's values, per layer) and a MoE's
+    expert LoRA (stacks far above bitsandbytes' floor for 8-bit moments)."""
+    fp32 = LORA_BYTES_PER_PARAM["optimizer"]
+    if cfg.optimizer != "adamw_8bit":
+        return fp32 * (sum(factors) + expert_params)
+    per = sum(n * (ADAMW_8BIT_BYTES_PER_PARAM if n >= BNB_MIN_8BIT_SIZE else fp32) for n in factors)
+    return per + ADAMW_8BIT_BYTES_PER_PARAM * expert_params
+
+
 # The train stage keeps a bf16 cast of every LoRA weight through each optimizer step (fused_lora.py
 # casts_kept_until_step), where the harness cast them per layer and let them go with its activations.
 LORA_COMPUTE_COPY_BYTES = 2
@@ -354,11 +373,12 @@ def estimate(s: Shape, cfg: Config, strategy: Strategy | dict, program: str = "t
     qlora = strategy.adapter == "qlora"
     w = _frozen_weights(s, strategy, qlora)
     # A MoE's expert LoRA: r x experts x (in + out) per adapted stack and layer (moe.expert_lora_params).
-    linear_lora = s.L * sum(cfg.lora_r * (lin[n][0] + lin[n][1]) for n in targets)
+    factors = [cfg.lora_r * d for n in targets for d in lin[n][:2]] * s.L  # each LoRA A (r x in) and B (out x r)
+    linear_lora = sum(factors)
     lora_params = linear_lora + moe.expert_lora_params(s, cfg)
     lora_w = lora_params * LORA_BYTES_PER_PARAM["weight"]
     lora_g = lora_params * LORA_BYTES_PER_PARAM["grad"]
-    opt = lora_params * LORA_BYTES_PER_PARAM["optimizer"]
+    opt = optimizer_bytes(cfg, factors, lora_params - linear_lora)
     # Kept for the Linears' fused LoRA nodes only: PEFT casts an expert stack's factors inside each forward.
     lora_casts = linear_lora * LORA_COMPUTE_COPY_BYTES if program == "train-stage" else 0
     a = _activations(s, cfg, strategy, targets, program, T, qlora)

@@ -178,6 +178,19 @@ def options_for(s: Shape, cfg: Config, strategy: Strategy | dict, counts: list[i
                 f"({_ASSUMED})",
             )
         )
+        if cfg.optimizer == "adamw_8bit":
+            out.append(
+                _option(
+                    n,
+                    "fsdp2",
+                    False,
+                    fsdp2_per_gpu_gib(s, strategy, est, n),
+                    None,
+                    f"FSDP2 on {n} GPUs: not with optimizer adamw_8bit (bitsandbytes' 8-bit AdamW does not step "
+                    "FSDP2's sharded DTensor parameters); set optimizer: adamw to shard",
+                )
+            )
+            continue
         if strategy.offload_layers:
             plain = strategy.replace(offload_layers=0, offload_spread=False)
             per = fsdp2_per_gpu_gib(s, plain, estimate(s, cfg, plain), n)
@@ -238,6 +251,8 @@ def _sharded_search(s: Shape, cfg: Config, counts: list[int], fallback: list[str
     cap = cfg.gpu_memory_gib - safety_margin_gib(cfg.gpu_memory_gib)
     rungs = [st for st, _why in ladder(s, cfg, fallback) if not st.offload_layers]
     least = math.inf
+    if cfg.optimizer == "adamw_8bit":
+        return None, least  # no FSDP2 with it (options_for says why)
     for n in (c for c in counts if c > 1):
         for st in rungs:
             est = estimate(s, cfg, st)
@@ -298,6 +313,11 @@ def plan_on_gpus(s: Shape, cfg: Config) -> dict:
             )
     if plan is None:
         found, least = _sharded_search(s, cfg, counts)
+        if not found and cfg.optimizer == "adamw_8bit":
+            raise PlanRefused(
+                f"{refused} Several GPUs would need FSDP2, which optimizer adamw_8bit does not take; "
+                "set optimizer: adamw to plan sharding."
+            ) from refused
         if not found:
             raise PlanRefused(
                 f"{refused} Several GPUs do not help either: FSDP2 over {counts[-1]} GPUs needs at least "

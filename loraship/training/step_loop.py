@@ -58,11 +58,17 @@ class Optimization:
 
 
 def make_optimizer(config, model, total_steps: int) -> Optimization:
-    """AdamW over the model's trainable (LoRA) parameters, on the config's schedule over `total_steps`."""
+    """AdamW (torch's, or bitsandbytes' 8-bit one) over the model's trainable (LoRA) parameters, on the config's
+    schedule over `total_steps`."""
     import torch
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
+    if config.optimizer == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        optimizer = bnb.optim.AdamW8bit(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(config, total_steps))
     return Optimization(trainable, optimizer, scheduler, total_steps)
 
