@@ -82,7 +82,10 @@ def model_config(name: str) -> dict:
     vision tower is frozen and never runs on text rows in either trainer, so what it would add is a constant."""
     if name == "tiny":
         return dict(TINY)
-    mc = json.loads((ROOT / "examples" / "models" / name / "config.json").read_text())
+    base, _, layers = name.partition("@")  # qwen3-30b-a3b@12: the shape with its first 12 layers
+    mc = json.loads((ROOT / "examples" / "models" / base / "config.json").read_text())
+    if layers:
+        mc.update(num_hidden_layers=int(layers), max_window_layers=int(layers))
     if "text_config" in mc:
         text = dict(mc["text_config"])
         arch = {"gemma3_text": "Gemma3ForCausalLM"}[text["model_type"]]
@@ -137,6 +140,17 @@ HELD_OUT_CASES = {
     "llama-3-8b-lora-1x8192": ("llama-3-8b", "lora", 64, QVO, 1, 8192, "long"),
 }
 CASES.update(HELD_OUT_CASES)
+# Mixtures of experts (issue #46): QLoRA with every routed expert adapted (experts 4-bit in both trainers), at 1 and
+# 2 x 2048; the 12-layer cut of the same shape first, which fits the lent machine's disk.
+MOE_CASES = {
+    "qwen3-moe-12l-qlora-1x2048": ("qwen3-30b-a3b@12", "qlora", 16, "all-linear", 1, 2048, "long"),
+    "qwen3-30b-a3b-qlora-1x2048": ("qwen3-30b-a3b", "qlora", 16, "all-linear", 1, 2048, "long"),
+    "qwen3-30b-a3b-qlora-2x2048": ("qwen3-30b-a3b", "qlora", 16, "all-linear", 2, 2048, "long"),
+}
+CASES.update(MOE_CASES)
+# Both trainers step bitsandbytes' 8-bit AdamW on these, as Unsloth's MoE notebooks do (optim="adamw_8bit"): the
+# expert LoRA is 0.6B parameters, whose fp32 AdamW moments alone would take 4.8 GiB.
+OPTIMIZER = {case: "adamw_8bit" for case in MOE_CASES}
 # loraship alone with gradient accumulation (the peers' drivers step once per micro-batch): the plan's memory with
 # accumulation buffers, and its step time.
 ACCUMULATION = {"qwen2-14b-qlora-2x2048-ga4": 4}
@@ -313,13 +327,50 @@ def make_model(mc: dict, tokenizer_dir: Path, out: Path, device: str) -> Path:
         torch.set_default_dtype(torch.float32)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    spill = [Path(d) for d in os.environ.get("BENCH_SPILL_DIRS", "").split(":") if d]
+    if spill:
+        save_spilled(model, tmp, spill)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
     for f in tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, tmp / f.name)
     del model
     tmp.rename(out)
     return out
+
+
+def save_spilled(model, out: Path, dirs: list[Path]) -> None:
+    """model.save_pretrained's checkpoint (the hub's key format, transformers' revert_weight_conversion), one shard per
+    decoder layer, each written where the most space is free among `dirs` and linked into `out`: Qwen3-30B-A3B's
+    61 GB in bf16 fits neither a lent machine's disk (about 49 GiB free) nor its /dev/shm alone."""
+    import re
+
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out.mkdir(parents=True)
+    groups: dict[str, dict] = {}
+    for key, value in model.state_dict().items():
+        m = re.search(r"\.layers\.(\d+)\.", key)
+        groups.setdefault(f"layer{int(m.group(1)):03d}" if m else "rest", {})[key] = value
+    weight_map, total = {}, 0
+    for n, (group, part) in enumerate(sorted(groups.items())):
+        part = revert_weight_conversion(model, part)  # a layer holds every tensor of its many-to-one groups
+        name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in part.items()}
+        dest = max(dirs, key=lambda d: shutil.disk_usage(d.parent if not d.exists() else d).free)
+        dest.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(dest / name), metadata={"format": "pt"})
+        (out / name).symlink_to(dest / name)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, name))
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
 
 
 def make_data(tokenizer_dir: Path, folder: Path, seq: int, rows: int, kind: str, seed: int = 0) -> Path:
@@ -472,6 +523,8 @@ def loraship_config(case: str, trainer: str, model_dir: Path, data: Path, root: 
         "min_golden_prompts": 1,  # plan + train only: no verify to give golden prompts to
         "target_gpu_memory_gib": 16,  # the 14B's Q4_K_M alone is 8.3 GiB: above the default 8 GiB inference target
     }
+    if case in OPTIMIZER:
+        out["optimizer"] = OPTIMIZER[case]
     if trainer in ("loraship-lean", "loraship-lean-full-recompute"):
         out["optimize"] = "memory"
     if trainer in ("loraship-packed", "loraship-padded"):
@@ -730,7 +783,7 @@ def train_with_trainer(model, examples, order, config, device, tok, root: Path, 
         warmup_steps=0,
         weight_decay=config.weight_decay,
         max_grad_norm=1.0,
-        optim="adamw_torch",
+        optim="adamw_8bit" if config.optimizer == "adamw_8bit" else "adamw_torch",
         bf16=device == "cuda",
         logging_steps=1,
         save_strategy="no",
