@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from loraship.config import Config
+from loraship import prequantized
 from loraship.errors import ConfigError, LorashipError
 from loraship.safetensors_check import read_header, safetensors_problem
 
@@ -221,6 +222,7 @@ def base_model_problems(config: Config, folder: Path, weights: bool = True) -> l
             f"{where}: config.json asks for custom model code (auto_map); loraship does not run it unless "
             "you set trust_remote_code: true"
         )
+    problems += [f"{where}: {p}" for p in prequantized.problems(model_config, config.adapter)]
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         problems.append(
             f"{where}: no tokenizer (tokenizer.json or tokenizer.model); copy the tokenizer files into the folder"

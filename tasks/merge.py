@@ -3,7 +3,8 @@
 Merging streams one safetensors shard at a time (W' = W + scale * B @ A in fp32, stored bf16),
 so RAM stays at one shard however large the model: OOM during merge is a common failure of
 other tools. QLoRA adapters are merged into the bf16 base, never the NF4
-copy; the probe measures what that does to the logits the adapter was trained against.
+copy; the probe measures what that does to the logits the adapter was trained against. A base stored 4-bit
+(a -bnb-4bit folder) has no bf16 copy: its NF4 weights are dequantized and merged (loraship/prequantized.py).
 
 Probe invariant: merged logits equal base+adapter logits (up to bf16 rounding of the merged
 weights) and differ from the base logits.
@@ -33,7 +34,9 @@ from loraship.models import (
     ties_embeddings,
     weight_files,
 )
+from loraship.planning.estimate import NF4_BYTES_PER_PARAM
 from loraship.planning.preflight import check_free_disk
+from loraship.prequantized import bnb_quantization, dequantized, weight_names
 from loraship.runtime.progress import Progress, artifact_key
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 from loraship.sampling import GREEDY
@@ -104,6 +107,7 @@ def merge_shards(
     # transformers' save_pretrained uses for tied weights: llama.cpp's converter maps tensors by name and
     # would otherwise write a GGUF without token_embd.weight, which llama.cpp cannot load.
     renamed = {LM_HEAD: EMBED_TOKENS} if ties_embeddings(cfg) and embedding_only_as_lm_head(base_dir) else {}
+    prequantized = bnb_quantization(cfg) == "4bit"  # a -bnb-4bit base: merged into its dequantized NF4 weights
     shards = weight_files(base_dir)
     # A mixture of experts' expert LoRA, one pair per stacked tensor for all its experts (loraship/expert_merge.py).
     stacked = expert_merges(deltas, cfg, base_weight_names(shards))
@@ -114,8 +118,8 @@ def merge_shards(
         merged = {}
         try:
             with safe_open(shard, framework="pt") as f:
-                for name in f.keys():
-                    w = f.get_tensor(name)
+                tensors = dequantized(f, dtype) if prequantized else ((n, f.get_tensor(n)) for n in f.keys())
+                for name, w in tensors:
                     if name in deltas:
                         a, b = deltas[name]
                         w = w.float() + scale * (b.float() @ a.float())
@@ -135,7 +139,8 @@ def merge_shards(
     index = base_dir / "model.safetensors.index.json"
     if index.exists():
         data = json.loads(index.read_text(encoding="utf-8"))
-        data["weight_map"] = {renamed.get(k, k): v for k, v in data.get("weight_map", {}).items()}
+        kept = weight_names(set(data.get("weight_map", {})))
+        data["weight_map"] = {renamed.get(k, k): v for k, v in data.get("weight_map", {}).items() if k in kept}
         (out_dir / index.name).write_text(json.dumps(data, indent=2), encoding="utf-8")
     cfg["torch_dtype"] = dtype_name
     cfg.pop("quantization_config", None)
@@ -148,6 +153,8 @@ def merge_shards(
         "scale": scale,
         "shards": len(shards),
         "renamed_tensors": renamed,
+        # What the adapter was folded into: the bf16 base, or a -bnb-4bit base's weights dequantized from NF4.
+        "base_weights": "nf4 dequantized to bf16 (pre-quantized base)" if prequantized else "as stored",
     }
 
 
@@ -159,7 +166,7 @@ def base_weight_names(shards: list[Path]) -> set[str]:
     for shard in shards:
         try:
             with safe_open(shard, framework="pt") as f:
-                names.update(f.keys())
+                names.update(weight_names(set(f.keys())))
         except Exception as e:  # safetensors raises its own error types for truncated files
             raise IntegrityError(f"{shard}: cannot read base weights ({e}); the file is truncated or corrupt") from e
     return names
@@ -405,7 +412,10 @@ def run(config) -> dict:
     check_base_model(config, base_dir)
     adapter_dir = ctx.upstream_dir("train") / ADAPTER_DIR
     base_bytes = sum(p.stat().st_size for p in weight_files(base_dir))
-    check_free_disk(ctx.dir, base_bytes * 1.05, "merge (bf16 copy of the base)")
+    base_config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    # A -bnb-4bit base is written back in bf16: about 2 / 0.53 times its size (estimate.NF4_BYTES_PER_PARAM).
+    merged_bytes = base_bytes * (2 / NF4_BYTES_PER_PARAM if bnb_quantization(base_config) == "4bit" else 1)
+    check_free_disk(ctx.dir, merged_bytes * 1.05, "merge (bf16 copy of the base)")
     with atomic_path(ctx.dir / MERGED_DIR) as tmp:
         tmp.mkdir()
         info = merge_shards(base_dir, adapter_dir, tmp, progress_key=artifact_key(config.run_name, STAGE, "progress"))
