@@ -222,7 +222,7 @@ def base_model_problems(config: Config, folder: Path, weights: bool = True) -> l
             f"{where}: config.json asks for custom model code (auto_map); loraship does not run it unless "
             "you set trust_remote_code: true"
         )
-    problems += [f"{where}: {p}" for p in prequantized.problems(model_config, config.adapter)]
+    problems += [f"{where}: {p}" for p in prequantized.problems(model_config, config.adapter, folder)]
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         problems.append(
             f"{where}: no tokenizer (tokenizer.json or tokenizer.model); copy the tokenizer files into the folder"

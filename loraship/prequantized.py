@@ -11,7 +11,10 @@ trained against, and the merged model carries their 4-bit rounding.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 QUANT_STATE_MARK = ".quant_state.bitsandbytes__"
 # The tensors bitsandbytes writes beside a packed 4-bit weight (QuantState.as_dict(packed=True)).
@@ -30,9 +33,24 @@ def bnb_quantization(model_config: dict | None) -> str | None:
     return None
 
 
-def problems(model_config: dict | None, adapter: str) -> list[str]:
-    """A pre-quantized base trains as QLoRA only: its weights exist in 4 bits; 8-bit ones are not trained here."""
+# One expert's own packed Linear (mlp.experts.7.gate_proj.weight.quant_state...): the per-expert layout of checkpoints
+# quantized before transformers v5 stored a layer's experts as fused 3-D tensors.
+PER_EXPERT_PACKED = re.compile(r"\.experts\.\d+\.[^.]+\.weight\.quant_state\.")
+
+
+def problems(model_config: dict | None, adapter: str, folder: Path | None = None) -> list[str]:
+    """A pre-quantized base trains as QLoRA only: its weights exist in 4 bits; 8-bit ones are not trained here; and a
+    mixture of experts quantized one expert Linear at a time cannot be loaded into transformers' fused experts."""
     kind = bnb_quantization(model_config)
+    if kind == "4bit" and folder is not None:
+        per_expert = sorted(n for n in tensor_names(folder) if PER_EXPERT_PACKED.search(n))
+        if per_expert:
+            return [
+                f"stores its experts as separate 4-bit Linears ({per_expert[0].split('.quant_state')[0]}, ...), "
+                "the layout of -bnb-4bit folders made before transformers v5, which loads a layer's experts into "
+                "fused 3-D tensors and cannot take them packed one by one; fix: point base_model at the bf16 "
+                "original (under adapter: qlora loraship stores every expert in 4-bit itself)"
+            ]
     if kind == "8bit":
         return [
             "stored 8-bit by bitsandbytes (quantization_config load_in_8bit), which loraship cannot train or merge; "
@@ -83,3 +101,22 @@ def weight_names(names: set[str]) -> set[str]:
     """A shard's tensor names as the model has them: the quantization states' own entries left out."""
     packed = packed_weights(names)
     return {n for n in names if not is_companion(n, packed)}
+
+
+def tensor_names(folder: Path) -> set[str]:
+    """Every tensor name of a checkpoint folder: from its shard index, else from the safetensors headers."""
+    from loraship.safetensors_check import read_header
+
+    names: set[str] = set()
+    for index in folder.glob("*.safetensors.index.json"):
+        try:
+            names.update(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}))
+        except (OSError, ValueError, AttributeError):
+            continue  # shard_index_problems names a broken index
+    if not names:
+        for shard in folder.glob("*.safetensors"):
+            try:
+                names.update(k for k in read_header(shard)[1] if k != "__metadata__")
+            except (OSError, ValueError):
+                continue  # safetensors_problem names a broken shard
+    return names

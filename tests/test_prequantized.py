@@ -81,6 +81,19 @@ def _eight_bit(folder, tmp_path):
     return copy
 
 
+def _per_expert(folder, tmp_path):
+    """The 4-bit base with one expert Linear packed on its own, as MoE checkpoints quantized before transformers v5
+    store every expert (mlp.experts.<i>.<proj>.weight and its quantization state)."""
+    from safetensors.torch import save_file
+
+    copy = tmp_path / "moe-bnb-4bit-per-expert"
+    shutil.copytree(folder, copy)
+    name = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    tensors = {name: torch.zeros(64, 1, dtype=torch.uint8), f"{name}.quant_state.bitsandbytes__nf4": torch.zeros(8)}
+    save_file(tensors, str(copy / "model-experts.safetensors"), metadata={"format": "pt"})
+    return copy
+
+
 @pytest.mark.parametrize(
     "case,adapter,message",
     [
@@ -88,10 +101,13 @@ def _eight_bit(folder, tmp_path):
         ("4bit", "lora", "fix: set adapter: qlora, or point base_model at the bf16 original"),
         ("8bit", "qlora", "stored 8-bit by bitsandbytes (quantization_config load_in_8bit), which loraship cannot"),
         ("8bit", "lora", "fix: point base_model at the bf16 original, or at its 4-bit (-bnb-4bit) version"),
+        ("per-expert", "qlora", "stores its experts as separate 4-bit Linears (model.layers.0.mlp.experts.3.gate_pro"),
+        ("per-expert", "qlora", "fix: point base_model at the bf16 original (under adapter: qlora loraship stores"),
     ],
 )
 def test_a_prequantized_base_it_cannot_train_is_one_message_at_plan(bnb_4bit_base, tmp_path, case, adapter, message):
-    base = bnb_4bit_base if case == "4bit" else _eight_bit(bnb_4bit_base, tmp_path)
+    make = {"4bit": lambda f, _t: f, "8bit": _eight_bit, "per-expert": _per_expert}[case]
+    base = make(bnb_4bit_base, tmp_path)
     config = parse_config(demo_config_dict(base, tmp_path, run_name="bad", adapter=adapter))
     with pytest.raises(ConfigError) as e:
         run_stages(config, ["plan"])
