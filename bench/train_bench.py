@@ -521,7 +521,8 @@ def loraship_config(case: str, trainer: str, model_dir: Path, data: Path, root: 
         "gpu_memory_gib": CAP_GIB,
         "device": device,
         "min_golden_prompts": 1,  # plan + train only: no verify to give golden prompts to
-        "target_gpu_memory_gib": 16,  # the 14B's Q4_K_M alone is 8.3 GiB: above the default 8 GiB inference target
+        # the 14B's Q4_K_M alone is 8.3 GiB (above the default 8 GiB inference target); Qwen3-30B-A3B's 17.2 GiB
+        "target_gpu_memory_gib": 24 if case in MOE_CASES else 16,
     }
     if case in OPTIMIZER:
         out["optimizer"] = OPTIMIZER[case]
@@ -1307,7 +1308,10 @@ def main() -> None:
         earlier = json.loads(args.out.read_text())
         run_id, builds = earlier["run_id"], earlier.get("model_build_s", {})
         rows = [r for r in earlier["rows"] if r.get("ok")]
-        builds = {k: v for k, v in builds.items() if not isinstance(v, str)}
+        # A shape is rebuilt where its folder is gone (a caller freed the space between passes).
+        builds = {
+            k: v for k, v in builds.items() if not isinstance(v, str) and (args.models / k / "config.json").is_file()
+        }
 
     def write() -> dict:
         # After every row, so a run cut short (a GPU call's time limit) still leaves what it measured.

@@ -26,14 +26,15 @@ if [ "$GPU_TESTS" = first ] && ! gpu_tests; then touch $S/all.done; exit 1; fi
 # The random checkpoints: 7B 14.2 GiB + 14B 27.5 GiB. On the disk where it has room, else in /dev/shm.
 DISK=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9); SHM=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
 if [ "$DISK" -ge 52 ] || [ "$SHM" -lt 46 ]; then M=/tmp/tb/models; else M=/dev/shm/tb-models; fi
+M=${MODELS_DIR:-$M}  # MODELS_DIR: where the caller wants them (moe_call.sh: /dev/shm, 128 GiB on the H100)
 MODELS="--models $M"
 echo "disk ${DISK}G shm ${SHM}G models: $M commit: ${LORASHIP_COMMIT:-?}" >> $S/progress
 # PROFILE=1 (or all): every case profiled; PROFILE="case ...": those cases only.
 case "$PROFILE" in "") PROFILE_ARGS= ;; 1|all) PROFILE_ARGS=--profile ;; *) PROFILE_ARGS="--profile $PROFILE" ;; esac
 bench() {
-  python3 bench/train_bench.py --tokenizer $PWD/.loraship/models/tiny-llama --root /tmp/tb $MODELS \
+  python3 bench/train_bench.py --tokenizer ${TOKENIZER:-$PWD/.loraship/models/tiny-llama} --root /tmp/tb $MODELS \
     --steps ${STEPS:-10} --warmup 3 --timeout ${ROW_TIMEOUT:-240} --out $S/train_bench.json \
-    ${SKIP:+--skip $SKIP} ${TRAINERS:+--trainers $TRAINERS} $PROFILE_ARGS ${DROP_MODELS:+--drop-models} \
+    ${SKIP:+--skip $SKIP} ${TRAINERS:+--trainers $TRAINERS} $PROFILE_ARGS ${DROP_MODELS:+--drop-models} ${RESUME:+--resume} \
     --cases ${CASES:-qwen2-7b-lora qwen2-7b-lora-all-linear qwen2-7b-qlora qwen2-14b-qlora qwen2-14b-lora} "$@"
 }
 bench > $S/bench.log 2>&1

@@ -4,18 +4,36 @@
 # (loraship's default plan and Unsloth's SFTTrainer first on each case, then loraship's lean plan) into
 # /tmp/tstate/train_bench.json, then bench/planner_heldout.py measure on HELDOUT rows into /tmp/hstate. Each call waits
 # up to W s and copies what exists into $OUT; later calls (the machine still warm) only wait and collect.
-# Qwen3-30B-A3B's random bf16 checkpoint (61 GB) is written one layer a shard across the disk and /dev/shm
-# (train_bench.save_spilled). Knobs: STEPS (8), ROW_TIMEOUT (900 s), MOE_CASES, MOE_TRAINERS, HELDOUT (rows).
+# The random checkpoints go to /dev/shm (128 GiB on the lent H100; Qwen3-30B-A3B's bf16 is 61 GB, the disk has
+# 64 GiB): loraship refuses a base folder whose shards link outside it, so train_bench.save_spilled is for a
+# machine short of both. Knobs: STEPS (8), ROW_TIMEOUT (900 s), MOE_CASES, MOE_TRAINERS, HELDOUT (rows; "" none),
+# RESTART=1 (stop the running chain, keep its rows and models, start again: rows that trained are kept).
 M=/tmp/moestate
+if [ -n "$RESTART" ] && [ -f $M/chain.pid ]; then  # RESTART=1: stop the chain, keep its rows and built models
+  kill -- -"$(cat $M/chain.pid)" 2>/dev/null; sleep 3
+  mkdir -p /dev/shm/tb-models
+  for d in /tmp/tb/models/*/; do [ -d "$d" ] && mv "$d" /dev/shm/tb-models/; done
+  for l in /dev/shm/tb-models/*/*.safetensors; do [ -L "$l" ] && mv -f "$(readlink "$l")" "$l"; done
+  # Qwen3's own tokenizer (the converter check refuses the tiny Llama's under a Qwen3-MoE class)
+  mkdir -p /tmp/family-tokenizers && tar xzf .whl-train/family-tokenizers.tgz -C /tmp/family-tokenizers
+  for d in /dev/shm/tb-models/qwen3*/; do rm -f "$d"tokenizer* "$d"chat_template*; cp /tmp/family-tokenizers/qwen3/tokenizer* "$d"; done
+  cp /tmp/tstate/train_bench.json $M/train_bench_before_restart.json 2>/dev/null
+  rm -f $M/started $M/all.done /tmp/tstate/started
+  echo "restarted $(date +%T)" >> $M/progress
+fi
 if [ "$1" = chain ]; then
   echo $$ > $M/chain.pid
-  CASES="${MOE_CASES:-qwen3-moe-12l-qlora-1x2048 qwen3-30b-a3b-qlora-1x2048 qwen3-30b-a3b-qlora-2x2048}" \
+  # Qwen3's own tokenizer for the Qwen3-MoE shapes: the plan's converter check refuses the tiny Llama's there.
+  mkdir -p /tmp/family-tokenizers && tar xzf .whl-train/family-tokenizers.tgz -C /tmp/family-tokenizers
+  TOKENIZER=/tmp/family-tokenizers/qwen3 CASES="${MOE_CASES:-qwen3-moe-12l-qlora-1x2048 qwen3-30b-a3b-qlora-1x2048 qwen3-30b-a3b-qlora-2x2048}" \
     TRAINERS="${MOE_TRAINERS:-loraship-default unsloth-sft loraship-lean}" STEPS=${STEPS:-8} \
-    ROW_TIMEOUT=${ROW_TIMEOUT:-900} BENCH_SPILL_DIRS=/dev/shm/tb-spill:/tmp/tb/spill bash .whl-train/chain.sh
+    ROW_TIMEOUT=${ROW_TIMEOUT:-900} MODELS_DIR=/dev/shm/tb-models RESUME=${RESUME-1} bash .whl-train/chain.sh
   echo "moe bench done $(date +%T)" >> $M/progress
-  rm -rf /tmp/tb/models /tmp/tb/spill /dev/shm/tb-spill /dev/shm/tb-models  # room for the held-out shapes
   ONLY=${HELDOUT-olmo2-13b-qlora-all-2x2048,granite8b-qlora-qvo-4x4096,qwen3moe12l-qlora-all-1x2048}
-  [ -n "$ONLY" ] && ONLY=$ONLY STEPS=3 bash bench/train_kit/heldout_call.sh chain
+  if [ -n "$ONLY" ]; then
+    rm -rf /tmp/tb/models /tmp/tb/spill /dev/shm/tb-spill /dev/shm/tb-models  # room for the held-out shapes
+    ONLY=$ONLY STEPS=3 bash bench/train_kit/heldout_call.sh chain
+  fi
   echo "heldout done $(date +%T)" >> $M/progress
   touch $M/all.done
   exit 0
