@@ -247,23 +247,26 @@ def layer_terms(s: Shape, cfg: Config, strategy: Strategy, targets, program: str
     fallback = False
     if program == "train-stage" and s.config_text and trace_wanted():
         fallback = True
-        if s.experts is not None and moe.expert_lora_params(s, cfg):
-            why_not = (
-                f"{s.layer_class} could not be traced: its expert LoRA (PEFT target_parameters) is not traced yet"
-            )
-        else:
-            from loraship.planning import trace
+        from loraship.planning import trace
 
-            try:
-                # Everything a layer keeps and frees is per sequence: traced for one, times the micro-batch.
-                t = trace.trace_layers(
-                    s.config_text, targets, cfg.lora_r, cfg.lora_dropout, 1, cfg.sequence_len, liger
-                )
-                B = strategy.micro_batch_size
-                how = f"traced from {t.layer_class} (FakeTensorMode)"
-                return LayerTerms(B * t.saved, B * t.backward + scores_bwd, True, how)
-            except trace.NotTraceable as e:
-                why_not = f"{s.layer_class or 'the layer'} could not be traced: {e}"
+        try:
+            # Everything a layer keeps and frees per token is per sequence: traced for one, times the micro-batch; a
+            # MoE's expert stacks (and their gradients) once per layer.
+            t = trace.trace_layers(
+                s.config_text,
+                targets,
+                cfg.lora_r,
+                cfg.lora_dropout,
+                1,
+                cfg.sequence_len,
+                liger,
+                experts=expert_wrapping(s, cfg, strategy),
+            )
+            B = strategy.micro_batch_size
+            how = f"traced from {t.layer_class} (FakeTensorMode)"
+            return LayerTerms(B * t.saved + t.fixed_saved, B * t.backward + t.fixed_backward + scores_bwd, True, how)
+        except trace.NotTraceable as e:
+            why_not = f"{s.layer_class or 'the layer'} could not be traced: {e}"
     elif program == "train-stage" and not trace_wanted():
         why_not = "LORASHIP_PLAN_TRACE=0"
     per_tok = layer_saved_per_token(s, cfg, targets, program, liger)
@@ -276,6 +279,20 @@ def layer_terms(s: Shape, cfg: Config, strategy: Strategy, targets, program: str
         saved += stack
         backward += stack
     return LayerTerms(saved, backward, False, f"hand model ({why_not})", fallback)
+
+
+def expert_wrapping(s: Shape, cfg: Config, strategy: Strategy):
+    """How the train stage wraps a MoE's experts (loraship/training/experts.py), for the trace: the stacked tensors
+    lora_target_modules adapts, the router with train_router, NF4 under QLoRA (every stack, adapted or not)."""
+    from loraship.planning.trace_experts import NONE, ExpertWrapping
+
+    if s.experts is None:
+        return NONE
+    return ExpertWrapping(
+        tensors=moe.expert_targets(s.experts, cfg.lora_target_modules, set(s.linears())),
+        router=bool(getattr(cfg, "train_router", False) and s.experts.router),
+        nf4=strategy.adapter == "qlora",
+    )
 
 
 @dataclass(frozen=True)

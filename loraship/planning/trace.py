@@ -14,8 +14,10 @@ with the tokens (bf16 casts of LoRA weights, fp32 casts of norm weights; the est
 
 Liger's kernels are Triton, launched from Python: they are not torch.library operators, so they have no fake
 implementation. Their forward bodies are swapped, for the trace only, for torch code returning the tensors the kernel
-returns (LIGER_FAKE_BODIES); Liger's own autograd functions, and what they save, run unchanged. A layer that still
-cannot be traced (a custom op without a fake implementation, a data-dependent shape such as a MoE's routing) raises
+returns (LIGER_FAKE_BODIES); Liger's own autograd functions, and what they save, run unchanged. A mixture of experts'
+layer runs with its expert LoRA and NF4 experts as the train stage wraps them (trace_experts.py); what its expert
+stacks keep whatever the tokens is counted per layer (LayerTrace.fixed_saved, fixed_backward). A layer that still
+cannot be traced (a custom op without a fake implementation, experts whose tensors follow the routing) raises
 NotTraceable with the reason; estimate.py then uses its hand model and the plan says so.
 """
 
@@ -25,6 +27,8 @@ import contextlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
+
+from loraship.planning.trace_experts import NONE, ExpertWrapping
 
 
 class NotTraceable(Exception):
@@ -41,6 +45,10 @@ class LayerTrace:
     saved: float  # bytes autograd keeps for the layer's backward
     backward: float  # bytes its backward holds at its peak above what was live when it started
     kinds: tuple[tuple[str, int, float, float], ...]  # (kind, layers of that kind in the model, saved, backward)
+    # Bytes per layer that do not grow with the tokens, counted once per layer whatever the micro-batch: a MoE's
+    # expert stacks kept for backward and their gradients in it (trace_experts.py); 0 for a dense layer.
+    fixed_saved: float = 0.0
+    fixed_backward: float = 0.0
 
 
 def trace_layers(
@@ -51,42 +59,58 @@ def trace_layers(
     micro_batch: int,
     sequence_len: int,
     liger: bool,
+    experts: ExpertWrapping = NONE,
 ) -> LayerTrace:
     """The traced layer for config.json `mc` (a dict, or its sorted-key JSON text) under the train stage's wrappers
-    (see the module docstring). Raises NotTraceable where the layer cannot run on fake tensors."""
+    (see the module docstring; `experts`: a MoE's expert LoRA and NF4 experts, loraship/planning/trace_experts.py).
+    Raises NotTraceable where the layer cannot run on fake tensors."""
     text = mc if isinstance(mc, str) else json.dumps(mc, sort_keys=True)
-    return _cached(text, tuple(targets), lora_r, lora_dropout, micro_batch, sequence_len, liger)
+    return _cached(text, tuple(targets), lora_r, lora_dropout, micro_batch, sequence_len, liger, experts)
 
 
 @lru_cache(maxsize=256)
-def _cached(text, targets, lora_r, lora_dropout, micro_batch, sequence_len, liger) -> LayerTrace:
+def _cached(text, targets, lora_r, lora_dropout, micro_batch, sequence_len, liger, experts) -> LayerTrace:
     mc = json.loads(text)
+
+    def count(b, t, wrapping):
+        return _count(mc, targets, lora_r, lora_dropout, b, t, liger, wrapping, experts.adapted)
+
     try:
-        full = _count(mc, targets, lora_r, lora_dropout, micro_batch, sequence_len, liger)
-        one = _count(mc, targets, lora_r, lora_dropout, 1, 1, liger)
-        two = _count(mc, targets, lora_r, lora_dropout, 1, 2, liger)
+        full = count(micro_batch, sequence_len, experts)
+        base = _fixed(count(1, 1, experts)[1], count(1, 2, experts)[1])
+        # What a dense layer's wrappers keep whatever the tokens is counted apart (estimate.py); a MoE layer's
+        # expert stacks and their gradients are its own, kept per layer: the difference to the same layer with its
+        # experts frozen in bf16 (trace_experts.py).
+        plain = _fixed(count(1, 1, NONE)[1], count(1, 2, NONE)[1]) if experts.touched else base
     except NotTraceable:
         raise
     except Exception as e:  # whatever stopped the fake run: named, and the hand model takes over
         raise NotTraceable(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from e
-    # What does not grow with the tokens: twice the one-token count less the two-token count, which cancels the
-    # per-token part exactly (bf16 casts of the LoRA weights, fp32 casts of norm weights).
-    base = {k: tuple(2 * a - b for a, b in zip(one[1][k], two[1][k], strict=True)) for k in one[1]}
-    counts1 = base
     layer_class, counts, n_of_kind = full
-    kinds = []
+    kinds, fixed = [], []
     for kind, (saved, backward) in counts.items():
-        saved1, backward1 = counts1.get(kind, (0.0, 0.0))
+        saved1, backward1 = base.get(kind, (0.0, 0.0))
+        saved0, backward0 = plain.get(kind, (0.0, 0.0))
         kinds.append((kind, n_of_kind[kind], max(0.0, saved - saved1), max(0.0, backward - backward1)))
+        fixed.append((max(0.0, saved1 - saved0), max(0.0, backward1 - backward0)))
     L = sum(n for _, n, _, _ in kinds)
+    worst = max(range(len(kinds)), key=lambda i: kinds[i][3] + fixed[i][1])
     return LayerTrace(
         layer_class=layer_class,
         tokens=micro_batch * sequence_len,
         saved=sum(n * s for _, n, s, _ in kinds) / L,
         # The transient of the worst layer kind: the peak happens in one layer's backward, not on average.
-        backward=max(b for _, _, _, b in kinds),
+        backward=kinds[worst][3],
         kinds=tuple(kinds),
+        fixed_saved=sum(k[1] * f[0] for k, f in zip(kinds, fixed, strict=True)) / L,
+        fixed_backward=fixed[worst][1],
     )
+
+
+def _fixed(one: dict, two: dict) -> dict:
+    """What does not grow with the tokens, per kind: twice the one-token count less the two-token count, which cancels
+    the per-token part exactly (bf16 casts of the LoRA weights, fp32 casts of norm weights, a MoE's expert stacks)."""
+    return {k: tuple(2 * a - b for a, b in zip(one[k], two[k], strict=True)) for k in one}
 
 
 def _layer_kinds(config, L: int) -> list[str]:
@@ -114,13 +138,15 @@ def _reduced_config(config, kinds: list[str]):
     return reduced, built
 
 
-def _count(mc, targets, lora_r, lora_dropout, micro_batch, sequence_len, liger):
+def _count(mc, targets, lora_r, lora_dropout, micro_batch, sequence_len, liger, experts, experts_adapted):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from loraship.planning import trace_experts
     from loraship.planning.shape import language_model_config
 
     config, lm_class, _wrapper, _where = language_model_config(mc)
     L = config.num_hidden_layers
+    trace_experts.check_every_layer_routed(mc, L)
     kinds = _layer_kinds(config, L)
     reduced, built = _reduced_config(config, kinds)
     n = len(built)
@@ -131,13 +157,20 @@ def _count(mc, targets, lora_r, lora_dropout, micro_batch, sequence_len, liger):
     from loraship.training.fused_lora import fuse_lora_linears, fused_lora_wanted
 
     with _restored_modeling_module(lm_class), _liger_fake_bodies(liger), _masks_as_in_a_real_run():
-        model = _train_stage_model(lm_class, reduced, targets, lora_r, lora_dropout)
+        model, stacked = _train_stage_model(lm_class, reduced, mc, targets, lora_r, lora_dropout, experts)
+        trace_experts.check_implementation(model, liger and not experts_adapted)
+        if experts.nf4:
+            trace_experts.warm_bitsandbytes()
         with FakeTensorMode(allow_non_fake_inputs=True):
             _to_fake(model)
+            trace_experts.after_peft(model, stacked, experts, lora_dropout)
             if liger:
-                _apply_liger(model, experts_adapted=False)  # expert LoRA is not traced (estimate.layer_terms)
+                # As the real run: Liger's SwiGLU off where the experts carry LoRA, in the run with them frozen too
+                # (its fused-MoE forward would change the per-token part the two runs share).
+                _apply_liger(model, experts_adapted=experts_adapted)
             if targets and fused_lora_wanted():
-                fuse_lora_linears(model)
+                with _quiet("loraship.train"):  # its note on what stays PEFT's (the expert stacks) is the run's to log
+                    fuse_lora_linears(model)
             layers = _decoder_layers(model, n)
             counts = _trace(model, layers, micro_batch, sequence_len)
     by_kind: dict[str, tuple[float, float]] = {}
@@ -177,6 +210,19 @@ def _masks_as_in_a_real_run():
 
 
 @contextlib.contextmanager
+def _quiet(logger: str):
+    import logging
+
+    log = logging.getLogger(logger)
+    before = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
+
+
+@contextlib.contextmanager
 def _default_dtype(dtype):
     import torch
 
@@ -204,10 +250,10 @@ def _restored_modeling_module(lm_class):
                 setattr(module, name, value)
 
 
-def _train_stage_model(lm_class, config, targets, lora_r, lora_dropout):
+def _train_stage_model(lm_class, config, mc, targets, lora_r, lora_dropout, experts):
     """The model as loraship/training/model_loading.py load_model builds it for a plan with no layer checkpointed, on
     the meta device (PEFT moves and casts its adapters with Module.to, which fake parameters refuse: _to_fake
-    follows)."""
+    follows); and every stacked expert tensor's name (trace_experts.after_peft quantizes them under QLoRA)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -220,24 +266,32 @@ def _train_stage_model(lm_class, config, targets, lora_r, lora_dropout):
     model.enable_input_require_grads()
     checkpoint_first_layers(model, 0)
     model.config.use_cache = False
-    if targets:
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=lora_r,
-                lora_alpha=2 * lora_r,
-                lora_dropout=lora_dropout,
-                target_modules=list(targets),
-                bias="none",
-                task_type="CAUSAL_LM",
-            ),
-        )
+    from loraship.planning import trace_experts
+
+    stacked = trace_experts.all_stacked(model, mc)
+    parameters = trace_experts.target_parameters(model, mc, experts)
+    if targets or parameters:
+        extra = {"target_parameters": parameters} if parameters else {}
+        with trace_experts.peft_fixed():
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=lora_r,
+                    lora_alpha=2 * lora_r,
+                    # PEFT's ParamWrapper takes no dropout: the Linears get theirs back (trace_experts.after_peft).
+                    lora_dropout=0.0 if parameters else lora_dropout,
+                    target_modules=list(targets),
+                    bias="none",
+                    task_type="CAUSAL_LM",
+                    **extra,
+                ),
+            )
     else:
         model.requires_grad_(False)
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):
             module.cast_input_dtype_enabled = False
-    return model.train()
+    return model.train(), stacked
 
 
 def _to_fake(model) -> None:

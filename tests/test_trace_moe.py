@@ -1,0 +1,183 @@
+"""The traced activation count of a mixture of experts' layer (loraship/planning/trace.py, trace_experts.py): expert
+LoRA through PEFT's target_parameters and NF4 experts through bitsandbytes' parametrization, against real CPU runs of
+the same layer built as the train stage builds it (loraship/training/experts.py), under two routings; and the plan of
+Qwen3-30B-A3B QLoRA it decides."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from loraship.config import Config
+from loraship.planning import estimate, trace
+from loraship.planning.shape import shape_from_config
+from loraship.planning.trace_experts import NONE, ExpertWrapping
+
+ROOT = Path(__file__).resolve().parents[1]
+# A small Qwen3-MoE: 8 experts, 2 per token, every layer routed.
+MOE = dict(
+    model_type="qwen3_moe",
+    hidden_size=256,
+    intermediate_size=768,
+    moe_intermediate_size=128,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=512,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    norm_topk_prob=True,
+)
+STACKS = ("gate_up_proj", "down_proj")
+BATCH, SEQ = 2, 128
+
+
+def _real_model(wrapping: ExpertWrapping, router: str):
+    """The tiny model in bf16 on the CPU as load_model wraps a MoE (LoRA on the planned expert stacks through
+    target_parameters, then every stack in NF4 under QLoRA), with its router's weights set for `router`: "spread"
+    (random) or "same" (zero: every token on the same two experts)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loraship.training import experts
+
+    config = AutoConfig.for_model(**MOE)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    assert model.config._experts_implementation == "grouped_mm"  # what the trace runs
+    for layer in model.model.layers:
+        w = layer.mlp.gate.weight
+        w.data = torch.randn_like(w) if router == "spread" else torch.zeros_like(w)
+    cfg = SimpleNamespace(lora_target_modules=list(wrapping.tensors) or ["q_proj"], train_router=wrapping.router)
+    plan = experts.plan_experts(model, MOE, cfg)
+    experts.fix_peft_param_wrapper()
+    if plan.parameters:
+        lora = LoraConfig(r=8, lora_alpha=16, target_modules=[], target_parameters=plan.parameters)
+        model = get_peft_model(model, lora)
+        base = model.get_base_model()
+    else:
+        base = model.requires_grad_(False)
+    if wrapping.nf4:
+        experts.quantize_experts(base, plan.all_experts)
+        experts.check_experts_4bit(base, plan.all_experts)
+    return model
+
+
+def _saved_by_layer_1(model, b: int, s: int) -> tuple[float, set]:
+    """Bytes the second decoder layer saves for backward (frozen weights and LoRA parameters left out), and the
+    experts its router chose."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    frozen = {StorageWeakRef(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+    current = {"layer": None}
+    hooks = [
+        layer.register_forward_pre_hook(lambda _m, _a, i=i: current.update(layer=i))
+        for i, layer in enumerate(base.model.layers)
+    ]
+    chosen: set = set()
+    hooks.append(
+        base.model.layers[1].mlp.gate.register_forward_hook(
+            lambda _m, _a, out: chosen.update(out[2].flatten().tolist())
+        )
+    )
+    first: dict = {}
+
+    def pack(t):
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref not in frozen:
+            first.setdefault(ref, (current["layer"], t.untyped_storage().nbytes()))
+        return t
+
+    ids = torch.randint(0, 512, (b, s), generator=torch.Generator().manual_seed(0))
+    embeds = base.get_input_embeddings()(ids).detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        base.model(inputs_embeds=embeds)
+    for hook in hooks:
+        hook.remove()
+    return sum(n for layer, n in first.values() if layer == 1), chosen
+
+
+def _real(wrapping: ExpertWrapping, router: str) -> tuple[float, float, set]:
+    """(what grows with the tokens at BATCH x SEQ, what does not, the experts routed to) for the real layer, counted
+    as the trace counts them: the fixed part is the difference to the same layer with its experts frozen in bf16."""
+    model = _real_model(wrapping, router)
+    full, chosen = _saved_by_layer_1(model, BATCH, SEQ)
+    base = 2 * _saved_by_layer_1(model, 1, 1)[0] - _saved_by_layer_1(model, 1, 2)[0]
+    plain = _real_model(NONE, router)
+    plain_base = 2 * _saved_by_layer_1(plain, 1, 1)[0] - _saved_by_layer_1(plain, 1, 2)[0]
+    return full - base, base - plain_base, chosen
+
+
+@pytest.mark.parametrize(
+    "wrapping",
+    [ExpertWrapping(STACKS), ExpertWrapping(STACKS, nf4=True), ExpertWrapping(("down_proj",), nf4=True)],
+    ids=["lora", "qlora", "qlora-down-only"],
+)
+def test_the_trace_counts_what_a_real_moe_layer_keeps_whatever_the_routing(wrapping):
+    """The second layer of the real class on the CPU, wrapped as the train stage wraps it, keeps what the trace says,
+    to the byte, both what grows with the tokens and the expert stacks it keeps once; with the tokens spread over the
+    experts and with all of them on the same two (the grouped GEMMs' tensors do not follow the split)."""
+    t = trace.trace_layers(MOE, (), 8, 0.0, BATCH, SEQ, liger=False, experts=wrapping)
+    ((_kind, _n, traced, _b),) = t.kinds
+    spread = _real(wrapping, "spread")
+    same = _real(wrapping, "same")
+    assert len(spread[2]) > 2 and len(same[2]) == 2  # the two routings differ
+    assert (traced, t.fixed_saved) == spread[:2] == same[:2]
+    # Each adapted projection's grouped GEMM keeps its folded bf16 stack (W + s B A); under QLoRA an unadapted one
+    # keeps its dequantized stack the same way.
+    stacks = {"gate_up_proj": 8 * 256 * 256 * 2, "down_proj": 8 * 256 * 128 * 2}
+    kept = sum(stacks.values()) if wrapping.nf4 else sum(stacks[n] for n in wrapping.tensors)
+    assert kept <= t.fixed_saved < 1.1 * kept
+    assert t.backward > 0 and t.fixed_backward > 0
+
+
+@pytest.mark.parametrize(
+    "mc,liger,wrapping,message",
+    [
+        # Frozen experts under the fused loss run Liger's fused-MoE kernel (Triton, no fake implementation).
+        (MOE, True, ExpertWrapping(nf4=True), "Liger's fused-MoE kernel"),
+        # A dense layer among the routed ones: the two traced layers would not say which kind they counted.
+        ({**MOE, "mlp_only_layers": [0]}, False, ExpertWrapping(STACKS), "3 of its 4 layers are routed"),
+    ],
+    ids=["liger-fused-moe", "mlp-only-layers"],
+)
+def test_experts_the_trace_cannot_run_are_named(mc, liger, wrapping, message):
+    """What the trace cannot count raises NotTraceable naming it; the plan then falls back to the hand model."""
+    with pytest.raises(trace.NotTraceable, match=message):
+        trace.trace_layers(mc, ("q_proj",), 8, 0.0, 1, 64, liger=liger, experts=wrapping)
+
+
+def _cfg(**kw) -> Config:
+    return Config(base_model="org/model", datasets=[{"path": "d.jsonl", "type": "completion"}], **kw)
+
+
+def test_the_plan_of_qwen3_30b_a3b_qlora_is_traced():
+    """Qwen3-30B-A3B QLoRA r16 all-linear, 1 x 2048: its activations are traced (no hand model, no margin), and each
+    un-checkpointed layer keeps its two folded expert stacks (1.125 GiB in bf16)."""
+    mc = json.loads((ROOT / "examples/models/qwen3-30b-a3b/config.json").read_text(encoding="utf-8"))
+    s = shape_from_config(mc, check_converter=False)
+    cfg = _cfg(lora_r=16, sequence_len=2048, lora_target_modules="all-linear", gpu_memory_gib=32, adapter="qlora")
+    strategy = {
+        "adapter": "qlora",
+        "offload_layers": 0,
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 1,
+        "fused_loss": True,
+        "gradient_checkpointing": True,
+        "offload_activations": False,
+        "checkpointed_layers": 46,
+    }
+    est = estimate.estimate(s, cfg, strategy)
+    assert est["activations_counted"] == "traced from Qwen3MoeDecoderLayer (FakeTensorMode)"
+    c = est["components_gib"]
+    assert "hand_model_margin" not in c
+    assert 1.125 < c["saved_activations_other_layers"] / 2 < 1.125 + 0.5
