@@ -140,6 +140,19 @@ def test_the_trace_counts_what_a_real_moe_layer_keeps_whatever_the_routing(wrapp
     assert t.backward > 0 and t.fixed_backward > 0
 
 
+def test_a_real_moe_layer_holds_in_forward_and_backward_what_the_fake_one_holds():
+    """The windows the plan's transients come from, counted the same way on real tensors: under QLoRA with expert
+    LoRA the forward holds each stack dequantized (PEFT's _activate_lora keeps the parameter it read while the layer
+    runs), its fold and the dequantized copy being folded; fake and real tensors live and die alike."""
+    wrapping = ExpertWrapping(STACKS, nf4=True)
+    (fake,) = trace._count(MOE, (), 8, 0.0, BATCH, SEQ, False, wrapping, True)[1].values()
+    model = _real_model(wrapping, "spread")
+    real = trace._trace(model, list(model.get_base_model().model.layers), BATCH, SEQ)[1]
+    assert fake[1:] == real[1:]
+    stacks = 8 * 256 * 256 * 2 + 8 * 256 * 128 * 2
+    assert fake[2] > 2 * stacks  # the folds kept for backward and the dequantized copies PEFT holds
+
+
 @pytest.mark.parametrize(
     "mc,liger,wrapping,message",
     [
@@ -161,8 +174,8 @@ def _cfg(**kw) -> Config:
 
 
 def test_the_plan_of_qwen3_30b_a3b_qlora_is_traced():
-    """Qwen3-30B-A3B QLoRA r16 all-linear, 1 x 2048: its activations are traced (no hand model, no margin), and each
-    un-checkpointed layer keeps its two folded expert stacks (1.125 GiB in bf16)."""
+    """Qwen3-30B-A3B QLoRA r16 all-linear, 1 x 2048: its activations are traced (no hand model, no margin), each
+    un-checkpointed layer keeps its two folded expert stacks (1.125 GiB in bf16), and a layer's forward holds more."""
     mc = json.loads((ROOT / "examples/models/qwen3-30b-a3b/config.json").read_text(encoding="utf-8"))
     s = shape_from_config(mc, check_converter=False)
     cfg = _cfg(lora_r=16, sequence_len=2048, lora_target_modules="all-linear", gpu_memory_gib=32, adapter="qlora")
@@ -181,3 +194,5 @@ def test_the_plan_of_qwen3_30b_a3b_qlora_is_traced():
     c = est["components_gib"]
     assert "hand_model_margin" not in c
     assert 1.125 < c["saved_activations_other_layers"] / 2 < 1.125 + 0.5
+    # The last layer's forward, above what it keeps: PEFT's dequantized copies of both stacks among it.
+    assert c["one_layer_recompute_and_backward"] > 1.125

@@ -232,6 +232,9 @@ class LayerTerms:
     traced: bool
     how: str
     fallback: bool = False  # the trace was wanted and could not run: the plan adds HAND_MODEL_MARGIN
+    # How far a traced MoE layer's forward (a recompute's) goes above its saved activations and backward: its NF4
+    # expert stacks dequantized next to their LoRA-folded copies (trace_experts.py). 0 where not traced.
+    forward_over: float = 0.0
 
 
 def layer_terms(s: Shape, cfg: Config, strategy: Strategy, targets, program: str, T: int) -> LayerTerms:
@@ -264,7 +267,9 @@ def layer_terms(s: Shape, cfg: Config, strategy: Strategy, targets, program: str
             )
             B = strategy.micro_batch_size
             how = f"traced from {t.layer_class} (FakeTensorMode)"
-            return LayerTerms(B * t.saved + t.fixed_saved, B * t.backward + t.fixed_backward + scores_bwd, True, how)
+            saved, backward = B * t.saved + t.fixed_saved, B * t.backward + t.fixed_backward + scores_bwd
+            over = max(0.0, B * t.forward + t.fixed_forward - saved - backward) if s.experts is not None else 0.0
+            return LayerTerms(saved, backward, True, how, forward_over=over)
         except trace.NotTraceable as e:
             why_not = f"{s.layer_class or 'the layer'} could not be traced: {e}"
     elif program == "train-stage" and not trace_wanted():
@@ -325,7 +330,11 @@ def _activations(
     terms = layer_terms(s, cfg, strategy, targets, program, T)
     layer_saved, layer_bwd = terms.saved, terms.backward
     dequant = max(i * o for i, o in lin.values()) * 2 if qlora else 0  # bnb dequantizes one matrix at a time
-    if s.experts is not None and qlora:
+    if s.experts is not None and terms.traced:
+        # A MoE layer's forward, traced: its peak over the saved activations and backward (under QLoRA the stacks'
+        # dequantized copies, alive next to their folds; tests/test_trace_moe.py counts the same on real tensors).
+        dequant = max(dequant, terms.forward_over)
+    elif s.experts is not None and qlora:
         # Under QLoRA one expert stack is dequantized whole at a time.
         dequant = max(dequant, 2 * max(t.params for t in s.experts.tensors))
     # The first k layers are checkpointed (tasks/train.py): each keeps only its bf16 input; the other L - k

@@ -8,7 +8,8 @@ SwiGLU/GEGLU and RoPE where the plan uses the fused loss), runs one forward unde
 counts:
 - saved: what autograd keeps per layer (torch.autograd.graph.saved_tensors_hooks, each storage once, in the layer
   that saved it first), the frozen weights and LoRA parameters left out;
-- backward: how far above its start one layer's backward goes (every storage an operator makes, alive until freed).
+- backward: how far above its start one layer's backward goes (every storage an operator makes, alive until freed);
+- forward: the same for its forward (what a recompute holds before its backward).
 Both at the plan's micro-batch x sequence_len, less the same counts at one token, which leaves out what does not grow
 with the tokens (bf16 casts of LoRA weights, fp32 casts of norm weights; the estimate counts those apart).
 
@@ -49,6 +50,10 @@ class LayerTrace:
     # expert stacks kept for backward and their gradients in it (trace_experts.py); 0 for a dense layer.
     fixed_saved: float = 0.0
     fixed_backward: float = 0.0
+    # How far above its start one layer's forward (a recompute's) goes, what it saves included, per sequence and per
+    # layer: a MoE's NF4 stacks are dequantized there, next to their LoRA-folded copies (trace_experts.py).
+    forward: float = 0.0
+    fixed_forward: float = 0.0
 
 
 def trace_layers(
@@ -87,14 +92,16 @@ def _cached(text, targets, lora_r, lora_dropout, micro_batch, sequence_len, lige
     except Exception as e:  # whatever stopped the fake run: named, and the hand model takes over
         raise NotTraceable(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from e
     layer_class, counts, n_of_kind = full
-    kinds, fixed = [], []
-    for kind, (saved, backward) in counts.items():
-        saved1, backward1 = base.get(kind, (0.0, 0.0))
-        saved0, backward0 = plain.get(kind, (0.0, 0.0))
+    kinds, fixed, forward = [], [], []
+    for kind, (saved, backward, fwd) in counts.items():
+        saved1, backward1, forward1 = base.get(kind, (0.0, 0.0, 0.0))
+        saved0, backward0, forward0 = plain.get(kind, (0.0, 0.0, 0.0))
         kinds.append((kind, n_of_kind[kind], max(0.0, saved - saved1), max(0.0, backward - backward1)))
         fixed.append((max(0.0, saved1 - saved0), max(0.0, backward1 - backward0)))
+        forward.append((max(0.0, fwd - forward1), max(0.0, forward1 - forward0)))
     L = sum(n for _, n, _, _ in kinds)
     worst = max(range(len(kinds)), key=lambda i: kinds[i][3] + fixed[i][1])
+    worst_forward = max(range(len(kinds)), key=lambda i: sum(forward[i]))
     return LayerTrace(
         layer_class=layer_class,
         tokens=micro_batch * sequence_len,
@@ -104,6 +111,8 @@ def _cached(text, targets, lora_r, lora_dropout, micro_batch, sequence_len, lige
         kinds=tuple(kinds),
         fixed_saved=sum(k[1] * f[0] for k, f in zip(kinds, fixed, strict=True)) / L,
         fixed_backward=fixed[worst][1],
+        forward=forward[worst_forward][0],
+        fixed_forward=forward[worst_forward][1],
     )
 
 
@@ -173,9 +182,9 @@ def _count(mc, targets, lora_r, lora_dropout, micro_batch, sequence_len, liger, 
                     fuse_lora_linears(model)
             layers = _decoder_layers(model, n)
             counts = _trace(model, layers, micro_batch, sequence_len)
-    by_kind: dict[str, tuple[float, float]] = {}
-    for kind, (saved, backward) in zip(built, counts, strict=True):
-        by_kind[kind] = (saved, backward)  # the last built layer of the kind (see _reduced_config)
+    by_kind: dict[str, tuple[float, float, float]] = {}
+    for kind, count in zip(built, counts, strict=True):
+        by_kind[kind] = count  # the last built layer of the kind (see _reduced_config)
     n_of_kind = {k: kinds.count(k) for k in by_kind}
     return type(layers[0]).__name__, by_kind, n_of_kind
 
@@ -339,7 +348,7 @@ def _decoder_stack(model):
     return base.model
 
 
-def _trace(model, layers, micro_batch, sequence_len) -> list[tuple[float, float]]:
+def _trace(model, layers, micro_batch, sequence_len) -> list[tuple[float, float, float]]:
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -350,7 +359,8 @@ def _trace(model, layers, micro_batch, sequence_len) -> list[tuple[float, float]
     first_saver: dict = {}
     live: dict = {}
     windows: list[list[float]] = [[0.0, 0.0] for _ in layers]  # per layer: live at its backward's start, peak since
-    open_window = {"layer": None}
+    forward_windows: list[list[float]] = [[0.0, 0.0] for _ in layers]  # the same for its forward
+    open_window = {"layer": None, "forward": None}
 
     def live_bytes() -> float:
         dead = [ref for ref in live if ref.expired()]
@@ -366,9 +376,11 @@ def _trace(model, layers, micro_batch, sequence_len) -> list[tuple[float, float]
                     ref = StorageWeakRef(t.untyped_storage())
                     if ref not in frozen:
                         live.setdefault(ref, t.untyped_storage().nbytes())
-            i = open_window["layer"]
-            if i is not None:  # the live total is summed only inside a layer's backward
+            i, f = open_window["layer"], open_window["forward"]
+            if i is not None:  # the live total is summed only inside a layer's backward or forward
                 windows[i][1] = max(windows[i][1], live_bytes())
+            if f is not None:
+                forward_windows[f][1] = max(forward_windows[f][1], live_bytes())
             return out
 
     def pack(t):
@@ -388,10 +400,23 @@ def _trace(model, layers, micro_batch, sequence_len) -> list[tuple[float, float]
     def backward_end(_module, _grad_input, _grad_output):
         open_window["layer"] = None
 
+    def forward_start(i):
+        def hook(_module, _args):
+            current.update(layer=i)
+            start = live_bytes()
+            forward_windows[i] = [start, start]
+            open_window["forward"] = i
+
+        return hook
+
+    def forward_end(_module, _args, _output):
+        current.update(layer=None)
+        open_window["forward"] = None
+
     hooks = []
     for i, layer in enumerate(layers):
-        hooks.append(layer.register_forward_pre_hook(lambda _m, _a, i=i: current.update(layer=i)))
-        hooks.append(layer.register_forward_hook(lambda _m, _a, _o: current.update(layer=None)))
+        hooks.append(layer.register_forward_pre_hook(forward_start(i)))
+        hooks.append(layer.register_forward_hook(forward_end))
         hooks.append(layer.register_full_backward_pre_hook(backward_start(i)))
         hooks.append(layer.register_full_backward_hook(backward_end))
     try:
@@ -406,4 +431,7 @@ def _trace(model, layers, micro_batch, sequence_len) -> list[tuple[float, float]
     saved = [0.0 for _ in layers]
     for layer, nbytes in first_saver.values():
         saved[layer] += nbytes
-    return [(saved[i], windows[i][1] - windows[i][0]) for i in range(len(layers))]
+    return [
+        (saved[i], windows[i][1] - windows[i][0], forward_windows[i][1] - forward_windows[i][0])
+        for i in range(len(layers))
+    ]
