@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from loraship.config import Config
-from loraship.planning import estimate, trace
+from loraship.planning import estimate, moe, trace
 from loraship.planning.shape import shape_from_config
 from loraship.planning.trace_experts import NONE, ExpertWrapping
 
@@ -138,6 +138,13 @@ def test_the_trace_counts_what_a_real_moe_layer_keeps_whatever_the_routing(wrapp
     kept = sum(stacks.values()) if wrapping.nf4 else sum(stacks[n] for n in wrapping.tensors)
     assert kept <= t.fixed_saved < 1.1 * kept
     assert t.backward > 0 and t.fixed_backward > 0
+    # The hand model (the fallback) counts the same stacks, and per token what the grouped_mm path keeps with LoRA on
+    # both stacks (more where gate_up_proj is frozen: its GEMM then keeps no input).
+    s = shape_from_config(MOE, check_converter=False)
+    cfg = _cfg(lora_r=8, lora_dropout=0.0, sequence_len=SEQ, lora_target_modules=list(wrapping.tensors))
+    assert t.fixed_saved == moe.kept_stack_bytes(s, cfg, wrapping.nf4)
+    hand = BATCH * SEQ * estimate.layer_saved_per_token(s, cfg, (), "train-stage", False)
+    assert hand == pytest.approx(traced, rel=0.02) if wrapping.tensors == STACKS else hand > traced
 
 
 def test_a_real_moe_layer_holds_in_forward_and_backward_what_the_fake_one_holds():

@@ -278,11 +278,12 @@ def layer_terms(s: Shape, cfg: Config, strategy: Strategy, targets, program: str
     saved = CAL["layer"] * T * per_tok
     backward = CAL["layer_backward"] * saved + scores_bwd
     if s.experts is not None:
-        # A MoE layer's adapted expert stacks with their LoRA folded in, kept for backward, and their gradient in
-        # backward (moe.adapted_stack_bytes). The trace counts them where it runs.
-        stack = moe.adapted_stack_bytes(s, cfg) * s.experts.layers / s.L
-        saved += stack
-        backward += stack
+        # A MoE layer's expert stacks kept for backward (folded with their LoRA, or dequantized under QLoRA) and the
+        # adapted ones' gradient in backward (moe.kept_stack_bytes, stack_gradient_bytes); the trace counts them
+        # where it runs.
+        share = s.experts.layers / s.L
+        saved += moe.kept_stack_bytes(s, cfg, strategy.adapter == "qlora") * share
+        backward += moe.stack_gradient_bytes(s, cfg) * share
     return LayerTerms(saved, backward, False, f"hand model ({why_not})", fallback)
 
 

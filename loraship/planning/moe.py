@@ -146,23 +146,37 @@ def expert_lora_params(s, cfg) -> int:
     return s.experts.layers * per_layer
 
 
-def adapted_stack_bytes(s, cfg) -> float:
-    """Bytes of one MoE layer's adapted expert tensors with their LoRA folded in (bf16): PEFT's ParamWrapper computes
-    W + s B A for the whole stack each forward (and recompute), which the experts' matmuls keep for backward; backward
-    holds its gradient, as large, while that layer runs."""
+def kept_stack_bytes(s, cfg, qlora: bool) -> float:
+    """Bytes of one MoE layer's expert stacks its grouped GEMMs keep for backward (bf16): an adapted stack's fold
+    W + s B A (PEFT's ParamWrapper, one baddbmm per forward) with the bf16 casts of its factors the fold keeps, and
+    under QLoRA an unadapted stack's dequantized copy too (its GEMM keeps it for the input's gradient). Counted on
+    the traced layer (tests/test_trace_moe.py)."""
     if s.experts is None:
         return 0.0
     names = set(expert_targets(s.experts, cfg.lora_target_modules, set(s.linears())))
-    return 2.0 * sum(t.params for t in s.experts.tensors if t.name in names)
+    kept = sum(t.params for t in s.experts.tensors if qlora or t.name in names)
+    casts = sum(cfg.lora_r * t.n * (t.in_features + t.out_features) for t in s.experts.tensors if t.name in names)
+    return 2.0 * (kept + casts)
+
+
+def stack_gradient_bytes(s, cfg) -> float:
+    """Bytes one MoE layer's backward holds above its start for its adapted stacks: the largest one's bf16 gradient
+    (the trace sees less: the fold it replaces is freed as it is made)."""
+    if s.experts is None:
+        return 0.0
+    names = set(expert_targets(s.experts, cfg.lora_target_modules, set(s.linears())))
+    return 2.0 * max((t.params for t in s.experts.tensors if t.name in names), default=0)
 
 
 def moe_saved_per_token(s) -> float:
-    """Bytes per token one MoE layer's routed experts keep for backward, in place of a dense MLP's: the router's bf16
-    logits and fp32 probabilities (6 x experts), the top-k indices and weights (12 x k), and per routed copy of the
-    token (k of them) its gathered bf16 input (2h), the gate/up output, the activation and up (3 x 2 x f_expert, as
-    SwiGLU keeps), and the expert's bf16 output kept for the routing weight's gradient (2h)."""
+    """Bytes per token one MoE layer's routed experts keep for backward, in place of a dense MLP's, in transformers'
+    grouped_mm experts forward with LoRA on the stacks: the router's fp32 probabilities (4 x experts), the top-k
+    indices (int64), weights (fp32) and their sum (12 x k + 4), the sort's int64 permutations (24 x k), and per routed
+    copy of the token (k of them) its gathered bf16 input (2h), the gate/up output, the activation and its product
+    with up, which down_proj's GEMM keeps (4 x 2 x f_expert), the routing weight (2) and the expert's bf16 output kept
+    for the routing weight's gradient (2h). Counted on the traced layer (tests/test_trace_moe.py)."""
     e = s.experts
     by_name = {t.name: t for t in e.tensors}
     down = by_name.get("down_proj")
     f_expert = down.in_features if down else min(t.in_features for t in e.tensors)
-    return 6 * e.n + 12 * e.top_k + e.top_k * (4 * s.h + 6 * f_expert)
+    return 4 * e.n + 4 + 36 * e.top_k + e.top_k * (4 * s.h + 8 * f_expert + 2)
