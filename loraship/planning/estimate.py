@@ -143,7 +143,10 @@ def layer_saved_per_token(s: Shape, cfg: Config, targets: tuple[str, ...], progr
         # A mixture of experts: its MoE layers keep the router's and the routed experts' tensors (moe.py), the rest
         # (mlp_only_layers, decoder_sparse_step) a dense MLP's; averaged over the layers.
         share = s.experts.layers / s.L
-        swiglu = share * moe.moe_saved_per_token(s) + (1 - share) * swiglu
+        routed = moe.moe_saved_per_token(s)
+        if getattr(cfg, "train_router", False) and s.experts.router:
+            routed += 2 * s.h  # the router's LoRA keeps its bf16 input
+        swiglu = share * routed + (1 - share) * swiglu
     attention = 4 * s.q + 4 * s.kv
     if s.fused:
         # Phi-3's v is a view of qkv_proj's output, so SDPA keeping v keeps all of it (q + 2kv, bf16).

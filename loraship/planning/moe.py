@@ -156,6 +156,10 @@ def kept_stack_bytes(s, cfg, qlora: bool) -> float:
     names = set(expert_targets(s.experts, cfg.lora_target_modules, set(s.linears())))
     kept = sum(t.params for t in s.experts.tensors if qlora or t.name in names)
     casts = sum(cfg.lora_r * t.n * (t.in_features + t.out_features) for t in s.experts.tensors if t.name in names)
+    if getattr(cfg, "train_router", False) and s.experts.router:
+        # The router's weight folded with its LoRA, and its factors' casts, as the stacks'.
+        kept += s.experts.router_params
+        casts += cfg.lora_r * (s.h + s.experts.n)
     return 2.0 * (kept + casts)
 
 

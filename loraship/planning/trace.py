@@ -281,20 +281,21 @@ def _train_stage_model(lm_class, config, mc, targets, lora_r, lora_dropout, expe
     parameters = trace_experts.target_parameters(model, mc, experts)
     if targets or parameters:
         extra = {"target_parameters": parameters} if parameters else {}
-        with trace_experts.peft_fixed():
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=lora_r,
-                    lora_alpha=2 * lora_r,
-                    # PEFT's ParamWrapper takes no dropout: the Linears get theirs back (trace_experts.after_peft).
-                    lora_dropout=0.0 if parameters else lora_dropout,
-                    target_modules=list(targets),
-                    bias="none",
-                    task_type="CAUSAL_LM",
-                    **extra,
-                ),
-            )
+        if parameters:
+            trace_experts.fix_peft()
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lora_r,
+                lora_alpha=2 * lora_r,
+                # PEFT's ParamWrapper takes no dropout: the Linears get theirs back (trace_experts.after_peft).
+                lora_dropout=0.0 if parameters else lora_dropout,
+                target_modules=list(targets),
+                bias="none",
+                task_type="CAUSAL_LM",
+                **extra,
+            ),
+        )
     else:
         model.requires_grad_(False)
     for module in model.modules():

@@ -19,7 +19,6 @@ per layer, not once per sequence of the micro-batch.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 # transformers' experts implementations whose tensors do not depend on the routing (see the docstring).
@@ -128,10 +127,8 @@ def warm_bitsandbytes() -> None:
         functional.name2qmap["dynamic"] = functional.create_dynamic_map()
 
 
-@contextlib.contextmanager
-def peft_fixed():
-    """PEFT's ParamWrapper as the train stage runs it (experts.fix_peft_param_wrapper patches the class for good)."""
+def fix_peft() -> None:
+    """PEFT's ParamWrapper as the train stage runs it (experts.fix_peft_param_wrapper patches the class, once)."""
     from loraship.training.experts import fix_peft_param_wrapper
 
     fix_peft_param_wrapper()
-    yield
