@@ -8,12 +8,14 @@ What runs on fake tensors: bitsandbytes registers fake implementations of its qu
 transformers' grouped_mm experts forward (the default experts implementation, the one the train stage runs: it never
 sets experts_implementation) sorts the token copies by expert and runs one grouped GEMM per projection with offsets:
 every tensor it makes is [tokens x top_k, ...] or [experts, ...], whatever the routing, so the fake run's unknown top-k
-indices give the bytes any split gives (balanced or all tokens on one expert alike: tests/test_trace_moe.py runs
-both on real tensors). Eager (a Python loop over the experts hit) would depend on the routing: refused.
+indices give the bytes any split gives: no worst case to pick (tests/test_trace_moe.py counts the real layer with the
+tokens spread over the experts and with all of them on the same top_k, to the byte alike). Eager (a Python loop over
+the experts hit) would depend on the routing: refused.
 
-What does not grow with the tokens: the stacked weight each adapted projection's grouped GEMM saves for backward
-(W + s B A, folded by PEFT's baddbmm, or the dequantized NF4 stack where the projection has no LoRA), and the stack's
-gradient its backward makes. These are per layer and per step, not per sequence: `fixed` in the trace, counted once
+What does not grow with the tokens: the stacked weight each projection's grouped GEMM saves for backward (W + s B A,
+folded by PEFT's baddbmm, or under QLoRA the dequantized stack where the projection has no LoRA), the stack's gradient
+its backward makes, and in the forward the dequantized copy of each adapted NF4 stack that PEFT's _activate_lora
+holds while the layer runs. These are per layer and per step, not per sequence: `fixed` in the trace, counted once
 per layer, not once per sequence of the micro-batch.
 """
 
