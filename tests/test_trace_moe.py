@@ -159,6 +159,18 @@ def test_the_trace_counts_what_a_real_moe_layer_keeps_whatever_the_routing(wrapp
     assert hand == pytest.approx(traced, rel=0.02) if wrapping.tensors == STACKS else hand > traced
 
 
+def test_what_grows_with_the_micro_batch_and_what_is_kept_once_per_layer():
+    """The plan traces one sequence and multiplies by the micro-batch: a MoE layer's per-token tensors grow with it
+    exactly, its expert stacks (kept, their gradients, PEFT's dequantized copies) stay once per layer."""
+    wrapping = ExpertWrapping(STACKS, nf4=True)
+    one = trace.trace_layers(MOE, ("q_proj",), 8, 0.0, 1, SEQ, liger=False, experts=wrapping)
+    three = trace.trace_layers(MOE, ("q_proj",), 8, 0.0, 3, SEQ, liger=False, experts=wrapping)
+    assert three.saved == 3 * one.saved
+    fixed = (one.fixed_saved, one.fixed_backward, one.fixed_forward)
+    assert (three.fixed_saved, three.fixed_backward, three.fixed_forward) == fixed
+    assert one.fixed_saved > one.saved  # at 128 tokens the stacks outweigh the tokens' tensors
+
+
 def test_a_real_moe_layer_holds_in_forward_and_backward_what_the_fake_one_holds():
     """The windows the plan's transients come from, counted the same way on real tensors: under QLoRA with expert
     LoRA the forward holds each stack dequantized (PEFT's _activate_lora keeps the parameter it read while the layer
