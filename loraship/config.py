@@ -203,6 +203,13 @@ class Config(BaseModel):
     target_context: int = Field(
         4096, ge=128, description="Context the shipped model must serve on the target GPU (KV cache)."
     )
+    n_cpu_moe: int | Literal["auto"] = Field(
+        "auto",
+        description="A mixture of experts' routed experts of the first N layers kept in CPU memory on the target GPU "
+        "(llama.cpp's --n-cpu-moe N); verify, the served check, the card's llama-server command run with it. 'auto': "
+        "0 where the GGUF fits target_gpu_memory_gib, else the smallest N that fits with every layer on the GPU. A "
+        "number that does not fit, or any number on a dense model, fails the plan.",
+    )
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="Where train/merge/verify run; 'auto' prefers CUDA."
     )
@@ -448,6 +455,15 @@ class Config(BaseModel):
             return v
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError("must be 'auto' or a whole number of GPUs >= 1, e.g. gpus: 2")
+        return v
+
+    @field_validator("n_cpu_moe", mode="before")
+    @classmethod
+    def _expert_layers(cls, v):
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError("must be 'auto' or a whole number of layers >= 0, e.g. n_cpu_moe: 24")
         return v
 
     @field_validator("env_from_secrets")

@@ -119,12 +119,20 @@ def render_plan(plan: dict, disk: dict):
     d.add_column("GiB", justify="right")
     for k, v in disk["disk_gib"].items():
         d.add_row(f"disk: {k}", f"{v:.2f}")
+    where = f"inference ({inf['quantization']}, n_ctx {inf['target_context']})"
     for k in ("gguf_gib", "kv_cache_gib", "compute_buffer_gib", "cuda_context_gib", "total_gib"):
-        d.add_row(
-            f"inference ({inf['quantization']}, n_ctx {inf['target_context']}): {k.removesuffix('_gib')}",
-            f"{inf[k]:.2f}",
-        )
+        if k == "total_gib" and (inf.get("experts") or {}).get("n_cpu_moe"):
+            kept = inf["by_quantization"][inf["quantization"]]
+            d.add_row(
+                f"{where}: - experts kept in CPU memory (n_cpu_moe {inf['experts']['n_cpu_moe']}), less one layer's "
+                "copy on the GPU",
+                f"{kept['gpu_weights_gib'] - inf['gguf_gib']:.2f}",
+            )
+        d.add_row(f"{where}: {k.removesuffix('_gib')}", f"{inf[k]:.2f}")
     d.add_row(f"fits the {inf['target_gpu_memory_gib']:g} GiB target", "yes" if inf["fits_target"] else "no")
+    if inf.get("experts"):
+        d.add_row(*expert_row(inf["experts"]))
+        d.caption = speed_words(inf["experts"])
     others = {q: f for q, f in (inf.get("by_quantization") or {}).items() if q != inf["quantization"]}
     for q, f in others.items():  # the other quantizations of the list: same context, their own weights
         d.add_row(
@@ -134,6 +142,24 @@ def render_plan(plan: dict, disk: dict):
     if plan.get("distributed"):
         parts.append(gpu_table(plan["distributed"]))
     return Group(*parts, d)
+
+
+def expert_row(experts: dict) -> tuple[str, str]:
+    """The plan's n_cpu_moe row: how it was chosen, the GPU without it, the experts it keeps in CPU memory."""
+    how = "auto" if experts["n_cpu_moe_setting"] == "auto" else "set in the config"
+    return (
+        f"n_cpu_moe {experts['n_cpu_moe']} ({how}; every expert on the GPU would need "
+        f"{experts['all_on_gpu_total_gib']:.2f}): experts in CPU memory",
+        f"{experts['experts_in_cpu_memory_gib']:.2f}",
+    )
+
+
+def speed_words(experts: dict) -> str:
+    speed = experts["tokens_per_s"]
+    return (
+        f"expected generation tokens/s: all on the GPU {speed['all_on_gpu']:g}, with n_cpu_moe "
+        f"{experts['n_cpu_moe']} {speed['with_n_cpu_moe']:g} ({speed['note']})"
+    )
 
 
 def gpu_table(distributed: dict):

@@ -42,6 +42,7 @@ FIELDS = (
     "gpu_memory_gib",
     "target_gpu_memory_gib",
     "target_context",
+    "n_cpu_moe",
     "quantization",
     "datasets",
     "eval_datasets",

@@ -13,6 +13,9 @@ there ("offloaded 8/9 layers" for an 8-block model at -ngl 8).
   of a batch (n_ubatch x vocab, fp32). Both match llama.cpp's "CUDA0 compute buffer size" within
   2% on Qwen2-7B and -14B widths at n_ctx 1024-8192, all or some layers offloaded.
 - the CUDA context and cuBLAS workspace (CUDA_OVERHEAD_GIB), which no llama.cpp log shows.
+- n_cpu_moe (llama.cpp's --n-cpu-moe, loraship/llamacpp/cpu_moe.py): the routed-expert tensors of blocks
+  0..n_cpu_moe-1 stay in CPU memory; the GPU then holds one layer's experts more for the copy llama.cpp's scheduler
+  makes to run a batch's expert product on the GPU (op offload), a margin not yet measured on a GPU.
 bench/verify_gpu.py measures the total on the GPU (bench/results/verify_gpu.json, and
 bench/results/verify_gpu_partial_offload.json for partial offload).
 """
@@ -21,10 +24,13 @@ from __future__ import annotations
 
 import os
 import re
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 GIB = 2**30
+# The tensors llama.cpp's --n-cpu-moe keeps in CPU memory (LLM_FFN_EXPS_REGEX, loraship/llamacpp/cpu_moe.py).
+EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps")
 N_UBATCH = 512
 # CUDA context + cuBLAS handles/workspace of one process, as NVML sees it beyond llama.cpp's own
 # buffers: 0.682-0.689 GiB in all eight loads measured on the H200 (llama-cpp-python 0.3.36,
@@ -44,6 +50,14 @@ class GGUFLayout:
     n_ff: int
     n_vocab: int
     n_ctx_train: int
+    # per blk.N: its routed-expert tensors (EXPERT_TENSOR); empty for a dense model
+    expert_bytes: list[int] = dataclasses.field(default_factory=list)
+    n_expert: int = 0
+    n_expert_used: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.expert_bytes)
 
     @property
     def file_weights_gib(self) -> float:
@@ -68,6 +82,7 @@ def read_layout(path: Path, reader=None) -> GGUFLayout:
     n_head_kv = int(field(f"{arch}.attention.head_count_kv", n_head))
     head_dim = int(field(f"{arch}.attention.key_length", n_embd // n_head))
     layer_bytes = [0] * n_layers
+    expert_bytes = [0] * n_layers
     output_bytes = cpu_bytes = 0
     names = set()
     n_vocab = 0
@@ -76,6 +91,8 @@ def read_layout(path: Path, reader=None) -> GGUFLayout:
         match = re.match(r"blk\.(\d+)\.", tensor.name)
         if match:
             layer_bytes[int(match.group(1))] += int(tensor.n_bytes)
+            if EXPERT_TENSOR.match(tensor.name):
+                expert_bytes[int(match.group(1))] += int(tensor.n_bytes)
         elif tensor.name == "token_embd.weight":
             cpu_bytes += int(tensor.n_bytes)
             n_vocab = int(max(tensor.shape))
@@ -94,6 +111,9 @@ def read_layout(path: Path, reader=None) -> GGUFLayout:
         n_ff=int(field(f"{arch}.feed_forward_length", 4 * n_embd)),
         n_vocab=n_vocab or int(len(field("tokenizer.ggml.tokens", []) or [])),
         n_ctx_train=int(field(f"{arch}.context_length", 4096)),
+        expert_bytes=expert_bytes,
+        n_expert=int(field(f"{arch}.expert_count", 0) or 0),
+        n_expert_used=int(field(f"{arch}.expert_used_count", 0) or 0),
     )
 
 
@@ -110,13 +130,17 @@ def all_layers(layout: GGUFLayout) -> int:
     return layout.n_layers + 1
 
 
-def predict_gpu(layout: GGUFLayout, n_ctx: int, n_gpu_layers: int | None = None) -> dict:
+def predict_gpu(layout: GGUFLayout, n_ctx: int, n_gpu_layers: int | None = None, n_cpu_moe: int = 0) -> dict:
     """GiB per component at llama.cpp's n_gpu_layers (all by default): the output layer, then the
-    last n_gpu_layers - 1 blocks."""
+    last n_gpu_layers - 1 blocks, less the experts of blocks below n_cpu_moe (kept in CPU memory)."""
     layers = all_layers(layout) if n_gpu_layers is None or n_gpu_layers < 0 else min(n_gpu_layers, all_layers(layout))
     blocks = max(0, layers - 1)
-    offloaded = layout.layer_bytes[layout.n_layers - blocks :] if blocks else []
-    weights = sum(offloaded) + (layout.output_bytes if layers else 0)
+    first = layout.n_layers - blocks
+    experts = layout.expert_bytes or [0] * layout.n_layers
+    in_cpu = [experts[i] for i in range(first, layout.n_layers) if i < n_cpu_moe]
+    weights = sum(layout.layer_bytes[first:]) - sum(in_cpu) + (layout.output_bytes if layers else 0)
+    # The scheduler's copy of one layer's experts, where some stay in CPU memory (the module's docstring).
+    weights += max(in_cpu, default=0)
     kv = 2 * blocks * n_ctx * layout.n_embd_kv * 2
     compute = compute_buffer_bytes(n_ctx, layout.n_head, layout.n_embd, layout.n_ff, layout.n_vocab) if layers else 0
     parts = {
@@ -128,25 +152,30 @@ def predict_gpu(layout: GGUFLayout, n_ctx: int, n_gpu_layers: int | None = None)
     parts = {k: round(v, 3) for k, v in parts.items()}
     parts["total_gib"] = round(sum(parts.values()), 3)
     parts.update(n_ctx=n_ctx, n_gpu_layers=layers)
+    if layout.is_moe:
+        parts.update(n_cpu_moe=n_cpu_moe, experts_in_cpu_memory_gib=round(sum(in_cpu) / GIB, 3))
     return parts
 
 
-def layers_that_fit(layout: GGUFLayout, n_ctx: int, budget_gib: float) -> int:
+def layers_that_fit(layout: GGUFLayout, n_ctx: int, budget_gib: float, n_cpu_moe: int = 0) -> int:
     """Largest llama.cpp n_gpu_layers that fits the budget at n_ctx (0 when not even the output
     layer does)."""
     fit = 0
     # From 2: with the output layer alone on the GPU llama.cpp's compute buffer grows by about a
     # third (measured: 408 MiB, not 304), which this model does not predict.
     for layers in range(2, all_layers(layout) + 1):
-        if predict_gpu(layout, n_ctx, layers)["total_gib"] <= budget_gib:
+        if predict_gpu(layout, n_ctx, layers, n_cpu_moe)["total_gib"] <= budget_gib:
             fit = layers
     return fit
 
 
-def largest_context(layout: GGUFLayout, budget_gib: float, step: int = 256) -> int:
+def largest_context(layout: GGUFLayout, budget_gib: float, step: int = 256, n_cpu_moe: int = 0) -> int:
     """Largest context (a multiple of step) at which every layer fits; 0 when none does."""
     best, n_ctx = 0, step
-    while n_ctx <= max(layout.n_ctx_train, step) and predict_gpu(layout, n_ctx)["total_gib"] <= budget_gib:
+    while (
+        n_ctx <= max(layout.n_ctx_train, step)
+        and predict_gpu(layout, n_ctx, None, n_cpu_moe)["total_gib"] <= budget_gib
+    ):
         best, n_ctx = n_ctx, n_ctx + step
     return best
 

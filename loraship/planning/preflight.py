@@ -427,18 +427,22 @@ def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
     try:
         model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         inference = plan_disk_and_inference(shape_from_config(model_config), config)["inference"]
+    except ConfigError as e:  # n_cpu_moe that cannot fit (planning/expert_offload.py)
+        return e.problems
     except (ValueError, KeyError, TypeError):
         return []  # the plan stage reports a config.json it cannot read, with its own message
     each = inference["by_quantization"]
     if config.auto_quantization:  # auto ships one rung: only a ladder that cannot fit at all is refused
         return auto_ladder_problems(config, model_config, inference)
-    # Every quantization in the list is verified on the target GPU, so each one's weights must fit.
+    # Every quantization in the list is verified on the target GPU, so each one's weights there must fit (a mixture
+    # of experts' with its experts in CPU memory as n_cpu_moe keeps them).
     return [
         f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: the {q} GGUF's weights alone take about "
-        f"{figures['gguf_gib']:.2f} GiB; raise target_gpu_memory_gib, choose a smaller quantization, or a "
-        "smaller base model"
+        f"{figures['gpu_weights_gib']:.2f} GiB on the GPU"
+        + (f" with n_cpu_moe {figures['n_cpu_moe']}" if "n_cpu_moe" in figures else "")
+        + "; raise target_gpu_memory_gib, choose a smaller quantization, or a smaller base model"
         for q, figures in each.items()
-        if figures["gguf_gib"] > config.target_gpu_memory_gib
+        if figures["gpu_weights_gib"] > config.target_gpu_memory_gib
     ]
 
 
@@ -457,7 +461,7 @@ def auto_ladder_problems(config: Config, model_config: dict, inference: dict) ->
         return []
     smallest = min(each, key=lambda q: each[q]["total_gib"])
     need = each[smallest]["total_gib"]
-    runtime = need - each[smallest]["gguf_gib"]
+    runtime = need - each[smallest]["gpu_weights_gib"]
 
     def at(context: int) -> dict:
         shorter = config.model_copy(update={"target_context": context})
@@ -488,8 +492,8 @@ def auto_ladder_problems(config: Config, model_config: dict, inference: dict) ->
     return [
         f"target_gpu_memory_gib {config.target_gpu_memory_gib:g}: quantization auto fits no rung of its ladder "
         f"({', '.join(each)}) at target_context {config.target_context}; the smallest, {smallest}, needs about "
-        f"{need:.2f} GiB ({each[smallest]['gguf_gib']:.2f} GiB of weights, {runtime:.2f} GiB of KV cache, compute "
-        f"buffer and CUDA context), and verify would fail every rung after training; fix: raise "
+        f"{need:.2f} GiB ({each[smallest]['gpu_weights_gib']:.2f} GiB of weights, {runtime:.2f} GiB of KV cache, "
+        f"compute buffer and CUDA context), and verify would fail every rung after training; fix: raise "
         f"target_gpu_memory_gib to {raise_to:g}{shorter}, or choose a smaller base model"
     ]
 

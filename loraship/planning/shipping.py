@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from loraship.config import Config
 from loraship.constants import BITS_PER_WEIGHT
-from loraship.planning import inference_memory as im
+from loraship.planning import expert_offload, inference_memory as im
 from loraship.planning.inference_memory import GIB
 from loraship.planning.shape import Shape
 
@@ -27,7 +27,12 @@ def plan_disk_and_inference(s: Shape, cfg: Config) -> dict:
     compute = im.compute_buffer_bytes(cfg.target_context, s.heads, s.h, s.f, s.V)
     ctx = im.CUDA_OVERHEAD_GIB * GIB
     runtime = kv + compute + ctx
-    total = quant + runtime
+    # A mixture of experts: n_cpu_moe, sized or checked (planning/expert_offload.py); the totals are what the GPU
+    # holds with it. A value set that does not fit, or set on a dense model, stops the plan here.
+    expert_offload.check_n_cpu_moe(s, cfg, runtime)
+    gpu = {q: expert_offload.plan_quantization(s, cfg, q, runtime) for q in cfg.quantizations}
+    primary = gpu[cfg.primary_quantization]
+    total = primary["total_gib"] * GIB
     g = lambda b: round(b / GIB, 2)  # noqa: E731
     return {
         "disk_gib": {
@@ -42,19 +47,36 @@ def plan_disk_and_inference(s: Shape, cfg: Config) -> dict:
             "compute_buffer_gib": g(compute),
             "cuda_context_gib": g(ctx),
             "total_gib": g(total),
-            "fits_target": total / GIB <= cfg.target_gpu_memory_gib,
+            "fits_target": primary["fits"],
             "target_gpu_memory_gib": cfg.target_gpu_memory_gib,
             "target_context": cfg.target_context,
             "quantization": cfg.primary_quantization,
+            **({"experts": moe_figures(primary, cfg)} if primary["n_cpu_moe"] is not None else {}),
             "by_quantization": {
                 q: {
                     "gguf_gib": g(b),
-                    "total_gib": g(b + runtime),
-                    "fits_target": (b + runtime) / GIB <= cfg.target_gpu_memory_gib,
+                    "gpu_weights_gib": round(gpu[q]["gpu_weights_gib"], 2),
+                    "total_gib": round(gpu[q]["total_gib"], 2),
+                    "fits_target": gpu[q]["fits"],
+                    **({"n_cpu_moe": gpu[q]["n_cpu_moe"]} if gpu[q]["n_cpu_moe"] is not None else {}),
                 }
                 for q, b in each.items()
             },
         },
+    }
+
+
+def moe_figures(primary: dict, cfg: Config) -> dict:
+    """plan.json's "experts" of the primary quantization: n_cpu_moe, how it was chosen, the GPU without it, and the
+    speed model both ways."""
+    r = lambda v: round(v, 2)  # noqa: E731
+    return {
+        "n_cpu_moe": primary["n_cpu_moe"],
+        "n_cpu_moe_setting": cfg.n_cpu_moe,
+        "experts_in_cpu_memory_gib": r(primary["experts_in_cpu_memory_gib"]),
+        "all_on_gpu_total_gib": r(primary["all_on_gpu_total_gib"]),
+        "every_expert_in_cpu_memory_total_gib": r(primary["every_expert_in_cpu_memory_gib"]),
+        "tokens_per_s": primary["tokens_per_s"],
     }
 
 
