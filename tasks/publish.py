@@ -92,7 +92,9 @@ def stage_artifact(config, ctx) -> Path:
     metadata = json.loads((convert_dir / GGUF_METADATA_FILE).read_text(encoding="utf-8"))
     sampling = shipped_sampling(verify)
     (root / MODELFILE).write_text(
-        ollama.modelfile(gguf, facts, facts.get("stop_tokens") or [], config.target_context, sampling),
+        ollama.modelfile(
+            gguf, facts, facts.get("stop_tokens") or [], config.target_context, sampling, verify.get("n_cpu_moe") or 0
+        ),
         encoding="utf-8",
     )
     write_generation_config(

@@ -77,6 +77,7 @@ FIELDS = (
     "min_scored_tokens",
     "target_gpu_memory_gib",
     "target_context",
+    "n_cpu_moe",
     "device",
     "quantization",
     "max_new_tokens",
@@ -159,11 +160,12 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
     memory = report["memory"] = memory_plan(layout, config)
     load = load_settings(config, reference, memory, device)
     log.info(
-        "loading %s on %s in a fresh process: n_ctx %d, %s GPU layers",
+        "loading %s on %s in a fresh process: n_ctx %d, %s GPU layers%s",
         gguf_path.name,
         device,
         load["n_ctx"],
         "all" if load["n_gpu_layers"] == -1 else load["n_gpu_layers"],
+        f", the experts of the first {load['n_cpu_moe']} in CPU memory (n_cpu_moe)" if load.get("n_cpu_moe") else "",
     )
     measured = measure_apart(
         ctx,
@@ -185,6 +187,7 @@ def verify_quantization(ctx, config, quantization: str, reference: dict, device:
         load,
         load_seconds=measured["load_seconds"],
         tokenizer_parity=measured["tokenizer_parity"],
+        **({"tensor_buft_overrides": measured["tensor_buft_overrides"]} if load.get("n_cpu_moe") else {}),
         eval_agreement=agreement,
         gate_limits=config.gate_limits(quantization),
     )
@@ -240,7 +243,9 @@ def load_settings(config, reference: dict, memory: dict, device: str) -> dict:
     )
     n_ctx = max(config.target_context, needed) if device == "cuda" else max(256, needed)
     n_gpu_layers = (-1 if memory["fits"] else memory["gpu_layers_at_target_context"]) if device == "cuda" else 0
-    return {"device": device, "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers}
+    # A mixture of experts' n_cpu_moe goes to llama.cpp on the CPU too: the same loads, the experts' buffers named.
+    moe = {"n_cpu_moe": memory["n_cpu_moe"]} if "n_cpu_moe" in memory else {}
+    return {"device": device, "n_ctx": n_ctx, "n_gpu_layers": n_gpu_layers, **moe}
 
 
 def golden_report(golden: dict, builtin_engine: dict) -> dict:
@@ -281,6 +286,7 @@ def serve(ctx, config, quantization: str, reference: dict, golden: dict, report:
         ctx.dir / f"server-{quantization}.log",
         GREEDY,
         reference["tokenizer"].get("template_kwargs"),
+        n_cpu_moe=report.get("n_cpu_moe", 0),
     )
     return [served_gate(report["served"], config)]
 
@@ -290,7 +296,9 @@ def gpu_memory(memory: dict, layout, n_ctx: int, measured_gib: float | None, con
     predicted = (
         memory["predicted"]["total_gib"]
         if memory["fits"]
-        else im.predict_gpu(layout, n_ctx, memory["gpu_layers_at_target_context"])["total_gib"]
+        else im.predict_gpu(layout, n_ctx, memory["gpu_layers_at_target_context"], memory.get("n_cpu_moe", 0))[
+            "total_gib"
+        ]
     )
     return {"predicted_gib": predicted, "measured_gib": measured_gib, "target_gpu_gib": config.target_gpu_memory_gib}
 

@@ -6,6 +6,7 @@ expert weights and expert LoRA on Qwen3-30B-A3B's config (examples/models/qwen3-
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,8 @@ def moe_model() -> Path:
 
 @pytest.fixture(scope="module")
 def moe_run(moe_model, tmp_path_factory):
-    """The whole pipeline under QLoRA with lora_target_modules: all-linear (the served check included)."""
+    """The whole pipeline under QLoRA with lora_target_modules: all-linear (the served check included), the experts of
+    the first layer kept in CPU memory (n_cpu_moe 1: llama.cpp's --n-cpu-moe, on the CPU too)."""
     from tests.test_families import run_family
 
     root = tmp_path_factory.mktemp("moe-qlora")
@@ -43,6 +45,7 @@ def moe_run(moe_model, tmp_path_factory):
         "moe-qlora",
         adapter="qlora",
         lora_target_modules="all-linear",
+        n_cpu_moe=1,
         **SMALL_IMATRIX,
     )
 
@@ -69,6 +72,41 @@ def test_qlora_trains_every_routed_expert_and_ships_them(moe_run):
     assert fields["qwen3moe.expert_count"] == 8 and fields["qwen3moe.expert_used_count"] == 2
     assert verify["passed"], {k: g for k, g in verify["gates"].items() if not g["passed"]}
     assert "publish" in manifests
+
+
+def test_n_cpu_moe_reaches_verify_the_served_check_and_the_artifact(moe_run):
+    """n_cpu_moe 1, set in the config: llama.cpp loaded the GGUF with blk.0's experts in CPU memory in verify's
+    measuring child and its server, and the card's llama-server command and the Modelfile say so."""
+    from loraship.constants import MODEL_CARD, MODELFILE
+    from loraship.llamacpp.cpu_moe import block_patterns
+
+    config, _manifests, verify = moe_run
+    assert verify["n_cpu_moe"] == verify["memory"]["n_cpu_moe"] == 1
+    assert verify["tensor_buft_overrides"] == block_patterns(1)
+    command = verify["served"]["command"]
+    assert command[command.index("--n-cpu-moe") + 1] == "1" and verify["served"]["n_cpu_moe"] == 1
+    artifact = stage_dir(config, "publish") / "artifact"
+    card = (artifact / MODEL_CARD).read_text()
+    assert re.search(r"llama-server -m model-Q4_K_M\.gguf .* --n-cpu-moe 1 ", card)
+    assert "Modelfile has no parameter" in card
+    modelfile = (artifact / MODELFILE).read_text()
+    assert "--n-cpu-moe 1" in modelfile and all("cpu_moe" not in x for x in modelfile.splitlines() if x[:1] != "#")
+
+
+def test_llama_cpp_keeps_the_experts_n_cpu_moe_names_in_cpu_memory(moe_run):
+    """The tensor overrides reach llama.cpp: its loader logs blk.0's expert tensors as overridden, blk.1's not."""
+    import subprocess
+    import sys
+
+    _config, _manifests, verify = moe_run
+    load = (
+        "import sys\nfrom llama_cpp import Llama\nfrom loraship.llamacpp.cpu_moe import keep_experts_in_cpu_memory\n"
+        "keep_experts_in_cpu_memory(1)\nLlama(model_path=sys.argv[1], n_ctx=64, n_gpu_layers=0, verbose=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", load, verify["gguf"]], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    overridden = set(re.findall(r"tensor (blk\.\d+\.ffn_\w+_exps)\.weight .*buffer type overridden", done.stderr))
+    assert overridden == {"blk.0.ffn_gate_exps", "blk.0.ffn_up_exps", "blk.0.ffn_down_exps"}
 
 
 # -- the checks that stop a run ------------------------------------------------------------------------------------

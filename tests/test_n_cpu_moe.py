@@ -1,6 +1,7 @@
 """n_cpu_moe: a mixture of experts on an inference GPU smaller than its GGUF (llama.cpp's --n-cpu-moe). The planner's
 sizing on Qwen3-30B-A3B's shape (examples/models/qwen3-30b-a3b), the one message a value that cannot fit gets at plan,
-and llama.cpp's override patterns for it."""
+verify's sizing from a GGUF's tensors, and the setting on llama-server's and llama-cpp-python's side. The tiny MoE
+pipeline that runs with it is tests/test_moe.py's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 from loraship.config import parse_config
 from loraship.constants import BITS_PER_WEIGHT
-from loraship.errors import ConfigError
+from loraship.errors import ConfigError, LorashipError
+from loraship.planning import expert_offload
 from loraship.planning import inference_memory as im
 from loraship.planning.shape import shape_from_config
 from loraship.planning.shipping import plan_disk_and_inference
@@ -157,6 +159,66 @@ def test_a_moe_that_fits_with_its_experts_in_cpu_memory_passes_the_weights_check
     assert target_gpu_problems(config, QWEN3_30B_A3B) == []
 
 
+# -- verify: sized from the GGUF's own tensors ---------------------------------------------------------------------
+MIB = 2**20
+
+
+def _moe_layout(n_layers=8, experts_mib=400, rest_mib=40):
+    return im.GGUFLayout(
+        n_layers=n_layers,
+        layer_bytes=[(experts_mib + rest_mib) * MIB] * n_layers,
+        output_bytes=300 * MIB,
+        cpu_bytes=300 * MIB,
+        n_embd=2048,
+        n_embd_kv=512,
+        n_head=32,
+        n_ff=6144,
+        n_vocab=151936,
+        n_ctx_train=40960,
+        expert_bytes=[experts_mib * MIB] * n_layers,
+        n_expert=128,
+        n_expert_used=8,
+    )
+
+
+def _verify_config(**more):
+    return parse_config(demo_config_dict(QWEN3_30B_A3B, Path("/nonexistent"), **more))
+
+
+def test_verify_sizes_n_cpu_moe_from_the_gguf():
+    from loraship.verification.device import memory_plan
+
+    layout = _moe_layout()
+    config = _verify_config(target_gpu_memory_gib=3, target_context=512)
+    plan = memory_plan(layout, config)
+    k = plan["n_cpu_moe"]
+    assert plan["fits"] and 0 < k < layout.n_layers
+    assert im.predict_gpu(layout, 512, None, k - 1)["total_gib"] > 3 >= plan["predicted"]["total_gib"]
+    # All layers on the GPU, the first k blocks' experts in CPU memory, one block's copy back on the GPU.
+    assert plan["predicted"]["n_gpu_layers"] == layout.n_layers + 1
+    saved = im.predict_gpu(layout, 512)["weights_gib"] - plan["predicted"]["weights_gib"]
+    assert saved == pytest.approx((k - 1) * 400 / 1024, abs=0.002)
+    assert plan["tokens_per_s"]["with_n_cpu_moe"] < plan["tokens_per_s"]["all_on_gpu"]
+    # The config's own value is used as it is; a dense GGUF refuses one.
+    assert (
+        memory_plan(layout, _verify_config(target_gpu_memory_gib=3, target_context=512, n_cpu_moe=7))["n_cpu_moe"] == 7
+    )
+    dense = im.GGUFLayout(**{**layout.__dict__, "expert_bytes": [], "n_expert": 0, "n_expert_used": 0})
+    assert "n_cpu_moe" not in memory_plan(dense, _verify_config(target_gpu_memory_gib=8, target_context=512))
+    with pytest.raises(LorashipError, match=r"n_cpu_moe 2: this GGUF has no routed-expert tensors"):
+        memory_plan(dense, _verify_config(target_gpu_memory_gib=8, n_cpu_moe=2))
+
+
+def test_verify_passes_n_cpu_moe_on_the_cpu_too():
+    import loraship.stages.verify as verify
+    from loraship.verification.device import memory_plan
+
+    config = _verify_config(target_gpu_memory_gib=3, target_context=512, n_cpu_moe=3)
+    reference = {"eval": [{"input_ids": [1] * 20}], "golden": [{"prompt_ids": [1] * 5}]}
+    load = verify.load_settings(config, reference, memory_plan(_moe_layout(), config), "cpu")
+    assert load["n_gpu_layers"] == 0 and load["n_cpu_moe"] == 3
+
+
 # -- llama.cpp's side ------------------------------------------------------------------------------------------------
 def test_block_patterns_are_llama_cpp_n_cpu_moe():
     from loraship.llamacpp.cpu_moe import block_patterns
@@ -169,3 +231,42 @@ def test_block_patterns_are_llama_cpp_n_cpu_moe():
     assert not hit("blk.0.ffn_gate_inp.weight") and not hit("blk.0.ffn_up_shexp.weight")
     # verify's count of expert bytes reads the same tensors.
     assert im.EXPERT_TENSOR.match("blk.0.ffn_gate_exps.weight") and not im.EXPERT_TENSOR.match("blk.0.ffn_up_shexp")
+
+
+def test_served_command_carries_n_cpu_moe(tmp_path, monkeypatch):
+    import sys
+
+    from loraship.llamacpp import cpu_moe, served
+
+    cmd = served.server_command(tmp_path / "m.gguf", 8000, 512, -1, 2, None, 5)
+    assert cmd[1:3] == ["-m", "loraship.llamacpp.cpu_moe"] and cmd[cmd.index("--n-cpu-moe") + 1] == "5"
+    plain = served.server_command(tmp_path / "m.gguf", 8000, 512, -1, 2)
+    assert plain[1:3] == ["-m", "llama_cpp.server"] and "--n-cpu-moe" not in plain
+    # The launcher takes the flag off before llama-cpp-python's server parses the rest, and sets the experts first.
+    seen = {}
+    monkeypatch.setattr(cpu_moe, "keep_experts_in_cpu_memory", lambda n: seen.setdefault("n", n))
+    import llama_cpp.server.__main__ as server_main
+
+    monkeypatch.setattr(server_main, "main", lambda: seen.setdefault("argv", list(sys.argv)))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    cpu_moe.serve(cmd[3:])
+    assert seen["n"] == 5 and "--n-cpu-moe" not in seen["argv"] and "--n_gpu_layers" in seen["argv"]
+
+
+def test_card_and_modelfile_carry_n_cpu_moe(tmp_path):
+    from loraship.llamacpp.ollama import modelfile
+    from loraship.publishing.model_card import experts_note, serve_commands
+
+    config = _verify_config()
+    speed = {"all_on_gpu": 150.0, "with_n_cpu_moe": 60.0, "note": expert_offload.SPEED_NOTE}
+    verify = {"n_cpu_moe": 32, "memory": {"fits": True, "n_cpu_moe": 32, "tokens_per_s": speed}}
+    commands = serve_commands(config, verify)
+    assert " --n-cpu-moe 32 " in commands["llama_server"] and " -ngl 999 " in commands["llama_server"]
+    note = experts_note(32, verify)
+    assert "`--n-cpu-moe 32`" in note and "60 tokens/s" in note and "Modelfile has no parameter" in note
+    text = modelfile("model-Q4_K_M.gguf", {}, [], 512, n_cpu_moe=32)
+    comments = [line for line in text.splitlines() if line.startswith("#")]
+    assert comments and "--n-cpu-moe 32" in " ".join(comments)
+    assert not any("cpu_moe" in line for line in text.splitlines() if not line.startswith("#"))
+    assert "--n-cpu-moe" not in serve_commands(config, {"memory": {"fits": True}})["llama_server"]
+    assert not modelfile("model-Q4_K_M.gguf", {}, [], 512).startswith("#")

@@ -77,7 +77,7 @@ def test_a_taken_port_is_retried_and_the_server_is_stopped_on_failure(shipped, t
             served.served_check(gguf, chats[:1], 8, 256, 0, 1, markers, tmp_path / "server.log")
     finally:
         taken.close()
-    ((proc, port),) = started
+    ((proc, port, _command),) = started
     assert port != taken_port
     assert (
         "address already in use" in (tmp_path / "server.log").read_text().lower()

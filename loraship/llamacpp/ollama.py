@@ -237,12 +237,20 @@ def _block(text: str, what: str) -> str:
     return f'"""{text}"""'
 
 
-def modelfile(gguf_name: str, facts: dict, model_stops: list[str], context: int, sampling: Sampling = GREEDY) -> str:
+def modelfile(
+    gguf_name: str,
+    facts: dict,
+    model_stops: list[str],
+    context: int,
+    sampling: Sampling = GREEDY,
+    n_cpu_moe: int = 0,
+) -> str:
     """The Modelfile text: FROM the GGUF beside it, the verified context, the sampling settings verify
     served it with (Ollama's own defaults, repeat_penalty 1.1 and temperature 0.8 among them, answer
     otherwise), stop tokens, and the TEMPLATE/SYSTEM of a recognised family (none otherwise: Ollama then
-    derives one from the GGUF)."""
-    lines = [f"FROM ./{gguf_name}", "", f"PARAMETER num_ctx {context}"]
+    derives one from the GGUF). n_cpu_moe: a comment saying so, as a Modelfile has no parameter for it."""
+    lines = [f"# {line}" for line in no_n_cpu_moe_words(n_cpu_moe)]
+    lines += [f"FROM ./{gguf_name}", "", f"PARAMETER num_ctx {context}"]
     lines += [f"PARAMETER {name} {value}" for name, value in sampling.ollama_parameters()]
     lines += [f"PARAMETER stop {_quoted(tok)}" for tok in stop_tokens(model_stops, facts)]
     if facts.get("family"):
@@ -250,3 +258,16 @@ def modelfile(gguf_name: str, facts: dict, model_stops: list[str], context: int,
         if facts.get("system"):
             lines += ["", f"SYSTEM {_block(facts['system'], 'default system prompt')}"]
     return "\n".join(lines) + "\n"
+
+
+def no_n_cpu_moe_words(n_cpu_moe: int) -> list[str]:
+    """What the Modelfile and the card say where verify kept experts in CPU memory: Ollama's Modelfile has no
+    parameter for llama.cpp's --n-cpu-moe, so none is written."""
+    if not n_cpu_moe:
+        return []
+    return [
+        f"Verified with the routed experts of the first {n_cpu_moe} layers in CPU memory (llama.cpp's --n-cpu-moe "
+        f"{n_cpu_moe}),",
+        "which Ollama's Modelfile has no parameter for: Ollama places whole layers on the GPU itself. To run it",
+        "as verified, use the llama-server command in README.md.",
+    ]

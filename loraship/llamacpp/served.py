@@ -52,39 +52,62 @@ def _ready(port: int) -> bool:
         return False
 
 
+def server_command(
+    gguf: Path,
+    port: int,
+    n_ctx: int,
+    n_gpu_layers: int,
+    threads: int,
+    template_kwargs: dict | None = None,
+    n_cpu_moe: int = 0,
+) -> list[str]:
+    """The server's command line. With n_cpu_moe, llama-cpp-python's server started through
+    loraship/llamacpp/cpu_moe.py, which takes llama-server's --n-cpu-moe N and keeps those experts in CPU memory."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "loraship.llamacpp.cpu_moe" if n_cpu_moe else "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--model_alias",
+        MODEL_ALIAS,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(n_ctx),
+        "--n_gpu_layers",
+        str(n_gpu_layers),
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",  # else every core of the host, as in the measuring child
+        str(threads),
+        "--verbose",
+        "False",
+    ]
+    if template_kwargs:  # the variables training rendered the template with (Qwen3's enable_thinking)
+        cmd += ["--chat_template_kwargs", json.dumps(template_kwargs)]
+    if n_cpu_moe:
+        cmd += ["--n-cpu-moe", str(n_cpu_moe)]
+    return cmd
+
+
 def start_server(
-    gguf: Path, n_ctx: int, n_gpu_layers: int, threads: int, log_file: Path, template_kwargs: dict | None = None
-) -> tuple[subprocess.Popen, int]:
-    """llama-cpp-python's server on a free loopback port; (process, port). A port taken between
+    gguf: Path,
+    n_ctx: int,
+    n_gpu_layers: int,
+    threads: int,
+    log_file: Path,
+    template_kwargs: dict | None = None,
+    n_cpu_moe: int = 0,
+) -> tuple[subprocess.Popen, int, list[str]]:
+    """llama-cpp-python's server on a free loopback port; (process, port, command). A port taken between
     choosing and binding it (another process, another verify) is retried on a fresh one."""
     last_tail = ""
     for _ in range(PORT_TRIES):
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            str(gguf),
-            "--model_alias",
-            MODEL_ALIAS,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--n_ctx",
-            str(n_ctx),
-            "--n_gpu_layers",
-            str(n_gpu_layers),
-            "--n_threads",
-            str(threads),
-            "--n_threads_batch",  # else every core of the host, as in the measuring child
-            str(threads),
-            "--verbose",
-            "False",
-        ]
-        if template_kwargs:  # the variables training rendered the template with (Qwen3's enable_thinking)
-            cmd += ["--chat_template_kwargs", json.dumps(template_kwargs)]
+        cmd = server_command(gguf, port, n_ctx, n_gpu_layers, threads, template_kwargs, n_cpu_moe)
         with open(log_file, "ab") as sink:
             proc = subprocess.Popen(
                 cmd,
@@ -98,7 +121,7 @@ def start_server(
         while time.monotonic() < deadline and proc.poll() is None and not _ready(port):
             time.sleep(0.2)
         if proc.poll() is None and _ready(port):
-            return proc, port
+            return proc, port, cmd
         kill_group(proc)
         last_tail = "\n".join(log_file.read_text(errors="replace").strip().splitlines()[-6:])
         if "address already in use" not in last_tail.lower():
@@ -194,6 +217,7 @@ def served_check(
     log_file: Path,
     sampling: Sampling = GREEDY,
     template_kwargs: dict | None = None,
+    n_cpu_moe: int = 0,
 ) -> dict:
     """Every golden chat prompt through the server, whole and streamed, with `sampling` (the shipped
     settings), against the reference's greedy answer and the same GGUF's own greedy answer outside the
@@ -202,7 +226,7 @@ def served_check(
     gguf_match (the GGUF's greedy answer is the merged model's token for token) and gguf_own (parting_from)."""
     from openai import OpenAI
 
-    proc, port = start_server(gguf, n_ctx, n_gpu_layers, threads, log_file, template_kwargs)
+    proc, port, command = start_server(gguf, n_ctx, n_gpu_layers, threads, log_file, template_kwargs, n_cpu_moe)
     answers = []
     try:
         client = OpenAI(
@@ -254,6 +278,8 @@ def served_check(
     return {
         "api": "openai",
         "server": "llama_cpp.server (llama-cpp-python, the GGUF's chat template)",
+        "command": command[1:],  # after the Python interpreter: what verify ran, --n-cpu-moe included
+        "n_cpu_moe": n_cpu_moe,
         "sampling": sampling.record(),
         "requests": len(answers),
         "finished_by_stop": sum(

@@ -38,6 +38,10 @@ def serve_commands(config, verify: dict) -> dict:
     # All layers where verify found the whole model fits the target GPU at target_context (999 is
     # llama.cpp's idiom for "every layer"); otherwise as many as verify found fit.
     layers = 999 if memory.get("fits", True) else memory.get("gpu_layers_at_target_context", 0)
+    # A mixture of experts' n_cpu_moe, exactly as verify ran it (llama-server takes the same flag).
+    n_cpu_moe = verify.get("n_cpu_moe") or 0
+    if n_cpu_moe:
+        flags = f"--n-cpu-moe {n_cpu_moe} {flags}"
     name = config.run_name.lower()  # Ollama model names are lower case
     adapter = (
         (
@@ -53,6 +57,7 @@ def serve_commands(config, verify: dict) -> dict:
         "ollama_create": f"ollama create {name} -f {MODELFILE}",
         "ollama_run": f"ollama run {name}",
         "gpu_layers": layers,
+        "n_cpu_moe": n_cpu_moe,
     }
 
 
@@ -249,12 +254,32 @@ def run_section(config, verify: dict, facts: dict) -> str:
 ```
 
 `-c {config.target_context}` is the context verify checked against the target GPU ({target});
-`-ngl {layers}` puts {on_gpu} on it.
+`-ngl {layers}` puts {on_gpu} on it.{experts_note(commands["n_cpu_moe"], verify)}
 Stop tokens: {stops}. {template_note(config, facts)}
 
 {sampling_note(verify)}
 
 """
+
+
+def experts_note(n_cpu_moe: int, verify: dict) -> str:
+    """The card's words on --n-cpu-moe where verify kept experts in CPU memory: what it does, the speed model, and
+    that Ollama's Modelfile cannot say it."""
+    if not n_cpu_moe:
+        return ""
+    speed = (verify.get("memory") or {}).get("tokens_per_s") or {}
+    model = (
+        f" Expected generation speed, {speed['note']}: {speed['with_n_cpu_moe']:g} tokens/s with it, "
+        f"{speed['all_on_gpu']:g} with every expert on a GPU large enough."
+        if speed
+        else ""
+    )
+    return (
+        f"\n`--n-cpu-moe {n_cpu_moe}` keeps the routed experts of the first {n_cpu_moe} layers in CPU memory, "
+        f"as verify ran it; only a token's top experts are read from there.{model} Ollama's Modelfile has no "
+        "parameter for this (the Modelfile says so in a comment): Ollama places whole layers on the GPU itself, so "
+        "serve it with the llama-server command above to run it as verified."
+    )
 
 
 def template_note(config, facts: dict) -> str:

@@ -432,6 +432,11 @@ def fits_target_gpu_gate(memory: dict, gpu_memory: dict, layout, config) -> Gate
         )
         + f", every layer on the GPU at n_ctx {config.target_context}"
         + (
+            f", the routed experts of the first {memory['n_cpu_moe']} in CPU memory (n_cpu_moe)"
+            if memory.get("n_cpu_moe")
+            else ""
+        )
+        + (
             ""
             if memory["fits"]
             else f"; does not fit: all layers fit up to n_ctx {memory['largest_context_all_layers']}, "

@@ -24,6 +24,8 @@ from loraship.verification.scoring import (
 MEASURE_TIMEOUT_S = 3 * 3600
 log = logging.getLogger("loraship.verify")
 
+# n_cpu_moe: llama-cpp-python takes no such argument (its Llama() ignores unknown ones), so the child sets llama.cpp's
+# tensor overrides itself before the load (loraship/llamacpp/cpu_moe.py, standard library only) and reports them.
 # The child loads the GGUF with nothing but the standard library and llama_cpp imported, then imports
 # the entry's module: on the H200 a CUDA load after `import numpy` segfaults (in llama.cpp's print_info),
 # and this module imports numpy; llama_cpp loads its CUDA libraries before it imports numpy, and that
@@ -32,6 +34,10 @@ _MEASURE = """
 import json, sys, time
 job = json.loads(open(sys.argv[2], encoding="utf-8").read())
 from llama_cpp import Llama
+overrides = []
+if job.get("n_cpu_moe"):
+    from loraship.llamacpp.cpu_moe import keep_experts_in_cpu_memory
+    overrides = keep_experts_in_cpu_memory(job["n_cpu_moe"])
 started = time.perf_counter()
 llm = Llama(**job["llama"])
 load_seconds = time.perf_counter() - started
@@ -39,6 +45,8 @@ import importlib, logging
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 module = importlib.import_module(sys.argv[1])
 result = getattr(module, sys.argv[4])(job, llm, load_seconds)
+if overrides:
+    result["tensor_buft_overrides"] = overrides
 open(sys.argv[3], "w", encoding="utf-8").write(json.dumps(result, default=float))
 """
 
