@@ -116,8 +116,8 @@ FAMILIES = {
         final_logit_softcapping=30.0,
         max_position_embeddings=8192,
     ),
-    # Qwen3-30B-A3B's layer (examples/models/qwen3-30b-a3b) with 12 of its 48 layers: its experts' LoRA is counted
-    # by the hand model (not traced yet), which this row checks on the GPU.
+    # Qwen3-30B-A3B's layer (examples/models/qwen3-30b-a3b) with 12 of its 48 layers: its experts' LoRA and NF4
+    # stacks as the trace counts them (loraship/planning/trace_experts.py), which this row checks on the GPU.
     "qwen3-moe-12l": dict(
         json.loads((ROOT / "examples" / "models" / "qwen3-30b-a3b" / "config.json").read_text()),
         num_hidden_layers=12,

@@ -34,6 +34,7 @@ from loraship.runtime.manifest import atomic_path, check_outputs, library_versio
 from loraship.runtime.proc import write_with_tool
 from loraship.runtime.progress import artifact_key
 from loraship.planning.resources import cpu_count
+from loraship.llamacpp.imatrix_experts import check_expert_coverage, expert_coverage
 from loraship.planning.preflight import check_free_disk, imatrix_text_problem
 from loraship.runtime.stage import exclusive, main, open_stage, reset_dir
 
@@ -305,6 +306,18 @@ def run(config) -> dict:
         )
     elif imatrix:
         log.info("quantize: keeping the importance matrix the last run computed from the same F16 GGUF and texts")
+    if imatrix:
+        # A mixture of experts: which (layer, expert) pairs the matrix saw; too few fails here, before quantizing.
+        coverage = expert_coverage(imatrix_path, src)
+        imatrix = {**imatrix, "expert_coverage": coverage}
+        if coverage:
+            log.info(
+                "quantize: the importance matrix saw %d of %d (layer, expert) pairs (at least %d tokens each)",
+                coverage["covered"],
+                coverage["pairs"],
+                coverage["least_tokens"],
+            )
+        check_expert_coverage(coverage, tokens, config.imatrix_max_tokens)
     todo = [q for q in quantizations if q not in kept]
     if kept:
         log.info("quantize: keeping %s, made from the same F16 GGUF by the last run", ", ".join(kept))

@@ -74,6 +74,48 @@ def test_qlora_trains_every_routed_expert_and_ships_them(moe_run):
     assert "publish" in manifests
 
 
+def test_the_importance_matrix_reports_which_experts_it_saw(moe_run):
+    config, manifests, _verify = moe_run
+    quantize = manifests["quantize"]["metrics"] if "metrics" in manifests["quantize"] else manifests["quantize"]
+    coverage = quantize["imatrix"]["expert_coverage"]
+    # 2 layers x 8 experts, each routed some of the calibration tokens (top-2 of 8 over hundreds of tokens)
+    assert (coverage["pairs"], coverage["covered"], coverage["passed"]) == (16, 16, True)
+    assert coverage["least_tokens"] > 0 and coverage["never_routed"] == []
+
+
+def test_an_importance_matrix_that_missed_experts_is_one_message(moe_run, tmp_path):
+    """The run's own matrix with three (layer, expert) pairs' counts zeroed, rewritten with gguf-py: 13 of 16 is
+    under the 90% threshold, and the message names the experts and the fix."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+
+    from loraship.llamacpp.imatrix_experts import check_expert_coverage, expert_coverage
+
+    config = moe_run[0]
+    real = stage_dir(config, "quantize") / "imatrix.gguf"
+    f16 = stage_dir(config, "convert") / "model-F16.gguf"
+    zeroed = {"blk.0.ffn_up_exps.weight.counts": [2], "blk.1.ffn_down_exps.weight.counts": [0, 5]}
+    writer = GGUFWriter(tmp_path / "imatrix.gguf", arch="imatrix")
+    for t in GGUFReader(real).tensors:
+        data = np.array(t.data, dtype=np.float32)
+        for e in zeroed.get(t.name, []):
+            data.reshape(-1)[e] = 0.0
+        writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    coverage = expert_coverage(tmp_path / "imatrix.gguf", f16)
+    assert (coverage["pairs"], coverage["covered"], coverage["passed"]) == (16, 13, False)
+    assert coverage["never_routed"] == ["blk.0 expert 2", "blk.1 expert 0", "blk.1 expert 5"]
+    with pytest.raises(LorashipError) as e:
+        check_expert_coverage(coverage, 1234, config.imatrix_max_tokens)
+    assert "13 of 16 (layer, expert) pairs received calibration tokens (81%, at least 90% needed)" in str(e.value)
+    assert "never routed: blk.0 expert 2, blk.1 expert 0, blk.1 expert 5" in str(e.value)
+    assert "Fix: raise imatrix_max_tokens" in str(e.value) and "or set imatrix: false" in str(e.value)
+    assert expert_coverage(tmp_path / "imatrix.gguf", real) is None  # a file without expert tensors: dense
+
+
 def test_n_cpu_moe_reaches_verify_the_served_check_and_the_artifact(moe_run):
     """n_cpu_moe 1, set in the config: llama.cpp loaded the GGUF with blk.0's experts in CPU memory in verify's
     measuring child and its server, and the card's llama-server command and the Modelfile say so."""

@@ -29,11 +29,7 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
-from loraship.planning.trace_experts import NONE, ExpertWrapping
-
-
-class NotTraceable(Exception):
-    """The layer could not run under FakeTensorMode; the message says what stopped it."""
+from loraship.planning.trace_experts import NONE, ExpertWrapping, NotTraceable
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,10 @@ from dataclasses import dataclass
 ROUTING_FREE = ("grouped_mm", "batched_mm")
 
 
+class NotTraceable(Exception):
+    """The layer could not run under FakeTensorMode; the message says what stopped it (trace.py re-exports it)."""
+
+
 @dataclass(frozen=True)
 class ExpertWrapping:
     """How the train stage wraps a MoE layer's experts: the stacked tensors with LoRA (names in the experts module),
@@ -92,7 +96,6 @@ def after_peft(model, stacked: list[str], wrapping: ExpertWrapping, lora_dropout
 def check_every_layer_routed(mc: dict, L: int) -> None:
     """Refuse (NotTraceable) a MoE with dense layers among its routed ones (mlp_only_layers, decoder_sparse_step): the
     trace's two layers of a kind would not say which of them it counted."""
-    from loraship.planning.trace import NotTraceable
     from loraship.training.experts import shape_of_config
 
     s = shape_of_config(mc)
@@ -103,8 +106,6 @@ def check_every_layer_routed(mc: dict, L: int) -> None:
 def check_implementation(model, liger_swiglu: bool) -> None:
     """Refuse (NotTraceable) experts the fake run cannot count: an implementation whose tensors follow the routing, or
     Liger's fused-MoE forward (Triton; the train stage binds it where the experts carry no LoRA)."""
-    from loraship.planning.trace import NotTraceable
-
     for module in model.modules():
         if not (hasattr(module, "num_experts") and hasattr(module, "_apply_gate")):
             continue
