@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -163,12 +164,31 @@ def json_file_problems(path: Path, check=lambda data: [], fix: str = REPLACE) ->
     """The JSON object in `path` and what is wrong with it (not JSON, not an object, keys of the wrong type),
     each problem naming the file and the fix."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = cached_json(path)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return None, [f"{path.name} is not valid JSON ({e}); {fix}"]
     if not isinstance(data, dict):
         return None, [f"{path.name} holds {_kind(data)}, not a JSON object of settings; {fix}"]
     return data, [f"{path.name}: {p}; {fix}" for p in check(data)]
+
+
+def config_json(folder: Path) -> dict:
+    """A model folder's config.json (cached_json)."""
+    return cached_json(Path(folder) / "config.json")
+
+
+def cached_json(path: Path):
+    """A JSON file parsed once per process while it is unchanged (path, mtime, size): a stage asks a model's
+    config.json of several checks. Each caller gets its own copy. Raises what reading and json.loads raise."""
+    import copy
+
+    st = path.stat()
+    return copy.deepcopy(_parsed_json(str(Path(path).resolve()), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_json(path: str, _mtime_ns: int, _size: int):
+    return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
 def read_model_config(folder: Path) -> dict:

@@ -25,6 +25,7 @@ from loraship.errors import IntegrityError, LorashipError
 from loraship.expert_merge import expert_merges
 from loraship.runtime.manifest import atomic_path, atomic_write_json
 from loraship.models import (
+    config_json,
     EMBED_TOKENS,
     LM_HEAD,
     check_base_model,
@@ -102,7 +103,7 @@ def merge_shards(
 
     dtype = getattr(torch, dtype_name)
     deltas, scale = lora_deltas(adapter_dir)
-    cfg = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    cfg = config_json(base_dir)
     # A tied embedding stored only as lm_head.weight is written under the embedding's own name, the one
     # transformers' save_pretrained uses for tied weights: llama.cpp's converter maps tensors by name and
     # would otherwise write a GGUF without token_embd.weight, which llama.cpp cannot load.
@@ -219,7 +220,7 @@ def stop_at_turn_end(out_dir: Path) -> dict | None:
     gen_file = out_dir / "generation_config.json"
     gen = json.loads(gen_file.read_text(encoding="utf-8")) if gen_file.exists() else {}
     if not gen:
-        model_config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
+        model_config = config_json(out_dir)
         gen = {
             k: model_config[k]
             for k in ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -248,7 +249,7 @@ def greedy_generation_config(out_dir: Path) -> dict:
     gen_file = out_dir / GENERATION_CONFIG_FILE
     gen = json.loads(gen_file.read_text(encoding="utf-8")) if gen_file.exists() else {}
     if not gen:
-        model_config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
+        model_config = config_json(out_dir)
         gen = {
             k: model_config[k]
             for k in ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -412,7 +413,7 @@ def run(config) -> dict:
     check_base_model(config, base_dir)
     adapter_dir = ctx.upstream_dir("train") / ADAPTER_DIR
     base_bytes = sum(p.stat().st_size for p in weight_files(base_dir))
-    base_config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    base_config = config_json(base_dir)
     # A -bnb-4bit base is written back in bf16: about 2 / 0.53 times its size (estimate.NF4_BYTES_PER_PARAM).
     merged_bytes = base_bytes * (2 / NF4_BYTES_PER_PARAM if bnb_quantization(base_config) == "4bit" else 1)
     check_free_disk(ctx.dir, merged_bytes * 1.05, "merge (bf16 copy of the base)")

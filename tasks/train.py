@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraship.models import config_json
 from loraship.constants import (
     CHECKPOINTS_DIR,
     LOSS_HISTORY_FILE,
@@ -257,7 +258,7 @@ def train_on_ranks(config, ctx, model_dir: Path, plan: Plan, device: str, engine
         config=config.model_dump(mode="json"),
         stage_dir=str(ctx.dir),
         model_dir=str(model_dir),
-        strategy=plan.to_json(),  # the whole plan record: each rank takes its decisions from it too
+        plan=plan.to_json(),
         engine=engine.name,
         world_size=engine.world_size,
         device=device,
@@ -285,7 +286,7 @@ class RankStage:
 
 def serve_rank_job(job_file: Path) -> int:
     """One rank (python -m loraship.stages.train --rank-job FILE, as torchrun starts it): the job's config, data and
-    strategy, checked equal on every rank before training, then train_once on this rank's share; the exit code."""
+    plan, checked equal on every rank before training, then train_once on this rank's share; the exit code."""
     from loraship.config import parse_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -302,12 +303,12 @@ def serve_rank_job(job_file: Path) -> int:
             rank,
             {
                 "config": config.fingerprint(),
-                "strategy": sha256_json(job.strategy),
+                "plan": sha256_json(job.plan),
                 "train data": sha256_json([e["input_ids"] for e in train.examples]),
                 "eval data": sha256_json([e["input_ids"] for e in evaluation.examples]),
             },
         )
-        plan = Plan.from_json(job.strategy)
+        plan = Plan.from_json(job.plan)
         import_training_stack(plan.strategy, job.device)
         ranks = distributed.Ranks(distributed.Engine(job.engine, job.world_size), rank)
         return train_once(
@@ -385,7 +386,7 @@ def run(config) -> dict:
     tokenizer = load_tokenizer(model_dir, config)
     train, evaluation = load_splits(config, tokenizer)
     # Read once: the plan record carries what train reads of the model; the planner sees it again only to re-plan.
-    model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    model_config = config_json(model_dir)
     start, staged = starting_plan(ctx, config, model_config, device)
     engine, option = training_engine(staged, config, device)
     import_training_stack(start.strategy, device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +128,28 @@ def test_train_reads_the_plan_once_and_asks_the_planner_nothing_it_decided(tmp_p
     atomic_write_json(tmp_path / "plan" / "strategy.json", {**old, "distributed": None})
     atomic_write_json(tmp_path / "plan" / "plan.json", {k: v for k, v in written.items() if k != "decisions"})
     assert starting_plan(ctx, c, PHI3_MINI, "cpu")[1] == plan
+
+
+def test_the_plan_stage_parses_config_json_once(tiny_model, tmp_path, monkeypatch):
+    """Every check of the plan stage that reads the base's config.json shares one read (models.cached_json): loraship's
+    code reads files with Path.read_text, which this counts (transformers' own reads open the file, uncounted)."""
+    import importlib
+
+    from loraship import models
+    from loraship.config import parse_config
+    from tests.conftest import demo_config_dict
+
+    config_json = (tiny_model / "config.json").resolve()
+    reads = []
+    real = Path.read_text
+
+    def counting(self, *a, **k):
+        if Path(self).resolve() == config_json:
+            reads.append(self)
+        return real(self, *a, **k)
+
+    models._parsed_json.cache_clear()
+    monkeypatch.setattr(Path, "read_text", counting)
+    config = parse_config(demo_config_dict(tiny_model, tmp_path, run_name="once"))
+    importlib.import_module("loraship.stages.plan").run(config)
+    assert len(reads) == 1, reads

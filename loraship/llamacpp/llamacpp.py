@@ -20,6 +20,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from loraship.models import config_json
 from loraship.constants import LLAMA_CPP_PYTHON_VERSION
 from loraship.errors import IntegrityError, LorashipError
 from loraship.cache import cache_root
@@ -261,10 +262,9 @@ def gemma2_scale_problems(config: dict) -> list[str]:
 
 def check_convertible(model_dir: Path) -> list[str]:
     """Problems the pinned converter would hit on this HF folder, found before any training."""
-    import json
 
     problems = []
-    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    config = config_json(Path(model_dir))
     archs = config.get("architectures") or []
     supported = supported_architectures()
     if not archs:

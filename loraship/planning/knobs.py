@@ -23,7 +23,6 @@ LIGER_NO_FUSED_LOSS = frozenset({"granite"})
 def base_model_type(cfg: Config) -> str | None:
     """config.json's model_type of the base model where its config.json is on this machine (a local folder, or the
     hub copy plan fetched); None where it is not, or cannot be read (plan reports that with its own message)."""
-    import json
     from pathlib import Path
 
     if cfg.base_model_is_local():
@@ -35,8 +34,10 @@ def base_model_type(cfg: Config) -> str | None:
         if not isinstance(found, str):
             return None
         path = Path(found)
+    from loraship.models import cached_json
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = cached_json(path)
     except (OSError, ValueError):
         return None
     model_type = data.get("model_type") if isinstance(data, dict) else None

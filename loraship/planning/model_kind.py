@@ -4,7 +4,6 @@ missing folder, a chat template, an unknown token): a GGUF file, an encoder, an 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 GGUF_MAGIC = b"GGUF"
@@ -74,10 +73,11 @@ def gguf_folder_problem(folder: Path) -> str | None:
 
 def architecture_problems(model_dir: Path) -> list[str]:
     """An encoder (BERT's masked LM, a classifier) or an encoder-decoder (T5): one message, the planner's."""
+    from loraship.models import config_json
     from loraship.planning.shape import causal_lm_problem
 
     try:
-        model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        model_config = config_json(model_dir)
     except (OSError, ValueError):
         return []  # base_model_problems names a config.json it cannot read
     archs = model_config.get("architectures") if isinstance(model_config, dict) else None

@@ -7,6 +7,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+from loraship.models import config_json
 from loraship.config import Config
 from loraship.data import read_dataset, read_rows, url_scheme
 from loraship.errors import ConfigError, LorashipError
@@ -272,10 +273,9 @@ def template_problems(config: Config, model_dir: Path) -> list[str]:
 def _model_text_config(model_dir: Path) -> dict:
     """config.json's text model settings (text_config for a multimodal checkpoint); {} where it cannot be read:
     base_model_problems names a config.json that is not a JSON object."""
-    import json
 
     try:
-        data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        data = config_json(model_dir)
     except (OSError, ValueError):
         return {}
     if not isinstance(data, dict):
@@ -419,13 +419,12 @@ def imatrix_problems(config: Config, tokenizer) -> list[str]:
 
 def target_gpu_problems(config: Config, model_dir: Path) -> list[str]:
     """The shipped GGUF's weights alone must fit the inference GPU; no context size can fix that."""
-    import json
 
     from loraship.planning.shape import shape_from_config
     from loraship.planning.shipping import plan_disk_and_inference
 
     try:
-        model_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        model_config = config_json(model_dir)
         inference = plan_disk_and_inference(shape_from_config(model_config), config)["inference"]
     except ConfigError as e:  # n_cpu_moe that cannot fit (planning/expert_offload.py)
         return e.problems
@@ -501,13 +500,12 @@ def auto_ladder_problems(config: Config, model_config: dict, inference: dict) ->
 def lora_target_problems(config: Config, model_dir: Path) -> list[str]:
     """lora_target_modules must name Linears the architecture has (targets.lora_modules): PEFT adapts the names that
     match and skips the rest, so the default q, k, v, o on Phi-3 (qkv_proj, o_proj) would train o_proj alone."""
-    import json
 
     from loraship.planning.shape import shape_from_config
     from loraship.planning.targets import lora_modules
 
     try:
-        shape = shape_from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+        shape = shape_from_config(config_json(model_dir))
     except (ValueError, KeyError, TypeError):
         return []  # the plan stage reports a config.json it cannot read, with its own message
     try:

@@ -232,7 +232,7 @@ class RankJob:
     config: dict
     stage_dir: str
     model_dir: str
-    strategy: dict
+    plan: dict  # the whole plan record (Plan.to_json): each rank takes its decisions from it
     engine: str
     world_size: int
     device: str

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraship.models import config_json
 from loraship.errors import LorashipError
 
 log = logging.getLogger("loraship.train")
@@ -34,10 +35,9 @@ class ExpertPlan:
 
 
 def shape_of(model_dir: Path):
-    import json
 
     try:
-        return shape_of_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+        return shape_of_config(config_json(model_dir))
     except (OSError, ValueError):
         return None
 

@@ -4,10 +4,10 @@ leaves untrained, and PEFT's LoraConfig built from both. The train stage takes b
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
+from loraship.models import config_json
 from loraship.errors import LorashipError
 
 
@@ -18,7 +18,7 @@ def lora_targets(model_dir: Path, config) -> list[str] | str:
     from loraship.planning.targets import lora_modules
 
     try:
-        shape = shape_from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+        shape = shape_from_config(config_json(model_dir))
     except (OSError, ValueError, KeyError):
         return config.lora_target_modules
     try:
@@ -33,7 +33,7 @@ def lora_excluded(model_dir: Path) -> str | None:
     from loraship.planning.shape import shape_from_config
 
     try:
-        shape = shape_from_config(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
+        shape = shape_from_config(config_json(model_dir))
     except (OSError, ValueError, KeyError):
         return None
     if not shape.untrained_modules:

@@ -3,13 +3,13 @@ the tokenizer, the training stack's imports, the counters of what lives in CPU m
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loraship.models import config_json
 from loraship.chat import set_template_kwargs, template_kwargs, template_of, use_configured_template
 from loraship.errors import LorashipError
 from loraship.models import torch_load_kwargs
@@ -27,7 +27,7 @@ log = logging.getLogger("loraship.train")
 def read_model_config(model_dir: Path) -> dict | None:
     """The base's config.json as a dict, None where it cannot be read here (transformers then says why)."""
     try:
-        return json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        return config_json(model_dir)
     except (OSError, ValueError):
         return None
 
