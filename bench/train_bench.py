@@ -82,6 +82,8 @@ def model_config(name: str) -> dict:
     vision tower is frozen and never runs on text rows in either trainer, so what it would add is a constant."""
     if name == "tiny":
         return dict(TINY)
+    if name == "tiny-moe":
+        return dict(TINY_MOE)
     base, _, layers = name.partition("@")  # qwen3-30b-a3b@12: the shape with its first 12 layers
     mc = json.loads((ROOT / "examples" / "models" / base / "config.json").read_text())
     if layers:
@@ -106,6 +108,27 @@ TINY = dict(
     max_position_embeddings=4096,
     rope_theta=1000000.0,
     rms_norm_eps=1e-6,
+)
+
+# --smoke on a MoE case: Qwen3-30B-A3B's class at a few MiB (its router, top-k and fused experts kept)
+TINY_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    norm_topk_prob=True,
 )
 
 # case -> (model shape, adapter, rank, target modules, micro-batch, sequence_len, data kind)
@@ -493,7 +516,8 @@ def top_ops(profiler, device: str, n: int = 40) -> dict:
 
 def spec(case: str, smoke: bool) -> tuple:
     shape_name, adapter, r, targets, micro, seq, kind = CASES[case]
-    return ("tiny" if smoke else shape_name), adapter, r, targets, micro, min(seq, SMOKE_SEQ) if smoke else seq, kind
+    small = "tiny-moe" if case in MOE_CASES else "tiny"
+    return (small if smoke else shape_name), adapter, r, targets, micro, min(seq, SMOKE_SEQ) if smoke else seq, kind
 
 
 def loraship_config(case: str, trainer: str, model_dir: Path, data: Path, root: Path, steps: int, device: str) -> dict:

@@ -8,6 +8,9 @@
 # 64 GiB): loraship refuses a base folder whose shards link outside it, so train_bench.save_spilled is for a
 # machine short of both. Knobs: STEPS (8), ROW_TIMEOUT (900 s), MOE_CASES, MOE_TRAINERS, HELDOUT (rows; "" none),
 # RESTART=1 (stop the running chain, keep its rows and models, start again: rows that trained are kept).
+# Check the harness on the CPU first (a tiny Qwen3-MoE through loraship's plan + train, seconds):
+#   python bench/train_bench.py --smoke --tokenizer .loraship/models/family-tokenizers/qwen3 --root /tmp/tbs \
+#     --out /tmp/tbs.json --cases qwen3-moe-12l-qlora-1x2048 --trainers loraship-default --steps 3
 M=/tmp/moestate
 if [ -n "$RESTART" ] && [ -f $M/chain.pid ]; then  # RESTART=1: stop the chain, keep its rows and built models
   kill -- -"$(cat $M/chain.pid)" 2>/dev/null; sleep 3
