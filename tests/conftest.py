@@ -126,6 +126,15 @@ QWEN_STEPS = dict(max_steps=16, save_steps=16, warmup_steps=2, micro_batch_size=
 SMALL_IMATRIX = dict(imatrix_max_tokens=1024)
 
 
+def family_model(name: str) -> Path:
+    """A family's tiny model (loraship/fixtures/families.py), built once under .loraship/models and under its lock:
+    tests/test_families.py, test_multiturn.py and test_moe.py ask for the same ones from both xdist workers."""
+    from loraship.fixtures.families import ensure_family
+
+    with cache_lock(REPO / ".loraship" / "models" / f"family-{name}") as folder:
+        return ensure_family(name, folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     from loraship.fixtures.tinymodel import ensure_tiny_model

@@ -22,7 +22,7 @@ from loraship.constants import OLLAMA_FILE, STAGES
 from loraship.errors import LorashipError
 from loraship.fixtures.families import FAMILIES, Family
 from loraship.runtime.stage import stage_dir
-from tests.conftest import REPO, SMALL_IMATRIX, demo_config_dict
+from tests.conftest import REPO, SMALL_IMATRIX, demo_config_dict, family_model
 
 # Far shorter than the demo's 80 steps of 16: each family's model is pre-trained on the same world with
 # its own template, and a 128k-256k output layer makes every CPU step costly. Enough to move the
@@ -78,10 +78,8 @@ PIPELINE_FAMILIES = [
 @pytest.fixture(scope="session", params=PIPELINE_FAMILIES)
 def family_run(request, tmp_path_factory):
     """One family's model (built once, cached under .loraship/models) and its whole pipeline run."""
-    from loraship.fixtures.families import ensure_family
-
     family = FAMILIES[request.param]
-    model = ensure_family(family.name, REPO / ".loraship" / "models" / f"family-{family.name}")
+    model = family_model(family.name)
     config, manifests, verify = run_family(
         model, family, tmp_path_factory.mktemp(f"family-{family.name}"), **SMALL_IMATRIX
     )
@@ -564,3 +562,30 @@ def test_gguf_name_makes_llama_cpp_strip_after_special_tokens_as_hf_does(family_
     from loraship.stages.convert import llama_cpp_name
 
     assert llama_cpp_name(name, AutoTokenizer.from_pretrained(family_folders[family])) == served
+
+
+def test_a_cached_family_model_is_rebuilt_when_its_recipe_changes(tmp_path, monkeypatch):
+    """The cached folders under .loraship/models are keyed by their recipe: the same one is reused, and other
+    pre-training steps, another model config or a folder of an older build are built again."""
+    import dataclasses
+
+    from loraship.fixtures import family_models
+
+    built = []
+    monkeypatch.setattr(family_models, "build_family", lambda name, out, seed: built.append(name) or out)
+    folder = tmp_path / "family-qwen3"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    current = family_models.recipe("qwen3")
+    for log, rebuilt in (
+        ({"recipe": current}, False),
+        ({"recipe": family_models.recipe("qwen3", steps=family_models.PRETRAIN_STEPS + 1)}, True),
+        ({"build_version": family_models.BUILD_VERSION, "seed": 1234, "family": "qwen3"}, True),  # no recipe
+    ):
+        (folder / "pretrain_log.json").write_text(json.dumps(log))
+        built.clear()
+        family_models.ensure_family("qwen3", folder)
+        assert built == (["qwen3"] if rebuilt else []), log
+    wider = dataclasses.replace(FAMILIES["qwen3"], config={**FAMILIES["qwen3"].config, "intermediate_size": 1024})
+    monkeypatch.setitem(family_models.FAMILIES, "qwen3", wider)
+    assert family_models.recipe("qwen3") != current

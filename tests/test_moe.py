@@ -16,7 +16,7 @@ from loraship.config import parse_config
 from loraship.errors import LorashipError
 from loraship.fixtures.families import FAMILIES
 from loraship.runtime.stage import stage_dir
-from tests.conftest import REPO, SMALL_IMATRIX, demo_config_dict
+from tests.conftest import REPO, SMALL_IMATRIX, demo_config_dict, family_model
 
 MOE = "qwen3-moe"
 QWEN3_30B_A3B = REPO / "examples" / "models" / "qwen3-30b-a3b"
@@ -24,11 +24,7 @@ QWEN3_30B_A3B = REPO / "examples" / "models" / "qwen3-30b-a3b"
 
 @pytest.fixture(scope="module")
 def moe_model() -> Path:
-    from loraship.fixtures.families import ensure_family
-    from tests.conftest import cache_lock
-
-    with cache_lock(REPO / ".loraship" / "models" / f"family-{MOE}") as folder:
-        return ensure_family(MOE, folder)
+    return family_model(MOE)
 
 
 @pytest.fixture(scope="module")

@@ -197,12 +197,11 @@ def test_a_qwen3_model_trains_on_multi_turn_rows(tmp_path):
     import loraship.stages.train as train
     from loraship.config import parse_config
     from loraship.data import encoded_splits
-    from loraship.fixtures.families import ensure_family
     from loraship.runtime.stage import stage_dir
     from loraship.training.model_loading import load_tokenizer
-    from tests.conftest import REPO, demo_config_dict
+    from tests.conftest import REPO, demo_config_dict, family_model
 
-    model = ensure_family("qwen3", REPO / ".loraship" / "models" / "family-qwen3")
+    model = family_model("qwen3")
     for split, n in (("train", 24), ("eval", 4)):
         rows = multi_turn_rows(REPO / "data" / "demo" / f"{split}.jsonl", n)
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -239,11 +238,10 @@ def test_a_row_the_template_cannot_split_stops_the_plan_naming_it(tmp_path):
     last turn carries reasoning under `thinking: false` stops `loraship plan`, naming the dataset and the row."""
     from loraship.config import parse_config
     from loraship.errors import ConfigError
-    from loraship.fixtures.families import ensure_family
     from loraship.planning.preflight import check_inputs
-    from tests.conftest import REPO, demo_config_dict
+    from tests.conftest import REPO, demo_config_dict, family_model
 
-    model = ensure_family("qwen3", REPO / ".loraship" / "models" / "family-qwen3")
+    model = family_model("qwen3")
     rows = multi_turn_rows(REPO / "data" / "demo" / "train.jsonl", 24)
     rows[4]["messages"][-1] = with_reasoning(rows[4]["messages"][-1], "content")
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
