@@ -278,9 +278,9 @@ def test_a_failed_quantization_names_its_way_out(real_run):
 
 
 # -- plan-time facts of every family, without weights -------------------------------------------------
-def _built_version(marker: Path) -> int | None:
+def _recipe_of(marker: Path) -> str | None:
     try:
-        return json.loads(marker.read_text())["build_version"]
+        return json.loads(marker.read_text())["recipe"]
     except (OSError, ValueError, KeyError):
         return None
 
@@ -289,25 +289,25 @@ def _built_version(marker: Path) -> int | None:
 def family_folders():
     """Each family's tokenizer files and config.json: the cached model folder where a pipeline run built it (the same
     files, beside weights these tests do not read), else a folder without weights, written once and cached under
-    .loraship/models as the models are: the same BUILD_VERSION writes the same files, and building the eleven
-    tokenizers from their packages took 32-33 s of every run (bench/results/ci_time.json, session_36)."""
-    from loraship.fixtures.families import BUILD_VERSION, write_folder_without_weights
+    .loraship/models as the models are, keyed by the same recipe (its config and tokenizer sources among it); building
+    the eleven tokenizers from their packages took 32-33 s of every run (bench/results/ci_time.json, session_36)."""
+    from loraship.fixtures.family_models import recipe, write_folder_without_weights
     from loraship.runtime.manifest import atomic_path
     from tests.conftest import cache_lock
 
     folders = {}
     for name in sorted(FAMILIES):
         built = REPO / ".loraship" / "models" / f"family-{name}"
-        if _built_version(built / "pretrain_log.json") == BUILD_VERSION:
+        if _recipe_of(built / "pretrain_log.json") == recipe(name):
             folders[name] = built
             continue
         with cache_lock(REPO / ".loraship" / "models" / "family-tokenizers" / name) as cached:
             marker = cached / "loraship_weightless.json"
-            if _built_version(marker) != BUILD_VERSION:
+            if _recipe_of(marker) != recipe(name):
                 with atomic_path(cached) as folder:
                     folder.mkdir(parents=True)
                     write_folder_without_weights(name, folder)
-                    (folder / marker.name).write_text(json.dumps({"build_version": BUILD_VERSION}))
+                    (folder / marker.name).write_text(json.dumps({"recipe": recipe(name)}))
         folders[name] = cached
     return folders
 
