@@ -34,8 +34,8 @@ def _moe_config(tmp_path, **over):
     return Config.model_validate({**data, **over})
 
 
-def test_the_plan_counts_8bit_moments_at_about_a_quarter_of_adamw():
-    from loraship.planning.estimate import estimate
+def _moe_every_layer_checkpointed():
+    """Qwen3-30B-A3B's shape and QLoRA at micro-batch 1 with every layer checkpointed."""
     from loraship.planning.shape import shape_from_config
     from loraship.planning.strategy_record import Strategy
 
@@ -48,6 +48,13 @@ def test_the_plan_counts_8bit_moments_at_about_a_quarter_of_adamw():
         gradient_checkpointing=True,
         checkpointed_layers=s.L,
     )
+    return s, st
+
+
+def test_the_plan_counts_8bit_moments_at_about_a_quarter_of_adamw():
+    from loraship.planning.estimate import estimate
+
+    s, st = _moe_every_layer_checkpointed()
     est = {o: estimate(s, _moe_config(ROOT, optimizer=o), st) for o in ("adamw", "adamw_8bit")}
     params = est["adamw"]["lora_params"]
     assert params > 5e8  # Qwen3-30B-A3B's expert LoRA at r16 is about 0.6B parameters
@@ -61,18 +68,8 @@ def test_the_plan_counts_8bit_moments_at_about_a_quarter_of_adamw():
 
 def test_fsdp2_is_not_offered_with_the_8bit_optimizer():
     from loraship.planning.multi_gpu import options_for
-    from loraship.planning.shape import shape_from_config
-    from loraship.planning.strategy_record import Strategy
 
-    s = shape_from_config(json.loads((QWEN3_MOE / "config.json").read_text()))
-    st = Strategy(
-        adapter="qlora",
-        micro_batch_size=1,
-        gradient_accumulation_steps=1,
-        fused_loss=True,
-        gradient_checkpointing=True,
-        checkpointed_layers=s.L,
-    )
+    s, st = _moe_every_layer_checkpointed()
     fsdp = [o for o in options_for(s, _moe_config(ROOT, optimizer="adamw_8bit"), st, [1, 2]) if o["engine"] == "fsdp2"]
     assert fsdp and not fsdp[0]["fits"] and "optimizer: adamw" in fsdp[0]["why"]
 
